@@ -1,0 +1,121 @@
+"""Argument validation shared by every stage.
+
+Every public function of :mod:`dcp_ref` validates its inputs with these helpers so that bad
+input fails loudly with a ``ValueError``/``TypeError`` that *names the argument* and says what
+was expected, instead of returning a silently wrong answer or indexing out of bounds.
+
+Checks that need a tensor's *values* (e.g. "non-negative") read them back to the host. That is
+fine for the reference implementation; the GPU kernels in :mod:`dcp_ref.kernels` validate only
+shapes/dtypes/devices on their hot path so that they stay free of host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+INT_DTYPES = (torch.int32, torch.int64)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_int_scalar(value: object, name: str, *, min_value: int | None = None) -> int:
+    """Return ``value`` as a Python int, or raise naming ``name``.
+
+    ``bool`` is rejected on purpose: ``True`` as a world size is always a bug.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        # Accept 0-d integer tensors too (e.g. a rank read from a tensor).
+        if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype in INT_DTYPES:
+            value = int(value.item())
+        else:
+            raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if min_value is not None and value < min_value:
+        raise ValueError(f"{name} must be >= {min_value}, got {value}")
+    return value
+
+
+def check_world(world_size: object, rank: object = None, interleave: object = 1) -> tuple[int, int | None, int]:
+    """Validate the DCP geometry: ``world_size >= 1``, ``0 <= rank < world_size``, ``interleave >= 1``."""
+    w = check_int_scalar(world_size, "world_size", min_value=1)
+    i = check_int_scalar(interleave, "interleave", min_value=1)
+    r = None
+    if rank is not None:
+        r = check_int_scalar(rank, "rank")
+        if not 0 <= r < w:
+            raise ValueError(f"rank must satisfy 0 <= rank < world_size={w}, got {r}")
+    return w, r, i
+
+
+def as_int_tensor(value: object, name: str, *, allow_scalar: bool = True) -> torch.Tensor:
+    """Convert ints / lists of ints / integer tensors to an integer tensor.
+
+    Integer tensors (int32/int64) pass through unchanged (device and dtype kept). Python ints and
+    (nested) lists of ints become int64 CPU tensors. Anything else is a ``TypeError`` naming
+    ``name``.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in INT_DTYPES:
+            raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {value.dtype}")
+        return value
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or an integer tensor, got bool")
+    if isinstance(value, int):
+        if not allow_scalar:
+            raise TypeError(f"{name} must be a tensor or a list of ints, got int")
+        return torch.tensor(value, dtype=torch.int64)
+    if isinstance(value, (list, tuple)):
+        flat = list(_flatten(value))
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+            raise TypeError(f"{name} must contain only ints")
+        return torch.tensor(value, dtype=torch.int64)
+    raise TypeError(f"{name} must be an int, a list of ints or an int32/int64 tensor, got {type(value).__name__}")
+
+
+def _flatten(seq: Iterable) -> Iterable:
+    for v in seq:
+        if isinstance(v, (list, tuple)):
+            yield from _flatten(v)
+        else:
+            yield v
+
+
+def check_non_negative(t: torch.Tensor, name: str) -> None:
+    """Raise ``ValueError`` if any element of ``t`` is negative (reads values back to the host)."""
+    if t.numel() and bool((t < 0).any()):
+        bad = int(t.min())
+        raise ValueError(f"{name} must be non-negative, found {bad}")
+
+
+def check_tensor(
+    t: object,
+    name: str,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndim: int | Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Check that ``t`` is a tensor with an allowed dtype / rank / device; return it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None:
+        allowed_nd = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.ndim not in allowed_nd:
+            raise ValueError(f"{name} must be {' or '.join(f'{n}-D' for n in allowed_nd)}, got shape {tuple(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on device {torch.device(device)}, got {t.device}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """All given tensors must live on one device; return it."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    for name, d in devices.items():
+        if d != first:
+            listing = ", ".join(f"{n}={v}" for n, v in devices.items())
+            raise ValueError(f"tensors must be on one device, got {listing}")
+    return first

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# dcp-ref developer entry point. Creates/reuses ./.venv, installs the project, then:
+#   ./dev.sh lab     open the tutorial (JupyterLab on notebooks/00_overview.ipynb)
+#   ./dev.sh test    run every test: pytest (unit + property + Triton-interpreter + CuTeDSL
+#                    compile tests) and nbval over every notebook; GPU tests are skipped
+#                    without CUDA (run them on a GPU with: ./dev.sh test -m gpu)
+# Extra arguments after `test` go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${DCP_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+  fi
+  local vpy="$VENV/bin/python"
+  local stamp="$VENV/.dcp-ref-installed"
+  local want; want=$(cat pyproject.toml | md5sum | cut -c1-12)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    "$vpy" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    # torch first and pinned when nothing is installed yet: an unpinned torch pulls the multi-GB
+    # CUDA build on machines that only need the CPU (override with TORCH_SPEC=...).
+    if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
+      "$vpy" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+    fi
+    "$vpy" -m pip install -q -e ".[test,lab,cute]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd=${1:-help}; shift || true
+case "$cmd" in
+  lab)
+    setup
+    exec "$VENV/bin/jupyter" lab notebooks/00_overview.ipynb "$@" ;;
+  test)
+    setup
+    export PYTHONHASHSEED=0 MPLBACKEND=Agg
+    exec "$VENV/bin/python" -m pytest -n "${DCP_TEST_WORKERS:-2}" --dist loadfile \
+      --nbval --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg "$@" ;;
+  *)
+    sed -n '2,8p' "$0"; exit 2 ;;
+esac
