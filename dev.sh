@@ -24,7 +24,7 @@ setup() {
     if ! "$vpy" -c "import torch" >/dev/null 2>&1; then
       "$vpy" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
     fi
-    "$vpy" -m pip install -q -e ".[test,lab,cute]"
+    "$vpy" -m pip install -q -e ".[test,lab,cute,book]"
     echo "$want" > "$stamp"
   fi
 }

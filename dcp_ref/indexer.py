@@ -1,0 +1,51 @@
+"""Stage 2 — each rank's *local* top-K over the indexer scores of its own keys.
+
+DSA's lightning indexer scores every (query token, key) pair; under DCP a rank can only score the
+keys it stores, so it keeps its local top-``K`` and hands those candidates to the global
+selection (:mod:`dcp_ref.topk`). For the global selection to be exact, the local order must be the
+*same total order* restricted to this rank: score descending (as float32, ``-0.0 == +0.0``, NaN
+invalid), then lower index first. Local indices increase with global positions on one rank, so
+"lower local index" and "lower global id" agree — this module reuses
+:func:`dcp_ref.topk.stable_key` to make that true by construction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_non_negative, check_tensor
+from .topk import INVALID_KEY, stable_key
+
+__all__ = ["local_topk"]
+
+
+def local_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Stable top-``k`` local key indices of each row.
+
+    Args:
+        logits: float ``[rows, cols]`` — indexer scores of this rank's keys, column = local index.
+        k: how many to keep, ``k >= 1`` (more than the valid keys → ``-1`` padding).
+        lengths: optional int32/int64 ``[rows]``: only columns ``< lengths[r]`` are valid for row
+            ``r`` (the causal bound in local coordinates, e.g. from
+            :func:`dcp_ref.localize_decode_bounds`); ``0`` gives an all-``-1`` row.
+    Returns:
+        int64 ``[rows, k]`` local indices in selection order, ``-1`` padded.
+    """
+    check_tensor(logits, "logits", dtypes=FLOAT_DTYPES, ndim=2)
+    k = check_int_scalar(k, "k", min_value=1)
+    rows, cols = logits.shape
+    idx = torch.arange(cols, device=logits.device).expand(rows, cols)
+    if lengths is not None:
+        check_tensor(lengths, "lengths", dtypes=INT_DTYPES, ndim=1, device=logits.device)
+        if lengths.shape[0] != rows:
+            raise ValueError(f"lengths must have shape [{rows}] (one per logits row), got {tuple(lengths.shape)}")
+        check_non_negative(lengths, "lengths")
+        idx = torch.where(idx < lengths[:, None], idx, torch.full_like(idx, -1))
+    out = torch.full((rows, k), -1, dtype=torch.int64, device=logits.device)
+    kk = min(k, cols)
+    if kk == 0 or rows == 0:
+        return out
+    key = stable_key(logits, idx)
+    top, pos = torch.topk(key, kk, dim=1, largest=True, sorted=True)
+    out[:, :kk] = torch.where(top == INVALID_KEY, torch.full_like(pos, -1), pos)
+    return out
