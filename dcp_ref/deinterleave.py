@@ -1,0 +1,205 @@
+"""Stages 4a/4b — global token ids to this rank's physical KV slots, then compaction to the front.
+
+After the global top-K (stage 3) every rank holds, for each query token, the same ``K`` selected
+*global* token positions (``-1`` = no selection). Each rank must now find the ones it stores and
+where they live in its paged KV cache:
+
+    global id t ──owner──▶ rank (t // I) % W          (keep only t owned by this rank)
+                ──local──▶ l = (t // (W*I))*I + t % I  (index in this rank's local KV)
+                ──block──▶ b = block_table[req, l // block_size]
+                ──slot───▶ b * block_size + l % block_size
+
+Everything that is not a valid local slot becomes ``-1``. The sparse-attention kernel of the next
+stage reads only the first ``count`` entries of each row, so the valid slots are then *compacted*
+to the front of the row (``-1`` after them) and a per-row count is returned.
+
+Two compaction modes:
+
+* **ordered** — valid slots keep their top-K order (deterministic, what a stable partition gives).
+* **unordered** — only the *set* of valid slots and the count are defined; this is what a GPU
+  kernel with an atomic counter per row produces (tiles of a row race for their base offset).
+  The reference returns a canonical representative (valid slots sorted ascending) so that results
+  are easy to compare: compare a kernel's unordered output with :func:`canonicalize` first.
+
+This module is the oracle for ``dcp_ref.kernels.deinterleave_triton``: plain PyTorch, CPU-first,
+values validated on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import INT_DTYPES, check_int_scalar, check_tensor, check_world
+
+__all__ = [
+    "global_ids_to_local_slots",
+    "compact_to_front",
+    "deinterleave_and_compact",
+    "canonicalize",
+]
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_block_geometry(block_size: object, interleave: int) -> int:
+    bs = check_int_scalar(block_size, "block_size", min_value=1)
+    if bs % interleave:
+        # vLLM's DCP layout keeps each rank's interleave stripe inside one KV block; a stripe that
+        # straddles blocks is a configuration error, not something to silently support.
+        raise ValueError(
+            f"block_size must be a multiple of interleave (block_size % interleave == 0), "
+            f"got block_size={bs}, interleave={interleave}"
+        )
+    return bs
+
+
+def global_ids_to_local_slots(
+    token_ids: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+) -> torch.Tensor:
+    """Map selected global token ids to this rank's physical KV slots (``-1`` when not here).
+
+    Args:
+        token_ids: int32/int64 ``[T, K]``: row ``i`` holds the global positions selected for query
+            token ``i``; any negative value (conventionally ``-1``) means "no selection".
+        req_of_token: int32/int64 ``[T]``: the request (row of ``block_table``) of each query
+            token, values in ``[0, B)``; ``None`` means token ``i`` belongs to request ``i``
+            (requires ``T <= B``).
+        block_table: int32/int64 ``[B, M]``: physical block ids of each request's *local* KV
+            (block ``j`` holds local indices ``[j*block_size, (j+1)*block_size)``). A negative
+            entry means "no block" and maps to ``-1``.
+        block_size: tokens per KV block, ``>= 1`` and a multiple of ``interleave``.
+        world_size, rank, interleave: the DCP geometry (``W >= 1``, ``0 <= rank < W``, ``I >= 1``).
+    Returns:
+        int32 ``[T, K]`` on the device of ``token_ids``: the physical slot
+        ``block*block_size + local % block_size``, or ``-1`` where the id is negative, owned by
+        another rank, or its block index ``local // block_size`` is ``>= M``. Entries keep their
+        positions (no compaction).
+    Raises:
+        TypeError / ValueError naming the argument: wrong dtype, rank, shape, device, request
+        ids out of range, ``block_size % interleave != 0``, or a slot that does not fit int32.
+    """
+    w, r, i = check_world(world_size, rank, interleave)
+    bs = _check_block_geometry(block_size, i)
+    check_tensor(token_ids, "token_ids", dtypes=INT_DTYPES, ndim=2)
+    check_tensor(block_table, "block_table", dtypes=INT_DTYPES, ndim=2, device=token_ids.device)
+    t_rows = token_ids.shape[0]
+    n_req, n_blocks = block_table.shape
+    if req_of_token is None:
+        if t_rows > n_req:
+            raise ValueError(
+                f"req_of_token=None needs one block_table row per token: token_ids has {t_rows} rows, "
+                f"block_table has {n_req}"
+            )
+        req = torch.arange(t_rows, device=token_ids.device, dtype=torch.int64)
+    else:
+        check_tensor(req_of_token, "req_of_token", dtypes=INT_DTYPES, ndim=1, device=token_ids.device)
+        if req_of_token.shape[0] != t_rows:
+            raise ValueError(
+                f"req_of_token must have shape [T]=[{t_rows}] (one entry per row of token_ids), "
+                f"got {tuple(req_of_token.shape)}"
+            )
+        req = req_of_token.long()
+        if req.numel() and bool(((req < 0) | (req >= n_req)).any()):
+            raise ValueError(
+                f"req_of_token values must be in [0, {n_req}) (rows of block_table), "
+                f"got min {int(req.min())}, max {int(req.max())}"
+            )
+
+    t = token_ids.long()
+    tc = t.clamp(min=0)  # keep the arithmetic on non-negative ids; negatives are masked below
+    owner = (tc // i) % w
+    local = (tc // (w * i)) * i + tc % i
+    blk_idx = local // bs
+    valid = (t >= 0) & (owner == r) & (blk_idx < n_blocks)
+    # Gather block ids only where the index is in range (clamped elsewhere, then masked out).
+    safe_idx = torch.where(valid, blk_idx, torch.zeros_like(blk_idx))
+    rows = req.unsqueeze(1).expand_as(safe_idx)
+    blocks = block_table.long()[rows, safe_idx] if t.numel() else torch.zeros_like(t)
+    valid &= blocks >= 0
+    slots = torch.where(valid, blocks * bs + local % bs, torch.full_like(t, -1))
+    if slots.numel() and int(slots.max()) > _INT32_MAX:
+        raise ValueError(
+            f"block_table holds a block id whose slots exceed int32 (max slot {int(slots.max())}); "
+            f"block ids must be < {(_INT32_MAX + 1) // bs} for block_size={bs}"
+        )
+    return slots.to(torch.int32)
+
+
+def compact_to_front(slots: torch.Tensor, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move each row's valid (``>= 0``) entries to the front, ``-1`` after them; count them.
+
+    Args:
+        slots: int32/int64 ``[T, K]``; negative entries are "invalid".
+        ordered: ``True`` — valid entries keep their order (a stable partition). ``False`` — the
+            order of the valid entries is unspecified (what atomics give); this reference returns
+            them sorted ascending, the canonical form that :func:`canonicalize` produces.
+    Returns:
+        ``(compacted, counts)``: int32 ``[T, K]`` and int32 ``[T]`` on the device of ``slots``.
+        ``compacted[i, :counts[i]]`` are row ``i``'s valid entries, ``compacted[i, counts[i]:]``
+        are ``-1``. No entry is dropped or duplicated.
+    """
+    check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
+    if not isinstance(ordered, bool):
+        raise TypeError(f"ordered must be a bool, got {type(ordered).__name__}")
+    s = slots.long()
+    valid = s >= 0
+    counts = valid.sum(dim=1)
+    if ordered:
+        # Stable sort on "is invalid" (0 before 1) keeps valid entries in their original order.
+        key = (~valid).to(torch.int8)
+        order = torch.sort(key, dim=1, stable=True).indices
+        out = torch.gather(s, 1, order)
+    else:
+        # Canonical representative of the set: valid ascending; -1 sorted last via a large key.
+        big = torch.iinfo(torch.int64).max
+        out = torch.sort(torch.where(valid, s, torch.full_like(s, big)), dim=1).values
+    out = torch.where(torch.arange(s.shape[1], device=s.device) < counts.unsqueeze(1), out, torch.full_like(out, -1))
+    return out.to(torch.int32), counts.to(torch.int32)
+
+
+def deinterleave_and_compact(
+    token_ids: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+    ordered: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stages 4a+4b in one call: :func:`global_ids_to_local_slots` then :func:`compact_to_front`.
+
+    Returns ``(slots, counts)``: int32 ``[T, K]`` (valid slots first, ``-1`` after) and int32
+    ``[T]`` — the contract the sparse-attention stage consumes. Arguments as in the two functions.
+    """
+    slots = global_ids_to_local_slots(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave)
+    return compact_to_front(slots, ordered=ordered)
+
+
+def canonicalize(slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Canonical form of an *unordered* compaction: each row's first ``counts[i]`` entries sorted
+    ascending, the rest ``-1`` (whatever they held).
+
+    Two unordered compactions of the same input are equal as sets iff their canonical forms are
+    equal. ``slots``: int ``[T, K]``; ``counts``: int ``[T]`` with ``0 <= counts <= K``.
+    Returns int32 ``[T, K]``.
+    """
+    check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
+    check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=slots.device)
+    if counts.shape[0] != slots.shape[0]:
+        raise ValueError(f"counts must have shape [{slots.shape[0]}], got {tuple(counts.shape)}")
+    c = counts.long()
+    k = slots.shape[1]
+    if c.numel() and bool(((c < 0) | (c > k)).any()):
+        raise ValueError(f"counts values must be in [0, {k}], got min {int(c.min())}, max {int(c.max())}")
+    head = torch.arange(k, device=slots.device) < c.unsqueeze(1)
+    big = torch.iinfo(torch.int64).max
+    keyed = torch.where(head, slots.long(), torch.full_like(slots, big, dtype=torch.int64))
+    out = torch.sort(keyed, dim=1).values
+    return torch.where(head, out, torch.full_like(out, -1)).to(torch.int32)

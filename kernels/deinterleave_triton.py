@@ -1,0 +1,481 @@
+"""Triton kernels for stages 4a/4b: global token ids → this rank's physical KV slots, compacted.
+
+Reference (the oracle): :mod:`dcp_ref.deinterleave`. One query token's row of ``K`` selected
+global ids becomes a row of physical slots with the valid ones first, ``-1`` after, plus a count.
+
+Three compaction strategies (all fuse the conversion, all one row per ``program_id(0)``):
+
+``"atomic"`` (unordered) — grid ``(T, cdiv(K, BLOCK))``. Every tile converts its ids, counts its
+    valid and invalid entries and reserves room with **one** 64-bit ``atomic_add`` on a per-row
+    word packing three counters (valid so far | invalid so far | tiles done). Valid slots go to
+    ``base_valid + exclusive prefix`` from the front, ``-1`` go to the mirrored place from the
+    back, so every output entry is written exactly once: no ``-1`` pre-fill pass. The tile that
+    arrives last (``tiles done == n_tiles - 1``) writes the row count and resets the word to 0,
+    so the workspace is zero again for the next launch: no zeroing pass either. One launch.
+    Order across tiles is whatever order tiles reach the atomic — unspecified on a GPU.
+``"rowscan"`` (ordered) — grid ``(T,)``. One program walks its row tile by tile, carrying the
+    running valid / invalid counts: a row-wide prefix scan, deterministic, any ``K``.
+``"twopass"`` (ordered) — grid ``(T, n_tiles)`` twice: pass 1 stores each tile's valid count,
+    pass 2 re-converts and writes at the exclusive prefix of the tile counts. Deterministic,
+    more parallel for few rows, but two launches and the conversion done twice.
+
+Measured on the H200 (``benchmarks/results/deinterleave.md``, K = 2048): ``rowscan`` is within
+0.5 µs of ``atomic`` at 32 rows and 3-5 % faster at 1024-4096 rows, and 13-19 % faster than
+``twopass`` at 1024-4096 rows, so it is the default for ordered *and* unordered calls.
+
+The DCP geometry (``DCP_SIZE``, ``DCP_RANK``, ``DCP_INTERLEAVE``) and the KV block size are
+compile-time constants, so the divisions become shifts/multiplies (``W = 1`` compiles to the
+plain conversion). ``token_ids`` / ``block_table`` may have any strides. Wrappers accept
+caller-provided ``out`` / ``counts`` / ``workspace`` buffers: with them the GPU path allocates
+nothing and never synchronises with the host, so it can be captured in a CUDA graph.
+
+Hot-path validation is shapes / dtypes / devices only (no value reads). Values are made
+memory-safe instead: a request id outside ``[0, B)`` gives an all-``-1`` row, a block index
+``>= M`` or a negative block id gives ``-1`` — the same answers as the reference for the
+latter two (the reference raises for bad request ids). Slots are computed in int32: the caller
+guarantees ``num_blocks * block_size < 2**31`` (the reference checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dcp_ref._checks import check_int_scalar, check_tensor, check_world
+
+__all__ = [
+    "deinterleave_compact",
+    "global_ids_to_local_slots_triton",
+    "workspace_numel",
+    "METHODS",
+    "DEFAULT_ORDERED_METHOD",
+    "DEFAULT_UNORDERED_METHOD",
+    "deinterleave_kernel",
+    "rowscan_kernel",
+    "twopass_count_kernel",
+    "twopass_scatter_kernel",
+]
+
+METHODS = ("atomic", "rowscan", "twopass")
+# Chosen from benchmarks/results/deinterleave.json (H200, K = 2048): the row-wide scan beat the
+# two-pass scan on every shape (e.g. 34-37 vs 39-43 µs at 4096 rows, CUDA-graph medians), and it
+# was as fast as the atomic kernel (within noise at 32 and 4096 rows, ~12 % faster at 1024) — so
+# it is the default for unordered calls too: determinism costs nothing here. method="atomic"
+# stays available (and is the only choice that parallelises one long row over many programs).
+DEFAULT_ORDERED_METHOD = "rowscan"
+DEFAULT_UNORDERED_METHOD = "rowscan"
+
+# Field widths of the packed per-row counter of the atomic kernel (valid | invalid | tiles).
+_FIELD_BITS = 21
+_MAX_K_ATOMIC = (1 << _FIELD_BITS) - 1
+
+
+@triton.jit
+def _convert_tile(
+    ids_row_ptr, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+):
+    """Slots and validity of ids ``offs`` of one row (masked tail → invalid)."""
+    in_row = offs < K
+    t = tl.load(ids_row_ptr + offs * stride_ik, mask=in_row, other=-1)
+    # Do the arithmetic on clamped ids: negative ids are masked out below, and C-style division
+    # of a negative id would otherwise produce a plausible-looking rank / local index.
+    tc = tl.maximum(t, 0)
+    if DCP_SIZE == 1:
+        owned = t >= 0
+        local = tc
+    else:
+        owned = (t >= 0) & (((tc // DCP_INTERLEAVE) % DCP_SIZE) == DCP_RANK)
+        local = (tc // (DCP_SIZE * DCP_INTERLEAVE)) * DCP_INTERLEAVE + tc % DCP_INTERLEAVE
+    blk_idx = local // KV_BLOCK
+    # Ids beyond the block table (or of a bad request) are invalid, never read out of bounds.
+    # A bad request id is folded into the bound (0 usable blocks) rather than and-ed in as a
+    # scalar bool: one vector compare, and the interpreter rejects broadcast scalar-bool masks.
+    valid = owned & (blk_idx < tl.where(req_ok, n_blocks, 0))
+    blk = tl.load(bt_row_ptr + blk_idx * stride_btc, mask=valid, other=-1)
+    valid = valid & (blk >= 0)
+    slot = blk * KV_BLOCK + local % KV_BLOCK
+    return slot, valid
+
+
+@triton.jit
+def _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ: tl.constexpr):
+    """The block-table row of query token ``row`` and whether its request id is in range."""
+    if HAS_REQ:
+        req = tl.load(req_ptr + row)
+    else:
+        req = row
+    req_ok = (req >= 0) & (req < n_reqs)
+    req_safe = tl.where(req_ok, req, 0)
+    return bt_ptr + req_safe.to(tl.int64) * stride_btr, req_ok
+
+
+@triton.jit
+def deinterleave_kernel(
+    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr, ws_ptr,
+    K, n_reqs, n_blocks,
+    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
+    HAS_REQ: tl.constexpr,
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    COMPACT_TO_FRONT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid ``(T, cdiv(K, BLOCK))``. Convert one tile; with ``COMPACT_TO_FRONT`` compact it with
+    the packed atomic counter ``ws_ptr[row]`` (int64, zero on entry, zero again on exit)."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    bt_row_ptr, req_ok = _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    slot, valid = _convert_tile(
+        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+    )
+    in_row = offs < K
+    out_row_ptr = out_ptr + row64 * stride_or
+    if COMPACT_TO_FRONT:
+        v = valid.to(tl.int32)
+        inv = (in_row & (valid == 0)).to(tl.int32)
+        n_valid = tl.sum(v, axis=0)
+        n_inv = tl.sum(inv, axis=0)
+        # One atomic per tile reserves both its front (valid) and back (-1) ranges and takes a
+        # ticket: fields are 21 bits wide (K < 2**21 is checked by the wrapper).
+        packed = (1 << 42) + (n_inv.to(tl.int64) << 21) + n_valid.to(tl.int64)
+        old = tl.atomic_add(ws_ptr + row64, packed)
+        base_v = (old & 0x1FFFFF).to(tl.int32)
+        base_i = ((old >> 21) & 0x1FFFFF).to(tl.int32)
+        done = (old >> 42).to(tl.int32)
+        # Front: base + exclusive prefix of valid. Back: mirrored, so each entry is written once.
+        pos_v = base_v + tl.cumsum(v, axis=0) - v
+        pos_i = K - 1 - (base_i + tl.cumsum(inv, axis=0) - inv)
+        dest = tl.where(valid, pos_v, pos_i)
+        # A workspace that was not zero on entry (caller bug) would push `dest` out of the row:
+        # keep such writes in bounds; the counts then come out wrong, memory stays intact.
+        tl.store(out_row_ptr + dest * stride_ok, tl.where(valid, slot, -1), mask=in_row & (dest >= 0) & (dest < K))
+        if done == tl.num_programs(1) - 1:
+            # Last tile of this row: every other tile's atomic is already in `old`.
+            tl.store(counts_ptr + row, base_v + n_valid)
+            tl.atomic_xchg(ws_ptr + row64, 0)  # leave the workspace zeroed for the next launch
+    else:
+        tl.store(out_row_ptr + offs * stride_ok, tl.where(valid, slot, -1), mask=in_row)
+
+
+@triton.jit
+def rowscan_kernel(
+    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr,
+    K, n_reqs, n_blocks,
+    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
+    HAS_REQ: tl.constexpr,
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grid ``(T,)``: ordered compaction of one row by a sequential scan over its tiles."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    bt_row_ptr, req_ok = _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
+    ids_row_ptr = ids_ptr + row64 * stride_ir
+    out_row_ptr = out_ptr + row64 * stride_or
+    carry_v = tl.sum(tl.zeros((BLOCK,), dtype=tl.int32), axis=0)  # int32 scalar 0 (loop-carried)
+    carry_i = carry_v
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        slot, valid = _convert_tile(
+            ids_row_ptr, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+            DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+        )
+        in_row = offs < K
+        v = valid.to(tl.int32)
+        inv = (in_row & (valid == 0)).to(tl.int32)
+        pos_v = carry_v + tl.cumsum(v, axis=0) - v
+        pos_i = K - 1 - (carry_i + tl.cumsum(inv, axis=0) - inv)
+        dest = tl.where(valid, pos_v, pos_i)
+        tl.store(out_row_ptr + dest * stride_ok, tl.where(valid, slot, -1), mask=in_row)
+        carry_v += tl.sum(v, axis=0)
+        carry_i += tl.sum(inv, axis=0)
+    tl.store(counts_ptr + row, carry_v)
+
+
+@triton.jit
+def twopass_count_kernel(
+    ids_ptr, req_ptr, bt_ptr, ws_ptr,
+    K, n_reqs, n_blocks, n_tiles,
+    stride_ir, stride_ik, stride_btr, stride_btc,
+    HAS_REQ: tl.constexpr,
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Pass 1, grid ``(T, n_tiles)``: ``ws[row * n_tiles + tile]`` = valid entries of the tile."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    bt_row_ptr, req_ok = _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    slot, valid = _convert_tile(
+        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+    )
+    tl.store(ws_ptr + row64 * n_tiles + tile, tl.sum(valid.to(tl.int32), axis=0).to(tl.int64))
+
+
+@triton.jit
+def twopass_scatter_kernel(
+    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr, ws_ptr,
+    K, n_reqs, n_blocks, n_tiles,
+    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
+    HAS_REQ: tl.constexpr,
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, TILES_POW2: tl.constexpr,
+):
+    """Pass 2, grid ``(T, n_tiles)``: exclusive prefix of the tile counts, then the ordered write."""
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    t_idx = tl.arange(0, TILES_POW2)
+    tile_counts = tl.load(ws_ptr + row64 * n_tiles + t_idx, mask=t_idx < n_tiles, other=0).to(tl.int32)
+    base_v = tl.sum(tl.where(t_idx < tile, tile_counts, 0), axis=0)
+    base_i = tile * BLOCK - base_v  # every earlier tile is full (BLOCK entries)
+    bt_row_ptr, req_ok = _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
+    offs = tile * BLOCK + tl.arange(0, BLOCK)
+    slot, valid = _convert_tile(
+        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+    )
+    in_row = offs < K
+    v = valid.to(tl.int32)
+    inv = (in_row & (valid == 0)).to(tl.int32)
+    pos_v = base_v + tl.cumsum(v, axis=0) - v
+    pos_i = K - 1 - (base_i + tl.cumsum(inv, axis=0) - inv)
+    dest = tl.where(valid, pos_v, pos_i)
+    tl.store(out_ptr + row64 * stride_or + dest * stride_ok, tl.where(valid, slot, -1), mask=in_row)
+    if tile == 0:
+        tl.store(counts_ptr + row, tl.sum(tile_counts, axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+# ----------------------------------------------------------------------------------------------
+
+def _cdiv(a: int, b: int) -> int:
+    # Plain Python on purpose: triton.cdiv / next_power_of_2 are JIT-aware wrappers that cost
+    # microseconds per call on the host, and this wrapper sits on the decode hot path.
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _default_config(method: str, rows: int, k: int) -> tuple[int, int]:
+    """(tile width, num_warps) measured best on the H200 for K = 2048
+    (benchmarks/results/deinterleave.json, CUDA-graph medians).
+
+    ``rowscan`` has one program per row, so few rows want wide tiles and more warps (latency),
+    many rows narrower tiles (more rows resident per SM). Tiles never exceed the row's width.
+    """
+    if method == "rowscan":
+        block, warps = (2048, 8) if rows <= 128 else (512, 4) if rows <= 2048 else (1024, 4)
+    else:  # atomic and twopass: 512-wide tiles, 4 warps, were best or within 3 % on every shape
+        block, warps = 512, 4
+    return max(16, min(block, _next_pow2(max(k, 1)))), warps
+
+
+def _default_block(method: str, k: int, rows: int = 1) -> int:
+    return _default_config(method, rows, k)[0]
+
+
+def workspace_numel(method: str, rows: int, k: int, block: int | None = None) -> int:
+    """int64 elements of ``workspace`` that ``method`` needs for ``rows`` rows of width ``k``.
+
+    ``"atomic"``: ``rows`` (must be zero before the first launch; each launch leaves it zero).
+    ``"twopass"``: ``rows * cdiv(k, block)`` (any contents). ``"rowscan"``: 0.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "rowscan":
+        return 0
+    if method == "atomic":
+        return rows
+    b = block or _default_block(method, k, rows)
+    return rows * _cdiv(max(k, 1), b)
+
+
+def _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave):
+    w, r, i = check_world(world_size, rank, interleave)
+    if r is None:
+        raise ValueError("rank must be an int")
+    bs = check_int_scalar(block_size, "block_size", min_value=1)
+    if bs % i:
+        raise ValueError(
+            f"block_size must be a multiple of interleave (block_size % interleave == 0), "
+            f"got block_size={bs}, interleave={i}"
+        )
+    check_tensor(token_ids, "token_ids", dtypes=(torch.int32,), ndim=2)
+    dev = token_ids.device
+    if dev.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"token_ids must be on a CUDA device (or set TRITON_INTERPRET=1 before importing this "
+            f"module to run on the CPU), got {dev}"
+        )
+    check_tensor(block_table, "block_table", dtypes=(torch.int32,), ndim=2, device=dev)
+    if req_of_token is not None:
+        check_tensor(req_of_token, "req_of_token", dtypes=(torch.int32,), ndim=1, device=dev)
+        if req_of_token.shape[0] != token_ids.shape[0]:
+            raise ValueError(
+                f"req_of_token must have shape [T]=[{token_ids.shape[0]}], got {tuple(req_of_token.shape)}"
+            )
+    elif token_ids.shape[0] > block_table.shape[0]:
+        raise ValueError(
+            f"req_of_token=None needs one block_table row per token: token_ids has "
+            f"{token_ids.shape[0]} rows, block_table has {block_table.shape[0]}"
+        )
+    return w, r, i, bs, dev
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_out(buf, name, shape, dtype, dev):
+    check_tensor(buf, name, dtypes=(dtype,), ndim=len(shape), device=dev)
+    if tuple(buf.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(buf.shape)}")
+    return buf
+
+
+def global_ids_to_local_slots_triton(
+    token_ids: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+    *,
+    out: torch.Tensor | None = None,
+    block: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Conversion only (no compaction): int32 ``[T, K]`` slots, ``-1`` where not local.
+
+    Same contract as :func:`dcp_ref.deinterleave.global_ids_to_local_slots`; ``out`` (int32
+    ``[T, K]``) is written and returned when given.
+    """
+    w, r, i, bs, dev = _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave)
+    t_rows, k = token_ids.shape
+    out = torch.empty((t_rows, k), dtype=torch.int32, device=dev) if out is None else _check_out(out, "out", (t_rows, k), torch.int32, dev)
+    if t_rows == 0 or k == 0:
+        return out
+    b = block or _default_block("atomic", k, t_rows)
+    req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
+    deinterleave_kernel[(t_rows, _cdiv(k, b))](
+        token_ids, req, block_table, out, out, out,
+        k, block_table.shape[0], block_table.shape[1],
+        token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1),
+        out.stride(0), out.stride(1),
+        HAS_REQ=req_of_token is not None,
+        DCP_SIZE=w, DCP_RANK=r, DCP_INTERLEAVE=i, KV_BLOCK=bs,
+        COMPACT_TO_FRONT=False, BLOCK=b, num_warps=num_warps,
+    )
+    return out
+
+
+def deinterleave_compact(
+    token_ids: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+    *,
+    ordered: bool = True,
+    method: str | None = None,
+    out: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused conversion + compaction to the front (stages 4a+4b).
+
+    Args:
+        token_ids: int32 ``[T, K]`` selected global ids (``-1`` = none), any strides.
+        req_of_token: int32 ``[T]`` request of each row, or ``None`` (row ``i`` is request ``i``).
+        block_table: int32 ``[B, M]`` physical block ids of each request's local KV, any strides.
+        block_size, world_size, rank, interleave: as in the reference
+            (:func:`dcp_ref.deinterleave.deinterleave_and_compact`).
+        ordered: keep the valid slots in top-K order (deterministic). ``False`` allows the atomic
+            kernel, whose order of valid slots is unspecified (compare as sets).
+        method: ``"atomic"`` (unordered only), ``"rowscan"`` or ``"twopass"``; ``None`` picks
+            :data:`DEFAULT_ORDERED_METHOD` / :data:`DEFAULT_UNORDERED_METHOD`.
+        out: optional int32 ``[T, K]`` output (any strides). counts: optional int32 ``[T]``.
+        workspace: optional int64 1-D scratch of at least :func:`workspace_numel` elements. For
+            ``"atomic"`` it must hold zeros before its first use; every launch leaves it zeroed.
+            Pass all three buffers to make the call allocation-free (CUDA-graph capturable).
+        block, num_warps: tile width (power of two) and warps; the defaults (per method and row
+            count) are the H200 benchmark's best for K = 2048.
+    Returns:
+        ``(out, counts)``: int32 ``[T, K]`` with the valid slots in ``out[i, :counts[i]]`` and
+        ``-1`` after; int32 ``[T]``.
+    """
+    w, r, i, bs, dev = _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave)
+    if not isinstance(ordered, bool):
+        raise TypeError(f"ordered must be a bool, got {type(ordered).__name__}")
+    if method is None:
+        method = DEFAULT_ORDERED_METHOD if ordered else DEFAULT_UNORDERED_METHOD
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if ordered and method == "atomic":
+        raise ValueError("method='atomic' gives an unspecified order of valid slots: use ordered=False with it")
+    t_rows, k = token_ids.shape
+    if method == "atomic" and k > _MAX_K_ATOMIC:
+        raise ValueError(f"token_ids must have K <= {_MAX_K_ATOMIC} columns for method='atomic', got {k}")
+    def_block, def_warps = _default_config(method, t_rows, k)
+    b = def_block if block is None else check_int_scalar(block, "block", min_value=16)
+    if b & (b - 1):
+        raise ValueError(f"block must be a power of two, got {b}")
+    nw = def_warps if num_warps is None else check_int_scalar(num_warps, "num_warps", min_value=1)
+    out = torch.empty((t_rows, k), dtype=torch.int32, device=dev) if out is None else _check_out(out, "out", (t_rows, k), torch.int32, dev)
+    counts = torch.empty((t_rows,), dtype=torch.int32, device=dev) if counts is None else _check_out(counts, "counts", (t_rows,), torch.int32, dev)
+    need = workspace_numel(method, t_rows, k, b)
+    if workspace is None:
+        workspace = torch.zeros(max(need, 1), dtype=torch.int64, device=dev)
+    else:
+        check_tensor(workspace, "workspace", dtypes=(torch.int64,), ndim=1, device=dev)
+        if workspace.numel() < need:
+            raise ValueError(f"workspace must have at least {need} elements for method={method!r}, got {workspace.numel()}")
+        if need and workspace.stride(0) != 1:
+            raise ValueError("workspace must be contiguous")
+    if t_rows == 0:
+        return out, counts
+    if k == 0:
+        counts.zero_()
+        return out, counts
+    n_tiles = _cdiv(k, b)
+    req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
+    geo = dict(
+        HAS_REQ=req_of_token is not None, DCP_SIZE=w, DCP_RANK=r, DCP_INTERLEAVE=i, KV_BLOCK=bs, BLOCK=b, num_warps=nw
+    )
+    n_reqs, n_blocks = block_table.shape
+    in_strides = (token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1))
+    if method == "atomic":
+        deinterleave_kernel[(t_rows, n_tiles)](
+            token_ids, req, block_table, out, counts, workspace, k, n_reqs, n_blocks,
+            *in_strides, out.stride(0), out.stride(1), COMPACT_TO_FRONT=True, **geo,
+        )
+    elif method == "rowscan":
+        rowscan_kernel[(t_rows,)](
+            token_ids, req, block_table, out, counts, k, n_reqs, n_blocks,
+            *in_strides, out.stride(0), out.stride(1), **geo,
+        )
+    else:
+        twopass_count_kernel[(t_rows, n_tiles)](
+            token_ids, req, block_table, workspace, k, n_reqs, n_blocks, n_tiles, *in_strides, **geo,
+        )
+        twopass_scatter_kernel[(t_rows, n_tiles)](
+            token_ids, req, block_table, out, counts, workspace, k, n_reqs, n_blocks, n_tiles,
+            *in_strides, out.stride(0), out.stride(1), TILES_POW2=_next_pow2(n_tiles), **geo,
+        )
+    return out, counts
