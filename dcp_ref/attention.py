@@ -1,0 +1,145 @@
+"""Stage 5a — sparse MLA decode attention over compacted KV slots (the float64 oracle).
+
+Absorbed MLA decode (DeepSeek V3.2 / DSA)
+-----------------------------------------
+With the up-projections absorbed into the query, every head attends to one shared *latent* KV
+cache. A cache row is ``576`` wide: ``512`` latent dims (``kv_lora_rank``) followed by ``64`` RoPE
+dims. Scores use all 576 dims; values are the first 512 dims of the same row::
+
+    score[t, h, j] = sm_scale * <q[t, h, :576], kv[slot[t, j], :576]>
+    out[t, h, :]   = sum_j softmax_j(score[t, h, :]) * kv[slot[t, j], :512]
+    lse[t, h]      = log sum_j exp(score[t, h, j])                 (natural log, base e)
+
+DCP: which slots a row attends to
+---------------------------------
+After the global top-K and the de-interleave stage, rank ``r`` holds, for every query token
+``t``, ``slots[t, :counts[t]]`` — the *physical* KV slots of the chosen tokens that live on this
+rank, compacted to the front; entries at ``j >= counts[t]`` are padding (``-1``) and are never
+read. A row with ``counts[t] == 0`` (every chosen token lives elsewhere) is *empty*: output 0 and
+LSE ``-inf``, which the LSE merge (:mod:`dcp_ref.lse`) turns into an exact-zero contribution.
+
+Everything is computed in float64 so that this is an oracle for bf16/fp32 kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_same_device, check_tensor
+
+__all__ = ["KV_LORA_RANK", "QK_ROPE_DIM", "MLA_HEAD_DIM", "sparse_mla_attention"]
+
+KV_LORA_RANK = 512  #: latent (value) width of DeepSeek MLA
+QK_ROPE_DIM = 64  #: RoPE width appended to the latent in the cache and the absorbed query
+MLA_HEAD_DIM = KV_LORA_RANK + QK_ROPE_DIM  #: 576, the absorbed query / cache row width
+
+# Rows are processed in chunks so that the gathered [rows, K, 576] float64 tensor stays small
+# (T=128, K=2048 at once would be 1.2 GB).
+_GATHER_BUDGET_ELEMS = 1 << 24
+
+
+def _check_lse_base(lse_base: object, name: str = "lse_base") -> str:
+    if lse_base not in ("e", "2"):
+        raise ValueError(f"{name} must be 'e' or '2', got {lse_base!r}")
+    return lse_base  # type: ignore[return-value]
+
+
+def sparse_mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    sm_scale: float,
+    lse_base: str = "e",
+    *,
+    v_dim: int = KV_LORA_RANK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA decode attention of each query row over its own compacted slots (float64).
+
+    Args:
+        q: ``[T, H, Dqk]`` float (fp16/bf16/fp32/fp64); ``Dqk = 576`` for DeepSeek (512 latent +
+            64 RoPE dims).
+        kv_cache: ``[num_slots, Dqk]`` or FlashInfer's page-size-1 layout ``[num_slots, 1, Dqk]``;
+            float. Values are the first ``v_dim`` columns.
+        slots: int32/int64 ``[T, K]``; row ``t`` attends to ``slots[t, :counts[t]]``, which must
+            lie in ``[0, num_slots)``. Entries from ``counts[t]`` on are ignored (padding, ``-1``).
+        counts: int32/int64 ``[T]``, ``0 <= counts[t] <= K``.
+        sm_scale: softmax scale (finite, > 0), e.g. ``1/sqrt(192)`` for DeepSeek V3.2.
+        lse_base: ``"e"`` (natural log) or ``"2"`` (``log2``, what exp2-based kernels return).
+        v_dim: value width (``0 < v_dim <= Dqk``); 512 for DeepSeek, smaller for toy examples.
+
+    Returns:
+        ``(out, lse)``: ``out`` float64 ``[T, H, v_dim]``, ``lse`` float64 ``[T, H]`` in
+        ``lse_base``, on the device of ``q``. Empty rows (``counts[t] == 0``) give ``out = 0`` and
+        ``lse = -inf``.
+
+    Raises:
+        TypeError / ValueError naming the argument on a wrong dtype, shape, device or range.
+    """
+    base = _check_lse_base(lse_base)
+    check_tensor(q, "q", dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor(kv_cache, "kv_cache", dtypes=FLOAT_DTYPES, ndim=(2, 3))
+    check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
+    check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1)
+    check_same_device(q=q, kv_cache=kv_cache, slots=slots, counts=counts)
+    if kv_cache.ndim == 3:
+        if kv_cache.shape[1] != 1:
+            raise ValueError(f"kv_cache must be [num_slots, Dqk] or [num_slots, 1, Dqk], got shape {tuple(kv_cache.shape)}")
+        kv_cache = kv_cache[:, 0]
+    T, H, dqk = q.shape
+    if kv_cache.shape[1] != dqk:
+        raise ValueError(f"kv_cache row width must equal q.shape[-1]={dqk}, got shape {tuple(kv_cache.shape)}")
+    v = check_int_scalar(v_dim, "v_dim", min_value=1)
+    if v > dqk:
+        raise ValueError(f"v_dim must be <= q.shape[-1]={dqk}, got {v}")
+    if slots.shape[0] != T:
+        raise ValueError(f"slots must be [T={T}, K], got shape {tuple(slots.shape)}")
+    if counts.shape != (T,):
+        raise ValueError(f"counts must be [T={T}], got shape {tuple(counts.shape)}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a float, got {type(sm_scale).__name__}")
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be finite and > 0, got {sm_scale}")
+    K = slots.shape[1]
+    num_slots = kv_cache.shape[0]
+    if T and (bool((counts < 0).any()) or bool((counts > K).any())):
+        raise ValueError(f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(counts.min())}, max {int(counts.max())}")
+    # Only the valid prefix of each row is read, so only it must be in range.
+    valid = torch.arange(K, device=slots.device).unsqueeze(0) < counts.unsqueeze(1)  # [T, K]
+    if bool(valid.any()):
+        used = slots[valid]
+        if bool((used < 0).any()) or bool((used >= num_slots).any()):
+            raise ValueError(
+                f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {int(used.min())}, max {int(used.max())}"
+            )
+
+    out = torch.zeros((T, H, v), dtype=torch.float64, device=q.device)
+    lse = torch.full((T, H), -math.inf, dtype=torch.float64, device=q.device)
+    if T == 0 or K == 0:
+        return out, lse
+    kv64 = kv_cache.to(torch.float64)
+    q64 = q.to(torch.float64)
+    rows = max(1, _GATHER_BUDGET_ELEMS // max(1, K * dqk))
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        # Padding entries may be -1: clamp them to a real row for the gather, then mask their
+        # scores to -inf so they carry zero weight.
+        idx = slots[t0:t1].long().clamp(min=0, max=num_slots - 1)
+        kv = kv64[idx]  # [t, K, Dqk]
+        # Zero the padding rows: the slot they were clamped to may hold garbage (NaN/inf in a
+        # never-written cache block), and 0 * NaN would leak into the output through the einsum.
+        kv = torch.where(valid[t0:t1].unsqueeze(-1), kv, 0.0)
+        scores = torch.einsum("thd,tkd->thk", q64[t0:t1], kv) * float(sm_scale)
+        scores = scores.masked_fill(~valid[t0:t1].unsqueeze(1), -math.inf)
+        row_lse = torch.logsumexp(scores, dim=-1)  # [t, H]; -inf for empty rows
+        nonempty = torch.isfinite(row_lse)
+        # exp(score - lse) is the softmax; for an empty row lse = -inf would give NaN, so use 0.
+        p = torch.exp(scores - torch.where(nonempty, row_lse, 0.0).unsqueeze(-1))
+        p = torch.where(nonempty.unsqueeze(-1), p, 0.0)
+        out[t0:t1] = torch.einsum("thk,tkd->thd", p, kv[..., :v])
+        lse[t0:t1] = row_lse
+    if base == "2":
+        lse = lse / math.log(2.0)
+    return out, lse

@@ -1,0 +1,313 @@
+"""Triton kernels for the DCP LSE merge: the per-rank correction and the full W-way merge.
+
+Both are memory-bound: per ``(t, h)`` they read ``W`` floats of LSE (tiny) and ``D`` (= 512)
+output values per partial, and write ``D`` values. The arithmetic (a max, W ``exp2``, one
+``log2``) is free next to the bytes, so the kernels are written for bandwidth:
+
+* one program per ``(token t, block of BLOCK_H heads)``, the whole ``D`` row in one tile
+  (``[BLOCK_H, BLOCK_D]``, ``BLOCK_D = next_pow2(D)``) so every load is a wide contiguous read;
+* all W LSEs of a head block are loaded as one ``[BLOCK_W, BLOCK_H]`` tile (one load, max and
+  sum in registers), and every partial output exactly once; ``W`` is a compile-time constant so
+  the loop over partials is unrolled and its loads are in flight together;
+* everything in the log2 domain with ``exp2``/``log2`` (the hardware MUFU instructions); a base-e
+  LSE is converted on load (``× log2 e``) and back on store (``× ln 2``).
+
+Invalid LSEs (NaN, ``+inf``) are treated as ``-inf`` (an empty rank). An empty rank's weight is
+exactly 0 and its output is *selected away* (``where``), never multiplied (``0 × NaN = NaN``).
+All ranks empty → output 0, LSE ``-inf`` (as :func:`dcp_ref.lse.merge_partials`).
+
+Kernels:
+
+* :func:`lse_correct` — one rank's step (vLLM's ``correct_attn_out``): given the all-gathered
+  LSEs ``[W, T, H]``, rescale this rank's ``[T, H, D]`` output by ``2^(lse_r - lse)``; may be in
+  place. A reduce-scatter over ranks then finishes the merge.
+* :func:`lse_merge` — all W partials ``[W, T, H, D]`` in one place → merged ``[T, H, D]``.
+
+Measured on the H200 (``benchmarks/results/lse_merge.json``, ``lse_floor.json``; H = 128,
+D = 512, bf16, W = 2/4/8): ``lse_correct`` 72–74 µs at T = 1024 (86–88 % of the 4.25 TB/s copy;
+vLLM's ``correct_attn_out`` 98–104 µs), 6.3–7.6 µs for an isolated launch at T = 32 (a plain copy
+of the same bytes: 6.5 µs) and 4.2 µs per launch back to back in a CUDA graph; ``lse_merge``
+88–90 % of copy bandwidth at T = 1024.
+
+Output buffers are caller-provided (no allocation, no host sync: CUDA-graph safe); shapes,
+dtypes and devices are checked, values are not (that would sync). On a machine without a GPU,
+set ``TRITON_INTERPRET=1`` before importing this module and pass CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["lse_correct", "lse_merge", "lse_correct_kernel", "lse_merge_kernel"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_LSE_DTYPES = (torch.float32, torch.float64)
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+LOG2E = 1.4426950408889634  # 1 / ln 2
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _merge_weights(lse_row, s_lw, offs_hs, mask_h, W: tl.constexpr, BLOCK_W: tl.constexpr, IS_BASE2: tl.constexpr):
+    """All W ranks' LSEs for BLOCK_H heads in one [BLOCK_W, BLOCK_H] tile (one load, no second pass).
+
+    Returns ``(e, m_safe, total)`` in the log2 domain: ``e[w, h] = 2^(lse2[w, h] - m_safe[h])``
+    (exactly 0 for an invalid LSE), ``m_safe`` the max (0 where every rank is empty, so that
+    ``(-inf) - (-inf)`` = NaN never happens) and ``total = sum_w e[w]``.
+    """
+    offs_w = tl.arange(0, BLOCK_W)
+    mask = (offs_w < W)[:, None] & mask_h[None, :]
+    x = tl.load(lse_row + offs_w[:, None] * s_lw + offs_hs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+    # x == x is False only for NaN; NaN / +inf mean "this rank has nothing for (t, h)".
+    x = tl.where((x == x) & (x < float("inf")), x, float("-inf"))
+    if not IS_BASE2:
+        x = x * 1.4426950408889634  # base e -> base 2
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    e = tl.exp2(x - m_safe[None, :])  # 2^-inf = 0: empty ranks weigh exactly 0
+    total = tl.sum(e, axis=0)
+    return e, m_safe, total
+
+
+@triton.jit
+def _row(e, offs_w, w):
+    """Row ``w`` of the [BLOCK_W, BLOCK_H] tile ``e`` (a masked sum: registers, no memory)."""
+    return tl.sum(tl.where(offs_w[:, None] == w, e, 0.0), axis=0)
+
+
+@triton.jit
+def _store_merged_lse(res_lse_ptr, offs_hs, mask_h, m_safe, total, IS_BASE2: tl.constexpr):
+    # Guard log2(0): all-empty rows get -inf without ever evaluating log2 of 0.
+    merged = tl.where(total > 0, m_safe + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+    if not IS_BASE2:
+        merged = merged * 0.6931471805599453  # base 2 -> base e
+    tl.store(res_lse_ptr + offs_hs, merged, mask=mask_h)
+
+
+@triton.jit
+def lse_correct_kernel(
+    out_ptr, lses_ptr, res_ptr, res_lse_ptr,
+    H, D, rank,
+    s_ot, s_oh, s_od,
+    s_lw, s_lt, s_lh,
+    s_rt, s_rh, s_rd,
+    s_qt, s_qh,
+    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_BASE2: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """res[t, h, :] = 2^(lse2[rank, t, h] - merged2[t, h]) * out[t, h, :] (0 if that factor is 0)."""
+    t = tl.program_id(0).to(tl.int64)  # int64: T*H*D offsets overflow int32 at large batches
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = mask_h[:, None] & (offs_d < D)[None, :]
+    # Issue the big load first: its memory latency then overlaps the LSE arithmetic below.
+    x = tl.load(out_ptr + t * s_ot + offs_h[:, None] * s_oh + offs_d[None, :] * s_od, mask=mask, other=0.0)
+    e, m_safe, total = _merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
+    mine = _row(e, tl.arange(0, BLOCK_W), rank)
+    factor = tl.where(total > 0, mine / tl.where(total > 0, total, 1.0), 0.0)
+    # where(), not factor * x: an empty rank's output may be NaN and 0 * NaN = NaN.
+    y = tl.where(factor[:, None] > 0, factor[:, None] * x.to(tl.float32), 0.0)
+    tl.store(res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, y.to(res_ptr.dtype.element_ty), mask=mask)
+    if STORE_LSE:
+        _store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
+
+
+@triton.jit
+def lse_merge_kernel(
+    outs_ptr, lses_ptr, res_ptr, res_lse_ptr,
+    H, D,
+    s_ow, s_ot, s_oh, s_od,
+    s_lw, s_lt, s_lh,
+    s_rt, s_rh, s_rd,
+    s_qt, s_qh,
+    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_BASE2: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """res[t, h, :] = sum_w 2^(lse2[w] - merged2) * outs[w, t, h, :], empty ranks selected away."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = mask_h[:, None] & (offs_d < D)[None, :]
+    e, m_safe, total = _merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
+    inv_total = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    offs_w = tl.arange(0, BLOCK_W)
+    tile = t * s_ot + offs_h[:, None] * s_oh + offs_d[None, :] * s_od
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    # W is a compile-time constant: the loop is unrolled, so the W partial loads can all be in
+    # flight at once instead of one load -> FMA -> next load.
+    for w in tl.static_range(W):
+        f = _row(e, offs_w, w) * inv_total
+        x = tl.load(outs_ptr + w * s_ow + tile, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.where(f[:, None] > 0, f[:, None] * x, 0.0)
+    tl.store(res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, acc.to(res_ptr.dtype.element_ty), mask=mask)
+    if STORE_LSE:
+        _store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
+
+
+# --------------------------------------------------------------------------------------------
+# Host wrappers: shape / dtype / device checks only (no value checks: they would sync the host).
+# --------------------------------------------------------------------------------------------
+
+
+def _check(t: object, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on device {device}, got {t.device}")
+    return t
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cpu" and not _INTERPRET:
+        raise ValueError("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing this module")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensors must be on a CUDA device (or CPU under TRITON_INTERPRET=1), got {device}")
+
+
+def _check_base(base: object) -> bool:
+    if base not in ("e", "2"):
+        raise ValueError(f"base must be 'e' or '2', got {base!r}")
+    return base == "2"
+
+
+def _check_block_h(block_h: object) -> int:
+    if isinstance(block_h, bool) or not isinstance(block_h, int) or block_h < 1 or block_h & (block_h - 1):
+        raise ValueError(f"block_h must be a power of two >= 1, got {block_h!r}")
+    return block_h
+
+
+def lse_correct(
+    out: torch.Tensor,
+    all_lses: torch.Tensor,
+    rank: int,
+    *,
+    base: str = "e",
+    corrected: torch.Tensor | None = None,
+    merged_lse: torch.Tensor | None = None,
+    block_h: int = 4,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rescale this rank's partial output by its merge weight (the per-rank DCP step).
+
+    Args:
+        out: ``[T, H, D]`` fp16/bf16/fp32 — this rank's partial attention output (any strides).
+        all_lses: ``[W, T, H]`` fp32/fp64 — all ranks' LSEs in ``base`` (after the all-gather).
+        rank: this rank, ``0 <= rank < W``.
+        base: ``"e"`` or ``"2"``, the base of ``all_lses`` and of ``merged_lse``.
+        corrected: output buffer ``[T, H, D]`` (fp16/bf16/fp32); may be ``out`` itself (in place).
+            ``None`` allocates one (not CUDA-graph friendly: pass a buffer on the hot path).
+        merged_lse: optional output buffer ``[T, H]`` fp32 for the merged LSE (in ``base``).
+        block_h, num_warps: launch shape (heads per program, warps per program).
+    Returns:
+        ``(corrected, merged_lse)`` — the buffers written (``merged_lse`` is ``None`` if not given).
+    """
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.ndim != 3:
+        raise ValueError(f"out must be 3-D [T, H, D], got shape {tuple(out.shape)}")
+    T, H, D = out.shape
+    dev = out.device
+    _check(out, "out", _OUT_DTYPES, (T, H, D), dev)
+    _check_device(dev)
+    if not isinstance(all_lses, torch.Tensor) or all_lses.ndim != 3:
+        raise ValueError(f"all_lses must be a 3-D tensor [W, T={T}, H={H}], got {getattr(all_lses, 'shape', type(all_lses).__name__)}")
+    W = all_lses.shape[0]
+    _check(all_lses, "all_lses", _LSE_DTYPES, (W, T, H), dev)
+    if W < 1:
+        raise ValueError("all_lses must hold at least one rank (W >= 1)")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be a Python int, got {type(rank).__name__}")
+    if not 0 <= rank < W:
+        raise ValueError(f"rank must satisfy 0 <= rank < W={W}, got {rank}")
+    is_b2 = _check_base(base)
+    bh = _check_block_h(block_h)
+    if corrected is None:
+        corrected = torch.empty_like(out)
+    _check(corrected, "corrected", _OUT_DTYPES, (T, H, D), dev)
+    if merged_lse is not None:
+        _check(merged_lse, "merged_lse", (torch.float32,), (T, H), dev)
+    if T == 0 or H == 0 or D == 0:
+        return corrected, merged_lse
+    lse_buf = merged_lse if merged_lse is not None else all_lses  # dummy pointer when not stored
+    grid = (T, triton.cdiv(H, bh))
+    lse_correct_kernel[grid](
+        out, all_lses, corrected, lse_buf,
+        H, D, rank,
+        out.stride(0), out.stride(1), out.stride(2),
+        all_lses.stride(0), all_lses.stride(1), all_lses.stride(2),
+        corrected.stride(0), corrected.stride(1), corrected.stride(2),
+        lse_buf.stride(-2) if merged_lse is not None else 0, lse_buf.stride(-1) if merged_lse is not None else 0,
+        W=W, BLOCK_W=max(2, triton.next_power_of_2(W)), BLOCK_H=bh, BLOCK_D=triton.next_power_of_2(D),
+        IS_BASE2=is_b2, STORE_LSE=merged_lse is not None,
+        num_warps=num_warps,
+    )
+    return corrected, merged_lse
+
+
+def lse_merge(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    *,
+    base: str = "e",
+    merged: torch.Tensor | None = None,
+    merged_lse: torch.Tensor | None = None,
+    block_h: int = 4,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Merge W partial outputs by their LSEs in one pass.
+
+    Args:
+        outs: ``[W, T, H, D]`` fp16/bf16/fp32 partial outputs (any strides).
+        lses: ``[W, T, H]`` fp32/fp64 LSEs in ``base``; NaN / ``+inf`` mean "empty".
+        base: ``"e"`` or ``"2"``.
+        merged: output buffer ``[T, H, D]`` (fp16/bf16/fp32); ``None`` allocates ``outs.dtype``.
+        merged_lse: optional output buffer ``[T, H]`` fp32 for the merged LSE in ``base``.
+    Returns:
+        ``(merged, merged_lse)``.
+    """
+    if not isinstance(outs, torch.Tensor):
+        raise TypeError(f"outs must be a torch.Tensor, got {type(outs).__name__}")
+    if outs.ndim != 4:
+        raise ValueError(f"outs must be 4-D [W, T, H, D], got shape {tuple(outs.shape)}")
+    W, T, H, D = outs.shape
+    dev = outs.device
+    _check(outs, "outs", _OUT_DTYPES, (W, T, H, D), dev)
+    _check_device(dev)
+    if W < 1:
+        raise ValueError("outs must hold at least one rank (W >= 1)")
+    _check(lses, "lses", _LSE_DTYPES, (W, T, H), dev)
+    is_b2 = _check_base(base)
+    bh = _check_block_h(block_h)
+    if merged is None:
+        merged = torch.empty((T, H, D), dtype=outs.dtype, device=dev)
+    _check(merged, "merged", _OUT_DTYPES, (T, H, D), dev)
+    if merged_lse is not None:
+        _check(merged_lse, "merged_lse", (torch.float32,), (T, H), dev)
+    if T == 0 or H == 0 or D == 0:
+        return merged, merged_lse
+    lse_buf = merged_lse if merged_lse is not None else lses
+    grid = (T, triton.cdiv(H, bh))
+    lse_merge_kernel[grid](
+        outs, lses, merged, lse_buf,
+        H, D,
+        outs.stride(0), outs.stride(1), outs.stride(2), outs.stride(3),
+        lses.stride(0), lses.stride(1), lses.stride(2),
+        merged.stride(0), merged.stride(1), merged.stride(2),
+        lse_buf.stride(-2) if merged_lse is not None else 0, lse_buf.stride(-1) if merged_lse is not None else 0,
+        W=W, BLOCK_W=max(2, triton.next_power_of_2(W)), BLOCK_H=bh, BLOCK_D=triton.next_power_of_2(D),
+        IS_BASE2=is_b2, STORE_LSE=merged_lse is not None,
+        num_warps=num_warps,
+    )
+    return merged, merged_lse
