@@ -1,0 +1,226 @@
+"""The whole DCP sparse-MLA decode step, end to end, on the references — and its oracle.
+
+:func:`dcp_decode_step` is what *one* rank runs (SPMD; collectives through a
+:class:`~dcp_ref.group.Group`):
+
+1. local bounds       — :func:`dcp_ref.localize_decode_bounds` (expand per token, then localize)
+2. local top-K        — :func:`dcp_ref.indexer.local_topk` over this rank's indexer scores
+3. stable global top-K — :func:`dcp_ref.topk.merge_topk_global` (pack → all-gather → select)
+4. slots + compaction — :func:`dcp_ref.deinterleave.deinterleave_and_compact`
+5. attention + merge  — :func:`dcp_ref.attention.sparse_mla_attention`, then
+                        :func:`dcp_ref.lse.dcp_merge_collective` (all-gather LSE, reduce-scatter)
+
+:func:`single_device_decode` computes the same thing with no sharding at all: global scores →
+global stable top-k → attention over the chosen keys. :func:`make_dcp_problem` builds a random
+problem — the global KV and indexer scores, and each rank's paged shard with a shuffled block
+table — so that tests and notebooks can check that DCP with any ``W`` and ``I`` reproduces the
+single-device result exactly (up to float64 rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_int_scalar, check_world
+from .attention import sparse_mla_attention
+from .deinterleave import deinterleave_and_compact
+from .group import Group, SimulatedWorld
+from .indexer import local_topk
+from .lse import dcp_merge_collective
+from .ownership import expand_decode_bounds, global_to_local, localize_decode_bounds, owner_rank
+from .topk import merge_topk_global
+
+__all__ = ["RankShard", "DcpProblem", "make_dcp_problem", "dcp_decode_step", "single_device_decode", "run_dcp_decode"]
+
+
+@dataclass
+class RankShard:
+    """What one rank holds.
+
+    Attributes:
+        kv_cache: float ``[num_blocks * block_size, D]`` — the paged local KV (slot-major).
+        block_table: int32 ``[B, max_blocks]`` — physical block of each request's local block
+            ``j`` (``-1`` past the request's blocks).
+        index_scores: float32 ``[T, max_local_len]`` — the indexer's scores of this rank's keys for
+            every query token (column = local index; garbage past the token's local bound).
+    """
+
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    index_scores: torch.Tensor
+
+
+@dataclass
+class DcpProblem:
+    """A random decode problem and its sharding over ``world_size`` ranks (see :func:`make_dcp_problem`)."""
+
+    world_size: int
+    interleave: int
+    block_size: int
+    seq_lens: torch.Tensor  # int64 [B], global lengths (including this step's query tokens)
+    next_n: int  # query tokens per request
+    q: torch.Tensor  # [T, H, D], T = B * next_n, tokens of request 0 first
+    kv_global: list[torch.Tensor]  # per request [L_b, D]
+    scores_global: torch.Tensor  # float32 [T, max L]: indexer score of every (token, global position)
+    shards: list[RankShard]
+
+    @property
+    def req_of_token(self) -> torch.Tensor:
+        return torch.arange(self.seq_lens.numel()).repeat_interleave(self.next_n)
+
+
+def make_dcp_problem(
+    world_size: int,
+    interleave: int = 1,
+    *,
+    seq_lens: list[int] | torch.Tensor = (37, 5, 64),
+    next_n: int = 1,
+    num_heads: int = 4,
+    head_dim: int = 24,
+    block_size: int = 8,
+    score_levels: int = 7,
+    seed: int = 0,
+) -> DcpProblem:
+    """Build a random DCP decode problem and shard it.
+
+    Indexer scores are drawn from only ``score_levels`` distinct values so that ties are common —
+    the stable order (score, then lower global id) is exercised, not just the easy case.
+    Physical blocks of every rank are handed out in a shuffled order, so slot ids are unrelated
+    to positions (as in a real paged cache).
+    """
+    w, _, i = check_world(world_size, None, interleave)
+    bs = check_int_scalar(block_size, "block_size", min_value=1)
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.as_tensor(seq_lens, dtype=torch.int64)
+    B, T = lens.numel(), lens.numel() * next_n
+    max_len = int(lens.max())
+    q = torch.randn(T, num_heads, head_dim, generator=g, dtype=torch.float64)
+    kv_global = [torch.randn(int(L), head_dim, generator=g, dtype=torch.float64) for L in lens]
+    levels = torch.randint(0, score_levels, (T, max_len), generator=g).to(torch.float32)
+    scores_global = levels / score_levels - 0.5
+
+    shards = []
+    pos_all = torch.arange(max_len)
+    owners = owner_rank(pos_all, w, i)
+    locs = global_to_local(pos_all, w, i)
+    for r in range(w):
+        local_lens = [int((owners[: int(L)] == r).sum()) for L in lens]
+        nblocks = [(n + bs - 1) // bs for n in local_lens]
+        total_blocks = sum(nblocks) + 1  # one spare block that nobody uses
+        perm = torch.randperm(total_blocks, generator=g)
+        table = torch.full((B, max(max(nblocks), 1)), -1, dtype=torch.int32)
+        kv = torch.full((total_blocks * bs, head_dim), float("nan"), dtype=torch.float64)  # NaN = never read
+        nxt = 0
+        for b, L in enumerate(lens.tolist()):
+            table[b, : nblocks[b]] = perm[nxt : nxt + nblocks[b]].to(torch.int32)
+            nxt += nblocks[b]
+            mine = pos_all[:L][owners[:L] == r]
+            loc = locs[mine]
+            slot = table[b, loc // bs].long() * bs + loc % bs
+            kv[slot] = kv_global[b][mine]
+        max_local = max(max(local_lens), 1)
+        index_scores = torch.full((T, max_local), float("nan"), dtype=torch.float32)
+        for t in range(T):
+            b = t // next_n
+            mine = pos_all[: int(lens[b])][owners[: int(lens[b])] == r]
+            index_scores[t, locs[mine]] = scores_global[t, mine]
+        shards.append(RankShard(kv_cache=kv, block_table=table, index_scores=index_scores))
+    return DcpProblem(w, i, bs, lens, next_n, q, kv_global, scores_global, shards)
+
+
+def dcp_decode_step(
+    group: Group,
+    q: torch.Tensor,
+    shard: RankShard,
+    seq_lens: torch.Tensor,
+    next_n: int,
+    topk: int,
+    sm_scale: float,
+    block_size: int,
+    interleave: int = 1,
+    *,
+    v_dim: int | None = None,
+    trace: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's sparse-MLA decode step (all five stages, reference implementations).
+
+    Args:
+        group: this rank's group (rank and world size come from it).
+        q: float ``[T, H, D]`` query tokens, ``T = B * next_n``, tokens of request 0 first.
+        shard: this rank's :class:`RankShard`.
+        seq_lens: int ``[B]`` global lengths; next_n: query tokens per request.
+        topk: the global top-k (every rank ends with the same ``topk`` ids per token).
+        sm_scale: softmax scale; block_size / interleave: the paged-cache geometry.
+        v_dim: value width (default: all of ``D``).
+        trace: if a dict is given, every intermediate is stored in it under the stage's name
+            (``local_bounds``, ``local_ids``, ``global_ids``, ``slots``, ``counts``,
+            ``partial_out``, ``partial_lse``) — for notebooks and debugging.
+    Returns:
+        ``(out, lse)`` for this rank's head shard: ``[T, H/W, v_dim]`` and ``[T, H/W]`` (base e).
+    """
+    W, r = group.world_size, group.rank
+    T = q.shape[0]
+    # 1. per-token local causal bounds (expand first, localize after)
+    local_bounds = localize_decode_bounds(seq_lens, next_n, W, r, interleave).reshape(T)
+    # 2. local top-K over this rank's keys (K = topk is enough for exactness)
+    local_ids = local_topk(shard.index_scores, topk, local_bounds)
+    # 3. stable global top-K across ranks: identical on every rank
+    global_ids = merge_topk_global(group, shard.index_scores, local_ids, topk, interleave)
+    # 4. global ids -> this rank's physical slots, compacted to the front
+    req_of_token = torch.arange(seq_lens.numel()).repeat_interleave(next_n)
+    slots, counts = deinterleave_and_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
+    # 5. attention over the local slots, then the LSE merge across ranks
+    out, lse = sparse_mla_attention(q, shard.kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim or q.shape[-1])
+    if trace is not None:
+        trace.update(local_bounds=local_bounds, local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts,
+                     partial_out=out, partial_lse=lse)
+    return dcp_merge_collective(group, out, lse, "e")
+
+
+def single_device_decode(problem: DcpProblem, topk: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The oracle: no sharding. Global stable top-k of the scores, softmax attention in float64.
+
+    Written independently of the stage modules (plain sort + softmax) on purpose.
+    Returns ``(out [T, H, D], lse [T, H], ids [T, topk])``.
+    """
+    bounds = expand_decode_bounds(problem.seq_lens, problem.next_n).reshape(-1)
+    T, H, D = problem.q.shape
+    out = torch.zeros(T, H, D, dtype=torch.float64)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    ids_out = torch.full((T, topk), -1, dtype=torch.int64)
+    for t in range(T):
+        b = t // problem.next_n
+        n = int(bounds[t])
+        s = problem.scores_global[t, :n].tolist()
+        order = sorted(range(n), key=lambda p: (-(s[p] + 0.0), p))[:topk]  # score desc, then lower id
+        ids_out[t, : len(order)] = torch.tensor(order, dtype=torch.int64)
+        if not order:
+            continue
+        keys = problem.kv_global[b][order]  # [k, D]
+        logits = torch.einsum("hd,kd->hk", problem.q[t], keys) * sm_scale
+        lse[t] = torch.logsumexp(logits, dim=-1)
+        out[t] = torch.softmax(logits, dim=-1) @ keys
+    return out, lse, ids_out
+
+
+def run_dcp_decode(
+    problem: DcpProblem, topk: int, sm_scale: float, traces: list[dict] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run :func:`dcp_decode_step` on every rank of a :class:`SimulatedWorld`; reassemble heads.
+
+    ``traces``: optional list of ``world_size`` dicts that receive each rank's intermediates.
+    Returns ``(out [T, H, D], lse [T, H])`` in head order (rank 0's head shard first).
+    """
+    world = SimulatedWorld(problem.world_size)
+    traces = traces if traces is not None else [None] * problem.world_size
+    results = world.run(
+        lambda grp, shard, tr: dcp_decode_step(
+            grp, problem.q, shard, problem.seq_lens, problem.next_n, topk, sm_scale, problem.block_size, problem.interleave,
+            trace=tr,
+        ),
+        problem.shards,
+        traces,
+    )
+    return torch.cat([o for o, _ in results], dim=1), torch.cat([l for _, l in results], dim=1)
