@@ -3,15 +3,31 @@
 The plain-PyTorch reference of every stage (the oracle), CPU-first:
 
 1. :mod:`dcp_ref.ownership` — which rank owns which token; global lengths made local.
-2. local top-K (the indexer) — each rank scores its own keys.
-3. stable global top-K across ranks.
-4. de-interleave global ids to physical KV slots, and compaction.
-5. sparse MLA attention and the LSE merge of partial outputs.
+2. :mod:`dcp_ref.indexer` — each rank's local top-K over the indexer scores of its own keys.
+3. :mod:`dcp_ref.topk` — candidates packed as (score, global id), all-gathered, stable global top-K.
+4. :mod:`dcp_ref.deinterleave` — global ids to this rank's physical KV slots, compacted to the front.
+5. :mod:`dcp_ref.attention`, :mod:`dcp_ref.lse` — sparse MLA attention and the LSE merge of partials.
+
+:mod:`dcp_ref.pipeline` composes the five on W ranks (:mod:`dcp_ref.group`) and checks them against
+single-device sparse attention.
 
 Fast kernels live in :mod:`dcp_ref.kernels` (Triton, CuTeDSL, FlashInfer); importing
 :mod:`dcp_ref` needs only torch and numpy.
 """
 
+from .attention import sparse_mla_attention
+from .deinterleave import canonicalize, compact_to_front, deinterleave_and_compact, global_ids_to_local_slots
+from .group import Group, SimulatedWorld, SingleGroup, TorchDistributedGroup
+from .indexer import local_topk
+from .lse import (
+    LN2,
+    correct_partial,
+    dcp_merge_collective,
+    lse_base2_to_e,
+    lse_e_to_base2,
+    merge_partials,
+    normalize_lse_shape,
+)
 from .ownership import (
     PrefillChunkMetadata,
     expand_decode_bounds,
@@ -24,10 +40,46 @@ from .ownership import (
     owner_rank,
 )
 
+from .topk import (
+    INVALID_KEY,
+    MAX_EXACT_ID,
+    global_topk_all_logits,
+    merge_topk_global,
+    pack_candidates,
+    stable_key,
+    stable_topk,
+    union_counterexample,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "INVALID_KEY",
+    "LN2",
+    "MAX_EXACT_ID",
+    "Group",
     "PrefillChunkMetadata",
+    "SimulatedWorld",
+    "SingleGroup",
+    "TorchDistributedGroup",
+    "canonicalize",
+    "compact_to_front",
+    "correct_partial",
+    "dcp_merge_collective",
+    "deinterleave_and_compact",
+    "global_ids_to_local_slots",
+    "global_topk_all_logits",
+    "local_topk",
+    "lse_base2_to_e",
+    "lse_e_to_base2",
+    "merge_partials",
+    "merge_topk_global",
+    "normalize_lse_shape",
+    "pack_candidates",
+    "sparse_mla_attention",
+    "stable_key",
+    "stable_topk",
+    "union_counterexample",
     "expand_decode_bounds",
     "global_to_local",
     "local_seq_lens",
