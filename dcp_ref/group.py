@@ -170,20 +170,26 @@ class TorchDistributedGroup:
             raise ValueError("torch.distributed is not initialized: call init_process_group first")
         self._dist = dist
         self._pg = pg
+        # torch >= 2.13 renamed the single-tensor collectives (*_single); older releases (the
+        # H200 image has 2.11) only have the *_tensor names. Same signatures.
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         check_tensor(x, "x")
-        x = x.contiguous()
-        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
-        self._dist.all_gather_into_tensor(out, x, group=self._pg)
-        return out
+        # Gather flat and view as [W, *shape]: NCCL accepts a stacked output, gloo only a
+        # concatenated one, and the flat form is both.
+        flat = x.contiguous().reshape(-1)
+        out = torch.empty(self.world_size * flat.numel(), dtype=x.dtype, device=x.device)
+        self._all_gather(out, flat, group=self._pg)
+        return out.view(self.world_size, *x.shape)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         d = _check_scatter_dim(x, dim, self.world_size)
         # reduce_scatter_tensor splits along dim 0: move ``dim`` to the front and back.
         xt = x.movedim(d, 0).contiguous()
         out = torch.empty((xt.shape[0] // self.world_size, *xt.shape[1:]), dtype=x.dtype, device=x.device)
-        self._dist.reduce_scatter_tensor(out, xt, group=self._pg)
+        self._reduce_scatter(out, xt, group=self._pg)
         return out.movedim(0, d).contiguous()
