@@ -21,6 +21,12 @@ the local top-K's size, as in DSA decode). For each shape:
 Inputs are random normal scores with distinct random ids (never zeros); outputs are poisoned and
 checked against the reference before timing. Medians (and 20/80 % quantiles) of
 ``triton.testing.do_bench``.
+
+    python benchmarks/bench_topk.py --variants --rows 128,1024 --worlds 2,4,8 --K 2048 --out v.json
+
+compares the kernel variants only (``regs`` / ``lean``, and the lean CTA configurations in
+``VARIANT_CONFIGS``): correctness (unsorted and sorted, poisoned outputs) and CUDA-graph device
+time of each, on the same inputs, one after another.
 """
 
 from __future__ import annotations
@@ -84,13 +90,73 @@ def graph_time(fn, reps: int = 20) -> dict:
     return {k: v / reps for k, v in r.items()}
 
 
+# (variant, (threads, min_ctas) or None = the variant's own choice); extra lean CTA shapes at N.
+VARIANT_CONFIGS = [("regs", None), ("lean", None)]
+EXTRA_LEAN = {16384: [(512, 2), (1024, 0)]}
+
+
+def variants_main(args: argparse.Namespace, meta: dict) -> None:
+    """Graph time and correctness of every kernel variant at the selected shapes."""
+    from dcp_ref.kernels.topk_cutedsl import lean_config, stable_topk_cutedsl
+
+    ints = lambda t: [int(x) for x in t.split(",")]  # noqa: E731
+    results = []
+    for rows in ints(args.rows):
+        for w in ints(args.worlds):
+            for K in ints(args.K):
+                k = K
+                gathered = make_input(rows, w, K)
+                want = ref_topk(gathered, k, sorted=True)
+                want_set = torch.sort(want, 1).values
+                out = torch.empty((rows, k), dtype=torch.int32, device="cuda")
+                outs = torch.empty_like(out)
+                confs = VARIANT_CONFIGS + [("lean", c) for c in EXTRA_LEAN.get(w * K, [])]
+                for variant, conf in confs:
+                    out.fill_(12345)
+                    outs.fill_(12345)
+                    stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, variant=variant, config=conf)
+                    stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, variant=variant, config=conf)
+                    ok = torch.equal(torch.sort(out, 1).values, want_set)
+                    ok_sorted = torch.equal(outs, want)
+                    rec = {"rows": rows, "W": w, "K": K, "k": k, "variant": variant,
+                           "config": list(conf) if conf else list(lean_config(w * K)) if variant == "lean" else None,
+                           "correct": ok, "correct_sorted": ok_sorted}
+                    f = lambda: stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, variant=variant, config=conf)  # noqa: E731
+                    fs = lambda: stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, variant=variant, config=conf)  # noqa: E731
+                    rec["graph"] = graph_time(f)
+                    rec["sorted_graph"] = graph_time(fs)
+                    results.append(rec)
+                    print(f"rows={rows:5d} W={w} K={K} {variant:4s} {str(rec['config']):12s} ok={ok}/{ok_sorted} "
+                          f"graph={rec['graph']['median_us']:7.1f} sorted={rec['sorted_graph']['median_us']:7.1f}", flush=True)
+                    with open(args.out, "w") as fh:  # written after every record: a cut run keeps what it has
+                        json.dump({"meta": meta, "variants": results}, fh, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--md", help="also write a markdown table here")
+    ap.add_argument("--variants", action="store_true", help="compare the kernel variants only")
+    ap.add_argument("--rows", default="128,1024")
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--K", default="2048")
     args = ap.parse_args()
     import cutlass
+
+    if args.variants:
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cutlass_dsl": getattr(cutlass, "__version__", "4.8.1"),
+            "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "method": "triton.testing.do_bench medians; graph = CUDA graph of 20 launches / 20; k = K",
+            "argv": sys.argv[1:],
+        }
+        variants_main(args, meta)
+        return
 
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
     from dcp_ref.kernels.topk_cutedsl import stable_topk_cutedsl

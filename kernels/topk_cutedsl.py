@@ -27,10 +27,17 @@ Algorithm (per row = per CTA of ``T`` threads):
    written out. Slots ``[min(k, n_valid), k)`` are pre-filled with ``-1`` by disjoint threads
    (no write-write race between the -1 fill and the winners).
 
+**Variants.** ``"regs"`` is the above. ``"lean"`` keeps only the ``hi`` words in registers and
+parks the ``lo`` words in shared memory (``4*N`` bytes), read back only by the id passes 4-7 and
+the commit, for the keys whose ``hi`` reaches the threshold. At <= 16 words per thread the kernel
+then fits in 32 registers (ptxas ``minctasm``), so ``2048 / T`` CTAs share an SM and one row's
+loads overlap another's histogram passes: at rows = 1024, W = 8, K = k = 2048 this took 96 µs
+to 70 µs. :func:`default_variant` picks one by shape; ``variant=`` forces one.
+
 Any ``k >= 1`` and any candidate count up to the limit below work (the tail is masked); the sorted
 variant needs ``next_pow2(min(k, N)) * 8`` bytes of shared memory. Compiled kernels are
-cached per ``(W, K, k, sorted, 32-bit offsets, TVM-FFI)``; ``rows`` is a runtime argument. The
-TVM-FFI call path (torch tensors passed straight in, the current stream taken from the
+cached per ``(W, K, k, sorted, 32-bit offsets, TVM-FFI, variant, CTA config)``; ``rows`` is a
+runtime argument. The TVM-FFI call path (torch tensors passed straight in, the current stream taken from the
 environment) is used when apache-tvm-ffi is importable: on the H200 it cut the Python-side
 launch from ~20 µs to ~6 µs (``benchmarks/results/topk.md``); ``DCP_TOPK_TVM_FFI=0`` turns it
 off. The launch makes no host synchronisation and no allocation when ``out`` is given (CUDA-graph
@@ -62,6 +69,9 @@ __all__ = [
     "MAX_SORTED_WINNERS",
     "MAX_CANDIDATES",
     "compile_to_ptx",
+    "VARIANTS",
+    "lean_config",
+    "default_variant",
 ]
 
 RADIX_BITS = 8
@@ -71,6 +81,8 @@ NUM_PASSES = 64 // RADIX_BITS
 MAX_SORTED_WINNERS = 4096
 #: Candidates per row (``W*K``): keys live in registers, at most 32 per thread (tested size).
 MAX_CANDIDATES = 32768
+#: Kernel variants (see :class:`StableTopKKernel`); ``None`` in the wrappers picks by shape.
+VARIANTS = ("regs", "lean")
 
 
 def threads_for(n: int) -> int:
@@ -84,6 +96,32 @@ def threads_for(n: int) -> int:
     return t
 
 
+def lean_config(n: int, sorted_: bool = False) -> tuple[int, int]:
+    """``(threads, min_ctas)`` of the ``"lean"`` variant for ``n`` candidates per row.
+
+    Same CTA size as :func:`threads_for`; ``min_ctas`` (ptxas ``minctasm``) is the number of CTAs
+    per SM the registers must allow. Unsorted with <= 16 score words per thread: ``2048 // T``
+    (a full SM, 32 registers per thread; ``ptxas -v`` shows no spill for T = 256, 512, 1024).
+    Otherwise 0 = no cap: 32 words per thread, or the sorted variant's bitonic stage, would spill.
+    """
+    t = threads_for(n)
+    items = (n + t - 1) // t
+    return t, (2048 // t if items <= 16 and not sorted_ else 0)
+
+
+def default_variant(world: int, kloc: int, k: int, sorted: bool) -> str:  # noqa: A002
+    """The variant :func:`stable_topk_cutedsl` uses when none is given (chosen by measurement).
+
+    ``"lean"`` for unsorted selection over ``8192 <= N <= 16384`` candidates per row, where it was
+    faster on the H200 (CUDA graph, k = K = 2048, rows = 1024: W = 4 44.5 -> 38.2 µs, W = 8
+    96.2 -> 70.0 µs; equal at rows = 128); ``"regs"`` elsewhere: slower at N = 4096 (W = 2:
+    18.4 -> 19.1 µs) and no faster sorted (``benchmarks/results/topk.md``). Both variants pass
+    the same GPU differential test, so the choice changes speed only.
+    """
+    n = world * kloc
+    return "lean" if not sorted and 8192 <= n <= 16384 else "regs"
+
+
 def _next_pow2(n: int) -> int:
     p = 1
     while p < n:
@@ -95,25 +133,54 @@ class StableTopKKernel:
     """One compiled configuration: ``W`` ranks × ``K`` candidates each, select ``k``.
 
     Compile-time parameters (the compile cache key): ``world``, ``kloc`` (= K), ``k``,
-    ``sorted_``, ``small`` (``W*rows*K < 2**31``: 32-bit offset arithmetic). ``rows`` is dynamic.
+    ``sorted_``, ``small`` (``W*rows*K < 2**31``: 32-bit offset arithmetic), ``variant``. ``rows``
+    is dynamic.
+
+    Variants (same semantics, same output):
+
+    * ``"regs"`` — both key words of every candidate in registers (2 registers per key).
+    * ``"lean"`` — only the 32-bit score word ``hi`` in registers; the ``lo`` words go to shared
+      memory (``4*N`` bytes, written once while loading) and are read back only where needed: by
+      the id passes 4-7 (keys whose ``hi`` equals the threshold, rare) and by the commit (keys
+      whose ``hi`` reaches the threshold). Half the key registers lets ptxas fit the kernel under
+      a ``minctasm`` register cap (``min_ctas`` CTAs per SM), so the loads of one row overlap the
+      histogram passes of another. See :func:`lean_config`.
     """
 
-    def __init__(self, world: int, kloc: int, k: int, sorted_: bool, small: bool = True) -> None:
+    def __init__(
+        self, world: int, kloc: int, k: int, sorted_: bool, small: bool = True, variant: str = "regs",
+        threads: int = 0, min_ctas: int = 0,
+    ) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
         self.world = world
         self.kloc = kloc
         self.n = world * kloc
         self.k = k
         self.sorted_ = sorted_
         self.small = small
-        self.threads = threads_for(self.n)
+        self.lean = variant == "lean"
+        if self.lean and not threads:
+            threads, min_ctas = lean_config(self.n, sorted_)
+        self.threads = threads if threads else threads_for(self.n)
+        self.min_ctas = min_ctas
         self.items = (self.n + self.threads - 1) // self.threads
         self.warps = self.threads // 32
         self.sort_size = _next_pow2(min(k, self.n)) if sorted_ else 1
+        self.lo_size = self.items * self.threads if self.lean else 1
 
     @cute.jit
     def __call__(self, cand: cute.Tensor, out: cute.Tensor, rows: Int32, stream: Any) -> None:
         # One CTA per row; the shared memory size comes from the SmemAllocator.
-        self.kernel(cand, out, rows).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        if const_expr(self.min_ctas > 1):
+            # minctasm caps the registers (65536 / (threads * min_ctas)); the carveout is given so
+            # that the shared memory of min_ctas CTAs fits (and no device query at compile time).
+            self.kernel(cand, out, rows).launch(
+                grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream,
+                min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100,
+            )
+        else:
+            self.kernel(cand, out, rows).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, cand: cute.Tensor, out: cute.Tensor, rows: Int32) -> None:
@@ -136,13 +203,15 @@ class StableTopKKernel:
         # st[4] tie counter, st[5]/st[6] threshold prefix (hi/lo word), st[7] last pass (-1: none).
         st = smem.allocate_tensor(Int32, cute.make_layout(8), byte_alignment=16)
         skeys = smem.allocate_tensor(Uint64, cute.make_layout(self.sort_size), byte_alignment=16)
+        # lean: the lo word of item i of thread t at i*T + t (conflict-free).
+        slo = smem.allocate_tensor(Uint32, cute.make_layout(self.lo_size), byte_alignment=16)
 
         # ---- 1. keys in registers, as two 32-bit words -------------------------------------
         # hi: order-preserving score bits; lo: 0xFFFFFFFF - id. Invalid: hi = lo = 0. A valid key
         # always has hi != 0 (hi == 0 would need score bits 0xFFFFFFFF, a NaN). Passes over the
         # score bits then touch only the hi words (32-bit ops, half the work of 64-bit keys).
         khi = cute.make_rmem_tensor((self.items,), Uint32)
-        klo = cute.make_rmem_tensor((self.items,), Uint32)
+        klo = cute.make_rmem_tensor((1 if const_expr(self.lean) else self.items,), Uint32)
         nloc = Int32(0)
         for i in cutlass.range_constexpr(self.items):
             j = i * T + tid
@@ -167,7 +236,10 @@ class StableTopKKernel:
                 hi = Uint32(cutlass.select_(ok, sb ^ flip, Uint32(0)))
                 lo = Uint32(cutlass.select_(ok, Uint32(ALL) - idu, Uint32(0)))
             khi[i] = hi
-            klo[i] = lo
+            if const_expr(self.lean):
+                slo[i * T + tid] = lo
+            else:
+                klo[i] = lo
             nloc = nloc + Int32(hi != Uint32(0))
 
         # ---- 2. count valid keys, reset state --------------------------------------------------
@@ -212,6 +284,18 @@ class StableTopKKernel:
                         if match:
                             digit = Int32((hi >> Uint32(sh)) & Uint32(NUM_BINS - 1))
                             cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
+                    elif const_expr(self.lean):
+                        # Only keys whose score word equals the threshold read their lo word.
+                        match = match & (hi == phi)
+                        if match:
+                            lo = slo[i * T + tid]
+                            mlo = Boolean(True)
+                            if const_expr(d > 4):
+                                lm = const_expr((ALL << (32 - RADIX_BITS * (d - 4))) & ALL)
+                                mlo = (lo & Uint32(lm)) == plo
+                            if mlo:
+                                digit = Int32((lo >> Uint32(sh)) & Uint32(NUM_BINS - 1))
+                                cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
                     else:
                         lo = klo[i]
                         match = match & (hi == phi)
@@ -275,7 +359,13 @@ class StableTopKKernel:
         lm = Uint32(cutlass.select_(last < 4, Uint32(0), lm))
         for i in cutlass.range_constexpr(self.items):
             hi = khi[i]
-            lo = klo[i]
+            if const_expr(self.lean):
+                # Only a key whose score word reaches the threshold can win: read its lo word.
+                lo = Uint32(0)
+                if (hi != Uint32(0)) & ((hi & hm) >= phi):
+                    lo = slo[i * T + tid]
+            else:
+                lo = klo[i]
             mh = hi & hm
             ml = lo & lm
             valid = hi != Uint32(0)
@@ -323,9 +413,12 @@ class StableTopKKernel:
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(world: int, kloc: int, k: int, sorted_: bool, tvm_ffi: bool, small: bool = True) -> Any:
+def _compiled(
+    world: int, kloc: int, k: int, sorted_: bool, tvm_ffi: bool, small: bool = True, variant: str = "regs",
+    threads: int = 0, min_ctas: int = 0,
+) -> Any:
     """Compile once per shape configuration (tracing takes milliseconds; launching microseconds)."""
-    kern = StableTopKKernel(world, kloc, k, sorted_, small)
+    kern = StableTopKKernel(world, kloc, k, sorted_, small, variant, threads, min_ctas)
     cand = cute.runtime.make_fake_compact_tensor(Int64, (cute.sym_int64(),), assumed_align=8)
     out = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int64(),), assumed_align=4)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
@@ -335,12 +428,14 @@ def _compiled(world: int, kloc: int, k: int, sorted_: bool, tvm_ffi: bool, small
     return cute.compile(kern, cand, out, Int32(1), stream)
 
 
-def compile_to_ptx(world: int, kloc: int, k: int, sorted: bool, dump_dir: str, small: bool = True) -> str:  # noqa: A002
+def compile_to_ptx(
+    world: int, kloc: int, k: int, sorted: bool, dump_dir: str, small: bool = True, variant: str = "regs",  # noqa: A002
+) -> str:
     """Compile one configuration (uncached) and return its PTX text — the CPU CI check.
 
     Needs ``CUTE_DSL_ARCH=sm_90a`` in the environment (no GPU is needed); ``dump_dir`` must exist.
     """
-    kern = StableTopKKernel(int(world), int(kloc), int(k), bool(sorted), bool(small))
+    kern = StableTopKKernel(int(world), int(kloc), int(k), bool(sorted), bool(small), variant)
     cand = cute.runtime.make_fake_compact_tensor(Int64, (cute.sym_int64(),), assumed_align=8)
     out = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int64(),), assumed_align=4)
     stream = cutlass.runtime.make_fake_stream()
@@ -353,13 +448,19 @@ def compile_to_ptx(world: int, kloc: int, k: int, sorted: bool, dump_dir: str, s
 
 
 def compile_stable_topk(
-    world: int, kloc: int, k: int, sorted: bool = False, tvm_ffi: bool = False, small: bool = True  # noqa: A002
+    world: int, kloc: int, k: int, sorted: bool = False, tvm_ffi: bool = False, small: bool = True,  # noqa: A002
+    variant: str | None = None, config: tuple[int, int] | None = None,
 ) -> Any:
     """The compiled kernel for one configuration (cached). Works without a GPU (sm_90a).
 
-    ``small``: the caller guarantees ``W*rows*K < 2**31`` (32-bit offsets).
+    ``small``: the caller guarantees ``W*rows*K < 2**31`` (32-bit offsets). ``variant``:
+    ``"regs"`` / ``"lean"`` (``None``: :func:`default_variant`). ``config``: ``(threads,
+    min_ctas)`` override (benchmarking; threads a multiple of 32 in [256, 1024]).
     """
-    return _compiled(int(world), int(kloc), int(k), bool(sorted), bool(tvm_ffi), bool(small))
+    if variant is None:
+        variant = default_variant(world, kloc, k, sorted)
+    threads, min_ctas = (0, 0) if config is None else (int(config[0]), int(config[1]))
+    return _compiled(int(world), int(kloc), int(k), bool(sorted), bool(tvm_ffi), bool(small), variant, threads, min_ctas)
 
 
 def stable_topk_cutedsl(
@@ -369,6 +470,8 @@ def stable_topk_cutedsl(
     out: torch.Tensor | None = None,
     tvm_ffi: bool | None = None,
     validate: bool = False,
+    variant: str | None = None,
+    config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Launch the stable top-K on the all-gathered candidates (CUDA only).
 
@@ -382,6 +485,9 @@ def stable_topk_cutedsl(
         validate: check the id values on the host first (one sync; ValueError as in the
             reference). Off by default: the hot path checks shapes/dtypes/devices only, and the
             kernel treats a negative id or a NaN score as invalid.
+        variant: ``"regs"`` or ``"lean"`` (same result; see :class:`StableTopKKernel`);
+            ``None``: :func:`default_variant` for the shape.
+        config: ``(threads, min_ctas)`` override of the CTA configuration (benchmarking only).
     Returns:
         int32 ``[rows, k]`` (``out`` when given).
     """
@@ -389,6 +495,8 @@ def stable_topk_cutedsl(
 
     check_tensor(gathered, "gathered", dtypes=(torch.float32,), ndim=(3, 4))
     k = check_int_scalar(k, "k", min_value=1)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if gathered.shape[-1] != 2:
         raise ValueError(f"gathered must end in a (score, id) dimension of size 2, got shape {tuple(gathered.shape)}")
     if gathered.ndim == 3:
@@ -423,7 +531,7 @@ def stable_topk_cutedsl(
         raise ValueError("gathered must be 8-byte aligned")
     small = world * rows * kloc < 2**31
     ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
-    fn = compile_stable_topk(world, kloc, k, sorted, ffi, small)
+    fn = compile_stable_topk(world, kloc, k, sorted, ffi, small, variant, config)
     words = gathered.view(torch.int64).reshape(-1)
     flat = out.view(-1)
     if ffi:

@@ -417,14 +417,20 @@ def test_triton_pack_errors_and_masking(kernel_device):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world,kloc,k,sorted_", [(3, 7, 5, False), (2, 5, 4, True)])
-def test_cutedsl_compiles_to_sm90a_ptx(world, kloc, k, sorted_):
+@pytest.mark.parametrize("variant", ["regs", "lean"])
+@pytest.mark.parametrize("world,kloc,k,sorted_", [(3, 7, 5, False), (2, 5, 4, True), (8, 2048, 2048, False)])
+def test_cutedsl_compiles_to_sm90a_ptx(world, kloc, k, sorted_, variant):
     pytest.importorskip("cutlass")
-    from dcp_ref.kernels.topk_cutedsl import compile_to_ptx
+    from dcp_ref.kernels.topk_cutedsl import compile_to_ptx, lean_config
 
     with tempfile.TemporaryDirectory() as d:
-        ptx = compile_to_ptx(world, kloc, k, sorted_, d)
+        ptx = compile_to_ptx(world, kloc, k, sorted_, d, variant=variant)
     assert re.search(r"^\.target sm_90a", ptx, re.M), ptx[:300]
+    if variant == "lean":
+        threads, min_ctas = lean_config(world * kloc, sorted_)
+        assert f".reqntid {threads}, 1, 1" in ptx
+        # The register cap that lets min_ctas CTAs share an SM (unsorted, <= 16 words per thread).
+        assert (f".minnctapersm {min_ctas}" in ptx) == (min_ctas > 1) and min_ctas == (0 if sorted_ else 2048 // threads)
     assert ".entry" in ptx
     assert "shfl.sync.up" in ptx  # the warp-shuffle scan
     assert re.search(r"atom\.shared|red\.shared", ptx)  # shared-memory histogram / counters
@@ -489,21 +495,26 @@ def make_gpu_cases(W: int, K: int, rows: int, seed: int, device: torch.device) -
 
 @pytest.mark.gpu
 def test_cutedsl_differential_10k_cases(cuda_device):
-    from dcp_ref.kernels.topk_cutedsl import stable_topk_cutedsl
+    """Every variant on every config (the same inputs), against the torch reference."""
+    from dcp_ref.kernels.topk_cutedsl import VARIANTS, stable_topk_cutedsl
 
     total = 0
+    failures = []
     for c, (W, K, k, sorted_, rows) in enumerate(GPU_CONFIGS):
         g = make_gpu_cases(W, K, rows, 1000 + c, cuda_device)
-        out = torch.full((rows, k), 12345, dtype=torch.int32, device=cuda_device)  # poison
-        got = stable_topk_cutedsl(g, k, sorted=sorted_, out=out)
         want = stable_topk(g, k, sorted=True)
-        if sorted_:
-            bad = (got != want).any(1)
-        else:
-            bad = (torch.sort(got, 1).values != torch.sort(want, 1).values).any(1)
-        nbad = int(bad.sum())
-        assert nbad == 0, f"config {(W, K, k, sorted_)}: {nbad} mismatching rows, first {int(bad.nonzero()[0])}"
+        for variant in VARIANTS:
+            out = torch.full((rows, k), 12345, dtype=torch.int32, device=cuda_device)  # poison
+            got = stable_topk_cutedsl(g, k, sorted=sorted_, out=out, variant=variant)
+            if sorted_:
+                bad = (got != want).any(1)
+            else:
+                bad = (torch.sort(got, 1).values != torch.sort(want, 1).values).any(1)
+            nbad = int(bad.sum())
+            if nbad:
+                failures.append(f"{variant} {(W, K, k, sorted_)}: {nbad} mismatching rows, first {int(bad.nonzero()[0])}")
         total += rows
+    assert not failures, failures
     assert total >= 10_000
 
 
@@ -518,8 +529,9 @@ def test_cutedsl_spot_check_against_brute_force(cuda_device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [None, "regs", "lean"])
 @pytest.mark.parametrize("tvm_ffi", [False, True])
-def test_cutedsl_cuda_graph_capture_and_replay(cuda_device, tvm_ffi):
+def test_cutedsl_cuda_graph_capture_and_replay(cuda_device, tvm_ffi, variant):
     from dcp_ref.kernels.topk_cutedsl import stable_topk_cutedsl
 
     if tvm_ffi:
@@ -529,11 +541,11 @@ def test_cutedsl_cuda_graph_capture_and_replay(cuda_device, tvm_ffi):
     static_out = torch.empty((rows, k), dtype=torch.int32, device=cuda_device)
     for sorted_ in (False, True):
         # compile + warm up outside the capture
-        stable_topk_cutedsl(static_in, k, sorted=sorted_, out=static_out, tvm_ffi=tvm_ffi)
+        stable_topk_cutedsl(static_in, k, sorted=sorted_, out=static_out, tvm_ffi=tvm_ffi, variant=variant)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            stable_topk_cutedsl(static_in, k, sorted=sorted_, out=static_out, tvm_ffi=tvm_ffi)
+            stable_topk_cutedsl(static_in, k, sorted=sorted_, out=static_out, tvm_ffi=tvm_ffi, variant=variant)
         for seed in (11, 12, 13):
             static_in.copy_(make_gpu_cases(W, K, rows, seed, cuda_device))
             static_out.fill_(12345)
@@ -602,8 +614,18 @@ def test_cutedsl_wrapper_rejects_bad_input_without_a_gpu():
         stable_topk_cutedsl(torch.zeros(9, 1, 4096, 2), 4)
     with pytest.raises(ValueError, match="sorted=True supports"):
         stable_topk_cutedsl(torch.zeros(2, 1, 4096, 2), 5000, sorted=True)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        stable_topk_cutedsl(torch.zeros(2, 1, 4, 2), 2, variant="fast")
     # CTA size: >= 256 threads (one per histogram bin), <= 1024, ~16 keys per thread.
     assert [threads_for(n) for n in (1, 4096, 4097, 16384, 32768)] == [256, 256, 512, 1024, 1024]
+    from dcp_ref.kernels.topk_cutedsl import default_variant, lean_config
+
+    # lean: a full SM of 32-register threads when <= 16 score words per thread and unsorted.
+    assert [lean_config(n) for n in (1, 4096, 8192, 16384, 16385)] == [(256, 8), (256, 8), (512, 4), (1024, 2), (1024, 0)]
+    assert lean_config(16384, True) == (1024, 0)
+    # Default (by measurement on the H200): lean for unsorted 8192 <= N <= 16384, else regs.
+    assert [default_variant(w, 2048, 2048, False) for w in (2, 4, 8)] == ["regs", "lean", "lean"]
+    assert default_variant(8, 2048, 2048, True) == "regs" and default_variant(8, 4096, 4096, False) == "regs"
 
 
 def test_backend_merge_matches_reference_on_cpu():
