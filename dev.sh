@@ -33,7 +33,10 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   lab)
     setup
-    exec "$VENV/bin/jupyter" lab notebooks/00_overview.ipynb "$@" ;;
+    extra=()
+    # Jupyter refuses to start as root without this flag (containers, cloud shells).
+    [ "$(id -u)" = 0 ] && extra+=(--allow-root)
+    exec "$VENV/bin/jupyter" lab "${extra[@]}" notebooks/00_overview.ipynb "$@" ;;
   test)
     setup
     export PYTHONHASHSEED=0 MPLBACKEND=Agg
