@@ -24,9 +24,11 @@ checked against the reference before timing. Medians (and 20/80 % quantiles) of
 
     python benchmarks/bench_topk.py --variants --rows 128,1024 --worlds 2,4,8 --K 2048 --out v.json
 
-compares the kernel variants only (``regs`` / ``lean``, and the lean CTA configurations in
-``VARIANT_CONFIGS``): correctness (unsorted and sorted, poisoned outputs) and CUDA-graph device
-time of each, on the same inputs, one after another.
+compares the kernel variants only (``regs`` / ``lean`` / ``leanp``, and the extra lean CTA
+configurations in ``EXTRA_LEAN``): correctness (unsorted and sorted, poisoned outputs) and
+CUDA-graph device time of each, on the same inputs, one after another. ``--variant-list
+regs,lean,leanp`` picks variants, ``--no-extra`` drops the extra lean configurations and
+``--no-sorted`` the sorted kernels (fewer compilations in a short device session).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def graph_time(fn, reps: int = 20) -> dict:
 
 
 # (variant, (threads, min_ctas) or None = the variant's own choice); extra lean CTA shapes at N.
-VARIANT_CONFIGS = [("regs", None), ("lean", None)]
+VARIANT_CONFIGS = [("regs", None), ("lean", None), ("leanp", None)]
 EXTRA_LEAN = {16384: [(512, 2), (1024, 0)]}
 
 
@@ -110,24 +112,33 @@ def variants_main(args: argparse.Namespace, meta: dict) -> None:
                 want_set = torch.sort(want, 1).values
                 out = torch.empty((rows, k), dtype=torch.int32, device="cuda")
                 outs = torch.empty_like(out)
-                confs = VARIANT_CONFIGS + [("lean", c) for c in EXTRA_LEAN.get(w * K, [])]
-                for variant, conf in confs:
+                wanted = args.variant_list.split(",")
+                confs = [vc for vc in VARIANT_CONFIGS if vc[0] in wanted]
+                if not args.no_extra:
+                    confs += [("lean", c) for c in EXTRA_LEAN.get(w * K, [])]
+                # --repeat: the same configurations again, in reverse order every other round.
+                rounds = [(i, c) for i in range(args.repeat) for c in (confs if i % 2 == 0 else confs[::-1])]
+                for rnd, (variant, conf) in rounds:
                     out.fill_(12345)
                     outs.fill_(12345)
                     stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, variant=variant, config=conf)
-                    stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, variant=variant, config=conf)
                     ok = torch.equal(torch.sort(out, 1).values, want_set)
-                    ok_sorted = torch.equal(outs, want)
+                    ok_sorted = None
+                    if not args.no_sorted:
+                        stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, variant=variant, config=conf)
+                        ok_sorted = torch.equal(outs, want)
                     rec = {"rows": rows, "W": w, "K": K, "k": k, "variant": variant,
-                           "config": list(conf) if conf else list(lean_config(w * K)) if variant == "lean" else None,
-                           "correct": ok, "correct_sorted": ok_sorted}
+                           "config": list(conf) if conf else list(lean_config(w * K)) if variant != "regs" else None,
+                           "correct": ok, "correct_sorted": ok_sorted, "round": rnd}
                     f = lambda: stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, variant=variant, config=conf)  # noqa: E731
                     fs = lambda: stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, variant=variant, config=conf)  # noqa: E731
                     rec["graph"] = graph_time(f)
-                    rec["sorted_graph"] = graph_time(fs)
+                    if not args.no_sorted and rnd == 0:
+                        rec["sorted_graph"] = graph_time(fs)
                     results.append(rec)
-                    print(f"rows={rows:5d} W={w} K={K} {variant:4s} {str(rec['config']):12s} ok={ok}/{ok_sorted} "
-                          f"graph={rec['graph']['median_us']:7.1f} sorted={rec['sorted_graph']['median_us']:7.1f}", flush=True)
+                    sg = rec.get("sorted_graph", {}).get("median_us", float("nan"))
+                    print(f"rows={rows:5d} W={w} K={K} {variant:5s} {str(rec['config']):12s} ok={ok}/{ok_sorted} "
+                          f"graph={rec['graph']['median_us']:7.1f} sorted={sg:7.1f}", flush=True)
                     with open(args.out, "w") as fh:  # written after every record: a cut run keeps what it has
                         json.dump({"meta": meta, "variants": results}, fh, indent=1)
 
@@ -141,6 +152,10 @@ def main() -> None:
     ap.add_argument("--rows", default="128,1024")
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--K", default="2048")
+    ap.add_argument("--variant-list", default="regs,lean,leanp", help="--variants: which kernel variants")
+    ap.add_argument("--no-extra", action="store_true", help="--variants: skip the extra lean CTA configurations")
+    ap.add_argument("--no-sorted", action="store_true", help="--variants: skip the sorted kernels")
+    ap.add_argument("--repeat", type=int, default=1, help="--variants: time every shape this many times, interleaved")
     args = ap.parse_args()
     import cutlass
 
