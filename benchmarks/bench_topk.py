@@ -24,10 +24,10 @@ checked against the reference before timing. Medians (and 20/80 % quantiles) of
 
     python benchmarks/bench_topk.py --variants --rows 128,1024 --worlds 2,4,8 --K 2048 --out v.json
 
-compares the kernel variants only (``regs`` / ``lean`` / ``leanp``, and the extra lean CTA
+compares the kernel variants only (``regs`` / ``lean``, and the extra lean CTA
 configurations in ``EXTRA_LEAN``): correctness (unsorted and sorted, poisoned outputs) and
 CUDA-graph device time of each, on the same inputs, one after another. ``--variant-list
-regs,lean,leanp`` picks variants, ``--no-extra`` drops the extra lean configurations and
+regs,lean`` picks variants, ``--no-extra`` drops the extra lean configurations and
 ``--no-sorted`` the sorted kernels (fewer compilations in a short device session).
 """
 
@@ -93,7 +93,7 @@ def graph_time(fn, reps: int = 20) -> dict:
 
 
 # (variant, (threads, min_ctas) or None = the variant's own choice); extra lean CTA shapes at N.
-VARIANT_CONFIGS = [("regs", None), ("lean", None), ("leanp", None)]
+VARIANT_CONFIGS = [("regs", None), ("lean", None)]
 EXTRA_LEAN = {16384: [(512, 2), (1024, 0)]}
 
 
@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--rows", default="128,1024")
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--K", default="2048")
-    ap.add_argument("--variant-list", default="regs,lean,leanp", help="--variants: which kernel variants")
+    ap.add_argument("--variant-list", default="regs,lean", help="--variants: which kernel variants")
     ap.add_argument("--no-extra", action="store_true", help="--variants: skip the extra lean CTA configurations")
     ap.add_argument("--no-sorted", action="store_true", help="--variants: skip the sorted kernels")
     ap.add_argument("--repeat", type=int, default=1, help="--variants: time every shape this many times, interleaved")

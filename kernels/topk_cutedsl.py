@@ -32,9 +32,7 @@ parks the ``lo`` words in shared memory (``4*N`` bytes), read back only by the i
 the commit, for the keys whose ``hi`` reaches the threshold. At <= 16 words per thread the kernel
 then fits in 32 registers (ptxas ``minctasm``), so ``2048 / T`` CTAs share an SM and one row's
 loads overlap another's histogram passes: at rows = 1024, W = 8, K = k = 2048 this took 96 µs
-to 70 µs. ``"leanp"`` is lean with a privatized pass-0 histogram (tried: exact, but slower
-everywhere measured, 70 -> 77.5 µs there; never a default). :func:`default_variant` picks one by
-shape; ``variant=`` forces one.
+to 70 µs. :func:`default_variant` picks one by shape; ``variant=`` forces one.
 
 Any ``k >= 1`` and any candidate count up to the limit below work (the tail is masked); the sorted
 variant needs ``next_pow2(min(k, N)) * 8`` bytes of shared memory. Compiled kernels are
@@ -84,7 +82,7 @@ MAX_SORTED_WINNERS = 4096
 #: Candidates per row (``W*K``): keys live in registers, at most 32 per thread (tested size).
 MAX_CANDIDATES = 32768
 #: Kernel variants (see :class:`StableTopKKernel`); ``None`` in the wrappers picks by shape.
-VARIANTS = ("regs", "lean", "leanp")
+VARIANTS = ("regs", "lean")
 
 
 def threads_for(n: int) -> int:
@@ -117,9 +115,8 @@ def default_variant(world: int, kloc: int, k: int, sorted: bool) -> str:  # noqa
     ``"lean"`` for unsorted selection over ``8192 <= N <= 16384`` candidates per row, where it was
     faster on the H200 (CUDA graph, k = K = 2048, rows = 1024: W = 4 44.5 -> 38.2 µs, W = 8
     96.2 -> 70.0 µs; equal at rows = 128); ``"regs"`` elsewhere: slower at N = 4096 (W = 2:
-    18.4 -> 19.1 µs) and no faster sorted (``benchmarks/results/topk.md``). ``"leanp"`` is never
-    chosen: slower than lean at every measured shape (rows = 1024, W = 8: 69.7 -> 77.5 µs). All
-    variants pass the same GPU differential test, so the choice changes speed only.
+    18.4 -> 19.1 µs) and no faster sorted (``benchmarks/results/topk.md``). Both variants pass
+    the same GPU differential test, so the choice changes speed only.
     """
     n = world * kloc
     return "lean" if not sorted and 8192 <= n <= 16384 else "regs"
@@ -148,18 +145,6 @@ class StableTopKKernel:
       whose ``hi`` reaches the threshold). Half the key registers lets ptxas fit the kernel under
       a ``minctasm`` register cap (``min_ctas`` CTAs per SM), so the loads of one row overlap the
       histogram passes of another. See :func:`lean_config`.
-    * ``"leanp"`` — ``"lean"`` with a privatized histogram for pass 0 (the top 8 score bits).
-      With normal scores nearly all keys fall into ~6 top-digit bins, and bins ``b`` and
-      ``b + 128`` (the two signs) share a bank, so a warp's histogram atomic of pass 0 serializes
-      ~10-20 ways. Here pass 0 counts into ``C = T / 32`` copies of the histogram, interleaved
-      (bin ``b``, copy ``c`` at ``b*C + c``; lane ``l`` uses copy ``l % C``): at T = 1024 every
-      lane of a warp hits its own bank, whatever the digits. The 256 scan threads sum the ``C``
-      copies of their bin (rotated start: conflict-free) in the scan's first step, so no barrier
-      is added. ``C*1 KiB`` more shared memory (32 / 16 / 8 KiB at T = 1024 / 512 / 256) keeps
-      the ``min_ctas`` CTAs of :func:`lean_config` within an SM's 228 KiB. Passes 1-7 as lean.
-      Measured slower than lean everywhere (H200, k = K = 2048: rows = 1024, W = 8 69.7 -> 77.5
-      µs; rows = 128, W = 8 12.4 -> 13.2 µs): the extra zeroing and summing cost more than the
-      contended atomics; kept selectable, not a default.
     """
 
     def __init__(
@@ -174,8 +159,7 @@ class StableTopKKernel:
         self.k = k
         self.sorted_ = sorted_
         self.small = small
-        self.lean = variant in ("lean", "leanp")
-        self.priv = variant == "leanp"
+        self.lean = variant == "lean"
         if self.lean and not threads:
             threads, min_ctas = lean_config(self.n, sorted_)
         self.threads = threads if threads else threads_for(self.n)
@@ -184,9 +168,6 @@ class StableTopKKernel:
         self.warps = self.threads // 32
         self.sort_size = _next_pow2(min(k, self.n)) if sorted_ else 1
         self.lo_size = self.items * self.threads if self.lean else 1
-        # leanp: histogram copies of pass 0 (one per lane at T = 1024; see the class docstring).
-        # (A power of two: the copy is lane % C.)
-        self.copies = 1 << ((self.threads // 32).bit_length() - 1) if self.priv else 1
 
     @cute.jit
     def __call__(self, cand: cute.Tensor, out: cute.Tensor, rows: Int32, stream: Any) -> None:
@@ -224,9 +205,6 @@ class StableTopKKernel:
         skeys = smem.allocate_tensor(Uint64, cute.make_layout(self.sort_size), byte_alignment=16)
         # lean: the lo word of item i of thread t at i*T + t (conflict-free).
         slo = smem.allocate_tensor(Uint32, cute.make_layout(self.lo_size), byte_alignment=16)
-        # leanp: pass 0's C interleaved histogram copies, bin b / copy c at b*C + c.
-        C = const_expr(self.copies)
-        ph = smem.allocate_tensor(Int32, cute.make_layout(NUM_BINS * C if const_expr(self.priv) else 1), byte_alignment=16)
 
         # ---- 1. keys in registers, as two 32-bit words -------------------------------------
         # hi: order-preserving score bits; lo: 0xFFFFFFFF - id. Invalid: hi = lo = 0. A valid key
@@ -269,9 +247,6 @@ class StableTopKKernel:
             st[tid] = Int32(0)
         for x in cutlass.range(tid, 2 * NUM_BINS, T):
             hist[x] = Int32(0)
-        if const_expr(self.priv):
-            for x in cutlass.range(tid, NUM_BINS * C, T):
-                ph[x] = Int32(0)
         cute.arch.sync_threads()
         cute.arch.atomic_add(st.iterator + 2, nloc)
         cute.arch.sync_threads()
@@ -308,11 +283,7 @@ class StableTopKKernel:
                             match = match & ((hi & Uint32(hm)) == phi)
                         if match:
                             digit = Int32((hi >> Uint32(sh)) & Uint32(NUM_BINS - 1))
-                            if const_expr(self.priv and d == 0):
-                                # Lane l counts into copy l % C: no bank shared within a warp (C = 32).
-                                cute.arch.atomic_add(ph.iterator + digit * C + (lane & (C - 1)), Int32(1))
-                            else:
-                                cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
+                            cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
                     elif const_expr(self.lean):
                         # Only keys whose score word equals the threshold read their lo word.
                         match = match & (hi == phi)
@@ -338,16 +309,7 @@ class StableTopKKernel:
                 if tid < NUM_BINS:
                     # Thread t looks at bin 255-t: an inclusive prefix sum over t counts the
                     # keys in this bin or above. Warp scan with shuffles, then warp totals.
-                    if const_expr(self.priv and d == 0):
-                        # Sum bin pb's C copies, starting at copy pb % C (lanes = consecutive bins:
-                        # distinct banks), and leave the total where the second step reads it.
-                        pb = Int32(NUM_BINS - 1) - tid
-                        cnt = Int32(0)
-                        for c in cutlass.range_constexpr(C):
-                            cnt = cnt + ph[pb * C + ((pb + c) & (C - 1))]
-                        hist[cur + pb] = cnt
-                    else:
-                        cnt = hist[cur + NUM_BINS - 1 - tid]
+                    cnt = hist[cur + NUM_BINS - 1 - tid]
                     incl = cnt
                     for s in cutlass.range_constexpr(5):
                         other = cute.arch.shuffle_sync_up(incl, 1 << s, mask_and_clamp=0)
@@ -492,7 +454,7 @@ def compile_stable_topk(
     """The compiled kernel for one configuration (cached). Works without a GPU (sm_90a).
 
     ``small``: the caller guarantees ``W*rows*K < 2**31`` (32-bit offsets). ``variant``:
-    ``"regs"`` / ``"lean"`` / ``"leanp"`` (``None``: :func:`default_variant`). ``config``: ``(threads,
+    ``"regs"`` / ``"lean"`` (``None``: :func:`default_variant`). ``config``: ``(threads,
     min_ctas)`` override (benchmarking; threads a multiple of 32 in [256, 1024]).
     """
     if variant is None:
@@ -523,7 +485,7 @@ def stable_topk_cutedsl(
         validate: check the id values on the host first (one sync; ValueError as in the
             reference). Off by default: the hot path checks shapes/dtypes/devices only, and the
             kernel treats a negative id or a NaN score as invalid.
-        variant: ``"regs"``, ``"lean"`` or ``"leanp"`` (same result; see :class:`StableTopKKernel`);
+        variant: ``"regs"`` or ``"lean"`` (same result; see :class:`StableTopKKernel`);
             ``None``: :func:`default_variant` for the shape.
         config: ``(threads, min_ctas)`` override of the CTA configuration (benchmarking only).
     Returns:

@@ -417,7 +417,7 @@ def test_triton_pack_errors_and_masking(kernel_device):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["regs", "lean", "leanp"])
+@pytest.mark.parametrize("variant", ["regs", "lean"])
 @pytest.mark.parametrize("world,kloc,k,sorted_", [(3, 7, 5, False), (2, 5, 4, True), (8, 2048, 2048, False)])
 def test_cutedsl_compiles_to_sm90a_ptx(world, kloc, k, sorted_, variant):
     pytest.importorskip("cutlass")
@@ -426,7 +426,7 @@ def test_cutedsl_compiles_to_sm90a_ptx(world, kloc, k, sorted_, variant):
     with tempfile.TemporaryDirectory() as d:
         ptx = compile_to_ptx(world, kloc, k, sorted_, d, variant=variant)
     assert re.search(r"^\.target sm_90a", ptx, re.M), ptx[:300]
-    if variant in ("lean", "leanp"):
+    if variant == "lean":
         threads, min_ctas = lean_config(world * kloc, sorted_)
         assert f".reqntid {threads}, 1, 1" in ptx
         # The register cap that lets min_ctas CTAs share an SM (unsorted, <= 16 words per thread).
