@@ -110,6 +110,20 @@ def check_tensor(
     return t
 
 
+def check_lse_base(base: object, name: str = "base") -> str:
+    """An LSE base is ``"e"`` (natural log) or ``"2"`` (what exp2-based kernels return)."""
+    if base not in ("e", "2"):
+        raise ValueError(f"{name} must be 'e' or '2', got {base!r}")
+    return base  # type: ignore[return-value]
+
+
+def triton_interpreting() -> bool:
+    """True when ``TRITON_INTERPRET`` asks for Triton's CPU interpreter (read from the environment)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
     """All given tensors must live on one device; return it."""
     devices = {name: t.device for name, t in tensors.items()}

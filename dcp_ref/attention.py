@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_same_device, check_tensor
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_lse_base, check_same_device, check_tensor
 
 __all__ = ["KV_LORA_RANK", "QK_ROPE_DIM", "MLA_HEAD_DIM", "sparse_mla_attention"]
 
@@ -38,12 +38,6 @@ MLA_HEAD_DIM = KV_LORA_RANK + QK_ROPE_DIM  #: 576, the absorbed query / cache ro
 # Rows are processed in chunks so that the gathered [rows, K, 576] float64 tensor stays small
 # (T=128, K=2048 at once would be 1.2 GB).
 _GATHER_BUDGET_ELEMS = 1 << 24
-
-
-def _check_lse_base(lse_base: object, name: str = "lse_base") -> str:
-    if lse_base not in ("e", "2"):
-        raise ValueError(f"{name} must be 'e' or '2', got {lse_base!r}")
-    return lse_base  # type: ignore[return-value]
 
 
 def sparse_mla_attention(
@@ -78,7 +72,7 @@ def sparse_mla_attention(
     Raises:
         TypeError / ValueError naming the argument on a wrong dtype, shape, device or range.
     """
-    base = _check_lse_base(lse_base)
+    base = check_lse_base(lse_base, "lse_base")
     check_tensor(q, "q", dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(kv_cache, "kv_cache", dtypes=FLOAT_DTYPES, ndim=(2, 3))
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)

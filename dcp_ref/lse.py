@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import torch
 
-from ._checks import FLOAT_DTYPES, check_int_scalar, check_same_device, check_tensor
+from ._checks import FLOAT_DTYPES, check_int_scalar, check_lse_base, check_same_device, check_tensor
 from .group import Group
 
 __all__ = [
@@ -51,12 +51,6 @@ __all__ = [
 ]
 
 LN2 = math.log(2.0)  #: ``lse_e = lse_2 * LN2``
-
-
-def _check_base(base: object, name: str = "base") -> str:
-    if base not in ("e", "2"):
-        raise ValueError(f"{name} must be 'e' or '2', got {base!r}")
-    return base  # type: ignore[return-value]
 
 
 def lse_base2_to_e(lse: torch.Tensor) -> torch.Tensor:
@@ -148,7 +142,7 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor, base: str = "e") -> t
         ``lses.dtype`` and ``base``. Ranks with an invalid LSE contribute exactly 0 (a NaN output
         of an empty rank never leaks). When every rank is empty: ``out = 0``, ``lse = -inf``.
     """
-    b = _check_base(base)
+    b = check_lse_base(base)
     _check_partials(outs, lses)
     w, merged = _weights(lses, b)
     o64 = outs.to(torch.float64)
@@ -162,7 +156,7 @@ def merge_partials_naive_add(outs: torch.Tensor, lses: torch.Tensor, base: str =
     outputs without rescaling them (the LSE returned is the correct merged one).
     Never use it for real outputs.
     """
-    b = _check_base(base)
+    b = check_lse_base(base)
     _check_partials(outs, lses)
     _, merged = _weights(lses, b)
     return outs.to(torch.float64).sum(0).to(outs.dtype), merged.to(lses.dtype)
@@ -184,7 +178,7 @@ def correct_partial(
         ``(corrected [T, H, D] in out.dtype, merged lse [T, H] in all_lses.dtype)``.
         ``sum_r correct_partial(o_r, L, r)[0] == merge_partials(stack(o), L)[0]``.
     """
-    b = _check_base(base)
+    b = check_lse_base(base)
     check_tensor(out, "out", dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(all_lses, "all_lses", dtypes=FLOAT_DTYPES, ndim=3)
     check_same_device(out=out, all_lses=all_lses)
@@ -217,7 +211,7 @@ def dcp_merge_collective(
         ``(out_shard [T, H/W, D] in out.dtype, lse_shard [T, H/W] in lse.dtype)``: the merged
         output and LSE of this rank's heads. ``H`` must be divisible by ``W``.
     """
-    b = _check_base(base)
+    b = check_lse_base(base)
     check_tensor(out, "out", dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(lse, "lse", dtypes=FLOAT_DTYPES, ndim=2)
     check_same_device(out=out, lse=lse)

@@ -169,7 +169,7 @@ def dcp_decode_step(
     # 3. stable global top-K across ranks: identical on every rank
     global_ids = merge_topk_global(group, shard.index_scores, local_ids, topk, interleave)
     # 4. global ids -> this rank's physical slots, compacted to the front
-    req_of_token = torch.arange(seq_lens.numel()).repeat_interleave(next_n)
+    req_of_token = torch.arange(seq_lens.numel(), device=seq_lens.device).repeat_interleave(next_n)
     slots, counts = deinterleave_and_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
     # 5. attention over the local slots, then the LSE merge across ranks
     out, lse = sparse_mla_attention(q, shard.kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim or q.shape[-1])

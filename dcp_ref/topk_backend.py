@@ -16,12 +16,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 
 import torch
 
 from . import topk as _ref
-from ._checks import check_int_scalar
+from ._checks import check_int_scalar, triton_interpreting
 
 __all__ = ["BACKENDS", "resolve_backend", "pack_candidates", "stable_topk", "merge_topk_global"]
 
@@ -32,10 +31,6 @@ BACKENDS = ("auto", "cutedsl", "triton", "torch")
 @functools.lru_cache(maxsize=None)
 def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +55,7 @@ def resolve_backend(backend: str, device: torch.device, op: str = "stable_topk")
     if backend == "triton":
         if not _has_module("triton"):
             raise ValueError("backend='triton' needs the triton package")
-        if not cuda and not _interpreting():
+        if not cuda and not triton_interpreting():
             raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got device {device}")
         return "triton", ""
     if backend == "cutedsl":

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_int_scalar, check_tensor, check_world
+from dcp_ref._checks import check_int_scalar, check_tensor, check_world, triton_interpreting
 
 __all__ = [
     "deinterleave_compact",
@@ -311,7 +311,7 @@ def _check_common(token_ids, req_of_token, block_table, block_size, world_size, 
         )
     check_tensor(token_ids, "token_ids", dtypes=(torch.int32,), ndim=2)
     dev = token_ids.device
-    if dev.type != "cuda" and not _interpreting():
+    if dev.type != "cuda" and not triton_interpreting():
         raise ValueError(
             f"token_ids must be on a CUDA device (or set TRITON_INTERPRET=1 before importing this "
             f"module to run on the CPU), got {dev}"
@@ -329,12 +329,6 @@ def _check_common(token_ids, req_of_token, block_table, block_size, world_size, 
             f"{token_ids.shape[0]} rows, block_table has {block_table.shape[0]}"
         )
     return w, r, i, bs, dev
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check_out(buf, name, shape, dtype, dev):

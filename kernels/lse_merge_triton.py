@@ -36,15 +36,15 @@ set ``TRITON_INTERPRET=1`` before importing this module and pass CPU tensors.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from dcp_ref._checks import check_lse_base, triton_interpreting
+
 __all__ = ["lse_correct", "lse_merge", "lse_correct_kernel", "lse_merge_kernel"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = triton_interpreting()  # snapshot: @triton.jit read it at import, too
 _LSE_DTYPES = (torch.float32, torch.float64)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -176,12 +176,6 @@ def _check_device(device: torch.device) -> None:
         raise ValueError(f"tensors must be on a CUDA device (or CPU under TRITON_INTERPRET=1), got {device}")
 
 
-def _check_base(base: object) -> bool:
-    if base not in ("e", "2"):
-        raise ValueError(f"base must be 'e' or '2', got {base!r}")
-    return base == "2"
-
-
 def _check_block_h(block_h: object) -> int:
     if isinstance(block_h, bool) or not isinstance(block_h, int) or block_h < 1 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 1, got {block_h!r}")
@@ -231,7 +225,7 @@ def lse_correct(
         raise TypeError(f"rank must be a Python int, got {type(rank).__name__}")
     if not 0 <= rank < W:
         raise ValueError(f"rank must satisfy 0 <= rank < W={W}, got {rank}")
-    is_b2 = _check_base(base)
+    is_b2 = check_lse_base(base) == "2"
     bh = _check_block_h(block_h)
     if corrected is None:
         corrected = torch.empty_like(out)
@@ -288,7 +282,7 @@ def lse_merge(
     if W < 1:
         raise ValueError("outs must hold at least one rank (W >= 1)")
     _check(lses, "lses", _LSE_DTYPES, (W, T, H), dev)
-    is_b2 = _check_base(base)
+    is_b2 = check_lse_base(base) == "2"
     bh = _check_block_h(block_h)
     if merged is None:
         merged = torch.empty((T, H, D), dtype=outs.dtype, device=dev)

@@ -12,6 +12,7 @@ Recipe (each step fixes a source of run-to-run noise that was seen in practice):
 * keep widget state on while executing (``store_widget_state=False`` crashed nbclient), then strip
   ``metadata.widgets`` and every widget-view output entry (model ids are random; nbval's client
   never produces them anyway);
+* merge consecutive chunks of one output stream (their split depends on flush timing);
 * rewrite cell ids to a stable sequence (``cell-000``, ...) and clear per-cell execution metadata;
 * pin the notebook metadata (kernelspec, language name) so interpreter versions don't leak in;
 * environment: ``PYTHONHASHSEED=0``, ``MPLBACKEND=Agg``; the notebooks themselves seed every RNG
@@ -41,11 +42,17 @@ STABLE_METADATA = {
 
 
 def _strip_outputs(cell: nbformat.NotebookNode) -> None:
-    kept = []
+    kept: list = []
     for out in cell.get("outputs", []):
         data = out.get("data", {})
         if WIDGET_VIEW in data:
             continue  # widget views: random model ids, and nbval's client cannot reproduce them
+        if out.get("output_type") == "stream" and kept and kept[-1].get("output_type") == "stream" and kept[-1].get("name") == out.get("name"):
+            # How a cell's prints are split into stream messages depends on flush timing:
+            # merge consecutive chunks of one stream (nbval compares them merged as well).
+            prev = kept[-1]
+            prev["text"] = "".join(prev["text"]) + "".join(out["text"])
+            continue
         kept.append(out)
     cell["outputs"] = kept
 
