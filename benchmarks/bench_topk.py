@@ -97,6 +97,17 @@ VARIANT_CONFIGS = [("regs", None), ("lean", None)]
 EXTRA_LEAN = {16384: [(512, 2), (1024, 0)]}
 
 
+def parse_tuning(text: str) -> dict:
+    """``variant/first_bits[/threads/min_ctas]`` -> the kernel's keyword arguments.
+
+    e.g. ``lean/8``: the lean variant with 8-bit digits; ``regs/12``: the regs variant with a
+    12-bit first digit; ``lean/8/512/2``: a CTA configuration override.
+    """
+    parts = text.split("/")
+    nums = [int(x) for x in parts[2:]]
+    return {"variant": parts[0], "config": tuple(nums) if nums else None, "first_bits": int(parts[1])}
+
+
 def variants_main(args: argparse.Namespace, meta: dict) -> None:
     """Graph time and correctness of every kernel variant at the selected shapes."""
     from dcp_ref.kernels.topk_cutedsl import lean_config, stable_topk_cutedsl
@@ -112,32 +123,37 @@ def variants_main(args: argparse.Namespace, meta: dict) -> None:
                 want_set = torch.sort(want, 1).values
                 out = torch.empty((rows, k), dtype=torch.int32, device="cuda")
                 outs = torch.empty_like(out)
-                wanted = args.variant_list.split(",")
-                confs = [vc for vc in VARIANT_CONFIGS if vc[0] in wanted]
-                if not args.no_extra:
-                    confs += [("lean", c) for c in EXTRA_LEAN.get(w * K, [])]
+                if args.tunings:
+                    confs = [parse_tuning(t) for t in args.tunings.split(",")]
+                else:
+                    wanted = args.variant_list.split(",")
+                    confs = [{"variant": v, "config": c, "first_bits": 8} for v, c in VARIANT_CONFIGS if v in wanted]
+                    if not args.no_extra:
+                        confs += [{"variant": "lean", "config": c, "first_bits": 8} for c in EXTRA_LEAN.get(w * K, [])]
                 # --repeat: the same configurations again, in reverse order every other round.
                 rounds = [(i, c) for i in range(args.repeat) for c in (confs if i % 2 == 0 else confs[::-1])]
-                for rnd, (variant, conf) in rounds:
+                for rnd, tune in rounds:
+                    variant, conf = tune["variant"], tune["config"]
                     out.fill_(12345)
                     outs.fill_(12345)
-                    stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, variant=variant, config=conf)
+                    stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, **tune)
                     ok = torch.equal(torch.sort(out, 1).values, want_set)
                     ok_sorted = None
                     if not args.no_sorted:
-                        stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, variant=variant, config=conf)
+                        stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, **tune)
                         ok_sorted = torch.equal(outs, want)
                     rec = {"rows": rows, "W": w, "K": K, "k": k, "variant": variant,
                            "config": list(conf) if conf else list(lean_config(w * K)) if variant != "regs" else None,
+                           "tuning": {k2: v2 for k2, v2 in tune.items() if k2 not in ("variant", "config")},
                            "correct": ok, "correct_sorted": ok_sorted, "round": rnd}
-                    f = lambda: stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, variant=variant, config=conf)  # noqa: E731
-                    fs = lambda: stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, variant=variant, config=conf)  # noqa: E731
+                    f = lambda: stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, **tune)  # noqa: E731
+                    fs = lambda: stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, **tune)  # noqa: E731
                     rec["graph"] = graph_time(f)
                     if not args.no_sorted and rnd == 0:
                         rec["sorted_graph"] = graph_time(fs)
                     results.append(rec)
                     sg = rec.get("sorted_graph", {}).get("median_us", float("nan"))
-                    print(f"rows={rows:5d} W={w} K={K} {variant:5s} {str(rec['config']):12s} ok={ok}/{ok_sorted} "
+                    print(f"rows={rows:5d} W={w} K={K} {variant:5s} {str(rec['config']):12s} {str(rec['tuning']):60s} ok={ok}/{ok_sorted} "
                           f"graph={rec['graph']['median_us']:7.1f} sorted={sg:7.1f}", flush=True)
                     with open(args.out, "w") as fh:  # written after every record: a cut run keeps what it has
                         json.dump({"meta": meta, "variants": results}, fh, indent=1)
@@ -155,6 +171,7 @@ def main() -> None:
     ap.add_argument("--variant-list", default="regs,lean", help="--variants: which kernel variants")
     ap.add_argument("--no-extra", action="store_true", help="--variants: skip the extra lean CTA configurations")
     ap.add_argument("--no-sorted", action="store_true", help="--variants: skip the sorted kernels")
+    ap.add_argument("--tunings", help="--variants: variant/first_bits list, e.g. lean/8,regs/12")
     ap.add_argument("--repeat", type=int, default=1, help="--variants: time every shape this many times, interleaved")
     args = ap.parse_args()
     import cutlass

@@ -9,30 +9,41 @@ Algorithm (per row = per CTA of ``T`` threads):
 1. **Keys in registers.** Thread ``t`` holds candidates ``j = i*T + t`` (coalesced loads) as the
    unsigned 64-bit key ``hi << 32 | lo``, kept as two 32-bit words — ``hi`` the order-preserving
    float bits (``-0.0`` made ``+0.0``), ``lo = 0xFFFFFFFF - id``; invalid (id < 0 or NaN score)
-   → ``0``. This is :func:`dcp_ref.topk.stable_key` with the sign bit flipped, so unsigned order
-   = reference order. The score passes touch only the ``hi`` words.
-2. **Count valid keys** (block reduction in shared memory). If ``n_valid <= k`` every valid key
-   wins; skip to 4.
-3. **Radix select**, 8 passes of 8 bits, most significant first. Each pass builds a 256-bin
-   shared-memory histogram of the next digit over the keys that still match the prefix found so
-   far; 256 threads then scan it from the top bin down (warp ``shuffle_sync_up`` inclusive scan +
-   per-warp totals) and the one thread whose bin holds the k-th largest key publishes the new
-   prefix and how many keys are still needed from that bin. If the bin holds exactly that many,
-   the threshold is found early (``done``). Three barriers per pass: the histogram is double
-   buffered (the scan clears the next pass's copy).
-4. **Commit winners**: keys whose prefix is above the threshold prefix, plus as many keys equal
-   to it as still needed (only duplicated keys = duplicated ids can tie after 8 passes), take a
-   slot from a shared-memory atomic counter. Unsorted: the id is written straight to ``out``.
-   Sorted: the key is written to a shared buffer, which is bitonic-sorted (descending) and then
-   written out. Slots ``[min(k, n_valid), k)`` are pre-filled with ``-1`` by disjoint threads
-   (no write-write race between the -1 fill and the winners).
+   → ``hi = 0``. This is :func:`dcp_ref.topk.stable_key` with the sign bit flipped, so unsigned
+   order = reference order. The score passes touch only the ``hi`` words. The first radix pass's
+   histogram is counted in the same loop, branch-free: invalid keys go to a dummy bin, whose count
+   gives the number of valid keys (``n_valid``) without a separate reduction.
+2. If ``n_valid <= k`` every valid key wins: skip to 4.
+3. **Radix select**, MSB first, 8-bit digits by default (:func:`digit_schedule`). Each pass builds
+   a shared-memory histogram of the next digit over the keys that still match the prefix found
+   so far; the warps that own bins scan it from the top bin down (warp ``shuffle_sync_up``
+   inclusive scan + a second shuffle scan over the warp totals) and the one thread whose bin
+   holds the k-th largest key publishes the new prefix and how many keys are still needed from
+   that bin. If the bin holds exactly that many, the threshold is found (``done``) — for real
+   scores usually after the second or third score digit. Three barriers per pass: the histogram
+   is double buffered (the scan clears the next pass's copy).
+4. **Commit winners.** Usual case (``done`` in a score pass): the winners are exactly the keys
+   with ``hi >= prefix``, one compare each; each warp takes its slots with one shared atomic and
+   hands them out per item by ballot + popc, so a warp's stores are coalesced. General case (the
+   selection went into the id word, or duplicated (score, id) pairs): keys above the threshold
+   prefix, plus as many keys equal to it as still needed, take a slot from a shared atomic
+   counter. Unsorted: the id is written straight to ``out``. Sorted: the key is written to a
+   shared buffer, which is bitonic-sorted (descending) and then written out. Slots
+   ``[min(k, n_valid), k)`` are pre-filled with ``-1`` by disjoint threads (no write-write race
+   between the -1 fill and the winners).
 
 **Variants.** ``"regs"`` is the above. ``"lean"`` keeps only the ``hi`` words in registers and
-parks the ``lo`` words in shared memory (``4*N`` bytes), read back only by the id passes 4-7 and
-the commit, for the keys whose ``hi`` reaches the threshold. At <= 16 words per thread the kernel
-then fits in 32 registers (ptxas ``minctasm``), so ``2048 / T`` CTAs share an SM and one row's
-loads overlap another's histogram passes: at rows = 1024, W = 8, K = k = 2048 this took 96 µs
-to 70 µs. :func:`default_variant` picks one by shape; ``variant=`` forces one.
+parks the ``lo`` words in shared memory (``4*N`` bytes), read back only by the id passes and the
+commit, for the keys that can win. At <= 16 words per thread the kernel then fits in 32 registers
+(ptxas ``minctasm``), so ``2048 / T`` CTAs share an SM and one row's loads overlap another's
+histogram passes. :func:`default_variant` picks one by shape; ``variant=`` forces one.
+
+**Where the time went** (H200, rows = 1024, W = 8, K = k = 2048; Nsight Compute): the kernel was
+instruction-issue bound (0.75 warp instructions issued per scheduler per cycle), not
+memory bound. Per row, 48.3k warp instructions became 34.0k: the commit had been 40 % of them
+(now one compare per key instead of masks and an atomic per winner), the scans had run in all 32
+warps instead of the 8 that own bins, and the valid-key count was a separate phase. 72 -> 56 µs
+(``benchmarks/results/topk.json``, key ``profile``).
 
 Any ``k >= 1`` and any candidate count up to the limit below work (the tail is masked); the sorted
 variant needs ``next_pow2(min(k, N)) * 8`` bytes of shared memory. Compiled kernels are
@@ -74,15 +85,40 @@ __all__ = [
     "default_variant",
 ]
 
-RADIX_BITS = 8
-NUM_BINS = 1 << RADIX_BITS
-NUM_PASSES = 64 // RADIX_BITS
 #: The sorted variant keeps the winners' keys in shared memory: at most this many (tested size).
 MAX_SORTED_WINNERS = 4096
 #: Candidates per row (``W*K``): keys live in registers, at most 32 per thread (tested size).
 MAX_CANDIDATES = 32768
 #: Kernel variants (see :class:`StableTopKKernel`); ``None`` in the wrappers picks by shape.
 VARIANTS = ("regs", "lean")
+#: Widths of the first radix digit (see :func:`digit_schedule`).
+FIRST_BITS = (8, 11, 12)
+
+
+def digit_schedule(first_bits: int = 8) -> tuple[tuple[int, int, int], ...]:
+    """The radix passes, most significant first, as ``(word, shift, bits)``; word 0 = score, 1 = id.
+
+    ``first_bits = 8``: eight 8-bit digits (4 per 32-bit word). Wider (11 or 12): each word is
+    cut into a ``first_bits`` digit and then as few near-equal digits as fit, e.g. 12 -> 12 + 10 +
+    10, 11 -> 11 + 11 + 10.
+    A wider first digit spreads real score distributions over more histogram bins (the top byte of
+    a float is its sign and 7 exponent bits: ``randn`` scores fall into ~4 of its 256 bins, so
+    the shared-memory atomics of the first pass serialise on a few addresses) and the next digit
+    usually finds the threshold, so fewer passes run.
+    """
+    # The rest of the word in as few digits of at most first_bits bits as possible, as equal as
+    # possible (12 -> 10 + 10, 11 -> 11 + 10, 8 -> 8 + 8 + 8): a digit needs >= 32 bins, because
+    # the scan hands the bins out to whole warps.
+    left = 32 - first_bits
+    n = -(-left // first_bits)
+    widths = [first_bits] + [left // n + (1 if r < left % n else 0) for r in range(n)]
+    sched = []
+    for word in (0, 1):
+        top = 32
+        for b in widths:
+            top -= b
+            sched.append((word, top, b))
+    return tuple(sched)
 
 
 def threads_for(n: int) -> int:
@@ -112,14 +148,15 @@ def lean_config(n: int, sorted_: bool = False) -> tuple[int, int]:
 def default_variant(world: int, kloc: int, k: int, sorted: bool) -> str:  # noqa: A002
     """The variant :func:`stable_topk_cutedsl` uses when none is given (chosen by measurement).
 
-    ``"lean"`` for unsorted selection over ``8192 <= N <= 16384`` candidates per row, where it was
-    faster on the H200 (CUDA graph, k = K = 2048, rows = 1024: W = 4 44.5 -> 38.2 µs, W = 8
-    96.2 -> 70.0 µs; equal at rows = 128); ``"regs"`` elsewhere: slower at N = 4096 (W = 2:
-    18.4 -> 19.1 µs) and no faster sorted (``benchmarks/results/topk.md``). Both variants pass
-    the same GPU differential test, so the choice changes speed only.
+    ``"lean"`` for unsorted selection over ``N <= 16384`` candidates per row: on the H200 it was
+    as fast or faster than ``"regs"`` at every measured unsorted shape (CUDA graph, k = K = 2048:
+    rows = 1024, W = 2/4/8: 14.4 / 31.7 / 55.6 µs against 14.5 / 32.3 / 71.5;
+    ``benchmarks/results/topk.md``). ``"regs"`` for sorted output (the lean kernel's bitonic
+    stage does not fit its register cap) and above 16384 candidates (lean has no register cap
+    there). Both variants pass the same GPU differential test, so the choice changes speed only.
     """
     n = world * kloc
-    return "lean" if not sorted and 8192 <= n <= 16384 else "regs"
+    return "lean" if not sorted and n <= 16384 else "regs"
 
 
 def _next_pow2(n: int) -> int:
@@ -133,26 +170,34 @@ class StableTopKKernel:
     """One compiled configuration: ``W`` ranks × ``K`` candidates each, select ``k``.
 
     Compile-time parameters (the compile cache key): ``world``, ``kloc`` (= K), ``k``,
-    ``sorted_``, ``small`` (``W*rows*K < 2**31``: 32-bit offset arithmetic), ``variant``. ``rows``
-    is dynamic.
+    ``sorted_``, ``small`` (``W*rows*K < 2**31`` and ``rows*k < 2**31``: 32-bit offset
+    arithmetic), ``variant``, the CTA configuration and the tuning knobs below. ``rows`` is
+    dynamic.
 
     Variants (same semantics, same output):
 
     * ``"regs"`` — both key words of every candidate in registers (2 registers per key).
     * ``"lean"`` — only the 32-bit score word ``hi`` in registers; the ``lo`` words go to shared
       memory (``4*N`` bytes, written once while loading) and are read back only where needed: by
-      the id passes 4-7 (keys whose ``hi`` equals the threshold, rare) and by the commit (keys
-      whose ``hi`` reaches the threshold). Half the key registers lets ptxas fit the kernel under
-      a ``minctasm`` register cap (``min_ctas`` CTAs per SM), so the loads of one row overlap the
-      histogram passes of another. See :func:`lean_config`.
+      the id passes (keys whose ``hi`` equals the threshold, rare) and by the commit (winners).
+      Half the key registers lets ptxas fit the kernel under a ``minctasm`` register cap
+      (``min_ctas`` CTAs per SM), so the loads of one row overlap the histogram passes of
+      another. See :func:`lean_config`.
+
+    Tuning knob (same output): ``first_bits``, the width of the first radix digit (see
+    :func:`digit_schedule`).
     """
 
     def __init__(
         self, world: int, kloc: int, k: int, sorted_: bool, small: bool = True, variant: str = "regs",
-        threads: int = 0, min_ctas: int = 0,
+        threads: int = 0, min_ctas: int = 0, first_bits: int = 8,
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        if first_bits not in FIRST_BITS:
+            raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {first_bits!r}")
+        if threads and (threads < 256 or threads > 1024 or threads & (threads - 1)):
+            raise ValueError(f"threads must be a power of two in [256, 1024], got {threads}")
         self.world = world
         self.kloc = kloc
         self.n = world * kloc
@@ -160,6 +205,12 @@ class StableTopKKernel:
         self.sorted_ = sorted_
         self.small = small
         self.lean = variant == "lean"
+        self.first_bits = first_bits
+        self.schedule = digit_schedule(first_bits)
+        self.schedule_bins = tuple(1 << b for _, _, b in self.schedule)
+        self.max_bins = max(self.schedule_bins)
+        # The scan gives bins to whole warps: every digit needs >= 32 bins.
+        assert min(self.schedule_bins) >= 32, self.schedule
         if self.lean and not threads:
             threads, min_ctas = lean_config(self.n, sorted_)
         self.threads = threads if threads else threads_for(self.n)
@@ -188,6 +239,8 @@ class StableTopKKernel:
         N = const_expr(self.n)
         KL = const_expr(self.kloc)
         KSEL = const_expr(self.k)
+        MAXNB = const_expr(self.max_bins)
+        NB0 = const_expr(self.schedule_bins[0])
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         lane = tid % 32
@@ -196,30 +249,54 @@ class StableTopKKernel:
 
         smem = cutlass.memory.SmemAllocator()
         # Two histograms: pass d counts into one while the scan clears the other for pass d+1,
-        # which saves a barrier per pass.
-        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * NUM_BINS), byte_alignment=16)
-        wsum = smem.allocate_tensor(Int32, cute.make_layout(NUM_BINS // 32), byte_alignment=16)
-        # st[0] still-needed R, st[1] done flag, st[2] n_valid, st[3] output counter,
-        # st[4] tie counter, st[5]/st[6] threshold prefix (hi/lo word), st[7] last pass (-1: none).
-        st = smem.allocate_tensor(Int32, cute.make_layout(8), byte_alignment=16)
+        # which saves a barrier per pass. Bin NB of each (one past the pass's last bin) is a
+        # dummy: branch-free passes count the keys that do not take part into it.
+        HS = const_expr(MAXNB + 32)
+        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * HS), byte_alignment=16)
+        wsum = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)  # per-warp totals
+        # st[0] still-needed R, st[1] done flag, st[3] output counter, st[4] tie counter,
+        # st[5]/st[6] threshold prefix (hi/lo word), st[7]/st[8] masks of the bits that prefix
+        # fixes (hi/lo word; 0 before any pass).
+        st = smem.allocate_tensor(Int32, cute.make_layout(16), byte_alignment=16)
         skeys = smem.allocate_tensor(Uint64, cute.make_layout(self.sort_size), byte_alignment=16)
         # lean: the lo word of item i of thread t at i*T + t (conflict-free).
         slo = smem.allocate_tensor(Uint32, cute.make_layout(self.lo_size), byte_alignment=16)
 
-        # ---- 1. keys in registers, as two 32-bit words -------------------------------------
-        # hi: order-preserving score bits; lo: 0xFFFFFFFF - id. Invalid: hi = lo = 0. A valid key
-        # always has hi != 0 (hi == 0 would need score bits 0xFFFFFFFF, a NaN). Passes over the
-        # score bits then touch only the hi words (32-bit ops, half the work of 64-bit keys).
+        if tid < 16:
+            st[tid] = Int32(0)
+        for x in cutlass.range(tid, NB0 + 1, T):  # pass 0's histogram and its dummy bin
+            hist[x] = Int32(0)
+        cute.arch.sync_threads()
+
+        # ---- 1. keys in registers, as two 32-bit words, fused with pass 0's histogram --------
+        # hi: order-preserving score bits; lo: 0xFFFFFFFF - id. Invalid: hi = 0 (lo is then never
+        # read). A valid key always has hi != 0 (hi == 0 would need score bits 0xFFFFFFFF, a
+        # NaN). Passes over the score bits then touch only the hi words. Pass 0 (the top digit of
+        # hi) is counted right here, branch-free: invalid keys and padding go to the dummy bin,
+        # whose count then gives the number of valid keys.
+        SH0 = const_expr(self.schedule[0][1])
         khi = cute.make_rmem_tensor((self.items,), Uint32)
         klo = cute.make_rmem_tensor((1 if const_expr(self.lean) else self.items,), Uint32)
-        nloc = Int32(0)
         for i in cutlass.range_constexpr(self.items):
             j = i * T + tid
             hi = Uint32(0)
             lo = Uint32(0)
-            if j < N:
-                w = j // KL
-                c = j - w * KL
+            inb = Boolean(True)
+            if const_expr((i + 1) * T > N):
+                inb = j < N
+            if inb:
+                # Candidate j = w*K + c of this row is at (w*rows + row)*K + c. When T divides K
+                # (or K divides T) w and c are affine in tid with compile-time coefficients, so
+                # no division is needed.
+                if const_expr(KL % T == 0):
+                    w = const_expr((i * T) // KL)
+                    c = const_expr((i * T) % KL) + tid
+                elif const_expr(T % KL == 0):
+                    w = const_expr(i * (T // KL)) + tid // KL
+                    c = tid % KL
+                else:
+                    w = j // KL
+                    c = j - w * KL
                 if const_expr(self.small):
                     off = (w * rows + row) * KL + c
                 else:
@@ -232,41 +309,46 @@ class StableTopKKernel:
                 # Negative floats: flip all bits; non-negative: set the sign bit.
                 flip = Uint32(Int32(sb.bitcast(Int32) >> 31).bitcast(Uint32) | Uint32(0x80000000))
                 ok = (idf >= Float32(0.0)) & ((sb & Uint32(0x7FFFFFFF)) <= Uint32(0x7F800000))
-                idu = Uint32(Int32(Float32(cutlass.select_(ok, idf, Float32(0.0)))))
                 hi = Uint32(cutlass.select_(ok, sb ^ flip, Uint32(0)))
-                lo = Uint32(cutlass.select_(ok, Uint32(ALL) - idu, Uint32(0)))
+                lo = Uint32(ALL) - Uint32(Int32(idf))  # garbage when invalid: never read then
             khi[i] = hi
             if const_expr(self.lean):
                 slo[i * T + tid] = lo
             else:
                 klo[i] = lo
-            nloc = nloc + Int32(hi != Uint32(0))
+            digit = Int32(cutlass.select_(hi != Uint32(0), (hi >> Uint32(SH0)) & Uint32(NB0 - 1), Uint32(NB0)))
+            cute.arch.atomic_add(hist.iterator + digit, Int32(1))
+        cute.arch.sync_threads()
 
-        # ---- 2. count valid keys, reset state --------------------------------------------------
-        if tid < 8:
-            st[tid] = Int32(0)
-        for x in cutlass.range(tid, 2 * NUM_BINS, T):
-            hist[x] = Int32(0)
-        cute.arch.sync_threads()
-        cute.arch.atomic_add(st.iterator + 2, nloc)
-        cute.arch.sync_threads()
-        n_valid = st[2]
+        # ---- 2. how many keys are valid ---------------------------------------------------------
+        n_valid = Int32(self.items * T) - hist[NB0]
         take = cutlass.min(n_valid, Int32(KSEL))
         if tid == 0:
             st[0] = take
             st[1] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
-            st[7] = Int32(-1)
         # -1 fill of the tail [take, k): no winner is ever written there.
-        obase = Int64(row) * Int64(KSEL)
+        if const_expr(self.small):
+            obase = row * KSEL
+        else:
+            obase = Int64(row) * Int64(KSEL)
         for j in cutlass.range(take + tid, KSEL, T):
-            out[obase + Int64(j)] = Int32(-1)
+            out[obase + j] = Int32(-1)
         cute.arch.sync_threads()
 
         # ---- 3. radix select, most significant digit first: 3 barriers per pass -------------
-        for d in cutlass.range_constexpr(NUM_PASSES):
-            cur = const_expr((d % 2) * NUM_BINS)
-            nxt = const_expr(((d + 1) % 2) * NUM_BINS)
-            sh = const_expr(24 - RADIX_BITS * (d % 4))
+        # self.schedule: (word, shift, bits) per pass, word 0 = hi, 1 = lo (see digit_schedule).
+        for d in cutlass.range_constexpr(len(self.schedule)):
+            word = const_expr(self.schedule[d][0])
+            sh = const_expr(self.schedule[d][1])
+            NB = const_expr(self.schedule_bins[d])
+            A = const_expr(min(T, NB))  # threads that scan: BPT adjacent bins each
+            BPT = const_expr(NB // A)
+            NWA = const_expr(A // 32)
+            NBN = const_expr(self.schedule_bins[d + 1] if d + 1 < len(self.schedule) else 0)
+            before = const_expr((ALL << (sh + self.schedule[d][2])) & ALL if sh + self.schedule[d][2] < 32 else 0)
+            after = const_expr((ALL << sh) & ALL)
+            cur = const_expr((d % 2) * HS)
+            nxt = const_expr(((d + 1) % 2) * HS)
             done = st[1]
             if done == 0:
                 # Read the state once, before anyone can update it (the update comes after two
@@ -274,113 +356,145 @@ class StableTopKKernel:
                 need = st[0]
                 phi = st[5].bitcast(Uint32)
                 plo = st[6].bitcast(Uint32)
-                for i in cutlass.range_constexpr(self.items):
-                    hi = khi[i]
-                    match = hi != Uint32(0)
-                    if const_expr(d < 4):
-                        if const_expr(d > 0):
-                            hm = const_expr((ALL << (32 - RADIX_BITS * d)) & ALL)
-                            match = match & ((hi & Uint32(hm)) == phi)
-                        if match:
-                            digit = Int32((hi >> Uint32(sh)) & Uint32(NUM_BINS - 1))
-                            cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
-                    elif const_expr(self.lean):
-                        # Only keys whose score word equals the threshold read their lo word.
-                        match = match & (hi == phi)
-                        if match:
-                            lo = slo[i * T + tid]
-                            mlo = Boolean(True)
-                            if const_expr(d > 4):
-                                lm = const_expr((ALL << (32 - RADIX_BITS * (d - 4))) & ALL)
-                                mlo = (lo & Uint32(lm)) == plo
-                            if mlo:
-                                digit = Int32((lo >> Uint32(sh)) & Uint32(NUM_BINS - 1))
+                if const_expr(d > 0):  # pass 0 was counted while loading
+                    for i in cutlass.range_constexpr(self.items):
+                        hi = khi[i]
+                        # (A branch-free form that counts non-matching keys into the dummy bin
+                        # was measured slower here: most keys are off the prefix after pass 0.)
+                        if const_expr(word == 0):
+                            match = (hi != Uint32(0)) & ((hi & Uint32(before)) == phi)
+                            if match:
+                                digit = Int32((hi >> Uint32(sh)) & Uint32(NB - 1))
                                 cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
-                    else:
-                        lo = klo[i]
-                        match = match & (hi == phi)
-                        if const_expr(d > 4):
-                            lm = const_expr((ALL << (32 - RADIX_BITS * (d - 4))) & ALL)
-                            match = match & ((lo & Uint32(lm)) == plo)
-                        if match:
-                            digit = Int32((lo >> Uint32(sh)) & Uint32(NUM_BINS - 1))
-                            cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
-                cute.arch.sync_threads()
-                if tid < NUM_BINS:
-                    # Thread t looks at bin 255-t: an inclusive prefix sum over t counts the
-                    # keys in this bin or above. Warp scan with shuffles, then warp totals.
-                    cnt = hist[cur + NUM_BINS - 1 - tid]
-                    incl = cnt
-                    for s in cutlass.range_constexpr(5):
-                        other = cute.arch.shuffle_sync_up(incl, 1 << s, mask_and_clamp=0)
-                        if lane >= (1 << s):
-                            incl = incl + other
+                        else:
+                            # Id passes: only keys whose score word equals the threshold.
+                            if (hi != Uint32(0)) & (hi == phi):
+                                lo = Uint32(0)
+                                if const_expr(self.lean):
+                                    lo = slo[i * T + tid]
+                                else:
+                                    lo = klo[i]
+                                mlo = Boolean(True)
+                                if const_expr(before != 0):
+                                    mlo = (lo & Uint32(before)) == plo
+                                if mlo:
+                                    digit = Int32((lo >> Uint32(sh)) & Uint32(NB - 1))
+                                    cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
+                    cute.arch.sync_threads()
+                # Scan from the top bin down: thread t (< A) owns bins NB-1-t*BPT ... NB-(t+1)*BPT;
+                # an inclusive prefix sum over t of the owned counts = keys in those bins or above.
+                # Warps >= NWA own no bin and skip the scan (a warp-uniform branch).
+                s = Int32(0)
+                incl = Int32(0)
+                scanning = Boolean(True)
+                if const_expr(NWA < self.warps):
+                    scanning = warp < NWA
+                if scanning:
+                    for q in cutlass.range_constexpr(BPT):
+                        s = s + hist[cur + NB - 1 - q - tid * BPT]
+                    incl = s
+                    for o in cutlass.range_constexpr(5):
+                        other = cute.arch.shuffle_sync_up(incl, 1 << o, mask_and_clamp=0)
+                        incl = incl + cutlass.select_(lane >= (1 << o), other, Int32(0))
                     if lane == 31:
                         wsum[warp] = incl
-                    hist[nxt + tid] = Int32(0)  # the other buffer, for the next pass
+                # The other buffer (and its dummy bin), for the next pass.
+                for x in cutlass.range(tid, NBN + 1 if NBN else 0, T):
+                    hist[nxt + x] = Int32(0)
                 cute.arch.sync_threads()
-                if tid < NUM_BINS:
-                    b = Int32(NUM_BINS - 1) - tid
-                    cnt = hist[cur + b]
-                    incl = cnt
-                    for s in cutlass.range_constexpr(5):
-                        other = cute.arch.shuffle_sync_up(incl, 1 << s, mask_and_clamp=0)
-                        if lane >= (1 << s):
-                            incl = incl + other
-                    for ww in cutlass.range_constexpr(NUM_BINS // 32):
-                        if ww < warp:
-                            incl = incl + wsum[ww]
-                    above = incl - cnt
-                    # Exactly one bin satisfies this: the one holding the need-th largest key.
-                    if above < need and need <= incl:
-                        newneed = need - above
-                        st[0] = newneed
-                        if const_expr(d < 4):
-                            st[5] = (phi | (Uint32(b) << Uint32(sh))).bitcast(Int32)
-                        else:
-                            st[6] = (plo | (Uint32(b) << Uint32(sh))).bitcast(Int32)
-                        st[7] = Int32(d)
-                        if cnt == newneed:
-                            st[1] = Int32(1)  # the bin holds exactly what is needed: done
+                if scanning:
+                    # Totals of the warps before this one: a second shuffle scan over wsum.
+                    wv = Int32(0)
+                    if lane < NWA:
+                        wv = wsum[lane]
+                    for o in cutlass.range_constexpr(5):
+                        other = cute.arch.shuffle_sync_up(wv, 1 << o, mask_and_clamp=0)
+                        wv = wv + cutlass.select_(lane >= (1 << o), other, Int32(0))
+                    prev = cute.arch.shuffle_sync(wv, cutlass.max(warp - 1, Int32(0)))
+                    above = cutlass.select_(warp > 0, prev, Int32(0)) + incl - s
+                    for q in cutlass.range_constexpr(BPT):
+                        b = Int32(NB - 1 - q) - tid * BPT
+                        cnt = hist[cur + b]
+                        # Exactly one bin satisfies this: the one holding the need-th largest key.
+                        if (above < need) & (need <= above + cnt):
+                            newneed = need - above
+                            st[0] = newneed
+                            if const_expr(word == 0):
+                                st[5] = (phi | (Uint32(b) << Uint32(sh))).bitcast(Int32)
+                                st[7] = Uint32(after).bitcast(Int32)
+                            else:
+                                st[6] = (plo | (Uint32(b) << Uint32(sh))).bitcast(Int32)
+                                st[8] = Uint32(after).bitcast(Int32)
+                            if cnt == newneed:
+                                st[1] = Int32(1)  # the bin holds exactly what is needed: done
+                        above = above + cnt
                 cute.arch.sync_threads()
 
         # ---- 4. commit winners -------------------------------------------------------------
-        last = st[7]
         need = st[0]
         phi = st[5].bitcast(Uint32)
         plo = st[6].bitcast(Uint32)
-        # Masks of the digits fixed so far (none when every valid key wins: last = -1).
-        full = Uint32(ALL)
-        hsh = Uint32(cutlass.min(Int32(RADIX_BITS) * (last + 1), Int32(31)))
-        hm = Uint32(cutlass.select_(last >= 3, full, ~(full >> hsh)))
-        hm = Uint32(cutlass.select_(last < 0, Uint32(0), hm))
-        lsh = Uint32(cutlass.max(cutlass.min(Int32(RADIX_BITS) * (last - 3), Int32(31)), Int32(0)))
-        lm = Uint32(cutlass.select_(last >= 7, full, ~(full >> lsh)))
-        lm = Uint32(cutlass.select_(last < 4, Uint32(0), lm))
-        for i in cutlass.range_constexpr(self.items):
-            hi = khi[i]
-            if const_expr(self.lean):
-                # Only a key whose score word reaches the threshold can win: read its lo word.
+        hm = st[7].bitcast(Uint32)  # the digits fixed so far (none when every valid key wins)
+        lm = st[8].bitcast(Uint32)
+        if (st[1] != 0) & (lm == Uint32(0)):
+            # Fast path (the usual case): the selection ended in a score pass on a bin that holds
+            # exactly the keys still needed (or every valid key wins: phi = 0). The winners are
+            # then exactly the keys with hi >= phi (valid ones: hi >= 1), one compare each.
+            # Slots: one atomic per warp for the warp's total, then per item a ballot, so that
+            # a warp's winners of item i take consecutive slots (coalesced stores).
+            lower = cutlass.max(phi, Uint32(1))
+            mine = Int32(0)
+            for i in cutlass.range_constexpr(self.items):
+                mine = mine + cutlass.select_(khi[i] >= lower, Int32(1), Int32(0))
+            total = cute.arch.warp_redux_sync(mine, "add")
+            base = Int32(0)
+            if lane == 0:
+                base = cute.arch.atomic_add(st.iterator + 3, total)
+            run = cute.arch.shuffle_sync(base, 0)
+            ltmask = cute.arch.lanemask_lt()
+            for i in cutlass.range_constexpr(self.items):
+                hi = khi[i]
+                win = hi >= lower
+                ballot = Uint32(cute.arch.vote_ballot_sync(win))
+                if win:
+                    slot = run + Int32(cute.arch.popc(ballot & Uint32(ltmask)))
+                    lo = Uint32(0)
+                    if const_expr(self.lean):
+                        lo = slo[i * T + tid]
+                    else:
+                        lo = klo[i]
+                    if const_expr(self.sorted_):
+                        skeys[slot] = (Uint64(hi) << Uint64(32)) | Uint64(lo)
+                    else:
+                        out[obase + slot] = (Uint32(ALL) - lo).bitcast(Int32)
+                run = run + Int32(cute.arch.popc(ballot))
+        else:
+            # General path: the selection went into the id word, or ended with more keys equal
+            # to the threshold than needed (duplicated (score, id) pairs).
+            for i in cutlass.range_constexpr(self.items):
+                hi = khi[i]
                 lo = Uint32(0)
-                if (hi != Uint32(0)) & ((hi & hm) >= phi):
-                    lo = slo[i * T + tid]
-            else:
-                lo = klo[i]
-            mh = hi & hm
-            ml = lo & lm
-            valid = hi != Uint32(0)
-            win = valid & ((mh > phi) | ((mh == phi) & (ml > plo)))
-            tie = valid & (mh == phi) & (ml == plo)
-            if tie:
-                # Only ``need`` of the keys equal to the threshold prefix are taken.
-                old = cute.arch.atomic_add(st.iterator + 4, Int32(1))
-                win = old < need
-            if win:
-                slot = cute.arch.atomic_add(st.iterator + 3, Int32(1))
-                if const_expr(self.sorted_):
-                    skeys[slot] = (Uint64(hi) << Uint64(32)) | Uint64(lo)
+                if const_expr(self.lean):
+                    # Only a key whose score word reaches the threshold can win: read its lo word.
+                    if (hi != Uint32(0)) & ((hi & hm) >= phi):
+                        lo = slo[i * T + tid]
                 else:
-                    out[obase + Int64(slot)] = (Uint32(ALL) - lo).bitcast(Int32)
+                    lo = klo[i]
+                mh = hi & hm
+                ml = lo & lm
+                valid = hi != Uint32(0)
+                win = valid & ((mh > phi) | ((mh == phi) & (ml > plo)))
+                tie = valid & (mh == phi) & (ml == plo)
+                if tie:
+                    # Only ``need`` of the keys equal to the threshold prefix are taken.
+                    old = cute.arch.atomic_add(st.iterator + 4, Int32(1))
+                    win = old < need
+                if win:
+                    slot = cute.arch.atomic_add(st.iterator + 3, Int32(1))
+                    if const_expr(self.sorted_):
+                        skeys[slot] = (Uint64(hi) << Uint64(32)) | Uint64(lo)
+                    else:
+                        out[obase + slot] = (Uint32(ALL) - lo).bitcast(Int32)
 
         if const_expr(self.sorted_):
             P = const_expr(self.sort_size)
@@ -409,16 +523,16 @@ class StableTopKKernel:
                 size = size * 2
             for j in cutlass.range(tid, take, T):
                 key = skeys[j]
-                out[obase + Int64(j)] = (Uint32(ALL) - Uint32(key & Uint64(ALL))).bitcast(Int32)
+                out[obase + j] = (Uint32(ALL) - Uint32(key & Uint64(ALL))).bitcast(Int32)
 
 
 @functools.lru_cache(maxsize=64)
 def _compiled(
     world: int, kloc: int, k: int, sorted_: bool, tvm_ffi: bool, small: bool = True, variant: str = "regs",
-    threads: int = 0, min_ctas: int = 0,
+    threads: int = 0, min_ctas: int = 0, first_bits: int = 8,
 ) -> Any:
     """Compile once per shape configuration (tracing takes milliseconds; launching microseconds)."""
-    kern = StableTopKKernel(world, kloc, k, sorted_, small, variant, threads, min_ctas)
+    kern = StableTopKKernel(world, kloc, k, sorted_, small, variant, threads, min_ctas, first_bits)
     cand = cute.runtime.make_fake_compact_tensor(Int64, (cute.sym_int64(),), assumed_align=8)
     out = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int64(),), assumed_align=4)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
@@ -430,12 +544,15 @@ def _compiled(
 
 def compile_to_ptx(
     world: int, kloc: int, k: int, sorted: bool, dump_dir: str, small: bool = True, variant: str = "regs",  # noqa: A002
+    first_bits: int = 8,
 ) -> str:
     """Compile one configuration (uncached) and return its PTX text — the CPU CI check.
 
     Needs ``CUTE_DSL_ARCH=sm_90a`` in the environment (no GPU is needed); ``dump_dir`` must exist.
     """
-    kern = StableTopKKernel(int(world), int(kloc), int(k), bool(sorted), bool(small), variant)
+    kern = StableTopKKernel(
+        int(world), int(kloc), int(k), bool(sorted), bool(small), variant, first_bits=first_bits,
+    )
     cand = cute.runtime.make_fake_compact_tensor(Int64, (cute.sym_int64(),), assumed_align=8)
     out = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int64(),), assumed_align=4)
     stream = cutlass.runtime.make_fake_stream()
@@ -449,7 +566,7 @@ def compile_to_ptx(
 
 def compile_stable_topk(
     world: int, kloc: int, k: int, sorted: bool = False, tvm_ffi: bool = False, small: bool = True,  # noqa: A002
-    variant: str | None = None, config: tuple[int, int] | None = None,
+    variant: str | None = None, config: tuple[int, int] | None = None, first_bits: int = 8,
 ) -> Any:
     """The compiled kernel for one configuration (cached). Works without a GPU (sm_90a).
 
@@ -460,7 +577,10 @@ def compile_stable_topk(
     if variant is None:
         variant = default_variant(world, kloc, k, sorted)
     threads, min_ctas = (0, 0) if config is None else (int(config[0]), int(config[1]))
-    return _compiled(int(world), int(kloc), int(k), bool(sorted), bool(tvm_ffi), bool(small), variant, threads, min_ctas)
+    return _compiled(
+        int(world), int(kloc), int(k), bool(sorted), bool(tvm_ffi), bool(small), variant, threads, min_ctas,
+        int(first_bits),
+    )
 
 
 def stable_topk_cutedsl(
@@ -472,6 +592,7 @@ def stable_topk_cutedsl(
     validate: bool = False,
     variant: str | None = None,
     config: tuple[int, int] | None = None,
+    first_bits: int | None = None,
 ) -> torch.Tensor:
     """Launch the stable top-K on the all-gathered candidates (CUDA only).
 
@@ -488,6 +609,8 @@ def stable_topk_cutedsl(
         variant: ``"regs"`` or ``"lean"`` (same result; see :class:`StableTopKKernel`);
             ``None``: :func:`default_variant` for the shape.
         config: ``(threads, min_ctas)`` override of the CTA configuration (benchmarking only).
+        first_bits: width of the first radix digit, one of :data:`FIRST_BITS` (same result;
+            ``None``: 8, the fastest measured; see :func:`digit_schedule`).
     Returns:
         int32 ``[rows, k]`` (``out`` when given).
     """
@@ -529,9 +652,13 @@ def stable_topk_cutedsl(
         return out.fill_(-1)
     if gathered.data_ptr() % 8:
         raise ValueError("gathered must be 8-byte aligned")
-    small = world * rows * kloc < 2**31
+    small = world * rows * kloc < 2**31 and rows * k < 2**31
     ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
-    fn = compile_stable_topk(world, kloc, k, sorted, ffi, small, variant, config)
+    if first_bits is None:
+        first_bits = 8
+    elif first_bits not in FIRST_BITS:
+        raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {first_bits!r}")
+    fn = compile_stable_topk(world, kloc, k, sorted, ffi, small, variant, config, first_bits)
     words = gathered.view(torch.int64).reshape(-1)
     flat = out.view(-1)
     if ffi:
