@@ -11,6 +11,8 @@ shapes/dtypes/devices on their hot path so that they stay free of host synchroni
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Iterable, Sequence
 
 import torch
@@ -115,6 +117,12 @@ def check_lse_base(base: object, name: str = "base") -> str:
     if base not in ("e", "2"):
         raise ValueError(f"{name} must be 'e' or '2', got {base!r}")
     return base  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=None)
+def has_module(name: str) -> bool:
+    """Whether ``name`` is importable, without importing it (cached: backends ask on every call)."""
+    return importlib.util.find_spec(name) is not None
 
 
 def triton_interpreting() -> bool:

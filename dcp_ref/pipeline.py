@@ -10,6 +10,12 @@
 5. attention + merge  — :func:`dcp_ref.attention.sparse_mla_attention`, then
                         :func:`dcp_ref.lse.dcp_merge_collective` (all-gather LSE, reduce-scatter)
 
+``backend="kernels"`` runs the same step on the fast implementations where they can run
+(:func:`kernel_stage_impls` says which, per stage): the Triton pack, the CuTeDSL stable top-K,
+the Triton de-interleave + compaction, FlashInfer's sparse MLA and the Triton LSE correction —
+on CUDA; on the CPU the Triton kernels run under ``TRITON_INTERPRET=1`` and the rest falls back
+to the references (logged once on ``logging.getLogger("dcp_ref.pipeline")``).
+
 :func:`single_device_decode` computes the same thing with no sharding at all: global scores →
 global stable top-k → attention over the chosen keys. :func:`make_dcp_problem` builds a random
 problem — the global KV and indexer scores, and each rank's paged shard with a shuffled block
@@ -19,11 +25,15 @@ single-device result exactly (up to float64 rounding).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+import threading
 from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_int_scalar, check_world
+from ._checks import check_int_scalar, check_world, has_module, triton_interpreting
 from .attention import sparse_mla_attention
 from .deinterleave import deinterleave_and_compact
 from .group import Group, SimulatedWorld
@@ -32,7 +42,69 @@ from .lse import dcp_merge_collective
 from .ownership import expand_decode_bounds, global_to_local, localize_decode_bounds, owner_rank
 from .topk import merge_topk_global
 
-__all__ = ["RankShard", "DcpProblem", "make_dcp_problem", "dcp_decode_step", "single_device_decode", "run_dcp_decode"]
+__all__ = [
+    "RankShard", "DcpProblem", "make_dcp_problem", "dcp_decode_step", "single_device_decode", "run_dcp_decode",
+    "STEP_BACKENDS", "kernel_stage_impls",
+]
+
+logger = logging.getLogger("dcp_ref.pipeline")
+#: ``dcp_decode_step(backend=...)``: the references, or the kernels where they can run.
+STEP_BACKENDS = ("reference", "kernels")
+#: FlashInfer's MLA kernels take DeepSeek's head geometry: 512 latent + 64 RoPE dims, 512 values.
+_FLASHINFER_DQK, _FLASHINFER_DV = 576, 512
+
+
+#: Triton's CPU interpreter patches its language module while a kernel runs, so two threads (two
+#: ranks of a SimulatedWorld) must not interpret kernels at the same time. Collectives stay
+#: outside the lock, so ranks cannot deadlock on it.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _kernel_launch(device: torch.device) -> contextlib.AbstractContextManager:
+    return _INTERPRETER_LOCK if device.type != "cuda" and triton_interpreting() else contextlib.nullcontext()
+
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(stage: str, reason: str) -> None:
+    # lru_cache: each distinct fallback is logged once per process, not once per decode step.
+    logger.warning("dcp_ref.pipeline: stage %r runs the torch reference: %s", stage, reason)
+
+
+def kernel_stage_impls(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int) -> dict[str, str]:
+    """What ``dcp_decode_step(backend="kernels")`` runs for each stage on ``device``.
+
+    Returns ``{"pack": ..., "select": ..., "deinterleave": ..., "attention": ..., "merge": ...}``
+    with values ``"triton"``, ``"cutedsl"``, ``"flashinfer"`` or ``"torch"`` (the reference).
+    Triton kernels need CUDA, or the CPU with ``TRITON_INTERPRET=1`` (set before they are
+    imported); CuTeDSL needs CUDA and nvidia-cutlass-dsl; FlashInfer needs CUDA, flashinfer,
+    fp16/bf16 queries and DeepSeek's head geometry (``head_dim = 576``, ``v_dim = 512``). Each
+    stage that falls back is logged once, with the reason.
+    """
+    cuda = device.type == "cuda"
+    triton_ok = has_module("triton") and (cuda or triton_interpreting())
+    tri_reason = "triton is not installed" if not has_module("triton") else f"tensors are on {device} (set TRITON_INTERPRET=1 to interpret Triton on the CPU)"
+    impl = {"pack": "triton" if triton_ok else "torch", "select": "torch", "deinterleave": "triton" if triton_ok else "torch",
+            "attention": "torch", "merge": "triton" if triton_ok else "torch"}
+    reasons = {k: tri_reason for k, v in impl.items() if v == "torch"}
+    if cuda and has_module("cutlass"):
+        impl["select"] = "cutedsl"
+    else:
+        reasons["select"] = "nvidia-cutlass-dsl is not installed" if cuda else f"tensors are on {device}, not CUDA"
+    if not cuda:
+        reasons["attention"] = f"tensors are on {device}, not CUDA"
+    elif not has_module("flashinfer"):
+        reasons["attention"] = "flashinfer is not installed"
+    elif q_dtype not in (torch.float16, torch.bfloat16):
+        reasons["attention"] = f"FlashInfer's MLA takes fp16/bf16 queries, got {q_dtype}"
+    elif (head_dim, v_dim) != (_FLASHINFER_DQK, _FLASHINFER_DV):
+        reasons["attention"] = f"FlashInfer's MLA takes head_dim={_FLASHINFER_DQK}, v_dim={_FLASHINFER_DV}, got {head_dim}, {v_dim}"
+    else:
+        impl["attention"] = "flashinfer"
+    for stage, why in reasons.items():
+        if impl[stage] == "torch":
+            _log_fallback(stage, why)
+    return impl
 
 
 @dataclass
@@ -69,6 +141,21 @@ class DcpProblem:
     @property
     def req_of_token(self) -> torch.Tensor:
         return torch.arange(self.seq_lens.numel()).repeat_interleave(self.next_n)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "DcpProblem":
+        """The same problem on ``device``, with ``q`` and the KV (global and sharded) in ``dtype``.
+
+        Indexer scores stay float32 and the integer tensors keep their dtypes. The oracle
+        (:func:`single_device_decode`) still wants the float64 CPU original: keep it.
+        """
+        dev = torch.device(device)
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device=dev, dtype=dtype or x.dtype)
+
+        shards = [RankShard(f(s.kv_cache), s.block_table.to(dev), s.index_scores.to(dev)) for s in self.shards]
+        return DcpProblem(self.world_size, self.interleave, self.block_size, self.seq_lens.to(dev), self.next_n, f(self.q),
+                          [f(k) for k in self.kv_global], self.scores_global.to(dev), shards)
 
 
 def make_dcp_problem(
@@ -143,8 +230,9 @@ def dcp_decode_step(
     *,
     v_dim: int | None = None,
     trace: dict | None = None,
+    backend: str = "reference",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's sparse-MLA decode step (all five stages, reference implementations).
+    """One rank's sparse-MLA decode step (all five stages).
 
     Args:
         group: this rank's group (rank and world size come from it).
@@ -156,10 +244,20 @@ def dcp_decode_step(
         v_dim: value width (default: all of ``D``).
         trace: if a dict is given, every intermediate is stored in it under the stage's name
             (``local_bounds``, ``local_ids``, ``global_ids``, ``slots``, ``counts``,
-            ``partial_out``, ``partial_lse``) — for notebooks and debugging.
+            ``partial_out``, ``partial_lse``; with ``backend="kernels"`` also ``impl``, the
+            implementation of each stage) — for notebooks and debugging.
+        backend: ``"reference"`` (the plain-PyTorch stages, float64 attention) or ``"kernels"``
+            (see :func:`kernel_stage_impls`; the attention output is then float32, or q's dtype
+            under FlashInfer).
     Returns:
         ``(out, lse)`` for this rank's head shard: ``[T, H/W, v_dim]`` and ``[T, H/W]`` (base e).
     """
+    if backend not in STEP_BACKENDS:
+        raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
+    if backend == "kernels":
+        return _dcp_decode_step_kernels(
+            group, q, shard, seq_lens, next_n, topk, sm_scale, block_size, interleave, v_dim=v_dim, trace=trace
+        )
     W, r = group.world_size, group.rank
     T = q.shape[0]
     # 1. per-token local causal bounds (expand first, localize after)
@@ -177,6 +275,72 @@ def dcp_decode_step(
         trace.update(local_bounds=local_bounds, local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts,
                      partial_out=out, partial_lse=lse)
     return dcp_merge_collective(group, out, lse, "e")
+
+
+def _dcp_decode_step_kernels(
+    group: Group,
+    q: torch.Tensor,
+    shard: RankShard,
+    seq_lens: torch.Tensor,
+    next_n: int,
+    topk: int,
+    sm_scale: float,
+    block_size: int,
+    interleave: int,
+    *,
+    v_dim: int | None,
+    trace: dict | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dcp_decode_step` with ``backend="kernels"``: the same five stages, same collectives."""
+    from .topk_backend import pack_candidates as pack_on, stable_topk as select_on
+
+    W, r = group.world_size, group.rank
+    T, H, dqk = q.shape
+    vd = v_dim or dqk
+    if H % W:
+        raise ValueError(f"q.shape[1] (H={H}) must be divisible by the world size W={W}")
+    impl = kernel_stage_impls(q.device, q.dtype, dqk, vd)
+    # 1-2. local bounds and local top-K: cheap torch ops on any device
+    local_bounds = localize_decode_bounds(seq_lens, next_n, W, r, interleave).reshape(T)
+    local_ids = local_topk(shard.index_scores, topk, local_bounds)
+    # 3. pack (score, global id) -> all-gather -> stable global top-K
+    with _kernel_launch(q.device):
+        packed = pack_on(shard.index_scores, local_ids, r, W, interleave, backend="triton" if impl["pack"] == "triton" else "torch")
+    gathered = group.all_gather(packed)
+    global_ids = select_on(gathered, topk, backend="cutedsl" if impl["select"] == "cutedsl" else "torch")
+    # 4. global ids -> this rank's physical slots, compacted to the front
+    req_of_token = torch.arange(seq_lens.numel(), device=q.device, dtype=torch.int32).repeat_interleave(next_n)
+    if impl["deinterleave"] == "triton":
+        from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
+
+        with _kernel_launch(q.device):
+            slots, counts = deinterleave_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
+    else:
+        slots, counts = deinterleave_and_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
+    # 5a. attention over the local slots (all H heads, this rank's keys only)
+    if impl["attention"] == "flashinfer":
+        from dcp_ref.kernels.flashinfer_mla import sparse_mla_flashinfer
+
+        out, lse = sparse_mla_flashinfer(q, shard.kv_cache, slots, counts, sm_scale, "e")
+    else:
+        out, lse = sparse_mla_attention(q, shard.kv_cache, slots, counts, sm_scale, "e", v_dim=vd)
+        # The Triton merge takes fp16/bf16/fp32 partials (an fp32 output is what a GPU kernel gives).
+        out = out.to(q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32)
+    if trace is not None:
+        trace.update(local_bounds=local_bounds, local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts,
+                     partial_out=out, partial_lse=lse, impl=impl)
+    # 5b. merge across ranks: all-gather LSEs, rescale this rank's partial, reduce-scatter heads
+    if impl["merge"] != "triton":
+        return dcp_merge_collective(group, out, lse, "e")
+    from dcp_ref.kernels.lse_merge_triton import lse_correct
+
+    all_lses = group.all_gather(lse.float().contiguous())  # [W, T, H]
+    merged = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    with _kernel_launch(q.device):
+        corrected, merged = lse_correct(out, all_lses, r, base="e", merged_lse=merged)
+    out_shard = group.reduce_scatter(corrected, dim=1)  # [T, H/W, v]
+    hs = H // W
+    return out_shard, merged[:, r * hs : (r + 1) * hs].contiguous()
 
 
 def single_device_decode(problem: DcpProblem, topk: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -206,11 +370,13 @@ def single_device_decode(problem: DcpProblem, topk: int, sm_scale: float) -> tup
 
 
 def run_dcp_decode(
-    problem: DcpProblem, topk: int, sm_scale: float, traces: list[dict] | None = None
+    problem: DcpProblem, topk: int, sm_scale: float, traces: list[dict] | None = None, backend: str = "reference",
+    v_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run :func:`dcp_decode_step` on every rank of a :class:`SimulatedWorld`; reassemble heads.
 
     ``traces``: optional list of ``world_size`` dicts that receive each rank's intermediates.
+    ``backend``, ``v_dim``: as in :func:`dcp_decode_step`.
     Returns ``(out [T, H, D], lse [T, H])`` in head order (rank 0's head shard first).
     """
     world = SimulatedWorld(problem.world_size)
@@ -218,7 +384,7 @@ def run_dcp_decode(
     results = world.run(
         lambda grp, shard, tr: dcp_decode_step(
             grp, problem.q, shard, problem.seq_lens, problem.next_n, topk, sm_scale, problem.block_size, problem.interleave,
-            trace=tr,
+            v_dim=v_dim, trace=tr, backend=backend,
         ),
         problem.shards,
         traces,

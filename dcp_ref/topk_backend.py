@@ -14,23 +14,18 @@ Asking for a specific backend that cannot run raises ``ValueError`` naming what 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 
 import torch
 
 from . import topk as _ref
-from ._checks import check_int_scalar, triton_interpreting
+from ._checks import check_int_scalar, has_module, triton_interpreting
 
 __all__ = ["BACKENDS", "resolve_backend", "pack_candidates", "stable_topk", "merge_topk_global"]
 
 logger = logging.getLogger("dcp_ref.topk")
 BACKENDS = ("auto", "cutedsl", "triton", "torch")
 
-
-@functools.lru_cache(maxsize=None)
-def _has_module(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +48,7 @@ def resolve_backend(backend: str, device: torch.device, op: str = "stable_topk")
     if backend == "torch":
         return "torch", ""
     if backend == "triton":
-        if not _has_module("triton"):
+        if not has_module("triton"):
             raise ValueError("backend='triton' needs the triton package")
         if not cuda and not triton_interpreting():
             raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got device {device}")
@@ -61,15 +56,15 @@ def resolve_backend(backend: str, device: torch.device, op: str = "stable_topk")
     if backend == "cutedsl":
         if not cuda:
             raise ValueError(f"backend='cutedsl' needs CUDA tensors, got device {device}")
-        if not _has_module("cutlass"):
+        if not has_module("cutlass"):
             raise ValueError("backend='cutedsl' needs nvidia-cutlass-dsl (pip install 'dcp-ref[cute]')")
         return "cutedsl", ""
     # auto
     if not cuda:
         reason = f"tensors are on {device}, not CUDA"
-    elif op == "stable_topk" and not _has_module("cutlass"):
+    elif op == "stable_topk" and not has_module("cutlass"):
         reason = "nvidia-cutlass-dsl is not installed"
-    elif op == "pack" and not _has_module("triton"):
+    elif op == "pack" and not has_module("triton"):
         reason = "triton is not installed"
     else:
         return ("cutedsl" if op == "stable_topk" else "triton"), ""

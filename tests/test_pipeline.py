@@ -10,6 +10,7 @@ that the stages fit together.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -63,3 +64,97 @@ def test_stage_invariants_across_ranks(world_size: int, interleave: int) -> None
     _, _, oracle_ids = single_device_decode(problem, 5, 0.3)
     # Same *set* per row as the oracle's global top-k (the kernels may return another order).
     assert [sorted(r) for r in ids0.tolist()] == [sorted(r) for r in oracle_ids.tolist()]
+
+
+# ---------------------------------------------------------------------------------------------
+# backend="kernels": the same step on the kernels (Triton interpreted on the CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size,interleave,next_n", [(1, 1, 1), (2, 1, 2), (3, 2, 1), (4, 4, 2)])
+def test_kernels_backend_equals_single_device(world_size: int, interleave: int, next_n: int, caplog) -> None:
+    """The kernel path (Triton pack, de-interleave, LSE correction; references where no kernel can
+    run here) against the unsharded float64 oracle; the global ids must equal the oracle's exactly."""
+    from dcp_ref.pipeline import kernel_stage_impls
+
+    problem = make_dcp_problem(world_size, interleave, seq_lens=[37, 5, 64, 2], next_n=next_n, num_heads=12, head_dim=24,
+                               block_size=8, seed=11 + world_size * 10 + interleave)
+    topk, scale = 6, 1 / math.sqrt(24)
+    traces = [dict() for _ in range(world_size)]
+    with caplog.at_level("WARNING", logger="dcp_ref.pipeline"):
+        out, lse = run_dcp_decode(problem, topk, scale, traces, backend="kernels")
+    ref_out, ref_lse, ref_ids = single_device_decode(problem, topk, scale)
+    # float32 partial outputs (what a GPU kernel gives; the Triton merge takes no float64)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=2e-6)
+    for tr in traces:
+        assert torch.equal(tr["global_ids"].long(), ref_ids)
+    impl = traces[0]["impl"]
+    assert impl == kernel_stage_impls(problem.q.device, problem.q.dtype, 24, 24)
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        assert impl["pack"] == impl["deinterleave"] == impl["merge"] == "triton"
+
+
+def test_kernels_backend_matches_reference_backend_bit_for_bit_on_ids() -> None:
+    """Both backends pick the same ids, slots and counts on every rank (the kernels are exact)."""
+    problem = make_dcp_problem(3, 2, seq_lens=[50, 9, 3], next_n=2, num_heads=6, head_dim=8, seed=5)
+    ref_tr, ker_tr = [dict() for _ in range(3)], [dict() for _ in range(3)]
+    run_dcp_decode(problem, 5, 0.3, ref_tr)
+    run_dcp_decode(problem, 5, 0.3, ker_tr, backend="kernels")
+    for a, b in zip(ref_tr, ker_tr):
+        assert torch.equal(a["global_ids"].long(), b["global_ids"].long())
+        assert torch.equal(a["counts"].long(), b["counts"].long())
+        # ordered compaction: the valid slots come in the same order
+        assert torch.equal(a["slots"].long(), b["slots"].long())
+
+
+def test_kernel_stage_impls_and_backend_errors(caplog) -> None:
+    from dcp_ref.pipeline import dcp_decode_step, kernel_stage_impls
+    from dcp_ref.group import SingleGroup
+
+    impl = kernel_stage_impls(torch.device("cpu"), torch.float32, 576, 512)
+    # no CUDA here: CuTeDSL and FlashInfer cannot run, so those stages are the references
+    assert impl["select"] == "torch" and impl["attention"] == "torch"
+    assert set(impl) == {"pack", "select", "deinterleave", "attention", "merge"}
+    problem = make_dcp_problem(1, 1, seq_lens=[5], num_heads=2, head_dim=4, seed=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dcp_decode_step(SingleGroup(), problem.q, problem.shards[0], problem.seq_lens, 1, 2, 0.5, problem.block_size, backend="fast")
+    odd = make_dcp_problem(2, 1, seq_lens=[5], num_heads=3, head_dim=4, seed=0)
+    with pytest.raises(ValueError, match="divisible by the world size"):
+        run_dcp_decode(odd, 2, 0.5, backend="kernels")
+
+
+def test_problem_to_keeps_the_answer() -> None:
+    """DcpProblem.to(dtype) changes only the precision: float32 copy ≈ float64 original."""
+    p64 = make_dcp_problem(2, 1, seq_lens=[30, 4], num_heads=4, head_dim=8, seed=2)
+    p32 = p64.to("cpu", torch.float32)
+    assert p32.q.dtype == p32.shards[0].kv_cache.dtype == p32.kv_global[0].dtype == torch.float32
+    assert p32.shards[0].block_table.dtype == torch.int32 and p32.shards[0].index_scores.dtype == torch.float32
+    o64, _ = run_dcp_decode(p64, 4, 0.3)
+    o32, _ = run_dcp_decode(p32, 4, 0.3)
+    torch.testing.assert_close(o32.double(), o64, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size,interleave", [(2, 1), (4, 2)])
+def test_kernels_backend_on_gpu_deepseek_geometry(cuda_device, world_size: int, interleave: int) -> None:
+    """The whole step on the GPU kernels (CuTeDSL top-K and FlashInfer MLA when installed) with
+    DeepSeek's head geometry in bf16, against the float64 CPU oracle."""
+    from dcp_ref.pipeline import kernel_stage_impls
+
+    problem = make_dcp_problem(world_size, interleave, seq_lens=[300, 41, 1000], next_n=2, num_heads=16, head_dim=576,
+                               block_size=64, seed=3)
+    topk, scale = 64, 192 ** -0.5
+    gpu = problem.to(cuda_device, torch.bfloat16)
+    traces = [dict() for _ in range(world_size)]
+    out, lse = run_dcp_decode(gpu, topk, scale, traces, backend="kernels", v_dim=512)
+    ref_out, ref_lse, ref_ids = single_device_decode(problem, topk, scale)
+    impl = kernel_stage_impls(gpu.q.device, gpu.q.dtype, 576, 512)
+    assert traces[0]["impl"] == impl and impl["pack"] == impl["deinterleave"] == impl["merge"] == "triton"
+    for tr in traces:  # the selection is exact whatever runs it
+        assert torch.equal(tr["global_ids"].long().cpu(), ref_ids)
+    ref = ref_out[..., :512]
+    rel = (out.double().cpu() - ref).norm() / ref.norm()
+    assert rel < 2e-2, rel  # bf16 inputs and outputs
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=2e-2, atol=2e-2)
