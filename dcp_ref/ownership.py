@@ -234,9 +234,10 @@ class PrefillChunkMetadata:
 
     Keys of the chunk's requests are gathered, request after request, into one contiguous local
     buffer; ``cu_seqlens_k`` indexes it. Query tokens are *not* sharded (every rank computes
-    every query token against its own keys, and the partial results are merged by LSE).
+    every query token against its own keys, and the partial results are merged by LSE). The
+    tensors are integer, in the dtype of the inputs.
 
-    Attributes (int tensors, dtype of the inputs):
+    Attributes:
         cu_seqlens_q: ``[B+1]`` query-token offsets of each request (identical on all ranks).
         cu_seqlens_k: ``[B+1]`` offsets of each request's *local* keys in the gathered buffer.
         token_ks, token_ke: ``[T]`` per query token, the local key range ``[ks, ke)`` it may attend

@@ -238,9 +238,12 @@ def dcp_decode_step(
         group: this rank's group (rank and world size come from it).
         q: float ``[T, H, D]`` query tokens, ``T = B * next_n``, tokens of request 0 first.
         shard: this rank's :class:`RankShard`.
-        seq_lens: int ``[B]`` global lengths; next_n: query tokens per request.
+        seq_lens: int ``[B]`` global lengths (including this step's query tokens).
+        next_n: query tokens per request (1, or more with speculative / MTP decoding).
         topk: the global top-k (every rank ends with the same ``topk`` ids per token).
-        sm_scale: softmax scale; block_size / interleave: the paged-cache geometry.
+        sm_scale: softmax scale.
+        block_size: tokens per block of the paged KV cache.
+        interleave: ``I``, consecutive tokens per rank before moving to the next rank.
         v_dim: value width (default: all of ``D``).
         trace: if a dict is given, every intermediate is stored in it under the stage's name
             (``local_bounds``, ``local_ids``, ``global_ids``, ``slots``, ``counts``,

@@ -25,6 +25,12 @@ def test_book_builds_without_warnings(tmp_path: Path) -> None:
     chapters = sorted(p.stem for p in (out / "notebooks").glob("*.html"))
     expected = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert chapters == expected
+    api = (out / "book" / "api.html").read_text()
+    # the API page documents the step and every stage's entry point (from the docstrings)
+    for name in ("dcp_ref.pipeline.dcp_decode_step", "dcp_ref.ownership.localize_decode_bounds", "dcp_ref.topk.stable_topk",
+                 "dcp_ref.deinterleave.deinterleave_and_compact", "dcp_ref.lse.merge_partials",
+                 "dcp_ref.kernels.topk_cutedsl.stable_topk_cutedsl", "dcp_ref.kernels.deinterleave_triton.deinterleave_compact"):
+        assert f'id="{name}"' in api, name
     index = (out / "book" / "index.html").read_text()
     for stem in expected:
         assert f"notebooks/{stem}.html" in index
