@@ -2,8 +2,8 @@
 
 `TorchDistributedGroup` is what a multi-GPU run uses (with NCCL); gloo exercises the identical
 code path on CPU, so CI checks that the collectives are wired as the simulation assumes: one
-process per rank, each running `dcp_decode_step` on its shard, merged heads compared with the
-single-device oracle.
+process per rank, each running `dcp_decode_step` on its shard (with the reference stages and with
+``backend="kernels"``), merged heads compared with the single-device oracle.
 """
 
 from __future__ import annotations
@@ -49,7 +49,13 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             group, problem.q, problem.shards[rank], problem.seq_lens, problem.next_n, TOPK,
             1 / math.sqrt(HEAD_DIM), problem.block_size, problem.interleave,
         )
-        torch.save({"gathered": gathered, "scattered": scattered, "out": out, "lse": lse}, Path(out_dir) / f"rank{rank}.pt")
+        # The kernel path over the same collectives (Triton interpreted: TRITON_INTERPRET is inherited).
+        kout, klse = dcp_decode_step(
+            group, problem.q, problem.shards[rank], problem.seq_lens, problem.next_n, TOPK,
+            1 / math.sqrt(HEAD_DIM), problem.block_size, problem.interleave, backend="kernels",
+        )
+        torch.save({"gathered": gathered, "scattered": scattered, "out": out, "lse": lse, "kout": kout, "klse": klse},
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -73,6 +79,12 @@ def test_torch_distributed_gloo_matches_oracle(world_size: int, tmp_path: Path) 
     ref_out, ref_lse, _ = single_device_decode(problem, TOPK, 1 / math.sqrt(HEAD_DIM))
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    # backend="kernels": float32 partials, so float32 tolerances
+    kout = torch.cat([item["kout"] for item in res], dim=1)
+    klse = torch.cat([item["klse"] for item in res], dim=1)
+    assert kout.dtype == torch.float32
+    torch.testing.assert_close(kout.double(), ref_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(klse.double(), ref_lse, rtol=2e-6, atol=2e-6)
 
 
 def test_simulated_group_mismatch_is_an_error() -> None:

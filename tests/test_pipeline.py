@@ -14,6 +14,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dcp_ref.pipeline import make_dcp_problem, run_dcp_decode, single_device_decode
 
@@ -120,6 +122,8 @@ def test_kernel_stage_impls_and_backend_errors(caplog) -> None:
     problem = make_dcp_problem(1, 1, seq_lens=[5], num_heads=2, head_dim=4, seed=0)
     with pytest.raises(ValueError, match="backend must be one of"):
         dcp_decode_step(SingleGroup(), problem.q, problem.shards[0], problem.seq_lens, 1, 2, 0.5, problem.block_size, backend="fast")
+    with pytest.raises(ValueError, match="block_size must be a multiple of interleave"):
+        make_dcp_problem(2, 2, seq_lens=[5], block_size=3)
     odd = make_dcp_problem(2, 1, seq_lens=[5], num_heads=3, head_dim=4, seed=0)
     with pytest.raises(ValueError, match="divisible by the world size"):
         run_dcp_decode(odd, 2, 0.5, backend="kernels")
@@ -158,3 +162,25 @@ def test_kernels_backend_on_gpu_deepseek_geometry(cuda_device, world_size: int, 
     rel = (out.double().cpu() - ref).norm() / ref.norm()
     assert rel < 2e-2, rel  # bf16 inputs and outputs
     torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=2e-2, atol=2e-2)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    world_size=st.integers(1, 5), interleave=st.integers(1, 4), next_n=st.integers(1, 3), topk=st.integers(1, 12),
+    blocks_per_stripe=st.sampled_from([1, 2, 3]), lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    seed=st.integers(0, 10_000),
+)
+def test_kernels_backend_property(world_size, interleave, next_n, topk, blocks_per_stripe, lens, seed) -> None:
+    """Random geometry (any W, I, block size, MTP width, top-k larger or smaller than the lengths):
+    the kernel path picks the oracle's ids and matches its output."""
+    lens = [max(n, next_n) for n in lens]  # a request holds at least its own query tokens
+    block_size = interleave * blocks_per_stripe  # a stripe of I tokens never straddles two blocks
+    problem = make_dcp_problem(world_size, interleave, seq_lens=lens, next_n=next_n, num_heads=2 * world_size, head_dim=8,
+                               block_size=block_size, seed=seed)
+    traces = [dict() for _ in range(world_size)]
+    out, lse = run_dcp_decode(problem, topk, 0.4, traces, backend="kernels")
+    ref_out, ref_lse, ref_ids = single_device_decode(problem, topk, 0.4)
+    for tr in traces:
+        assert torch.equal(tr["global_ids"].long(), ref_ids)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=2e-6)
