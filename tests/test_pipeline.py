@@ -112,8 +112,8 @@ def test_kernels_backend_matches_reference_backend_bit_for_bit_on_ids() -> None:
 
 
 def test_kernel_stage_impls_and_backend_errors(caplog) -> None:
-    from dcp_ref.pipeline import dcp_decode_step, kernel_stage_impls
     from dcp_ref.group import SingleGroup
+    from dcp_ref.pipeline import dcp_decode_step, kernel_stage_impls
 
     impl = kernel_stage_impls(torch.device("cpu"), torch.float32, 576, 512)
     # no CUDA here: CuTeDSL and FlashInfer cannot run, so those stages are the references
