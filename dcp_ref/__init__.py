@@ -9,7 +9,8 @@ The plain-PyTorch reference of every stage (the oracle), CPU-first:
 5. :mod:`dcp_ref.attention`, :mod:`dcp_ref.lse` — sparse MLA attention and the LSE merge of partials.
 
 :mod:`dcp_ref.pipeline` composes the five on W ranks (:mod:`dcp_ref.group`) and checks them against
-single-device sparse attention.
+single-device sparse attention; :mod:`dcp_ref.prefill` runs them for a prefill chunk, whose indexer
+scores cover all the chunk's requests side by side.
 
 Fast kernels live in :mod:`dcp_ref.kernels` (Triton, CuTeDSL, FlashInfer); importing
 :mod:`dcp_ref` needs only torch and numpy.

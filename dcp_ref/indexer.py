@@ -19,33 +19,54 @@ from .topk import INVALID_KEY, stable_key
 __all__ = ["local_topk"]
 
 
-def local_topk(logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def local_topk(
+    logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None, row_starts: torch.Tensor | None = None
+) -> torch.Tensor:
     """Stable top-``k`` local key indices of each row.
 
     Args:
-        logits: float ``[rows, cols]`` — indexer scores of this rank's keys, column = local index.
+        logits: float ``[rows, cols]`` — indexer scores of this rank's keys. Local key ``j`` of row
+            ``r`` is column ``row_starts[r] + j`` (column ``j`` when ``row_starts`` is ``None``).
         k: how many to keep, ``k >= 1`` (more than the valid keys → ``-1`` padding).
-        lengths: optional int32/int64 ``[rows]``: only columns ``< lengths[r]`` are valid for row
-            ``r`` (the causal bound in local coordinates, e.g. from
-            :func:`dcp_ref.localize_decode_bounds`); ``0`` gives an all-``-1`` row.
+        lengths: optional int32/int64 ``[rows]``: only local keys ``j < lengths[r]`` are valid for
+            row ``r`` (the causal bound in local coordinates, e.g. from
+            :func:`dcp_ref.localize_decode_bounds`); ``0`` gives an all-``-1`` row. ``None``: every
+            column from the row's start on.
+        row_starts: optional int32/int64 ``[rows]`` column offsets, ``0 <= row_starts[r] <= cols``
+            and ``row_starts[r] + lengths[r] <= cols`` — a prefill chunk's scores hold several
+            requests' local keys side by side (``token_ks`` of
+            :class:`dcp_ref.ownership.PrefillChunkMetadata`).
     Returns:
-        int64 ``[rows, k]`` local indices in selection order, ``-1`` padded.
+        int64 ``[rows, k]`` local indices ``j`` (relative to the row's start) in selection order,
+        ``-1`` padded.
     """
     check_tensor(logits, "logits", dtypes=FLOAT_DTYPES, ndim=2)
     k = check_int_scalar(k, "k", min_value=1)
     rows, cols = logits.shape
     idx = torch.arange(cols, device=logits.device).expand(rows, cols)
+    if row_starts is not None:
+        check_tensor(row_starts, "row_starts", dtypes=INT_DTYPES, ndim=1, device=logits.device)
+        if row_starts.shape[0] != rows:
+            raise ValueError(f"row_starts must have shape [{rows}] (one per logits row), got {tuple(row_starts.shape)}")
+        check_non_negative(row_starts, "row_starts")
+        if rows and int(row_starts.max()) > cols:
+            raise ValueError(f"row_starts must be <= cols={cols}, got max {int(row_starts.max())}")
+        idx = idx - row_starts.long()[:, None]  # local index j of each column (negative: before the row's keys)
     if lengths is not None:
         check_tensor(lengths, "lengths", dtypes=INT_DTYPES, ndim=1, device=logits.device)
         if lengths.shape[0] != rows:
             raise ValueError(f"lengths must have shape [{rows}] (one per logits row), got {tuple(lengths.shape)}")
         check_non_negative(lengths, "lengths")
+        if row_starts is not None and rows and bool((row_starts.long() + lengths.long() > cols).any()):
+            raise ValueError(f"row_starts + lengths must be <= cols={cols} (a row's keys lie inside logits)")
         idx = torch.where(idx < lengths[:, None], idx, torch.full_like(idx, -1))
+    idx = torch.where(idx >= 0, idx, torch.full_like(idx, -1))
     out = torch.full((rows, k), -1, dtype=torch.int64, device=logits.device)
     kk = min(k, cols)
     if kk == 0 or rows == 0:
         return out
     key = stable_key(logits, idx)
     top, pos = torch.topk(key, kk, dim=1, largest=True, sorted=True)
-    out[:, :kk] = torch.where(top == INVALID_KEY, torch.full_like(pos, -1), pos)
+    local = torch.gather(idx, 1, pos)
+    out[:, :kk] = torch.where(top == INVALID_KEY, torch.full_like(pos, -1), local)
     return out

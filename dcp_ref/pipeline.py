@@ -132,8 +132,8 @@ class DcpProblem:
     interleave: int
     block_size: int
     seq_lens: torch.Tensor  # int64 [B], global lengths (including this step's query tokens)
-    next_n: int  # query tokens per request
-    q: torch.Tensor  # [T, H, D], T = B * next_n, tokens of request 0 first
+    next_n: int | torch.Tensor  # query tokens per request: one int for all, or int64 [B]
+    q: torch.Tensor  # [T, H, D], T = total query tokens, tokens of request 0 first
     kv_global: list[torch.Tensor]  # per request [L_b, D]
     scores_global: torch.Tensor  # float32 [T, max L]: indexer score of every (token, global position)
     shards: list[RankShard]
@@ -163,7 +163,7 @@ def make_dcp_problem(
     interleave: int = 1,
     *,
     seq_lens: list[int] | torch.Tensor = (37, 5, 64),
-    next_n: int = 1,
+    next_n: int | list[int] | torch.Tensor = 1,
     num_heads: int = 4,
     head_dim: int = 24,
     block_size: int = 8,
@@ -176,6 +176,10 @@ def make_dcp_problem(
     the stable order (score, then lower global id) is exercised, not just the easy case.
     Physical blocks of every rank are handed out in a shuffled order, so slot ids are unrelated
     to positions (as in a real paged cache).
+
+    ``next_n``: query tokens per request — one int (decode, MTP), or one per request (a prefill
+    chunk: request ``b``'s last ``next_n[b]`` positions are its query tokens; see
+    :mod:`dcp_ref.prefill`). Every request must hold at least its own query tokens.
     """
     w, _, i = check_world(world_size, None, interleave)
     bs = check_int_scalar(block_size, "block_size", min_value=1)
@@ -183,7 +187,19 @@ def make_dcp_problem(
         raise ValueError(f"block_size must be a multiple of interleave (block_size % interleave == 0), got block_size={bs}, interleave={i}")
     g = torch.Generator().manual_seed(seed)
     lens = torch.as_tensor(seq_lens, dtype=torch.int64)
-    B, T = lens.numel(), lens.numel() * next_n
+    B = lens.numel()
+    if isinstance(next_n, (list, tuple, torch.Tensor)):
+        per_req = torch.as_tensor(next_n, dtype=torch.int64)
+        if per_req.shape != (B,):
+            raise ValueError(f"next_n must be an int or one value per request ({B}), got shape {tuple(per_req.shape)}")
+        next_n = per_req
+    else:
+        next_n = check_int_scalar(next_n, "next_n", min_value=1)
+        per_req = torch.full((B,), next_n, dtype=torch.int64)
+    if bool((per_req < 0).any()) or bool((per_req > lens).any()):
+        raise ValueError(f"next_n must lie in [0, seq_lens] per request (a request holds its own query tokens), got {per_req.tolist()} for {lens.tolist()}")
+    req_of_token = torch.arange(B).repeat_interleave(per_req)
+    T = int(per_req.sum())
     max_len = int(lens.max())
     q = torch.randn(T, num_heads, head_dim, generator=g, dtype=torch.float64)
     kv_global = [torch.randn(int(L), head_dim, generator=g, dtype=torch.float64) for L in lens]
@@ -212,11 +228,16 @@ def make_dcp_problem(
         max_local = max(max(local_lens), 1)
         index_scores = torch.full((T, max_local), float("nan"), dtype=torch.float32)
         for t in range(T):
-            b = t // next_n
+            b = int(req_of_token[t])
             mine = pos_all[: int(lens[b])][owners[: int(lens[b])] == r]
             index_scores[t, locs[mine]] = scores_global[t, mine]
         shards.append(RankShard(kv_cache=kv, block_table=table, index_scores=index_scores))
     return DcpProblem(w, i, bs, lens, next_n, q, kv_global, scores_global, shards)
+
+
+def _per_request(next_n: int | torch.Tensor, device: torch.device) -> int | torch.Tensor:
+    """``next_n`` for ``repeat_interleave``: an int as is, a per-request tensor on ``device``."""
+    return next_n.to(device) if isinstance(next_n, torch.Tensor) else next_n
 
 
 def dcp_decode_step(
@@ -224,7 +245,7 @@ def dcp_decode_step(
     q: torch.Tensor,
     shard: RankShard,
     seq_lens: torch.Tensor,
-    next_n: int,
+    next_n: int | torch.Tensor,
     topk: int,
     sm_scale: float,
     block_size: int,
@@ -238,10 +259,11 @@ def dcp_decode_step(
 
     Args:
         group: this rank's group (rank and world size come from it).
-        q: float ``[T, H, D]`` query tokens, ``T = B * next_n``, tokens of request 0 first.
+        q: float ``[T, H, D]`` query tokens (``T`` = their total), tokens of request 0 first.
         shard: this rank's :class:`RankShard`.
         seq_lens: int ``[B]`` global lengths (including this step's query tokens).
-        next_n: query tokens per request (1, or more with speculative / MTP decoding).
+        next_n: query tokens per request (1, or more with speculative / MTP decoding): an int,
+            or an int tensor ``[B]`` with one count per request.
         topk: the global top-k (every rank ends with the same ``topk`` ids per token).
         sm_scale: softmax scale.
         block_size: tokens per block of the paged KV cache.
@@ -272,7 +294,7 @@ def dcp_decode_step(
     # 3. stable global top-K across ranks: identical on every rank
     global_ids = merge_topk_global(group, shard.index_scores, local_ids, topk, interleave)
     # 4. global ids -> this rank's physical slots, compacted to the front
-    req_of_token = torch.arange(seq_lens.numel(), device=seq_lens.device).repeat_interleave(next_n)
+    req_of_token = torch.arange(seq_lens.numel(), device=seq_lens.device).repeat_interleave(_per_request(next_n, seq_lens.device))
     slots, counts = deinterleave_and_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
     # 5. attention over the local slots, then the LSE merge across ranks
     out, lse = sparse_mla_attention(q, shard.kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim or q.shape[-1])
@@ -287,7 +309,7 @@ def _dcp_decode_step_kernels(
     q: torch.Tensor,
     shard: RankShard,
     seq_lens: torch.Tensor,
-    next_n: int,
+    next_n: int | torch.Tensor,
     topk: int,
     sm_scale: float,
     block_size: int,
@@ -314,7 +336,7 @@ def _dcp_decode_step_kernels(
     gathered = group.all_gather(packed)
     global_ids = select_on(gathered, topk, backend="cutedsl" if impl["select"] == "cutedsl" else "torch")
     # 4. global ids -> this rank's physical slots, compacted to the front
-    req_of_token = torch.arange(seq_lens.numel(), device=q.device, dtype=torch.int32).repeat_interleave(next_n)
+    req_of_token = torch.arange(seq_lens.numel(), device=q.device, dtype=torch.int32).repeat_interleave(_per_request(next_n, q.device))
     if impl["deinterleave"] == "triton":
         from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
 
@@ -355,12 +377,13 @@ def single_device_decode(problem: DcpProblem, topk: int, sm_scale: float) -> tup
     Returns ``(out [T, H, D], lse [T, H], ids [T, topk])``.
     """
     bounds = expand_decode_bounds(problem.seq_lens, problem.next_n).reshape(-1)
+    req_of_token = problem.req_of_token
     T, H, D = problem.q.shape
     out = torch.zeros(T, H, D, dtype=torch.float64)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
     ids_out = torch.full((T, topk), -1, dtype=torch.int64)
     for t in range(T):
-        b = t // problem.next_n
+        b = int(req_of_token[t])
         n = int(bounds[t])
         s = problem.scores_global[t, :n].tolist()
         order = sorted(range(n), key=lambda p: (-(s[p] + 0.0), p))[:topk]  # score desc, then lower id
