@@ -44,7 +44,7 @@ from .topk import merge_topk_global
 
 __all__ = [
     "RankShard", "DcpProblem", "make_dcp_problem", "dcp_decode_step", "single_device_decode", "run_dcp_decode",
-    "STEP_BACKENDS", "kernel_stage_impls",
+    "STEP_BACKENDS", "kernel_stage_impls", "kernel_stages_3_to_5",
 ]
 
 logger = logging.getLogger("dcp_ref.pipeline")
@@ -319,7 +319,46 @@ def _dcp_decode_step_kernels(
     trace: dict | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_decode_step` with ``backend="kernels"``: the same five stages, same collectives."""
-    from .topk_backend import pack_candidates as pack_on, stable_topk as select_on
+    W, r = group.world_size, group.rank
+    T = q.shape[0]
+    # 1-2. local bounds and local top-K: cheap torch ops on any device
+    local_bounds = localize_decode_bounds(seq_lens, next_n, W, r, interleave).reshape(T)
+    local_ids = local_topk(shard.index_scores, topk, local_bounds)
+    req_of_token = torch.arange(seq_lens.numel(), device=q.device, dtype=torch.int32).repeat_interleave(_per_request(next_n, q.device))
+    if trace is not None:
+        trace.update(local_bounds=local_bounds)
+    return kernel_stages_3_to_5(
+        group, q, shard.kv_cache, shard.block_table, shard.index_scores, local_ids, None, req_of_token, topk, sm_scale,
+        block_size, interleave, v_dim=v_dim, trace=trace,
+    )
+
+
+def kernel_stages_3_to_5(
+    group: Group,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    scores: torch.Tensor,
+    local_ids: torch.Tensor,
+    row_starts: torch.Tensor | None,
+    req_of_token: torch.Tensor,
+    topk: int,
+    sm_scale: float,
+    block_size: int,
+    interleave: int,
+    *,
+    v_dim: int | None = None,
+    trace: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stages 3-5 on the kernels (see :func:`kernel_stage_impls`), shared by decode and prefill.
+
+    From this rank's local top-K (``local_ids``, local key indices; column ``row_starts + j`` of
+    ``scores``) to its merged head shard: pack → all-gather → stable top-K → de-interleave +
+    compaction → sparse attention → all-gather LSE, correct, reduce-scatter.
+    Returns ``(out [T, H/W, v_dim], lse [T, H/W])`` (base e; float32, or q's dtype under FlashInfer).
+    """
+    from .topk_backend import pack_candidates as pack_on
+    from .topk_backend import stable_topk as select_on
 
     W, r = group.world_size, group.rank
     T, H, dqk = q.shape
@@ -327,35 +366,32 @@ def _dcp_decode_step_kernels(
     if H % W:
         raise ValueError(f"q.shape[1] (H={H}) must be divisible by the world size W={W}")
     impl = kernel_stage_impls(q.device, q.dtype, dqk, vd)
-    # 1-2. local bounds and local top-K: cheap torch ops on any device
-    local_bounds = localize_decode_bounds(seq_lens, next_n, W, r, interleave).reshape(T)
-    local_ids = local_topk(shard.index_scores, topk, local_bounds)
     # 3. pack (score, global id) -> all-gather -> stable global top-K
     with _kernel_launch(q.device):
-        packed = pack_on(shard.index_scores, local_ids, r, W, interleave, backend="triton" if impl["pack"] == "triton" else "torch")
+        packed = pack_on(scores, local_ids, r, W, interleave, row_starts, backend="triton" if impl["pack"] == "triton" else "torch")
     gathered = group.all_gather(packed)
     global_ids = select_on(gathered, topk, backend="cutedsl" if impl["select"] == "cutedsl" else "torch")
     # 4. global ids -> this rank's physical slots, compacted to the front
-    req_of_token = torch.arange(seq_lens.numel(), device=q.device, dtype=torch.int32).repeat_interleave(_per_request(next_n, q.device))
+    req_of_token = req_of_token.to(device=q.device, dtype=torch.int32)
     if impl["deinterleave"] == "triton":
         from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
 
         with _kernel_launch(q.device):
-            slots, counts = deinterleave_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
+            slots, counts = deinterleave_compact(global_ids, req_of_token, block_table, block_size, W, r, interleave)
     else:
-        slots, counts = deinterleave_and_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
+        slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, block_size, W, r, interleave)
     # 5a. attention over the local slots (all H heads, this rank's keys only)
     if impl["attention"] == "flashinfer":
         from dcp_ref.kernels.flashinfer_mla import sparse_mla_flashinfer
 
-        out, lse = sparse_mla_flashinfer(q, shard.kv_cache, slots, counts, sm_scale, "e")
+        out, lse = sparse_mla_flashinfer(q, kv_cache, slots, counts, sm_scale, "e")
     else:
-        out, lse = sparse_mla_attention(q, shard.kv_cache, slots, counts, sm_scale, "e", v_dim=vd)
+        out, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "e", v_dim=vd)
         # The Triton merge takes fp16/bf16/fp32 partials (an fp32 output is what a GPU kernel gives).
         out = out.to(q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32)
     if trace is not None:
-        trace.update(local_bounds=local_bounds, local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts,
-                     partial_out=out, partial_lse=lse, impl=impl)
+        trace.update(local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts, partial_out=out,
+                     partial_lse=lse, impl=impl)
     # 5b. merge across ranks: all-gather LSEs, rescale this rank's partial, reduce-scatter heads
     if impl["merge"] != "triton":
         return dcp_merge_collective(group, out, lse, "e")

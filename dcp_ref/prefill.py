@@ -79,8 +79,9 @@ def dcp_prefill_step(
     *,
     v_dim: int | None = None,
     trace: dict | None = None,
+    backend: str = "reference",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's DSA step for a prefill chunk (reference stages, SPMD over ``group``).
+    """One rank's DSA step for a prefill chunk (SPMD over ``group``).
 
     Args:
         group: this rank's group.
@@ -94,10 +95,16 @@ def dcp_prefill_step(
         block_size: tokens per KV block.  interleave: ``I`` of the DCP layout.
         v_dim: value width (default: all of ``D``).
         trace: optional dict that receives ``meta``, ``local_ids``, ``global_ids``, ``slots``,
-            ``counts``, ``partial_out``, ``partial_lse``.
+            ``counts``, ``partial_out``, ``partial_lse`` (and ``impl`` with the kernels).
+        backend: ``"reference"`` or ``"kernels"``, as in :func:`dcp_ref.pipeline.dcp_decode_step`
+            (stages 3-5 by :func:`dcp_ref.pipeline.kernel_stages_3_to_5`).
     Returns:
         ``(out [T, H/W, v_dim], lse [T, H/W])`` of this rank's head shard (base e).
     """
+    from .pipeline import STEP_BACKENDS, kernel_stages_3_to_5
+
+    if backend not in STEP_BACKENDS:
+        raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
     W, r = group.world_size, group.rank
     topk = check_int_scalar(topk, "topk", min_value=1)
     meta = localize_prefill_chunk(context_lens, query_lens, W, r, interleave)
@@ -109,10 +116,15 @@ def dcp_prefill_step(
     starts, lengths = meta.token_ks, meta.token_ke - meta.token_ks
     # 2. local top-K inside each token's window: local key indices j of the token's request
     local_ids = local_topk(chunk_scores, topk, lengths, row_starts=starts)
+    req_of_token = torch.arange(query_lens.numel(), device=q.device).repeat_interleave(query_lens.to(q.device).long())
+    if backend == "kernels":
+        if trace is not None:
+            trace.update(meta=meta)
+        return kernel_stages_3_to_5(group, q, kv_cache, block_table, chunk_scores, local_ids, starts, req_of_token, topk,
+                                    sm_scale, block_size, interleave, v_dim=v_dim, trace=trace)
     # 3. pack (score at column ks + j, global id of j) -> all-gather -> stable global top-K
     global_ids = merge_topk_global(group, chunk_scores, local_ids, topk, interleave, row_starts=starts)
     # 4-5. exactly as in decode
-    req_of_token = torch.arange(query_lens.numel(), device=q.device).repeat_interleave(query_lens.to(q.device).long())
     slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, block_size, W, r, interleave)
     out, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim or q.shape[-1])
     if trace is not None:

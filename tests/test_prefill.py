@@ -12,7 +12,7 @@ from dcp_ref.pipeline import dcp_decode_step, make_dcp_problem, single_device_de
 from dcp_ref.prefill import chunk_scores_from_local, dcp_prefill_step
 
 
-def run_prefill(problem, context_lens, query_lens, topk, scale, traces=None):
+def run_prefill(problem, context_lens, query_lens, topk, scale, traces=None, backend="reference"):
     W, I = problem.world_size, problem.interleave
     traces = traces if traces is not None else [None] * W
 
@@ -20,7 +20,7 @@ def run_prefill(problem, context_lens, query_lens, topk, scale, traces=None):
         meta = localize_prefill_chunk(context_lens, query_lens, W, group.rank, I)
         scores = chunk_scores_from_local(shard.index_scores, query_lens, meta)
         return dcp_prefill_step(group, problem.q, shard.kv_cache, shard.block_table, scores, context_lens, query_lens,
-                                topk, scale, problem.block_size, I, trace=tr)
+                                topk, scale, problem.block_size, I, trace=tr, backend=backend)
 
     res = SimulatedWorld(W).run(step, problem.shards, traces)
     return torch.cat([o for o, _ in res], 1), torch.cat([l for _, l in res], 1)
@@ -84,3 +84,20 @@ def test_make_dcp_problem_checks_query_counts() -> None:
         make_dcp_problem(2, seq_lens=[5, 6], next_n=[1, 2, 3])
     with pytest.raises(ValueError, match="hold"):
         make_dcp_problem(2, seq_lens=[5, 6], next_n=[6, 1])
+
+
+@pytest.mark.parametrize("world_size,interleave", [(1, 1), (3, 2)])
+def test_prefill_chunk_on_the_kernels(world_size, interleave) -> None:
+    """backend="kernels": the Triton pack with row_starts (and the other kernels) on a chunk."""
+    seq_lens, query_lens = [37, 5, 64], [5, 1, 12]
+    problem = make_dcp_problem(world_size, interleave, seq_lens=seq_lens, next_n=query_lens, num_heads=2 * world_size,
+                               head_dim=8, block_size=8, seed=4)
+    qlens = torch.tensor(query_lens)
+    traces = [dict() for _ in range(world_size)]
+    out, lse = run_prefill(problem, torch.tensor(seq_lens) - qlens, qlens, 6, 0.35, traces, backend="kernels")
+    ref_out, ref_lse, ref_ids = single_device_decode(problem, 6, 0.35)
+    assert out.dtype == torch.float32 and traces[0]["impl"]["pack"] == "triton"
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=2e-6)
+    for tr in traces:
+        assert torch.equal(tr["global_ids"].long(), ref_ids)
