@@ -28,3 +28,31 @@ def test_kernels_subpackage_is_the_kernels_folder() -> None:
 def test_public_names_resolve() -> None:
     for name in dcp_ref.__all__:
         assert getattr(dcp_ref, name) is not None, name
+
+
+def test_wheel_ships_every_module_under_dcp_ref(tmp_path: Path) -> None:
+    """A real (non-editable) build: every module of dcp_ref/ and kernels/ lands under dcp_ref/ in the
+    wheel (kernels/ as dcp_ref/kernels/, no top-level ``kernels`` package that could collide with
+    the PyPI one), plus the PEP 561 marker. Editable installs can hide a packaging mistake."""
+    import zipfile
+
+    import shutil
+
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"  # build from a copy: setuptools writes build/ and *.egg-info next to the sources
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    for name in ("dcp_ref", "kernels"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    (wheel,) = (tmp_path / "dist").glob("dcp_ref-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    want = {f"dcp_ref/{p.name}" for p in (root / "dcp_ref").glob("*.py")}
+    want |= {f"dcp_ref/kernels/{p.name}" for p in (root / "kernels").glob("*.py")}
+    assert want <= names, sorted(want - names)
+    assert "dcp_ref/py.typed" in names
+    assert not any(n.startswith(("kernels/", "tests/", "notebooks/")) for n in names)
