@@ -335,7 +335,8 @@ class StableTopKKernel:
             out[obase + j] = Int32(-1)
         cute.arch.sync_threads()
 
-        # ---- 3. radix select, most significant digit first: 3 barriers per pass -------------
+        # ---- 3. radix select, most significant digit first: 3 barriers per pass (2 in pass 0,
+        # whose histogram was counted while loading) -------------------------------------------
         # self.schedule: (word, shift, bits) per pass, word 0 = hi, 1 = lo (see digit_schedule).
         for d in cutlass.range_constexpr(len(self.schedule)):
             word = const_expr(self.schedule[d][0])
@@ -351,8 +352,8 @@ class StableTopKKernel:
             nxt = const_expr(((d + 1) % 2) * HS)
             done = st[1]
             if done == 0:
-                # Read the state once, before anyone can update it (the update comes after two
-                # more barriers).
+                # Read the state once, before anyone can update it (the update comes after at
+                # least one more barrier).
                 need = st[0]
                 phi = st[5].bitcast(Uint32)
                 plo = st[6].bitcast(Uint32)
