@@ -281,20 +281,21 @@ def dcp_decode_step(
     """
     if backend not in STEP_BACKENDS:
         raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
-    if backend == "kernels":
-        return _dcp_decode_step_kernels(
-            group, q, shard, seq_lens, next_n, topk, sm_scale, block_size, interleave, v_dim=v_dim, trace=trace
-        )
     W, r = group.world_size, group.rank
     T = q.shape[0]
     # 1. per-token local causal bounds (expand first, localize after)
     local_bounds = localize_decode_bounds(seq_lens, next_n, W, r, interleave).reshape(T)
     # 2. local top-K over this rank's keys (K = topk is enough for exactness)
     local_ids = local_topk(shard.index_scores, topk, local_bounds)
+    req_of_token = torch.arange(seq_lens.numel(), device=seq_lens.device).repeat_interleave(_per_request(next_n, seq_lens.device))
+    if backend == "kernels":  # stages 3-5 on the kernels (kernel_stage_impls says which run here)
+        if trace is not None:
+            trace.update(local_bounds=local_bounds)
+        return kernel_stages_3_to_5(group, q, shard.kv_cache, shard.block_table, shard.index_scores, local_ids, None,
+                                    req_of_token, topk, sm_scale, block_size, interleave, v_dim=v_dim, trace=trace)
     # 3. stable global top-K across ranks: identical on every rank
     global_ids = merge_topk_global(group, shard.index_scores, local_ids, topk, interleave)
     # 4. global ids -> this rank's physical slots, compacted to the front
-    req_of_token = torch.arange(seq_lens.numel(), device=seq_lens.device).repeat_interleave(_per_request(next_n, seq_lens.device))
     slots, counts = deinterleave_and_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
     # 5. attention over the local slots, then the LSE merge across ranks
     out, lse = sparse_mla_attention(q, shard.kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim or q.shape[-1])
@@ -302,35 +303,6 @@ def dcp_decode_step(
         trace.update(local_bounds=local_bounds, local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts,
                      partial_out=out, partial_lse=lse)
     return dcp_merge_collective(group, out, lse, "e")
-
-
-def _dcp_decode_step_kernels(
-    group: Group,
-    q: torch.Tensor,
-    shard: RankShard,
-    seq_lens: torch.Tensor,
-    next_n: int | torch.Tensor,
-    topk: int,
-    sm_scale: float,
-    block_size: int,
-    interleave: int,
-    *,
-    v_dim: int | None,
-    trace: dict | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`dcp_decode_step` with ``backend="kernels"``: the same five stages, same collectives."""
-    W, r = group.world_size, group.rank
-    T = q.shape[0]
-    # 1-2. local bounds and local top-K: cheap torch ops on any device
-    local_bounds = localize_decode_bounds(seq_lens, next_n, W, r, interleave).reshape(T)
-    local_ids = local_topk(shard.index_scores, topk, local_bounds)
-    req_of_token = torch.arange(seq_lens.numel(), device=q.device, dtype=torch.int32).repeat_interleave(_per_request(next_n, q.device))
-    if trace is not None:
-        trace.update(local_bounds=local_bounds)
-    return kernel_stages_3_to_5(
-        group, q, shard.kv_cache, shard.block_table, shard.index_scores, local_ids, None, req_of_token, topk, sm_scale,
-        block_size, interleave, v_dim=v_dim, trace=trace,
-    )
 
 
 def kernel_stages_3_to_5(

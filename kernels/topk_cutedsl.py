@@ -205,7 +205,6 @@ class StableTopKKernel:
         self.sorted_ = sorted_
         self.small = small
         self.lean = variant == "lean"
-        self.first_bits = first_bits
         self.schedule = digit_schedule(first_bits)
         self.schedule_bins = tuple(1 << b for _, _, b in self.schedule)
         self.max_bins = max(self.schedule_bins)
@@ -655,10 +654,7 @@ def stable_topk_cutedsl(
         raise ValueError("gathered must be 8-byte aligned")
     small = world * rows * kloc < 2**31 and rows * k < 2**31
     ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
-    if first_bits is None:
-        first_bits = 8
-    elif first_bits not in FIRST_BITS:
-        raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {first_bits!r}")
+    first_bits = 8 if first_bits is None else first_bits  # StableTopKKernel validates it
     fn = compile_stable_topk(world, kloc, k, sorted, ffi, small, variant, config, first_bits)
     words = gathered.view(torch.int64).reshape(-1)
     flat = out.view(-1)
