@@ -64,7 +64,6 @@ def _kernel_launch(device: torch.device) -> contextlib.AbstractContextManager:
     return _INTERPRETER_LOCK if device.type != "cuda" and triton_interpreting() else contextlib.nullcontext()
 
 
-
 @functools.lru_cache(maxsize=None)
 def _log_fallback(stage: str, reason: str) -> None:
     # lru_cache: each distinct fallback is logged once per process, not once per decode step.
@@ -82,28 +81,34 @@ def kernel_stage_impls(device: torch.device, q_dtype: torch.dtype, head_dim: int
     stage that falls back is logged once, with the reason.
     """
     cuda = device.type == "cuda"
-    triton_ok = has_module("triton") and (cuda or triton_interpreting())
-    tri_reason = "triton is not installed" if not has_module("triton") else f"tensors are on {device} (set TRITON_INTERPRET=1 to interpret Triton on the CPU)"
-    impl = {"pack": "triton" if triton_ok else "torch", "select": "torch", "deinterleave": "triton" if triton_ok else "torch",
-            "attention": "torch", "merge": "triton" if triton_ok else "torch"}
-    reasons = {k: tri_reason for k, v in impl.items() if v == "torch"}
-    if cuda and has_module("cutlass"):
-        impl["select"] = "cutedsl"
+    impl: dict[str, str] = {}
+    reasons: dict[str, str] = {}  # stage -> why it runs the reference
+    if not has_module("triton"):
+        tri_reason = "triton is not installed"
+    elif not (cuda or triton_interpreting()):
+        tri_reason = f"tensors are on {device} (set TRITON_INTERPRET=1 to interpret Triton on the CPU)"
     else:
-        reasons["select"] = "nvidia-cutlass-dsl is not installed" if cuda else f"tensors are on {device}, not CUDA"
+        tri_reason = ""
+    for stage in ("pack", "deinterleave", "merge"):
+        impl[stage] = "torch" if tri_reason else "triton"
+        if tri_reason:
+            reasons[stage] = tri_reason
     if not cuda:
-        reasons["attention"] = f"tensors are on {device}, not CUDA"
-    elif not has_module("flashinfer"):
-        reasons["attention"] = "flashinfer is not installed"
-    elif q_dtype not in (torch.float16, torch.bfloat16):
-        reasons["attention"] = f"FlashInfer's MLA takes fp16/bf16 queries, got {q_dtype}"
-    elif (head_dim, v_dim) != (_FLASHINFER_DQK, _FLASHINFER_DV):
-        reasons["attention"] = f"FlashInfer's MLA takes head_dim={_FLASHINFER_DQK}, v_dim={_FLASHINFER_DV}, got {head_dim}, {v_dim}"
+        reasons["select"] = reasons["attention"] = f"tensors are on {device}, not CUDA"
     else:
-        impl["attention"] = "flashinfer"
+        if not has_module("cutlass"):
+            reasons["select"] = "nvidia-cutlass-dsl is not installed"
+        if not has_module("flashinfer"):
+            reasons["attention"] = "flashinfer is not installed"
+        elif q_dtype not in (torch.float16, torch.bfloat16):
+            reasons["attention"] = f"FlashInfer's MLA takes fp16/bf16 queries, got {q_dtype}"
+        elif (head_dim, v_dim) != (_FLASHINFER_DQK, _FLASHINFER_DV):
+            reasons["attention"] = f"FlashInfer's MLA takes head_dim={_FLASHINFER_DQK}, v_dim={_FLASHINFER_DV}, got {head_dim}, {v_dim}"
+    impl["select"] = "torch" if "select" in reasons else "cutedsl"
+    impl["attention"] = "torch" if "attention" in reasons else "flashinfer"
     for stage, why in reasons.items():
-        if impl[stage] == "torch":
-            _log_fallback(stage, why)
+        _log_fallback(stage, why)
+    impl = {stage: impl[stage] for stage in ("pack", "select", "deinterleave", "attention", "merge")}  # step order
     return impl
 
 
