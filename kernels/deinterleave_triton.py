@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from dcp_ref._checks import check_int_scalar, check_tensor, check_world, triton_interpreting
+from dcp_ref.kernels._util import next_pow2
 
 __all__ = [
     "deinterleave_compact",
@@ -261,10 +262,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _default_config(method: str, rows: int, k: int) -> tuple[int, int]:
     """(tile width, num_warps) measured best on the H200 for K = 2048
     (benchmarks/results/deinterleave.json, CUDA-graph medians).
@@ -276,7 +273,7 @@ def _default_config(method: str, rows: int, k: int) -> tuple[int, int]:
         block, warps = (2048, 8) if rows <= 128 else (512, 4) if rows <= 2048 else (1024, 4)
     else:  # atomic and twopass: 512-wide tiles, 4 warps, were best or within 3 % on every shape
         block, warps = 512, 4
-    return max(16, min(block, _next_pow2(max(k, 1)))), warps
+    return max(16, min(block, next_pow2(max(k, 1)))), warps
 
 
 def _default_block(method: str, k: int, rows: int = 1) -> int:
@@ -470,6 +467,6 @@ def deinterleave_compact(
         )
         twopass_scatter_kernel[(t_rows, n_tiles)](
             token_ids, req, block_table, out, counts, workspace, k, n_reqs, n_blocks, n_tiles,
-            *in_strides, out.stride(0), out.stride(1), TILES_POW2=_next_pow2(n_tiles), **geo,
+            *in_strides, out.stride(0), out.stride(1), TILES_POW2=next_pow2(n_tiles), **geo,
         )
     return out, counts

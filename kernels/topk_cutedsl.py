@@ -6,31 +6,34 @@ int64 words (one 8-byte load per candidate), candidate ``j = w*K + c`` of row ``
 
 Algorithm (per row = per CTA of ``T`` threads):
 
-1. **Keys in registers.** Thread ``t`` holds candidates ``j = i*T + t`` (coalesced loads) as the
-   unsigned 64-bit key ``hi << 32 | lo``, kept as two 32-bit words — ``hi`` the order-preserving
-   float bits (``-0.0`` made ``+0.0``), ``lo = 0xFFFFFFFF - id``; invalid (id < 0 or NaN score)
-   → ``hi = 0``. This is :func:`dcp_ref.topk.stable_key` with the sign bit flipped, so unsigned
-   order = reference order. The score passes touch only the ``hi`` words. The first radix pass's
-   histogram is counted in the same loop, branch-free: invalid keys go to a dummy bin, whose count
-   gives the number of valid keys (``n_valid``) without a separate reduction.
+1. **Keys in registers** (:meth:`StableTopKKernel.load_keys`). Thread ``t`` holds candidates
+   ``j = i*T + t`` (coalesced loads) as the unsigned 64-bit key ``hi << 32 | lo``, kept as two
+   32-bit words — ``hi`` the order-preserving float bits (``-0.0`` made ``+0.0``),
+   ``lo = 0xFFFFFFFF - id``; invalid (id < 0 or NaN score) → ``hi = 0``. This is
+   :func:`dcp_ref.topk.stable_key` with the sign bit flipped, so unsigned order = reference order.
+   The score passes touch only the ``hi`` words. The first radix pass's histogram is counted in
+   the same loop, branch-free: invalid keys go to a dummy bin, whose count gives the number of
+   valid keys (``n_valid``) without a separate reduction.
 2. If ``n_valid <= k`` every valid key wins: skip to 4.
-3. **Radix select**, MSB first, 8-bit digits by default (:func:`digit_schedule`). Each pass builds
-   a shared-memory histogram of the next digit over the keys that still match the prefix found
-   so far; the warps that own bins scan it from the top bin down (warp ``shuffle_sync_up``
-   inclusive scan + a second shuffle scan over the warp totals) and the one thread whose bin
-   holds the k-th largest key publishes the new prefix and how many keys are still needed from
-   that bin. If the bin holds exactly that many, the threshold is found (``done``) — for real
-   scores usually after the second or third score digit. Three barriers per pass: the histogram
-   is double buffered (the scan clears the next pass's copy).
-4. **Commit winners.** Usual case (``done`` in a score pass): the winners are exactly the keys
-   with ``hi >= prefix``, one compare each; each warp takes its slots with one shared atomic and
-   hands them out per item by ballot + popc, so a warp's stores are coalesced. General case (the
-   selection went into the id word, or duplicated (score, id) pairs): keys above the threshold
-   prefix, plus as many keys equal to it as still needed, take a slot from a shared atomic
-   counter. Unsorted: the id is written straight to ``out``. Sorted: the key is written to a
-   shared buffer, which is bitonic-sorted (descending) and then written out. Slots
-   ``[min(k, n_valid), k)`` are pre-filled with ``-1`` by disjoint threads (no write-write race
-   between the -1 fill and the winners).
+3. **Radix select** (:meth:`~StableTopKKernel.radix_pass`, :meth:`~StableTopKKernel.pick_bin`),
+   MSB first, 8-bit digits by default (:func:`digit_schedule`). Each pass builds a shared-memory
+   histogram of the next digit over the keys that still match the prefix found so far; the warps
+   that own bins scan it from the top bin down (:func:`warp_inclusive_scan`, then the same scan
+   over the warp totals) and the one thread whose bin holds the k-th largest key publishes the
+   new prefix and how many keys are still needed from that bin. If the bin holds exactly that
+   many, the threshold is found (``done``) — for real scores usually after the second or third
+   score digit. Three barriers per pass: the histogram is double buffered (the scan clears the
+   next pass's copy).
+4. **Commit winners** (:meth:`~StableTopKKernel.commit_fast`,
+   :meth:`~StableTopKKernel.commit_general`). Usual case (``done`` in a score pass): the winners
+   are exactly the keys with ``hi >= prefix``, one compare each; each warp takes its slots with
+   one shared atomic and hands them out per item by ballot + popc, so a warp's stores are
+   coalesced. General case (the selection went into the id word, or duplicated (score, id)
+   pairs): keys above the threshold prefix, plus as many keys equal to it as still needed, take a
+   slot from a shared atomic counter. Unsorted: the id is written straight to ``out``. Sorted:
+   the key is written to a shared buffer, which is bitonic-sorted (descending) and then written
+   out (:meth:`~StableTopKKernel.sort_winners`). Slots ``[min(k, n_valid), k)`` are pre-filled
+   with ``-1`` by disjoint threads (no write-write race between the -1 fill and the winners).
 
 **Variants.** ``"regs"`` is the above. ``"lean"`` keeps only the ``hi`` words in registers and
 parks the ``lo`` words in shared memory (``4*N`` bytes), read back only by the id passes and the
@@ -72,6 +75,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32, Uint64, const_expr
 
+from dcp_ref.kernels._util import next_pow2
+
 __all__ = [
     "StableTopKKernel",
     "threads_for",
@@ -93,6 +98,8 @@ MAX_CANDIDATES = 32768
 VARIANTS = ("regs", "lean")
 #: Widths of the first radix digit (see :func:`digit_schedule`).
 FIRST_BITS = (8, 11, 12)
+#: All 32 bits of a key word.
+MASK32 = 0xFFFFFFFF
 
 
 def digit_schedule(first_bits: int = 8) -> tuple[tuple[int, int, int], ...]:
@@ -159,13 +166,6 @@ def default_variant(world: int, kloc: int, k: int, sorted: bool) -> str:  # noqa
     return "lean" if not sorted and n <= 16384 else "regs"
 
 
-def _next_pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 class StableTopKKernel:
     """One compiled configuration: ``W`` ranks × ``K`` candidates each, select ``k``.
 
@@ -216,8 +216,10 @@ class StableTopKKernel:
         self.min_ctas = min_ctas
         self.items = (self.n + self.threads - 1) // self.threads
         self.warps = self.threads // 32
-        self.sort_size = _next_pow2(min(k, self.n)) if sorted_ else 1
+        self.sort_size = next_pow2(min(k, self.n)) if sorted_ else 1
         self.lo_size = self.items * self.threads if self.lean else 1
+        # One histogram buffer: the widest digit's bins, its dummy bin, padded to a warp multiple.
+        self.hist_stride = self.max_bins + 32
 
     @cute.jit
     def __call__(self, cand: cute.Tensor, out: cute.Tensor, rows: Int32, stream: Any) -> None:
@@ -234,24 +236,20 @@ class StableTopKKernel:
 
     @cute.kernel
     def kernel(self, cand: cute.Tensor, out: cute.Tensor, rows: Int32) -> None:
+        """One CTA per row: load + pass 0, count the valid keys, radix passes, commit, sort."""
         T = const_expr(self.threads)
-        N = const_expr(self.n)
-        KL = const_expr(self.kloc)
         KSEL = const_expr(self.k)
-        MAXNB = const_expr(self.max_bins)
         NB0 = const_expr(self.schedule_bins[0])
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         lane = tid % 32
         warp = tid // 32
-        ALL = const_expr(0xFFFFFFFF)
 
         smem = cutlass.memory.SmemAllocator()
         # Two histograms: pass d counts into one while the scan clears the other for pass d+1,
         # which saves a barrier per pass. Bin NB of each (one past the pass's last bin) is a
         # dummy: branch-free passes count the keys that do not take part into it.
-        HS = const_expr(MAXNB + 32)
-        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * HS), byte_alignment=16)
+        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * self.hist_stride), byte_alignment=16)
         wsum = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)  # per-warp totals
         # st[0] still-needed R, st[1] done flag, st[3] output counter, st[4] tie counter,
         # st[5]/st[6] threshold prefix (hi/lo word), st[7]/st[8] masks of the bits that prefix
@@ -267,15 +265,66 @@ class StableTopKKernel:
             hist[x] = Int32(0)
         cute.arch.sync_threads()
 
-        # ---- 1. keys in registers, as two 32-bit words, fused with pass 0's histogram --------
-        # hi: order-preserving score bits; lo: 0xFFFFFFFF - id. Invalid: hi = 0 (lo is then never
-        # read). A valid key always has hi != 0 (hi == 0 would need score bits 0xFFFFFFFF, a
-        # NaN). Passes over the score bits then touch only the hi words. Pass 0 (the top digit of
-        # hi) is counted right here, branch-free: invalid keys and padding go to the dummy bin,
-        # whose count then gives the number of valid keys.
-        SH0 = const_expr(self.schedule[0][1])
+        # 1. Keys in registers (khi; klo or slo), fused with pass 0's histogram.
         khi = cute.make_rmem_tensor((self.items,), Uint32)
         klo = cute.make_rmem_tensor((1 if const_expr(self.lean) else self.items,), Uint32)
+        self.load_keys(cand, rows, row, tid, khi, klo, slo, hist)
+        cute.arch.sync_threads()
+
+        # 2. How many keys are valid: all but those counted into pass 0's dummy bin.
+        n_valid = Int32(self.items * T) - hist[NB0]
+        take = cutlass.min(n_valid, Int32(KSEL))
+        if tid == 0:
+            st[0] = take
+            st[1] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
+        # -1 fill of the tail [take, k): no winner is ever written there.
+        if const_expr(self.small):
+            obase = row * KSEL
+        else:
+            obase = Int64(row) * Int64(KSEL)
+        for j in cutlass.range(take + tid, KSEL, T):
+            out[obase + j] = Int32(-1)
+        cute.arch.sync_threads()
+
+        # 3. Radix select, most significant digit first (self.schedule, see digit_schedule).
+        for d in cutlass.range_constexpr(len(self.schedule)):
+            self.radix_pass(d, khi, klo, slo, hist, wsum, st, tid, lane, warp)
+
+        # 4. Commit the winners: the threshold and the masks of the digits fixed so far.
+        need = st[0]
+        phi = st[5].bitcast(Uint32)
+        plo = st[6].bitcast(Uint32)
+        hm = st[7].bitcast(Uint32)  # the digits fixed so far (none when every valid key wins)
+        lm = st[8].bitcast(Uint32)
+        if (st[1] != 0) & (lm == Uint32(0)):
+            self.commit_fast(phi, khi, klo, slo, st, skeys, out, obase, tid, lane)
+        else:
+            self.commit_general(need, phi, plo, hm, lm, khi, klo, slo, st, skeys, out, obase, tid)
+
+        # 5. Sorted output: bitonic sort of the winners' keys in shared memory.
+        if const_expr(self.sorted_):
+            self.sort_winners(skeys, out, obase, take, tid)
+
+    @cute.jit
+    def load_keys(
+        self, cand: cute.Tensor, rows: Int32, row: Int32, tid: Int32, khi: cute.Tensor, klo: cute.Tensor,
+        slo: cute.Tensor, hist: cute.Tensor,
+    ) -> None:
+        """Load this thread's candidates as keys and count pass 0's histogram on the way.
+
+        Thread ``tid`` takes candidates ``j = i*T + tid`` of the row (coalesced 8-byte loads of
+        (score, id)). hi: order-preserving score bits; lo: ``0xFFFFFFFF - id``. Invalid (negative
+        id, NaN score, padding past ``N``): hi = 0 (lo is then never read). A valid key always has
+        hi != 0 (hi == 0 would need score bits 0xFFFFFFFF, a NaN), so the passes over the score
+        bits touch only the hi words. Pass 0 (the top digit of hi) is counted here, branch-free:
+        invalid keys go to the dummy bin ``NB0``, whose count then gives the number of valid keys.
+        Writes ``khi[i]`` and ``klo[i]`` (``"regs"``) or ``slo[i*T + tid]`` (``"lean"``).
+        """
+        T = const_expr(self.threads)
+        N = const_expr(self.n)
+        KL = const_expr(self.kloc)
+        SH0 = const_expr(self.schedule[0][1])
+        NB0 = const_expr(self.schedule_bins[0])
         for i in cutlass.range_constexpr(self.items):
             j = i * T + tid
             hi = Uint32(0)
@@ -301,7 +350,7 @@ class StableTopKKernel:
                 else:
                     off = (Int64(w) * Int64(rows) + Int64(row)) * Int64(KL) + Int64(c)
                 v = cand[off].bitcast(Uint64)  # one 8-byte load: (score, id) as float32 bits
-                sb = Uint32(v & Uint64(ALL))
+                sb = Uint32(v & Uint64(MASK32))
                 idf = Uint32(v >> Uint64(32)).bitcast(Float32)
                 # -0.0 -> +0.0 so that the two zeros tie and the id decides.
                 sb = Uint32(cutlass.select_(sb == Uint32(0x80000000), Uint32(0), sb))
@@ -309,7 +358,7 @@ class StableTopKKernel:
                 flip = Uint32(Int32(sb.bitcast(Int32) >> 31).bitcast(Uint32) | Uint32(0x80000000))
                 ok = (idf >= Float32(0.0)) & ((sb & Uint32(0x7FFFFFFF)) <= Uint32(0x7F800000))
                 hi = Uint32(cutlass.select_(ok, sb ^ flip, Uint32(0)))
-                lo = Uint32(ALL) - Uint32(Int32(idf))  # garbage when invalid: never read then
+                lo = Uint32(MASK32) - Uint32(Int32(idf))  # garbage when invalid: never read then
             khi[i] = hi
             if const_expr(self.lean):
                 slo[i * T + tid] = lo
@@ -317,214 +366,249 @@ class StableTopKKernel:
                 klo[i] = lo
             digit = Int32(cutlass.select_(hi != Uint32(0), (hi >> Uint32(SH0)) & Uint32(NB0 - 1), Uint32(NB0)))
             cute.arch.atomic_add(hist.iterator + digit, Int32(1))
-        cute.arch.sync_threads()
 
-        # ---- 2. how many keys are valid ---------------------------------------------------------
-        n_valid = Int32(self.items * T) - hist[NB0]
-        take = cutlass.min(n_valid, Int32(KSEL))
-        if tid == 0:
-            st[0] = take
-            st[1] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
-        # -1 fill of the tail [take, k): no winner is ever written there.
-        if const_expr(self.small):
-            obase = row * KSEL
+    @cute.jit
+    def key_lo(self, klo: cute.Tensor, slo: cute.Tensor, i: int, tid: Int32) -> Uint32:
+        """The lo word (``0xFFFFFFFF - id``) of this thread's item ``i``: a register or shared memory."""
+        if const_expr(self.lean):
+            lo = slo[i * self.threads + tid]
         else:
-            obase = Int64(row) * Int64(KSEL)
-        for j in cutlass.range(take + tid, KSEL, T):
-            out[obase + j] = Int32(-1)
-        cute.arch.sync_threads()
+            lo = klo[i]
+        return lo
 
-        # ---- 3. radix select, most significant digit first: 3 barriers per pass (2 in pass 0,
-        # whose histogram was counted while loading) -------------------------------------------
-        # self.schedule: (word, shift, bits) per pass, word 0 = hi, 1 = lo (see digit_schedule).
-        for d in cutlass.range_constexpr(len(self.schedule)):
-            word = const_expr(self.schedule[d][0])
-            sh = const_expr(self.schedule[d][1])
-            NB = const_expr(self.schedule_bins[d])
-            A = const_expr(min(T, NB))  # threads that scan: BPT adjacent bins each
-            BPT = const_expr(NB // A)
-            NWA = const_expr(A // 32)
-            NBN = const_expr(self.schedule_bins[d + 1] if d + 1 < len(self.schedule) else 0)
-            before = const_expr((ALL << (sh + self.schedule[d][2])) & ALL if sh + self.schedule[d][2] < 32 else 0)
-            after = const_expr((ALL << sh) & ALL)
-            cur = const_expr((d % 2) * HS)
-            nxt = const_expr(((d + 1) % 2) * HS)
-            done = st[1]
-            if done == 0:
-                # Read the state once, before anyone can update it (the update comes after at
-                # least one more barrier).
-                need = st[0]
-                phi = st[5].bitcast(Uint32)
-                plo = st[6].bitcast(Uint32)
-                if const_expr(d > 0):  # pass 0 was counted while loading
-                    for i in cutlass.range_constexpr(self.items):
-                        hi = khi[i]
-                        # (A branch-free form that counts non-matching keys into the dummy bin
-                        # was measured slower here: most keys are off the prefix after pass 0.)
-                        if const_expr(word == 0):
-                            match = (hi != Uint32(0)) & ((hi & Uint32(before)) == phi)
-                            if match:
-                                digit = Int32((hi >> Uint32(sh)) & Uint32(NB - 1))
+    @cute.jit
+    def radix_pass(
+        self, d: int, khi: cute.Tensor, klo: cute.Tensor, slo: cute.Tensor, hist: cute.Tensor, wsum: cute.Tensor,
+        st: cute.Tensor, tid: Int32, lane: Int32, warp: Int32,
+    ) -> None:
+        """Pass ``d`` of the radix select (skipped once the threshold is found).
+
+        Histogram of digit ``d`` over the keys that match the prefix found so far (pass 0's was
+        counted while loading), then :meth:`pick_bin`. Three barriers (two in pass 0); the
+        histogram is double buffered, so clearing the next pass's copy costs no barrier.
+        """
+        word = const_expr(self.schedule[d][0])
+        sh = const_expr(self.schedule[d][1])
+        NB = const_expr(self.schedule_bins[d])
+        bits_above = const_expr(sh + self.schedule[d][2])
+        before = const_expr((MASK32 << bits_above) & MASK32 if bits_above < 32 else 0)  # digits fixed before
+        cur = const_expr((d % 2) * self.hist_stride)
+        done = st[1]
+        if done == 0:
+            # Read the state once, before anyone can update it (the update comes after at
+            # least one more barrier).
+            need = st[0]
+            phi = st[5].bitcast(Uint32)
+            plo = st[6].bitcast(Uint32)
+            if const_expr(d > 0):  # pass 0 was counted while loading
+                for i in cutlass.range_constexpr(self.items):
+                    hi = khi[i]
+                    # (A branch-free form that counts non-matching keys into the dummy bin
+                    # was measured slower here: most keys are off the prefix after pass 0.)
+                    if const_expr(word == 0):
+                        match = (hi != Uint32(0)) & ((hi & Uint32(before)) == phi)
+                        if match:
+                            digit = Int32((hi >> Uint32(sh)) & Uint32(NB - 1))
+                            cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
+                    else:
+                        # Id passes: only keys whose score word equals the threshold.
+                        if (hi != Uint32(0)) & (hi == phi):
+                            lo = self.key_lo(klo, slo, i, tid)
+                            mlo = Boolean(True)
+                            if const_expr(before != 0):
+                                mlo = (lo & Uint32(before)) == plo
+                            if mlo:
+                                digit = Int32((lo >> Uint32(sh)) & Uint32(NB - 1))
                                 cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
-                        else:
-                            # Id passes: only keys whose score word equals the threshold.
-                            if (hi != Uint32(0)) & (hi == phi):
-                                lo = Uint32(0)
-                                if const_expr(self.lean):
-                                    lo = slo[i * T + tid]
-                                else:
-                                    lo = klo[i]
-                                mlo = Boolean(True)
-                                if const_expr(before != 0):
-                                    mlo = (lo & Uint32(before)) == plo
-                                if mlo:
-                                    digit = Int32((lo >> Uint32(sh)) & Uint32(NB - 1))
-                                    cute.arch.atomic_add(hist.iterator + cur + digit, Int32(1))
-                    cute.arch.sync_threads()
-                # Scan from the top bin down: thread t (< A) owns bins NB-1-t*BPT ... NB-(t+1)*BPT;
-                # an inclusive prefix sum over t of the owned counts = keys in those bins or above.
-                # Warps >= NWA own no bin and skip the scan (a warp-uniform branch).
-                s = Int32(0)
-                incl = Int32(0)
-                scanning = Boolean(True)
-                if const_expr(NWA < self.warps):
-                    scanning = warp < NWA
-                if scanning:
-                    for q in cutlass.range_constexpr(BPT):
-                        s = s + hist[cur + NB - 1 - q - tid * BPT]
-                    incl = s
-                    for o in cutlass.range_constexpr(5):
-                        other = cute.arch.shuffle_sync_up(incl, 1 << o, mask_and_clamp=0)
-                        incl = incl + cutlass.select_(lane >= (1 << o), other, Int32(0))
-                    if lane == 31:
-                        wsum[warp] = incl
-                # The other buffer (and its dummy bin), for the next pass.
-                for x in cutlass.range(tid, NBN + 1 if NBN else 0, T):
-                    hist[nxt + x] = Int32(0)
                 cute.arch.sync_threads()
-                if scanning:
-                    # Totals of the warps before this one: a second shuffle scan over wsum.
-                    wv = Int32(0)
-                    if lane < NWA:
-                        wv = wsum[lane]
-                    for o in cutlass.range_constexpr(5):
-                        other = cute.arch.shuffle_sync_up(wv, 1 << o, mask_and_clamp=0)
-                        wv = wv + cutlass.select_(lane >= (1 << o), other, Int32(0))
-                    prev = cute.arch.shuffle_sync(wv, cutlass.max(warp - 1, Int32(0)))
-                    above = cutlass.select_(warp > 0, prev, Int32(0)) + incl - s
-                    for q in cutlass.range_constexpr(BPT):
-                        b = Int32(NB - 1 - q) - tid * BPT
-                        cnt = hist[cur + b]
-                        # Exactly one bin satisfies this: the one holding the need-th largest key.
-                        if (above < need) & (need <= above + cnt):
-                            newneed = need - above
-                            st[0] = newneed
-                            if const_expr(word == 0):
-                                st[5] = (phi | (Uint32(b) << Uint32(sh))).bitcast(Int32)
-                                st[7] = Uint32(after).bitcast(Int32)
-                            else:
-                                st[6] = (plo | (Uint32(b) << Uint32(sh))).bitcast(Int32)
-                                st[8] = Uint32(after).bitcast(Int32)
-                            if cnt == newneed:
-                                st[1] = Int32(1)  # the bin holds exactly what is needed: done
-                        above = above + cnt
-                cute.arch.sync_threads()
+            self.pick_bin(d, need, phi, plo, hist, wsum, st, tid, lane, warp)
 
-        # ---- 4. commit winners -------------------------------------------------------------
-        need = st[0]
-        phi = st[5].bitcast(Uint32)
-        plo = st[6].bitcast(Uint32)
-        hm = st[7].bitcast(Uint32)  # the digits fixed so far (none when every valid key wins)
-        lm = st[8].bitcast(Uint32)
-        if (st[1] != 0) & (lm == Uint32(0)):
-            # Fast path (the usual case): the selection ended in a score pass on a bin that holds
-            # exactly the keys still needed (or every valid key wins: phi = 0). The winners are
-            # then exactly the keys with hi >= phi (valid ones: hi >= 1), one compare each.
-            # Slots: one atomic per warp for the warp's total, then per item a ballot, so that
-            # a warp's winners of item i take consecutive slots (coalesced stores).
-            lower = cutlass.max(phi, Uint32(1))
-            mine = Int32(0)
-            for i in cutlass.range_constexpr(self.items):
-                mine = mine + cutlass.select_(khi[i] >= lower, Int32(1), Int32(0))
-            total = cute.arch.warp_redux_sync(mine, "add")
-            base = Int32(0)
-            if lane == 0:
-                base = cute.arch.atomic_add(st.iterator + 3, total)
-            run = cute.arch.shuffle_sync(base, 0)
-            ltmask = cute.arch.lanemask_lt()
-            for i in cutlass.range_constexpr(self.items):
-                hi = khi[i]
-                win = hi >= lower
-                ballot = Uint32(cute.arch.vote_ballot_sync(win))
-                if win:
-                    slot = run + Int32(cute.arch.popc(ballot & Uint32(ltmask)))
-                    lo = Uint32(0)
-                    if const_expr(self.lean):
-                        lo = slo[i * T + tid]
-                    else:
-                        lo = klo[i]
-                    if const_expr(self.sorted_):
-                        skeys[slot] = (Uint64(hi) << Uint64(32)) | Uint64(lo)
-                    else:
-                        out[obase + slot] = (Uint32(ALL) - lo).bitcast(Int32)
-                run = run + Int32(cute.arch.popc(ballot))
-        else:
-            # General path: the selection went into the id word, or ended with more keys equal
-            # to the threshold than needed (duplicated (score, id) pairs).
-            for i in cutlass.range_constexpr(self.items):
-                hi = khi[i]
-                lo = Uint32(0)
-                if const_expr(self.lean):
-                    # Only a key whose score word reaches the threshold can win: read its lo word.
-                    if (hi != Uint32(0)) & ((hi & hm) >= phi):
-                        lo = slo[i * T + tid]
-                else:
-                    lo = klo[i]
-                mh = hi & hm
-                ml = lo & lm
-                valid = hi != Uint32(0)
-                win = valid & ((mh > phi) | ((mh == phi) & (ml > plo)))
-                tie = valid & (mh == phi) & (ml == plo)
-                if tie:
-                    # Only ``need`` of the keys equal to the threshold prefix are taken.
-                    old = cute.arch.atomic_add(st.iterator + 4, Int32(1))
-                    win = old < need
-                if win:
-                    slot = cute.arch.atomic_add(st.iterator + 3, Int32(1))
-                    if const_expr(self.sorted_):
-                        skeys[slot] = (Uint64(hi) << Uint64(32)) | Uint64(lo)
-                    else:
-                        out[obase + slot] = (Uint32(ALL) - lo).bitcast(Int32)
+    @cute.jit
+    def pick_bin(
+        self, d: int, need: Int32, phi: Uint32, plo: Uint32, hist: cute.Tensor, wsum: cute.Tensor, st: cute.Tensor,
+        tid: Int32, lane: Int32, warp: Int32,
+    ) -> None:
+        """Scan pass ``d``'s histogram from the top bin down and publish the bin of the need-th key.
 
+        Thread ``t < A`` owns ``BPT`` adjacent bins from the top; a warp scan
+        (:func:`warp_inclusive_scan`) of the owned counts, then a second one over the warp
+        totals, gives every thread the number of keys above its bins. The one thread whose bin
+        holds the need-th largest key writes the new prefix, its mask, how many keys are still
+        needed from that bin, and ``done`` when the bin holds exactly that many. Two barriers.
+        """
+        T = const_expr(self.threads)
+        word = const_expr(self.schedule[d][0])
+        sh = const_expr(self.schedule[d][1])
+        NB = const_expr(self.schedule_bins[d])
+        A = const_expr(min(T, NB))  # threads that scan: BPT adjacent bins each
+        BPT = const_expr(NB // A)
+        NWA = const_expr(A // 32)
+        NBN = const_expr(self.schedule_bins[d + 1] if d + 1 < len(self.schedule) else 0)
+        after = const_expr((MASK32 << sh) & MASK32)  # digits fixed after this pass
+        cur = const_expr((d % 2) * self.hist_stride)
+        nxt = const_expr(((d + 1) % 2) * self.hist_stride)
+        # Scan from the top bin down: thread t (< A) owns bins NB-1-t*BPT ... NB-(t+1)*BPT;
+        # an inclusive prefix sum over t of the owned counts = keys in those bins or above.
+        # Warps >= NWA own no bin and skip the scan (a warp-uniform branch).
+        s = Int32(0)
+        incl = Int32(0)
+        scanning = Boolean(True)
+        if const_expr(NWA < self.warps):
+            scanning = warp < NWA
+        if scanning:
+            for q in cutlass.range_constexpr(BPT):
+                s = s + hist[cur + NB - 1 - q - tid * BPT]
+            incl = warp_inclusive_scan(s, lane)
+            if lane == 31:
+                wsum[warp] = incl
+        # The other buffer (and its dummy bin), for the next pass.
+        for x in cutlass.range(tid, NBN + 1 if NBN else 0, T):
+            hist[nxt + x] = Int32(0)
+        cute.arch.sync_threads()
+        if scanning:
+            # Totals of the warps before this one: a second warp scan, over wsum.
+            wv = Int32(0)
+            if lane < NWA:
+                wv = wsum[lane]
+            wv = warp_inclusive_scan(wv, lane)
+            prev = cute.arch.shuffle_sync(wv, cutlass.max(warp - 1, Int32(0)))
+            above = cutlass.select_(warp > 0, prev, Int32(0)) + incl - s
+            for q in cutlass.range_constexpr(BPT):
+                b = Int32(NB - 1 - q) - tid * BPT
+                cnt = hist[cur + b]
+                # Exactly one bin satisfies this: the one holding the need-th largest key.
+                if (above < need) & (need <= above + cnt):
+                    newneed = need - above
+                    st[0] = newneed
+                    if const_expr(word == 0):
+                        st[5] = (phi | (Uint32(b) << Uint32(sh))).bitcast(Int32)
+                        st[7] = Uint32(after).bitcast(Int32)
+                    else:
+                        st[6] = (plo | (Uint32(b) << Uint32(sh))).bitcast(Int32)
+                        st[8] = Uint32(after).bitcast(Int32)
+                    if cnt == newneed:
+                        st[1] = Int32(1)  # the bin holds exactly what is needed: done
+                above = above + cnt
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def store_winner(
+        self, skeys: cute.Tensor, out: cute.Tensor, obase: Int32 | Int64, slot: Int32, hi: Uint32, lo: Uint32,
+    ) -> None:
+        """Winner -> output slot: its id into ``out`` (unsorted) or its key into ``skeys`` (sorted)."""
         if const_expr(self.sorted_):
-            P = const_expr(self.sort_size)
-            cute.arch.sync_threads()
-            # Pad [take, P) with the smallest key so that the padding sorts last.
-            for j in cutlass.range(take + tid, P, T):
-                skeys[j] = Uint64(0)
-            cute.arch.sync_threads()
-            # Bitonic sort, descending; every (size, stride) stage is unrolled at compile time.
-            size = 2
-            while const_expr(size <= P):
-                stride = size // 2
-                while const_expr(stride >= 1):
-                    for p in cutlass.range(tid, P // 2, T):
-                        lo_i = 2 * p - (p & (stride - 1))
-                        hi_i = lo_i + stride
-                        a = skeys[lo_i]
-                        bb = skeys[hi_i]
-                        desc = (lo_i & size) == 0
-                        swap = Boolean(cutlass.select_(desc, a < bb, a > bb))
-                        if swap:
-                            skeys[lo_i] = bb
-                            skeys[hi_i] = a
-                    cute.arch.sync_threads()
-                    stride = stride // 2
-                size = size * 2
-            for j in cutlass.range(tid, take, T):
-                key = skeys[j]
-                out[obase + j] = (Uint32(ALL) - Uint32(key & Uint64(ALL))).bitcast(Int32)
+            skeys[slot] = (Uint64(hi) << Uint64(32)) | Uint64(lo)
+        else:
+            out[obase + slot] = (Uint32(MASK32) - lo).bitcast(Int32)
 
+    @cute.jit
+    def commit_fast(
+        self, phi: Uint32, khi: cute.Tensor, klo: cute.Tensor, slo: cute.Tensor, st: cute.Tensor,
+        skeys: cute.Tensor, out: cute.Tensor, obase: Int32 | Int64, tid: Int32, lane: Int32,
+    ) -> None:
+        """Commit when the selection ended in a score pass on a bin holding exactly what is needed.
+
+        The usual case (or every valid key wins: ``phi = 0``). The winners are then exactly the
+        keys with ``hi >= phi`` (valid ones: ``hi >= 1``), one compare each. Slots: one atomic
+        per warp for the warp's total, then per item a ballot, so that a warp's winners of item
+        ``i`` take consecutive slots (coalesced stores).
+        """
+        lower = cutlass.max(phi, Uint32(1))
+        mine = Int32(0)
+        for i in cutlass.range_constexpr(self.items):
+            mine = mine + cutlass.select_(khi[i] >= lower, Int32(1), Int32(0))
+        total = cute.arch.warp_redux_sync(mine, "add")
+        base = Int32(0)
+        if lane == 0:
+            base = cute.arch.atomic_add(st.iterator + 3, total)
+        run = cute.arch.shuffle_sync(base, 0)
+        ltmask = cute.arch.lanemask_lt()
+        for i in cutlass.range_constexpr(self.items):
+            hi = khi[i]
+            win = hi >= lower
+            ballot = Uint32(cute.arch.vote_ballot_sync(win))
+            if win:
+                slot = run + Int32(cute.arch.popc(ballot & Uint32(ltmask)))
+                self.store_winner(skeys, out, obase, slot, hi, self.key_lo(klo, slo, i, tid))
+            run = run + Int32(cute.arch.popc(ballot))
+
+    @cute.jit
+    def commit_general(
+        self, need: Int32, phi: Uint32, plo: Uint32, hm: Uint32, lm: Uint32, khi: cute.Tensor, klo: cute.Tensor,
+        slo: cute.Tensor, st: cute.Tensor, skeys: cute.Tensor, out: cute.Tensor, obase: Int32 | Int64, tid: Int32,
+    ) -> None:
+        """Commit when the selection went into the id word, or ended with surplus ties.
+
+        (Surplus ties: more keys equal to the threshold than needed, i.e. duplicated (score, id)
+        pairs.) Keys above the threshold prefix (``hm``/``lm``: the bits it fixes) win; of the
+        keys equal to it, the first ``need`` to reach a shared counter win. One slot atomic per
+        winner.
+        """
+        for i in cutlass.range_constexpr(self.items):
+            hi = khi[i]
+            lo = Uint32(0)
+            if const_expr(self.lean):
+                # Only a key whose score word reaches the threshold can win: read its lo word.
+                if (hi != Uint32(0)) & ((hi & hm) >= phi):
+                    lo = self.key_lo(klo, slo, i, tid)
+            else:
+                lo = self.key_lo(klo, slo, i, tid)
+            mh = hi & hm
+            ml = lo & lm
+            valid = hi != Uint32(0)
+            win = valid & ((mh > phi) | ((mh == phi) & (ml > plo)))
+            tie = valid & (mh == phi) & (ml == plo)
+            if tie:
+                # Only ``need`` of the keys equal to the threshold prefix are taken.
+                old = cute.arch.atomic_add(st.iterator + 4, Int32(1))
+                win = old < need
+            if win:
+                slot = cute.arch.atomic_add(st.iterator + 3, Int32(1))
+                self.store_winner(skeys, out, obase, slot, hi, lo)
+
+    @cute.jit
+    def sort_winners(self, skeys: cute.Tensor, out: cute.Tensor, obase: Int32 | Int64, take: Int32, tid: Int32) -> None:
+        """Sorted output: bitonic sort (descending) of the ``take`` winners' keys, then their ids out.
+
+        ``skeys`` holds ``P = next_pow2(min(k, N))`` keys; ``[take, P)`` is padded with the
+        smallest key so that the padding sorts last. Every (size, stride) stage is unrolled at
+        compile time, one barrier each.
+        """
+        T = const_expr(self.threads)
+        P = const_expr(self.sort_size)
+        cute.arch.sync_threads()
+        for j in cutlass.range(take + tid, P, T):
+            skeys[j] = Uint64(0)
+        cute.arch.sync_threads()
+        size = 2
+        while const_expr(size <= P):
+            stride = size // 2
+            while const_expr(stride >= 1):
+                for p in cutlass.range(tid, P // 2, T):
+                    lo_i = 2 * p - (p & (stride - 1))
+                    hi_i = lo_i + stride
+                    a = skeys[lo_i]
+                    bb = skeys[hi_i]
+                    desc = (lo_i & size) == 0
+                    swap = Boolean(cutlass.select_(desc, a < bb, a > bb))
+                    if swap:
+                        skeys[lo_i] = bb
+                        skeys[hi_i] = a
+                cute.arch.sync_threads()
+                stride = stride // 2
+            size = size * 2
+        for j in cutlass.range(tid, take, T):
+            key = skeys[j]
+            out[obase + j] = (Uint32(MASK32) - Uint32(key & Uint64(MASK32))).bitcast(Int32)
+
+
+@cute.jit
+def warp_inclusive_scan(x: Int32, lane: Int32) -> Int32:
+    """Inclusive prefix sum of ``x`` over the 32 lanes of a warp: five ``shuffle_sync_up`` steps."""
+    for o in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(x, 1 << o, mask_and_clamp=0)
+        x = x + cutlass.select_(lane >= (1 << o), other, Int32(0))
+    return x
 
 @functools.lru_cache(maxsize=64)
 def _compiled(
