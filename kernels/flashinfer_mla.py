@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from dcp_ref.lse import LN2
+
 __all__ = [
     "CompactCSR",
     "build_compact_csr",
@@ -57,7 +59,6 @@ __all__ = [
     "sparse_mla_trtllm_blackwell",
 ]
 
-LN2 = math.log(2.0)
 _INT = (torch.int32, torch.int64)
 
 

@@ -41,19 +41,21 @@ import triton
 import triton.language as tl
 
 from dcp_ref._checks import check_lse_base, triton_interpreting
+from dcp_ref.lse import LN2
 
-__all__ = ["lse_correct", "lse_merge", "lse_correct_kernel", "lse_merge_kernel"]
+__all__ = ["lse_correct", "lse_merge", "lse_correct_kernel", "lse_merge_kernel", "merge_weights"]
 
 _INTERPRET = triton_interpreting()  # snapshot: @triton.jit read it at import, too
 _LSE_DTYPES = (torch.float32, torch.float64)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-LOG2E = 1.4426950408889634  # 1 / ln 2
-LN2 = 0.6931471805599453
+# Kernels may read module globals only when they are constexpr.
+LN2_C: tl.constexpr = tl.constexpr(LN2)  # base 2 -> base e: lse_e = lse_2 * ln 2
+LOG2E_C: tl.constexpr = tl.constexpr(1.0 / LN2)  # base e -> base 2: lse_2 = lse_e * log2(e)
 
 
 @triton.jit
-def _merge_weights(lse_row, s_lw, offs_hs, mask_h, W: tl.constexpr, BLOCK_W: tl.constexpr, IS_BASE2: tl.constexpr):
+def merge_weights(lse_row, s_lw, offs_hs, mask_h, W: tl.constexpr, BLOCK_W: tl.constexpr, IS_BASE2: tl.constexpr):
     """All W ranks' LSEs for BLOCK_H heads in one [BLOCK_W, BLOCK_H] tile (one load, no second pass).
 
     Returns ``(e, m_safe, total)`` in the log2 domain: ``e[w, h] = 2^(lse2[w, h] - m_safe[h])``
@@ -66,7 +68,7 @@ def _merge_weights(lse_row, s_lw, offs_hs, mask_h, W: tl.constexpr, BLOCK_W: tl.
     # x == x is False only for NaN; NaN / +inf mean "this rank has nothing for (t, h)".
     x = tl.where((x == x) & (x < float("inf")), x, float("-inf"))
     if not IS_BASE2:
-        x = x * 1.4426950408889634  # base e -> base 2
+        x = x * LOG2E_C  # base e -> base 2
     m = tl.max(x, axis=0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     e = tl.exp2(x - m_safe[None, :])  # 2^-inf = 0: empty ranks weigh exactly 0
@@ -75,17 +77,17 @@ def _merge_weights(lse_row, s_lw, offs_hs, mask_h, W: tl.constexpr, BLOCK_W: tl.
 
 
 @triton.jit
-def _row(e, offs_w, w):
+def weight_row(e, offs_w, w):
     """Row ``w`` of the [BLOCK_W, BLOCK_H] tile ``e`` (a masked sum: registers, no memory)."""
     return tl.sum(tl.where(offs_w[:, None] == w, e, 0.0), axis=0)
 
 
 @triton.jit
-def _store_merged_lse(res_lse_ptr, offs_hs, mask_h, m_safe, total, IS_BASE2: tl.constexpr):
+def store_merged_lse(res_lse_ptr, offs_hs, mask_h, m_safe, total, IS_BASE2: tl.constexpr):
     # Guard log2(0): all-empty rows get -inf without ever evaluating log2 of 0.
     merged = tl.where(total > 0, m_safe + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
     if not IS_BASE2:
-        merged = merged * 0.6931471805599453  # base 2 -> base e
+        merged = merged * LN2_C  # base 2 -> base e
     tl.store(res_lse_ptr + offs_hs, merged, mask=mask_h)
 
 
@@ -108,14 +110,14 @@ def lse_correct_kernel(
     mask = mask_h[:, None] & (offs_d < D)[None, :]
     # Issue the big load first: its memory latency then overlaps the LSE arithmetic below.
     x = tl.load(out_ptr + t * s_ot + offs_h[:, None] * s_oh + offs_d[None, :] * s_od, mask=mask, other=0.0)
-    e, m_safe, total = _merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
-    mine = _row(e, tl.arange(0, BLOCK_W), rank)
+    e, m_safe, total = merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
+    mine = weight_row(e, tl.arange(0, BLOCK_W), rank)
     factor = tl.where(total > 0, mine / tl.where(total > 0, total, 1.0), 0.0)
     # where(), not factor * x: an empty rank's output may be NaN and 0 * NaN = NaN.
     y = tl.where(factor[:, None] > 0, factor[:, None] * x.to(tl.float32), 0.0)
     tl.store(res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, y.to(res_ptr.dtype.element_ty), mask=mask)
     if STORE_LSE:
-        _store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
+        store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
 
 
 @triton.jit
@@ -135,7 +137,7 @@ def lse_merge_kernel(
     mask_h = offs_h < H
     offs_d = tl.arange(0, BLOCK_D)
     mask = mask_h[:, None] & (offs_d < D)[None, :]
-    e, m_safe, total = _merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
+    e, m_safe, total = merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
     inv_total = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     offs_w = tl.arange(0, BLOCK_W)
     tile = t * s_ot + offs_h[:, None] * s_oh + offs_d[None, :] * s_od
@@ -143,12 +145,12 @@ def lse_merge_kernel(
     # W is a compile-time constant: the loop is unrolled, so the W partial loads can all be in
     # flight at once instead of one load -> FMA -> next load.
     for w in tl.static_range(W):
-        f = _row(e, offs_w, w) * inv_total
+        f = weight_row(e, offs_w, w) * inv_total
         x = tl.load(outs_ptr + w * s_ow + tile, mask=mask, other=0.0).to(tl.float32)
         acc += tl.where(f[:, None] > 0, f[:, None] * x, 0.0)
     tl.store(res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, acc.to(res_ptr.dtype.element_ty), mask=mask)
     if STORE_LSE:
-        _store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
+        store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
 
 
 # --------------------------------------------------------------------------------------------
