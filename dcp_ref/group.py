@@ -34,13 +34,34 @@ class Group(Protocol):
     rank: int
     world_size: int
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` (same shape/dtype on all ranks), stacked in rank order: ``[W, *x.shape]``."""
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's ``x`` (same shape/dtype on all ranks), stacked in rank order: ``[W, *x.shape]``.
+
+        ``out``: optional contiguous ``[W, *x.shape]`` buffer of ``x``'s dtype, written and returned
+        (the planned step passes one so that nothing is allocated).
+        """
         ...
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """Sum ``x`` over ranks, then return this rank's ``dim``-chunk (``x.shape[dim] % W == 0``)."""
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum ``x`` over ranks, then return this rank's ``dim``-chunk (``x.shape[dim] % W == 0``).
+
+        ``out``: optional contiguous buffer of the chunk's shape (``dim = 0`` only), written and returned.
+        """
         ...
+
+
+def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, name: str = "out") -> None:
+    if out is None:
+        return
+    check_tensor(out, name, dtypes=(like.dtype,), device=like.device)
+    if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, got {tuple(out.shape)}")
+
+
+def _chunk_shape(x: torch.Tensor, d: int, world_size: int) -> tuple[int, ...]:
+    shape = list(x.shape)
+    shape[d] //= world_size
+    return tuple(shape)
 
 
 def _check_scatter_dim(x: torch.Tensor, dim: int, world_size: int) -> int:
@@ -56,38 +77,57 @@ class SingleGroup:
     rank = 0
     world_size = 1
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         check_tensor(x, "x")
-        return x.unsqueeze(0).clone()
+        _check_out(out, (1, *x.shape), x)
+        return x.unsqueeze(0).clone() if out is None else out.copy_(x.unsqueeze(0))
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
         check_tensor(x, "x")
         _check_scatter_dim(x, dim, 1)
-        return x.clone()
+        _check_out(out, tuple(x.shape), x)
+        return x.clone() if out is None else out.copy_(x)
 
 
 class SimulatedWorld:
     """W ranks as W threads of this process, meeting in collectives.
 
     Collectives must be called by every rank in the same order with matching shapes/dtypes, as
-    with a real process group; a mismatch raises ``ValueError`` on every rank instead of hanging.
-    A rank that raises aborts the barrier so the others fail fast too.
+    with a real process group. A mismatch — another shape or dtype, or another collective
+    altogether (one rank in ``all_gather`` while another is in ``reduce_scatter``) — raises
+    ``ValueError`` on every rank instead of hanging or mixing data. A rank that raises aborts the
+    barrier so the others fail fast too; a rank that never arrives makes the others fail after
+    ``timeout_s`` with an error naming the ranks that were missing.
     """
 
     def __init__(self, world_size: int, timeout_s: float = 120.0) -> None:
         self.world_size = check_int_scalar(world_size, "world_size", min_value=1)
-        self._timeout = timeout_s
-        self._barrier = threading.Barrier(self.world_size, timeout=timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0 (seconds), got {timeout_s!r}")
+        self._timeout = float(timeout_s)
+        self._barrier = threading.Barrier(self.world_size, timeout=self._timeout)
         self._slots: list[Any] = [None] * self.world_size
+        self._arrived: list[int] = [0] * self.world_size  # collectives entered by each rank (names a straggler)
         self.groups = [SimulatedGroup(self, r) for r in range(self.world_size)]
 
     # -- collective plumbing -------------------------------------------------------------
     def _exchange(self, rank: int, value: Any) -> list[Any]:
         """Deposit ``value``, wait for all ranks, read everyone's, wait again (slots reusable)."""
         self._slots[rank] = value
-        self._barrier.wait()
-        values = list(self._slots)
-        self._barrier.wait()
+        self._arrived[rank] += 1
+        try:
+            self._barrier.wait()
+            values = list(self._slots)
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            mine = self._arrived[rank]
+            missing = [r for r, n in enumerate(self._arrived) if n < mine]
+            if missing:
+                raise TimeoutError(
+                    f"simulated collective #{mine} on rank {rank}: rank(s) {missing} did not arrive within "
+                    f"timeout_s={self._timeout} (or failed)"
+                ) from None
+            raise
         return values
 
     def run(self, fn: Callable[..., Any], *per_rank_args: Sequence[Any]) -> list[Any]:
@@ -96,12 +136,15 @@ class SimulatedWorld:
         Each element of ``per_rank_args`` is a length-W sequence; rank ``r`` receives its ``r``-th
         item. Exceptions are re-raised (the lowest failing rank's).
         """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         for k, seq in enumerate(per_rank_args):
             if len(seq) != self.world_size:
                 raise ValueError(f"per_rank_args[{k}] must have world_size={self.world_size} items, got {len(seq)}")
         results: list[Any] = [None] * self.world_size
         errors: list[BaseException | None] = [None] * self.world_size
         self._barrier.reset()
+        self._arrived = [0] * self.world_size
 
         def body(r: int) -> None:
             try:
@@ -119,6 +162,8 @@ class SimulatedWorld:
             for t in threads:
                 t.join()
         real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+        # A rank's own error first; a timeout that merely names the failing rank comes after it.
+        real.sort(key=lambda e: isinstance(e, TimeoutError))
         if real:
             raise real[0]
         if any(e is not None for e in errors):
@@ -134,30 +179,39 @@ class SimulatedGroup:
         self.rank = rank
         self.world_size = world.world_size
 
-    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, x: torch.Tensor, op: str) -> list[torch.Tensor]:
         check_tensor(x, "x")
-        xs = self._world._exchange(self.rank, x)
-        first = xs[0]
-        for r, t in enumerate(xs):
+        tagged = self._world._exchange(self.rank, (op, x))
+        first_op, first = tagged[0]
+        for r, (o, t) in enumerate(tagged):
+            if o != first_op:
+                raise ValueError(f"collective mismatch: rank {r} called {o}, rank 0 called {first_op}")
             if t.shape != first.shape or t.dtype != first.dtype:
                 raise ValueError(
-                    f"collective mismatch: rank {r} passed {tuple(t.shape)}/{t.dtype}, rank 0 passed {tuple(first.shape)}/{first.dtype}"
+                    f"collective mismatch in {op}: rank {r} passed {tuple(t.shape)}/{t.dtype}, "
+                    f"rank 0 passed {tuple(first.shape)}/{first.dtype}"
                 )
-        return [t.to(x.device) for t in xs]
+        return [t.to(x.device) for _, t in tagged]
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self._gather(x), 0)
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            _check_out(out, (self.world_size, *x.shape), x)
+        xs = self._gather(x, "all_gather")
+        return torch.stack(xs, 0) if out is None else torch.stack(xs, 0, out=out)
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        check_tensor(x, "x")
         d = _check_scatter_dim(x, dim, self.world_size)
-        xs = self._gather(x)
+        _check_out(out, _chunk_shape(x, d, self.world_size), x)
+        xs = self._gather(x, f"reduce_scatter(dim={d})")
         # Sum in rank order (deterministic), in float64 for float inputs so that the simulation
         # is at least as accurate as a real reduction.
         acc_dtype = torch.float64 if x.is_floating_point() else x.dtype
         total = torch.zeros_like(x, dtype=acc_dtype)
         for t in xs:
             total += t.to(acc_dtype)
-        return total.chunk(self.world_size, dim=d)[self.rank].to(x.dtype).contiguous()
+        res = total.chunk(self.world_size, dim=d)[self.rank].to(x.dtype)
+        return res.contiguous() if out is None else out.copy_(res)
 
 
 class TorchDistributedGroup:
@@ -177,19 +231,28 @@ class TorchDistributedGroup:
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         check_tensor(x, "x")
+        _check_out(out, (self.world_size, *x.shape), x)
         # Gather flat and view as [W, *shape]: NCCL accepts a stacked output, gloo only a
         # concatenated one, and the flat form is both.
         flat = x.contiguous().reshape(-1)
-        out = torch.empty(self.world_size * flat.numel(), dtype=x.dtype, device=x.device)
-        self._all_gather(out, flat, group=self._pg)
-        return out.view(self.world_size, *x.shape)
+        if out is None:
+            out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        self._all_gather(out.view(-1), flat, group=self._pg)
+        return out
 
-    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, dim: int = 0, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        check_tensor(x, "x")
         d = _check_scatter_dim(x, dim, self.world_size)
+        if out is not None:
+            if d != 0:
+                raise ValueError(f"out= needs dim=0 (the collective splits dim 0), got dim={dim}")
+            _check_out(out, _chunk_shape(x, 0, self.world_size), x)
+            self._reduce_scatter(out, x.contiguous(), group=self._pg)
+            return out
         # reduce_scatter_tensor splits along dim 0: move ``dim`` to the front and back.
         xt = x.movedim(d, 0).contiguous()
-        out = torch.empty((xt.shape[0] // self.world_size, *xt.shape[1:]), dtype=x.dtype, device=x.device)
-        self._reduce_scatter(out, xt, group=self._pg)
-        return out.movedim(0, d).contiguous()
+        res = torch.empty((xt.shape[0] // self.world_size, *xt.shape[1:]), dtype=x.dtype, device=x.device)
+        self._reduce_scatter(res, xt, group=self._pg)
+        return res.movedim(0, d).contiguous()

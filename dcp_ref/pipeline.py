@@ -1,20 +1,21 @@
-"""The whole DCP sparse-MLA decode step, end to end, on the references — and its oracle.
+"""The whole DCP sparse-MLA decode step, end to end — and its single-device oracle.
 
 :func:`dcp_decode_step` is what *one* rank runs (SPMD; collectives through a
-:class:`~dcp_ref.group.Group`):
+:class:`~dcp_ref.group.Group`), by name of stage:
 
-1. local bounds       — :func:`dcp_ref.localize_decode_bounds` (expand per token, then localize)
-2. local top-K        — :func:`dcp_ref.indexer.local_topk` over this rank's indexer scores
-3. stable global top-K — :func:`dcp_ref.topk.merge_topk_global` (pack → all-gather → select)
-4. slots + compaction — :func:`dcp_ref.deinterleave.deinterleave_and_compact`
-5. attention + merge  — :func:`dcp_ref.attention.sparse_mla_attention`, then
-                        :func:`dcp_ref.lse.dcp_merge_collective` (all-gather LSE, reduce-scatter)
+- ownership    — :func:`dcp_ref.step.decode_metadata` (expand per token first, localize after)
+- indexer      — local stable top-K of this rank's index scores, packed as (score, global id)
+- pack + select — all-gather of the candidates, stable global top-k (:mod:`dcp_ref.topk`)
+- deinterleave + compaction — global ids to this rank's KV slots (:mod:`dcp_ref.deinterleave`)
+- attention + merge — sparse MLA (:mod:`dcp_ref.attention`), then the LSE merge (:mod:`dcp_ref.lse`):
+  all-gather LSEs, correct, reduce-scatter over heads
 
-``backend="kernels"`` runs the same step on the fast implementations where they can run
-(:func:`kernel_stage_impls` says which, per stage): the Triton pack, the CuTeDSL stable top-K,
-the Triton de-interleave + compaction, FlashInfer's sparse MLA and the Triton LSE correction —
-on CUDA; on the CPU the Triton kernels run under ``TRITON_INTERPRET=1`` and the rest falls back
-to the references (logged once on ``logging.getLogger("dcp_ref.pipeline")``).
+It plans a :class:`dcp_ref.step.PlannedStep` for its inputs and runs it once: convenient, but it
+re-plans (allocates, validates) on every call. A serving loop plans once and runs many times.
+``stages`` picks the implementations: ``"reference"`` (:data:`dcp_ref.stages.REFERENCE_STAGES`),
+``"kernels"`` (the GPU kernels where they can run, registered by :mod:`dcp_ref.kernels.stages`; on
+the CPU the Triton kernels run interpreted under ``TRITON_INTERPRET=1``), or any
+:class:`~dcp_ref.stages.Stages` value — e.g. the reference with one stage of your own.
 
 :func:`single_device_decode` computes the same thing with no sharding at all: global scores →
 global stable top-k → attention over the chosen keys. :func:`make_dcp_problem` builds a random
@@ -25,91 +26,21 @@ single-device result exactly (up to float64 rounding).
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_int_scalar, check_world, has_module, triton_interpreting
-from .attention import sparse_mla_attention
-from .deinterleave import deinterleave_and_compact
+from ._checks import check_int_scalar, check_world
+from .geometry import DcpGeometry
 from .group import Group, SimulatedWorld
-from .indexer import local_topk
-from .lse import dcp_merge_collective
-from .ownership import expand_decode_bounds, global_to_local, localize_decode_bounds, owner_rank
-from .topk import merge_topk_global
+from .ownership import expand_decode_bounds, global_to_local, owner_rank
+from .stages import Stages
+from .step import StepMetadata, decode_metadata, plan_for
 
 __all__ = [
-    "RankShard", "DcpProblem", "make_dcp_problem", "dcp_decode_step", "single_device_decode", "run_dcp_decode",
-    "STEP_BACKENDS", "kernel_stage_impls", "kernel_stages_3_to_5",
+    "RankShard", "DcpProblem", "make_dcp_problem", "dcp_decode_step", "run_step", "single_device_decode",
+    "run_dcp_decode",
 ]
-
-logger = logging.getLogger("dcp_ref.pipeline")
-#: ``dcp_decode_step(backend=...)``: the references, or the kernels where they can run.
-STEP_BACKENDS = ("reference", "kernels")
-#: FlashInfer's MLA kernels take DeepSeek's head geometry: 512 latent + 64 RoPE dims, 512 values.
-_FLASHINFER_DQK, _FLASHINFER_DV = 576, 512
-
-
-#: Triton's CPU interpreter patches its language module while a kernel runs, so two threads (two
-#: ranks of a SimulatedWorld) must not interpret kernels at the same time. Collectives stay
-#: outside the lock, so ranks cannot deadlock on it.
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def _kernel_launch(device: torch.device) -> contextlib.AbstractContextManager:
-    return _INTERPRETER_LOCK if device.type != "cuda" and triton_interpreting() else contextlib.nullcontext()
-
-
-@functools.lru_cache(maxsize=None)
-def _log_fallback(stage: str, reason: str) -> None:
-    # lru_cache: each distinct fallback is logged once per process, not once per decode step.
-    logger.warning("dcp_ref.pipeline: stage %r runs the torch reference: %s", stage, reason)
-
-
-def kernel_stage_impls(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int) -> dict[str, str]:
-    """What ``dcp_decode_step(backend="kernels")`` runs for each stage on ``device``.
-
-    Returns ``{"pack": ..., "select": ..., "deinterleave": ..., "attention": ..., "merge": ...}``
-    with values ``"triton"``, ``"cutedsl"``, ``"flashinfer"`` or ``"torch"`` (the reference).
-    Triton kernels need CUDA, or the CPU with ``TRITON_INTERPRET=1`` (set before they are
-    imported); CuTeDSL needs CUDA and nvidia-cutlass-dsl; FlashInfer needs CUDA, flashinfer,
-    fp16/bf16 queries and DeepSeek's head geometry (``head_dim = 576``, ``v_dim = 512``). Each
-    stage that falls back is logged once, with the reason.
-    """
-    cuda = device.type == "cuda"
-    impl: dict[str, str] = {}
-    reasons: dict[str, str] = {}  # stage -> why it runs the reference
-    if not has_module("triton"):
-        tri_reason = "triton is not installed"
-    elif not (cuda or triton_interpreting()):
-        tri_reason = f"tensors are on {device} (set TRITON_INTERPRET=1 to interpret Triton on the CPU)"
-    else:
-        tri_reason = ""
-    for stage in ("pack", "deinterleave", "merge"):
-        impl[stage] = "torch" if tri_reason else "triton"
-        if tri_reason:
-            reasons[stage] = tri_reason
-    if not cuda:
-        reasons["select"] = reasons["attention"] = f"tensors are on {device}, not CUDA"
-    else:
-        if not has_module("cutlass"):
-            reasons["select"] = "nvidia-cutlass-dsl is not installed"
-        if not has_module("flashinfer"):
-            reasons["attention"] = "flashinfer is not installed"
-        elif q_dtype not in (torch.float16, torch.bfloat16):
-            reasons["attention"] = f"FlashInfer's MLA takes fp16/bf16 queries, got {q_dtype}"
-        elif (head_dim, v_dim) != (_FLASHINFER_DQK, _FLASHINFER_DV):
-            reasons["attention"] = f"FlashInfer's MLA takes head_dim={_FLASHINFER_DQK}, v_dim={_FLASHINFER_DV}, got {head_dim}, {v_dim}"
-    impl["select"] = "torch" if "select" in reasons else "cutedsl"
-    impl["attention"] = "torch" if "attention" in reasons else "flashinfer"
-    for stage, why in reasons.items():
-        _log_fallback(stage, why)
-    impl = {stage: impl[stage] for stage in ("pack", "select", "deinterleave", "attention", "merge")}  # step order
-    return impl
 
 
 @dataclass
@@ -120,13 +51,16 @@ class RankShard:
         kv_cache: float ``[num_blocks * block_size, D]`` — the paged local KV (slot-major).
         block_table: int32 ``[B, max_blocks]`` — physical block of each request's local block
             ``j`` (``-1`` past the request's blocks).
-        index_scores: float32 ``[T, max_local_len]`` — the indexer's scores of this rank's keys for
-            every query token (column = local index; garbage past the token's local bound).
+        index_scores: float32 ``[T, L]`` — the indexer's scores of this rank's keys for every query
+            token (column = local index; garbage past the token's local bound).
+        geometry: the :class:`~dcp_ref.geometry.DcpGeometry` the shard was built for. A step checks it
+            against its own, so a shard of one geometry is never run with another.
     """
 
     kv_cache: torch.Tensor
     block_table: torch.Tensor
     index_scores: torch.Tensor
+    geometry: DcpGeometry | None = None
 
 
 @dataclass
@@ -147,6 +81,14 @@ class DcpProblem:
     def req_of_token(self) -> torch.Tensor:
         return torch.arange(self.seq_lens.numel()).repeat_interleave(self.next_n)
 
+    def geometry(self, rank: int) -> DcpGeometry:
+        """Rank ``rank``'s :class:`~dcp_ref.geometry.DcpGeometry`."""
+        return DcpGeometry(self.world_size, rank, self.interleave, self.block_size)
+
+    def metadata(self, rank: int, device: torch.device | str | None = None) -> StepMetadata:
+        """Rank ``rank``'s :class:`~dcp_ref.step.StepMetadata` for this decode step."""
+        return decode_metadata(self.seq_lens, self.next_n, self.geometry(rank), device=device)
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "DcpProblem":
         """The same problem on ``device``, with ``q`` and the KV (global and sharded) in ``dtype``.
 
@@ -158,7 +100,7 @@ class DcpProblem:
         def f(x: torch.Tensor) -> torch.Tensor:
             return x.to(device=dev, dtype=dtype or x.dtype)
 
-        shards = [RankShard(f(s.kv_cache), s.block_table.to(dev), s.index_scores.to(dev)) for s in self.shards]
+        shards = [RankShard(f(s.kv_cache), s.block_table.to(dev), s.index_scores.to(dev), s.geometry) for s in self.shards]
         return DcpProblem(self.world_size, self.interleave, self.block_size, self.seq_lens.to(dev), self.next_n, f(self.q),
                           [f(k) for k in self.kv_global], self.scores_global.to(dev), shards)
 
@@ -236,13 +178,9 @@ def make_dcp_problem(
             b = int(req_of_token[t])
             mine = pos_all[: int(lens[b])][owners[: int(lens[b])] == r]
             index_scores[t, locs[mine]] = scores_global[t, mine]
-        shards.append(RankShard(kv_cache=kv, block_table=table, index_scores=index_scores))
+        shards.append(RankShard(kv_cache=kv, block_table=table, index_scores=index_scores,
+                                geometry=DcpGeometry(w, r, i, bs)))
     return DcpProblem(w, i, bs, lens, next_n, q, kv_global, scores_global, shards)
-
-
-def _per_request(next_n: int | torch.Tensor, device: torch.device) -> int | torch.Tensor:
-    """``next_n`` for ``repeat_interleave``: an int as is, a per-request tensor on ``device``."""
-    return next_n.to(device) if isinstance(next_n, torch.Tensor) else next_n
 
 
 def dcp_decode_step(
@@ -253,134 +191,69 @@ def dcp_decode_step(
     next_n: int | torch.Tensor,
     topk: int,
     sm_scale: float,
-    block_size: int,
-    interleave: int = 1,
     *,
     v_dim: int | None = None,
     trace: dict | None = None,
-    backend: str = "reference",
+    stages: Stages | str = "reference",
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's sparse-MLA decode step (all five stages).
+    """One rank's sparse-MLA decode step, every stage (plans a :class:`~dcp_ref.step.PlannedStep` and runs it once).
 
     Args:
-        group: this rank's group (rank and world size come from it).
+        group: this rank's group; its world size and rank must match ``shard.geometry``.
         q: float ``[T, H, D]`` query tokens (``T`` = their total), tokens of request 0 first.
-        shard: this rank's :class:`RankShard`.
+        shard: this rank's :class:`RankShard` (its ``geometry`` gives ``W``, the rank, ``I`` and the block size).
         seq_lens: int ``[B]`` global lengths (including this step's query tokens).
         next_n: query tokens per request (1, or more with speculative / MTP decoding): an int,
             or an int tensor ``[B]`` with one count per request.
         topk: the global top-k (every rank ends with the same ``topk`` ids per token).
         sm_scale: softmax scale.
-        block_size: tokens per block of the paged KV cache.
-        interleave: ``I``, consecutive tokens per rank before moving to the next rank.
         v_dim: value width (default: all of ``D``).
         trace: if a dict is given, every intermediate is stored in it under the stage's name
-            (``local_bounds``, ``local_ids``, ``global_ids``, ``slots``, ``counts``,
-            ``partial_out``, ``partial_lse``; with ``backend="kernels"`` also ``impl``, the
-            implementation of each stage) — for notebooks and debugging.
-        backend: ``"reference"`` (the plain-PyTorch stages, float64 attention) or ``"kernels"``
-            (see :func:`kernel_stage_impls`; the attention output is then float32, or q's dtype
-            under FlashInfer).
+            (``local_bounds``, ``packed``, ``global_ids``, ``slots``, ``counts``, ``partial_out``,
+            ``partial_lse``) and ``impl``, the implementation of each stage — for notebooks and debugging.
+        stages: ``"reference"`` (plain PyTorch, float64 attention for float64 inputs), ``"kernels"`` (the
+            kernels where they can run; see :func:`dcp_ref.stages.resolve_stages`), or a
+            :class:`~dcp_ref.stages.Stages` value.
+        validate: check tensor values on the host (see :class:`~dcp_ref.step.PlannedStep`).
     Returns:
         ``(out, lse)`` for this rank's head shard: ``[T, H/W, v_dim]`` and ``[T, H/W]`` (base e).
     """
-    if backend not in STEP_BACKENDS:
-        raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
-    W, r = group.world_size, group.rank
-    T = q.shape[0]
-    # 1. per-token local causal bounds (expand first, localize after)
-    local_bounds = localize_decode_bounds(seq_lens, next_n, W, r, interleave).reshape(T)
-    # 2. local top-K over this rank's keys (K = topk is enough for exactness)
-    local_ids = local_topk(shard.index_scores, topk, local_bounds)
-    req_of_token = torch.arange(seq_lens.numel(), device=seq_lens.device).repeat_interleave(_per_request(next_n, seq_lens.device))
-    if backend == "kernels":  # stages 3-5 on the kernels (kernel_stage_impls says which run here)
-        if trace is not None:
-            trace.update(local_bounds=local_bounds)
-        return kernel_stages_3_to_5(group, q, shard.kv_cache, shard.block_table, shard.index_scores, local_ids, None,
-                                    req_of_token, topk, sm_scale, block_size, interleave, v_dim=v_dim, trace=trace)
-    # 3. stable global top-K across ranks: identical on every rank
-    global_ids = merge_topk_global(group, shard.index_scores, local_ids, topk, interleave)
-    # 4. global ids -> this rank's physical slots, compacted to the front
-    slots, counts = deinterleave_and_compact(global_ids, req_of_token, shard.block_table, block_size, W, r, interleave)
-    # 5. attention over the local slots, then the LSE merge across ranks
-    out, lse = sparse_mla_attention(q, shard.kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim or q.shape[-1])
-    if trace is not None:
-        trace.update(local_bounds=local_bounds, local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts,
-                     partial_out=out, partial_lse=lse)
-    return dcp_merge_collective(group, out, lse, "e")
+    geometry = _shard_geometry(shard, group)
+    meta = decode_metadata(seq_lens, next_n, geometry, device=q.device)
+    return run_step(group, q, shard, meta, topk, sm_scale, v_dim=v_dim, trace=trace, stages=stages, validate=validate)
 
 
-def kernel_stages_3_to_5(
+def run_step(
     group: Group,
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    scores: torch.Tensor,
-    local_ids: torch.Tensor,
-    row_starts: torch.Tensor | None,
-    req_of_token: torch.Tensor,
+    shard: RankShard,
+    meta: StepMetadata,
     topk: int,
     sm_scale: float,
-    block_size: int,
-    interleave: int,
     *,
     v_dim: int | None = None,
     trace: dict | None = None,
+    stages: Stages | str = "reference",
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stages 3-5 on the kernels (see :func:`kernel_stage_impls`), shared by decode and prefill.
+    """Plan a step for these inputs and run it once (decode or prefill metadata); results are fresh tensors."""
+    step = plan_for(group, q, shard, topk, sm_scale, v_dim=v_dim, stages=stages, validate=validate)
+    out, lse = step.run(q, shard, meta, trace=trace)
+    return out.clone(), lse.clone()
 
-    From this rank's local top-K (``local_ids``, local key indices; column ``row_starts + j`` of
-    ``scores``) to its merged head shard: pack → all-gather → stable top-K → de-interleave +
-    compaction → sparse attention → all-gather LSE, correct, reduce-scatter.
-    Returns ``(out [T, H/W, v_dim], lse [T, H/W])`` (base e; float32, or q's dtype under FlashInfer).
-    """
-    from .topk_backend import pack_candidates as pack_on
-    from .topk_backend import stable_topk as select_on
 
-    W, r = group.world_size, group.rank
-    T, H, dqk = q.shape
-    vd = v_dim or dqk
-    if H % W:
-        raise ValueError(f"q.shape[1] (H={H}) must be divisible by the world size W={W}")
-    impl = kernel_stage_impls(q.device, q.dtype, dqk, vd)
-    # 3. pack (score, global id) -> all-gather -> stable global top-K
-    with _kernel_launch(q.device):
-        packed = pack_on(scores, local_ids, r, W, interleave, row_starts, backend="triton" if impl["pack"] == "triton" else "torch")
-    gathered = group.all_gather(packed)
-    global_ids = select_on(gathered, topk, backend="cutedsl" if impl["select"] == "cutedsl" else "torch")
-    # 4. global ids -> this rank's physical slots, compacted to the front
-    req_of_token = req_of_token.to(device=q.device, dtype=torch.int32)
-    if impl["deinterleave"] == "triton":
-        from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
-
-        with _kernel_launch(q.device):
-            slots, counts = deinterleave_compact(global_ids, req_of_token, block_table, block_size, W, r, interleave)
-    else:
-        slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, block_size, W, r, interleave)
-    # 5a. attention over the local slots (all H heads, this rank's keys only)
-    if impl["attention"] == "flashinfer":
-        from dcp_ref.kernels.flashinfer_mla import sparse_mla_flashinfer
-
-        out, lse = sparse_mla_flashinfer(q, kv_cache, slots, counts, sm_scale, "e")
-    else:
-        out, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "e", v_dim=vd)
-        # The Triton merge takes fp16/bf16/fp32 partials (an fp32 output is what a GPU kernel gives).
-        out = out.to(q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32)
-    if trace is not None:
-        trace.update(local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts, partial_out=out,
-                     partial_lse=lse, impl=impl)
-    # 5b. merge across ranks: all-gather LSEs, rescale this rank's partial, reduce-scatter heads
-    if impl["merge"] != "triton":
-        return dcp_merge_collective(group, out, lse, "e")
-    from dcp_ref.kernels.lse_merge_triton import lse_correct
-
-    all_lses = group.all_gather(lse.float().contiguous())  # [W, T, H]
-    merged = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    with _kernel_launch(q.device):
-        corrected, merged = lse_correct(out, all_lses, r, base="e", merged_lse=merged)
-    out_shard = group.reduce_scatter(corrected, dim=1)  # [T, H/W, v]
-    hs = H // W
-    return out_shard, merged[:, r * hs : (r + 1) * hs].contiguous()
+def _shard_geometry(shard: RankShard, group: Group) -> DcpGeometry:
+    if not isinstance(shard, RankShard):
+        raise TypeError(f"shard must be a RankShard, got {type(shard).__name__}")
+    if shard.geometry is None:
+        raise ValueError("shard.geometry must be set (a DcpGeometry): the step checks the shard against the group")
+    if (shard.geometry.world_size, shard.geometry.rank) != (group.world_size, group.rank):
+        raise ValueError(
+            f"shard.geometry (world_size={shard.geometry.world_size}, rank={shard.geometry.rank}) does not match the group "
+            f"(world_size={group.world_size}, rank={group.rank})"
+        )
+    return shard.geometry
 
 
 def single_device_decode(problem: DcpProblem, topk: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -411,21 +284,23 @@ def single_device_decode(problem: DcpProblem, topk: int, sm_scale: float) -> tup
 
 
 def run_dcp_decode(
-    problem: DcpProblem, topk: int, sm_scale: float, traces: list[dict] | None = None, backend: str = "reference",
-    v_dim: int | None = None,
+    problem: DcpProblem, topk: int, sm_scale: float, traces: list[dict] | None = None,
+    stages: Stages | str = "reference", v_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run :func:`dcp_decode_step` on every rank of a :class:`SimulatedWorld`; reassemble heads.
 
     ``traces``: optional list of ``world_size`` dicts that receive each rank's intermediates.
-    ``backend``, ``v_dim``: as in :func:`dcp_decode_step`.
+    ``stages``, ``v_dim``: as in :func:`dcp_decode_step`.
     Returns ``(out [T, H, D], lse [T, H])`` in head order (rank 0's head shard first).
     """
+    if not isinstance(problem, DcpProblem):
+        raise TypeError(f"problem must be a DcpProblem, got {type(problem).__name__}")
     world = SimulatedWorld(problem.world_size)
     traces = traces if traces is not None else [None] * problem.world_size
     results = world.run(
         lambda grp, shard, tr: dcp_decode_step(
-            grp, problem.q, shard, problem.seq_lens, problem.next_n, topk, sm_scale, problem.block_size, problem.interleave,
-            v_dim=v_dim, trace=tr, backend=backend,
+            grp, problem.q, shard, problem.seq_lens, problem.next_n, topk, sm_scale, v_dim=v_dim, trace=tr,
+            stages=stages,
         ),
         problem.shards,
         traces,

@@ -11,7 +11,8 @@ attend to columns ``[token_ks[t], token_ke[t])``). Local key ``j`` of token ``t`
 column ``token_ks[t] + j`` — which is what ``row_starts`` means in :func:`dcp_ref.indexer.local_topk`
 and :func:`dcp_ref.topk.pack_candidates`.
 
-:func:`dcp_prefill_step` is what one rank runs; :func:`chunk_scores_from_local` builds the chunk
+:func:`dcp_prefill_step` is what one rank runs (the planned step of :mod:`dcp_ref.step` with
+:func:`dcp_ref.step.prefill_metadata`); :func:`chunk_scores_from_local` builds the chunk
 layout from per-request local scores (what a test or a notebook has). The result equals
 :func:`dcp_ref.pipeline.dcp_decode_step` with ``next_n = query_lens`` and, through it, the
 single-device oracle (``tests/test_prefill.py``).
@@ -21,14 +22,16 @@ from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_tensor
-from .attention import sparse_mla_attention
-from .deinterleave import deinterleave_and_compact
 from .group import Group
-from .indexer import local_topk
-from .lse import dcp_merge_collective
 from .ownership import PrefillChunkMetadata, localize_prefill_chunk
-from .topk import merge_topk_global
+from .stages import Stages
+from .step import prefill_metadata
+
+if TYPE_CHECKING:
+    from .pipeline import RankShard
 
 __all__ = ["chunk_scores_from_local", "dcp_prefill_step"]
 
@@ -67,67 +70,46 @@ def chunk_scores_from_local(local_scores: torch.Tensor, query_lens: torch.Tensor
 def dcp_prefill_step(
     group: Group,
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    chunk_scores: torch.Tensor,
+    shard: RankShard,
     context_lens: torch.Tensor,
     query_lens: torch.Tensor,
     topk: int,
     sm_scale: float,
-    block_size: int,
-    interleave: int = 1,
     *,
     v_dim: int | None = None,
     trace: dict | None = None,
-    backend: str = "reference",
+    stages: Stages | str = "reference",
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's DSA step for a prefill chunk (SPMD over ``group``).
 
     Args:
         group: this rank's group.
         q: float ``[T, H, D]``, the chunk's query tokens, ``T = sum(query_lens)``, request 0 first.
-        kv_cache: float ``[num_slots, D]``, this rank's paged cache (the chunk's keys included).
-        block_table: int32 ``[B, M]`` physical blocks of each request's local keys.
-        chunk_scores: float ``[T, C]`` indexer scores in the chunk layout (module docstring;
-            ``C >= local_total``); :func:`chunk_scores_from_local` builds it from per-request scores.
+        shard: this rank's :class:`~dcp_ref.pipeline.RankShard`: its paged ``kv_cache`` (the chunk's keys
+            included), ``block_table``, and as ``index_scores`` the chunk's scores in the chunk layout
+            (float ``[T, C]``, ``C >= local_total``; :func:`chunk_scores_from_local` builds it); its
+            ``geometry`` gives ``W``, the rank, ``I`` and the block size.
         context_lens, query_lens: int ``[B]``: tokens already cached / added by this chunk.
         topk: the global top-k per query token.  sm_scale: softmax scale.
-        block_size: tokens per KV block.  interleave: ``I`` of the DCP layout.
-        v_dim: value width (default: all of ``D``).
-        trace: optional dict that receives ``meta``, ``local_ids``, ``global_ids``, ``slots``,
-            ``counts``, ``partial_out``, ``partial_lse`` (and ``impl`` with the kernels).
-        backend: ``"reference"`` or ``"kernels"``, as in :func:`dcp_ref.pipeline.dcp_decode_step`
-            (stages 3-5 by :func:`dcp_ref.pipeline.kernel_stages_3_to_5`).
+        v_dim, trace, stages, validate: as in :func:`dcp_ref.pipeline.dcp_decode_step` (``trace`` also
+            receives ``meta``, the chunk's :class:`~dcp_ref.ownership.PrefillChunkMetadata`).
     Returns:
         ``(out [T, H/W, v_dim], lse [T, H/W])`` of this rank's head shard (base e).
     """
-    from .pipeline import STEP_BACKENDS, kernel_stages_3_to_5
+    from .pipeline import _shard_geometry, run_step
 
-    if backend not in STEP_BACKENDS:
-        raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
-    W, r = group.world_size, group.rank
+    g = _shard_geometry(shard, group)
     topk = check_int_scalar(topk, "topk", min_value=1)
-    meta = localize_prefill_chunk(context_lens, query_lens, W, r, interleave)
-    check_tensor(chunk_scores, "chunk_scores", dtypes=FLOAT_DTYPES, ndim=2)
+    chunk = localize_prefill_chunk(context_lens, query_lens, g.world_size, g.rank, g.interleave)
+    check_tensor(shard.index_scores, "shard.index_scores", dtypes=FLOAT_DTYPES, ndim=2)
     T = q.shape[0]
-    if chunk_scores.shape[0] != T or chunk_scores.shape[1] < meta.local_total:
-        raise ValueError(f"chunk_scores must be [T={T}, >= local_total={meta.local_total}], got {tuple(chunk_scores.shape)}")
-    # 1. per-token causal windows [ks, ke) in the chunk layout (expand first, localize after)
-    starts, lengths = meta.token_ks, meta.token_ke - meta.token_ks
-    # 2. local top-K inside each token's window: local key indices j of the token's request
-    local_ids = local_topk(chunk_scores, topk, lengths, row_starts=starts)
-    req_of_token = torch.arange(query_lens.numel(), device=q.device).repeat_interleave(query_lens.to(q.device).long())
-    if backend == "kernels":
-        if trace is not None:
-            trace.update(meta=meta)
-        return kernel_stages_3_to_5(group, q, kv_cache, block_table, chunk_scores, local_ids, starts, req_of_token, topk,
-                                    sm_scale, block_size, interleave, v_dim=v_dim, trace=trace)
-    # 3. pack (score at column ks + j, global id of j) -> all-gather -> stable global top-K
-    global_ids = merge_topk_global(group, chunk_scores, local_ids, topk, interleave, row_starts=starts)
-    # 4-5. exactly as in decode
-    slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, block_size, W, r, interleave)
-    out, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim or q.shape[-1])
+    if shard.index_scores.shape[0] != T or shard.index_scores.shape[1] < chunk.local_total:
+        raise ValueError(
+            f"shard.index_scores must be [T={T}, >= local_total={chunk.local_total}] (the chunk layout), "
+            f"got {tuple(shard.index_scores.shape)}"
+        )
+    meta = prefill_metadata(context_lens, query_lens, g, device=q.device)
     if trace is not None:
-        trace.update(meta=meta, local_ids=local_ids, global_ids=global_ids, slots=slots, counts=counts,
-                     partial_out=out, partial_lse=lse)
-    return dcp_merge_collective(group, out, lse, "e")
+        trace["meta"] = chunk
+    return run_step(group, q, shard, meta, topk, sm_scale, v_dim=v_dim, trace=trace, stages=stages, validate=validate)

@@ -3,7 +3,7 @@
 `TorchDistributedGroup` is what a multi-GPU run uses (with NCCL); gloo exercises the identical
 code path on CPU, so CI checks that the collectives are wired as the simulation assumes: one
 process per rank, each running `dcp_decode_step` on its shard (with the reference stages and with
-``backend="kernels"``), merged heads compared with the single-device oracle.
+``stages="kernels"``), merged heads compared with the single-device oracle.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         problem = _problem(world_size)
         out, lse = dcp_decode_step(
             group, problem.q, problem.shards[rank], problem.seq_lens, problem.next_n, TOPK,
-            1 / math.sqrt(HEAD_DIM), problem.block_size, problem.interleave,
+            1 / math.sqrt(HEAD_DIM),
         )
         # The kernel path over the same collectives (Triton interpreted: TRITON_INTERPRET is inherited).
         kout, klse = dcp_decode_step(
             group, problem.q, problem.shards[rank], problem.seq_lens, problem.next_n, TOPK,
-            1 / math.sqrt(HEAD_DIM), problem.block_size, problem.interleave, backend="kernels",
+            1 / math.sqrt(HEAD_DIM), stages="kernels",
         )
         torch.save({"gathered": gathered, "scattered": scattered, "out": out, "lse": lse, "kout": kout, "klse": klse},
                    Path(out_dir) / f"rank{rank}.pt")

@@ -8,7 +8,7 @@ import torch
 
 from dcp_ref.group import SimulatedWorld
 from dcp_ref.ownership import localize_prefill_chunk
-from dcp_ref.pipeline import dcp_decode_step, make_dcp_problem, single_device_decode
+from dcp_ref.pipeline import RankShard, dcp_decode_step, make_dcp_problem, single_device_decode
 from dcp_ref.prefill import chunk_scores_from_local, dcp_prefill_step
 
 
@@ -19,8 +19,9 @@ def run_prefill(problem, context_lens, query_lens, topk, scale, traces=None, bac
     def step(group, shard, tr):
         meta = localize_prefill_chunk(context_lens, query_lens, W, group.rank, I)
         scores = chunk_scores_from_local(shard.index_scores, query_lens, meta)
-        return dcp_prefill_step(group, problem.q, shard.kv_cache, shard.block_table, scores, context_lens, query_lens,
-                                topk, scale, problem.block_size, I, trace=tr, backend=backend)
+        chunk_shard = RankShard(shard.kv_cache, shard.block_table, scores, shard.geometry)
+        return dcp_prefill_step(group, problem.q, chunk_shard, context_lens, query_lens, topk, scale, trace=tr,
+                                stages=backend)
 
     res = SimulatedWorld(W).run(step, problem.shards, traces)
     return torch.cat([o for o, _ in res], 1), torch.cat([l for _, l in res], 1)
@@ -55,7 +56,7 @@ def test_prefill_equals_decode_with_next_n_query_lens() -> None:
     ctx = problem.seq_lens - qlens
     p_out, p_lse = run_prefill(problem, ctx, qlens, 5, 0.3)
     res = SimulatedWorld(3).run(
-        lambda g, shard: dcp_decode_step(g, problem.q, shard, problem.seq_lens, problem.next_n, 5, 0.3, problem.block_size, 2),
+        lambda g, shard: dcp_decode_step(g, problem.q, shard, problem.seq_lens, problem.next_n, 5, 0.3),
         problem.shards,
     )
     d_out, d_lse = torch.cat([o for o, _ in res], 1), torch.cat([l for _, l in res], 1)
@@ -74,9 +75,10 @@ def test_chunk_scores_layout_and_errors() -> None:
     with pytest.raises(ValueError, match="add up"):
         chunk_scores_from_local(local, torch.tensor([2, 2]), meta)
     problem = make_dcp_problem(1, 1, seq_lens=[6], next_n=2, num_heads=1, head_dim=4)
-    with pytest.raises(ValueError, match="chunk_scores must be"):
-        SimulatedWorld(1).run(lambda g, s: dcp_prefill_step(g, problem.q, s.kv_cache, s.block_table, torch.zeros(2, 1),
-                                                           torch.tensor([4]), torch.tensor([2]), 2, 0.5, 8), problem.shards)
+    with pytest.raises(ValueError, match="shard.index_scores must be"):
+        SimulatedWorld(1).run(lambda g, s: dcp_prefill_step(g, problem.q, RankShard(s.kv_cache, s.block_table, torch.zeros(2, 1),
+                                                                                    s.geometry),
+                                                           torch.tensor([4]), torch.tensor([2]), 2, 0.5), problem.shards)
 
 
 def test_make_dcp_problem_checks_query_counts() -> None:
@@ -96,7 +98,7 @@ def test_prefill_chunk_on_the_kernels(world_size, interleave) -> None:
     traces = [dict() for _ in range(world_size)]
     out, lse = run_prefill(problem, torch.tensor(seq_lens) - qlens, qlens, 6, 0.35, traces, backend="kernels")
     ref_out, ref_lse, ref_ids = single_device_decode(problem, 6, 0.35)
-    assert out.dtype == torch.float32 and traces[0]["impl"]["pack"] == "triton"
+    assert out.dtype == torch.float32 and traces[0]["impl"]["indexer"] in ("torch+triton", "triton-fused")
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=2e-6)
     for tr in traces:

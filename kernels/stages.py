@@ -1,0 +1,281 @@
+"""The GPU kernels as a :class:`dcp_ref.stages.Stages` value — the ``"kernels"`` stage provider.
+
+:func:`kernel_stages` picks, per stage, the fastest implementation that can run on the given
+device and dtype, and the reference otherwise (the reason is logged once on
+``logging.getLogger("dcp_ref.kernels.stages")`` and kept in ``Stages.notes``):
+
+============  ==========================================================  =========================
+stage         kernel                                                       needs
+============  ==========================================================  =========================
+indexer       Triton fused local top-K + pack (:mod:`.indexer_triton`),    CUDA, or the CPU with
+              else torch local top-K + the Triton pack (:mod:`.pack_triton`) ``TRITON_INTERPRET=1``
+select        CuTeDSL stable radix top-K (:mod:`.topk_cutedsl`)            CUDA + nvidia-cutlass-dsl
+deinterleave  Triton de-interleave + compaction (:mod:`.deinterleave_triton`)  as the indexer
+attention     FlashMLA sparse (:mod:`.flashmla_sparse`; no host plan),     CUDA, bf16, 576/512,
+              else FlashInfer fa3 (:mod:`.flashinfer_mla`; plans on the host)  H in {64, 128}
+merge         Triton LSE correction (:mod:`.lse_merge_triton`)             as the indexer
+============  ==========================================================  =========================
+
+``dcp_ref`` never imports this module: :func:`dcp_ref.stages.resolve_stages` loads it by name when a
+caller asks for ``stages="kernels"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from dcp_ref._checks import has_module, triton_interpreting
+from dcp_ref.geometry import DcpGeometry
+from dcp_ref.stages import (
+    STAGE_NAMES,
+    Stages,
+    StepSpec,
+    compose_indexer,
+    reference_attention,
+    reference_deinterleave,
+    reference_indexer,
+    reference_merge,
+    reference_select,
+    write_into,
+)
+
+__all__ = ["kernel_stages", "kernel_stage_impls", "KERNEL_LOCK"]
+
+logger = logging.getLogger("dcp_ref.kernels.stages")
+
+#: Triton's CPU interpreter patches its language module while a kernel runs, and CuTeDSL compiles
+#: are not thread-safe: the ranks of a SimulatedWorld (threads) take this lock around such calls.
+#: Collectives stay outside it, so ranks cannot deadlock on it.
+KERNEL_LOCK = threading.RLock()
+
+
+def _launch(device: torch.device) -> contextlib.AbstractContextManager:
+    return KERNEL_LOCK if device.type != "cuda" and triton_interpreting() else contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(stage: str, reason: str) -> None:
+    # lru_cache: each distinct fallback is logged once per process, not once per step.
+    logger.warning("dcp_ref.kernels.stages: stage %r runs the torch reference: %s", stage, reason)
+
+
+def _named(name: str):  # type: ignore[no-untyped-def]
+    def deco(fn):  # type: ignore[no-untyped-def]
+        fn.impl_name = name
+        return fn
+
+    return deco
+
+
+# ---- the kernel implementations of each stage ---------------------------------------------------------
+@_named("triton")
+def _pack_triton(scores: torch.Tensor, ids: torch.Tensor, rank: int, world_size: int, interleave: int,
+                 row_starts: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    from .pack_triton import pack_candidates_triton
+
+    with _launch(scores.device):
+        return pack_candidates_triton(scores, ids, rank, world_size, interleave, row_starts, out=out, validate=False)
+
+
+@_named("torch")
+def _local_topk_torch(scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None) -> torch.Tensor:
+    from dcp_ref.indexer import local_topk
+
+    try:
+        return local_topk(scores, k, lengths, row_starts, validate=False)  # type: ignore[call-arg]
+    except TypeError:  # an older local_topk without validate=
+        return local_topk(scores, k, lengths, row_starts)
+
+
+@_named("triton-fused")
+def _indexer_fused(scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
+                   row_starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    from .indexer_triton import indexer_topk_pack  # type: ignore[import-not-found]
+
+    g = geometry
+    with _launch(scores.device):
+        return indexer_topk_pack(scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out,
+                                 validate=False)
+
+
+@_named("cutedsl")
+def _select_cutedsl(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    from .topk_cutedsl import stable_topk_cutedsl
+
+    # The compile cache is filled at plan time (prepare, under the step's lock); a lookup is cheap, and the
+    # lock makes a first compile from several rank threads safe.
+    with KERNEL_LOCK:
+        return stable_topk_cutedsl(gathered, k, out=out)
+
+
+@_named("triton")
+def _deinterleave_triton(global_ids: torch.Tensor, req_of_token: torch.Tensor, block_table: torch.Tensor,
+                         geometry: DcpGeometry, *, compact: bool = True, out_slots: torch.Tensor | None = None,
+                         out_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from .deinterleave_triton import deinterleave_compact, global_ids_to_local_slots_triton
+
+    g = geometry
+    req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
+    with _launch(global_ids.device):
+        if compact:
+            return deinterleave_compact(global_ids, req, block_table, g.block_size, g.world_size, g.rank, g.interleave,
+                                        ordered=True, out=out_slots, counts=out_counts)
+        slots = global_ids_to_local_slots_triton(global_ids, req, block_table, g.block_size, g.world_size, g.rank,
+                                                 g.interleave, out=out_slots)
+    counts = (slots >= 0).sum(1, dtype=torch.int32)
+    return slots, write_into(counts, out_counts)
+
+
+@_named("flashmla")
+def _attention_flashmla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                        sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
+                        out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from .flashmla_sparse import sparse_mla_flashmla
+
+    return sparse_mla_flashmla(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
+
+
+_FI_WRAPPERS = threading.local()  # one FlashInfer wrapper per thread (rank) and shape: plan() is stateful
+
+
+@_named("flashinfer")
+def _attention_flashinfer(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                          sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
+                          out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from .flashinfer_mla import FlashInferSparseMLA
+
+    key = (q.shape[1], float(sm_scale), q.device, q.dtype)
+    cache = getattr(_FI_WRAPPERS, "by_key", None)
+    if cache is None:
+        cache = _FI_WRAPPERS.by_key = {}
+    attn = cache.get(key)
+    if attn is None:
+        attn = cache[key] = FlashInferSparseMLA(q.shape[1], sm_scale, device=q.device, dtype=q.dtype,
+                                                head_dim_kpe=q.shape[2] - 512)
+    attn.plan(slots, counts)  # host sync: FlashInfer builds its schedule from the lengths
+    return attn.run(q, kv_cache, out=out, lse=out_lse, lse_base="e")
+
+
+@_named("triton")
+def _merge_triton(partial: torch.Tensor, all_lse: torch.Tensor, rank: int, *, out: torch.Tensor | None = None,
+                  out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from .lse_merge_triton import lse_correct
+
+    if out_lse is None:
+        out_lse = torch.empty(partial.shape[:2], dtype=torch.float32, device=partial.device)
+    with _launch(partial.device):
+        corrected, merged = lse_correct(partial, all_lse, rank, base="e", corrected=out, merged_lse=out_lse)
+    assert merged is not None
+    return corrected, merged
+
+
+def _prepare(spec: StepSpec, impl: dict[str, str]) -> None:
+    """Compile and warm what compiles (the CuTeDSL top-K) for the planned shape; under the step's lock."""
+    if impl["select"] == "cutedsl":
+        from .topk_cutedsl import stable_topk_cutedsl
+
+        W, T, k = spec.geometry.world_size, spec.max_tokens, spec.topk
+        gathered = torch.zeros((W, T, k, 2), dtype=torch.float32, device=spec.device)
+        gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
+        with KERNEL_LOCK:
+            stable_topk_cutedsl(gathered, k)
+
+
+# ---- selection -------------------------------------------------------------------------------------------
+def kernel_stage_impls(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int,
+                       num_heads: int | None = None, topk: int | None = None) -> dict[str, str]:
+    """What :func:`kernel_stages` runs for each stage: ``{stage: "triton" | "triton-fused" | "cutedsl" |
+    "flashmla" | "flashinfer" | "torch"}``, in step order, with each fallback logged once."""
+    impl, reasons = _choose(torch.device(device), q_dtype, head_dim, v_dim, num_heads, topk)
+    for stage, why in reasons.items():
+        _log_fallback(stage, why)
+    return impl
+
+
+def _choose(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int, num_heads: int | None,
+            topk: int | None) -> tuple[dict[str, str], dict[str, str]]:
+    cuda = device.type == "cuda"
+    reasons: dict[str, str] = {}
+    if not has_module("triton"):
+        tri = "triton is not installed"
+    elif not (cuda or triton_interpreting()):
+        tri = f"tensors are on {device} (set TRITON_INTERPRET=1 to interpret Triton on the CPU)"
+    else:
+        tri = ""
+    impl: dict[str, str] = {}
+    fused = not tri and _has_fused_indexer()
+    impl["indexer"] = "triton-fused" if fused else ("torch+triton" if not tri else "torch")
+    if tri:
+        reasons["indexer"] = reasons["deinterleave"] = reasons["merge"] = tri
+    if not cuda:
+        reasons["select"] = f"tensors are on {device}, not CUDA"
+    elif not has_module("cutlass"):
+        reasons["select"] = "nvidia-cutlass-dsl is not installed"
+    impl["select"] = "torch" if "select" in reasons else "cutedsl"
+    impl["deinterleave"] = "torch" if tri else "triton"
+    impl["attention"], why = _choose_attention(device, q_dtype, head_dim, v_dim, num_heads, topk)
+    if why:
+        reasons["attention"] = why
+    impl["merge"] = "torch" if tri else "triton"
+    return {s: impl[s] for s in STAGE_NAMES}, reasons
+
+
+def _has_fused_indexer() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("dcp_ref.kernels.indexer_triton") is not None
+
+
+def _choose_attention(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int, num_heads: int | None,
+                      topk: int | None) -> tuple[str, str]:
+    from .flashmla_sparse import flashmla_unsupported
+
+    if device.type != "cuda":
+        return "torch", f"tensors are on {device}, not CUDA"
+    why_mla = flashmla_unsupported(device, q_dtype, num_heads or 128, head_dim, v_dim, topk or 64)
+    if not why_mla:
+        return "flashmla", ""
+    if not has_module("flashinfer"):
+        return "torch", f"FlashMLA: {why_mla}; flashinfer is not installed"
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        return "torch", f"FlashMLA: {why_mla}; FlashInfer's MLA takes fp16/bf16 queries, got {q_dtype}"
+    if (head_dim, v_dim) != (576, 512):
+        return "torch", f"FlashMLA: {why_mla}; FlashInfer's MLA takes head_dim=576, v_dim=512, got {head_dim}, {v_dim}"
+    return "flashinfer", ""
+
+
+def kernel_stages(device: torch.device | str, dtype: torch.dtype, head_dim: int, v_dim: int, *,
+                  num_heads: int | None = None, topk: int | None = None) -> Stages:
+    """The ``"kernels"`` :class:`~dcp_ref.stages.Stages` for tensors of ``dtype`` on ``device``.
+
+    ``num_heads`` / ``topk``: when known, let the attention choice check FlashMLA's constraints
+    (H in {64, 128}, top-k a multiple of 64); unknown, FlashMLA is assumed to fit and its own checks
+    raise at run time.
+    """
+    dev = torch.device(device)
+    impl, reasons = _choose(dev, dtype, head_dim, v_dim, num_heads, topk)
+    for stage, why in reasons.items():
+        _log_fallback(stage, why)
+    by_name: dict[str, Any] = {
+        "indexer": {"triton-fused": _indexer_fused, "torch+triton": compose_indexer(_local_topk_torch, _pack_triton),
+                    "torch": reference_indexer}[impl["indexer"]],
+        "select": _select_cutedsl if impl["select"] == "cutedsl" else reference_select,
+        "deinterleave": _deinterleave_triton if impl["deinterleave"] == "triton" else reference_deinterleave,
+        "attention": {"flashmla": _attention_flashmla, "flashinfer": _attention_flashinfer,
+                      "torch": reference_attention}[impl["attention"]],
+        "merge": _merge_triton if impl["merge"] == "triton" else reference_merge,
+    }
+
+    def partial_dtype(d: torch.dtype) -> torch.dtype:
+        # GPU attention writes q's dtype; the Triton merge takes fp16/bf16/fp32 partials.
+        return d if d in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+
+    return Stages(**by_name, partial_dtype=partial_dtype, prepare=functools.partial(_prepare, impl=impl),
+                  name="kernels", notes=tuple(sorted(reasons.items())))
+
