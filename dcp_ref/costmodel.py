@@ -1,0 +1,1050 @@
+"""A cost model of one DCP decode step against tensor parallelism, fitted to the H200 measurements.
+
+Pure Python (no tensors, no GPU): bytes, FLOPs and seconds of one attention layer's decode step
+on one rank, for DCP over ``W`` ranks and for TP over the same ``W`` ranks.
+
+**Units.** Byte counts are Python ints (names end in ``_bytes``), times are float *seconds*
+(``_s``), FLOPs are floats (``_flops``), rates are per second (``_Bps`` bytes/s,
+``_flops_per_s``). Every quantity is *per layer and per rank* unless its name says otherwise.
+
+**The two layouts compared** (``W`` ranks, ``T`` query tokens per step, one per request, each of
+context ``c`` tokens; ``H`` heads; every query attends to its request's top ``k`` keys)::
+
+    TP W   heads split (H/W per rank), KV cache duplicated (every rank stores all c tokens)
+           index scoring over c keys -> top-k over c -> slots -> attention(H/W heads, k keys)
+           no communication inside attention
+    DCP W  KV cache split by token (each rank stores about c/W), all H heads on every rank
+           all-gather q over heads -> index scoring over c/W keys -> local top-K + pack
+           -> all-gather candidates -> stable global select -> de-interleave
+           -> attention(H heads, ~k/W keys) -> all-gather LSEs -> merge (correct)
+           -> reduce-scatter the output over heads (H/W per rank)
+
+The output projection's all-reduce is the same in both layouts (DCP runs inside the TP group) and
+is left out. What DCP adds is four collectives; what it saves is the per-rank share of the KV cache
+(capacity: :func:`kv_bytes_per_rank`) and of every context-proportional stage (index scoring and
+the local top-K read ``c/W`` keys instead of ``c``).
+
+**Bytes on the wire** (per query token; ``K`` candidates per rank, ``D = 512`` value dims):
+candidates travel as ``(score, id)`` float32 pairs, so a rank sends ``8*K`` bytes and the gathered
+buffer holds ``8*W*K`` (its own slice included; ``8*(W-1)*K`` cross links); the LSE all-gather
+sends ``4*H`` and gathers ``4*W*H``; the output reduce-scatter takes ``2*H*D`` bytes of bf16
+partials and leaves ``2*H*D/W`` (an all-reduce would leave all ``2*H*D`` and move twice the bytes).
+The query all-gather sends ``2*(H/W)*576`` and gathers ``2*H*576``. See :func:`communication_bytes`.
+
+**Time of a stage** is a fitted line ``fixed_s + per_unit_s * x`` (:class:`LineCost`) where ``x``
+is the stage's bytes (select, de-interleave, merge, pack, local top-K) or FLOPs (attention),
+fitted to the committed H200 kernel benchmarks (``benchmarks/results/*.json``, see
+:func:`observations_from_results`). A collective on a ring of ``W`` ranks costs
+``collective_s + (W - 1) * (hop_s + chunk_bytes / link_Bps)`` (``chunk`` = what one ring step
+moves: one rank's contribution for an all-gather, ``1/W`` of the input for a reduce-scatter); the
+link is NVLink while the group fits in one host and InfiniBand (the slowest link of the ring)
+once it spans hosts. Index scoring was never measured: it is a roofline (bytes at the measured copy
+bandwidth, FLOPs at the FP8 tensor-core peak) and every number that uses it is a prediction.
+
+**The crossover** (:func:`crossover_context`). DCP's memory saving is capacity: a rank with a KV
+budget of ``M`` bytes holds ``floor(M / kv(c))`` requests of context ``c`` under TP but about ``W``
+times as many under DCP. Precisely, with ``B_X(c) = min(max_batch, floor(M / per_request_bytes_X(c)))``
+(all layers, KV and indexer cache) and ``t_X(B, c)`` the per-layer step time of this model at
+``T = B`` query tokens (plus ``other_layer_s``, the rest of the layer, equal in both layouts), the
+decode throughput of the ``W``-rank group is ``B_X / t_X`` for ``X`` in {TP, DCP}. **The crossover
+context is the smallest context ``c`` at which DCP's throughput is at least TP's**:
+``B_DCP(c) / t_DCP(B_DCP(c), c) >= B_TP(c) / t_TP(B_TP(c), c)``. Below it DCP's collectives cost
+more than its larger batch and smaller context share win; above it (up to ``max_context``) DCP
+serves more tokens per second. :func:`time_crossover_context` is the narrower, batch-free variant:
+the smallest ``c`` at which DCP's step is no slower than TP's at the *same* ``T``.
+
+**Limits.** The collectives' line is fitted to messages of 16 KiB to 4 MiB per rank on two GPUs;
+NCCL reaches more bandwidth on larger messages (its bus bandwidth on NVSwitch grows toward
+~350 GB/s), so at large batches the model over-states DCP's communication and its crossovers are
+upper bounds. Kernel lines are extrapolated beyond the measured shapes (rows <= 4096, W <= 8,
+W*K <= 16384, T <= 128 for attention). InfiniBand, index scoring and W > 8 are never measured:
+every number that uses them is a prediction.
+
+**Fitting** (:func:`fit_constants`): each stage family is a weighted least-squares line (weights
+``1/measured``: relative residuals), non-negative coefficients; collectives are fitted to the
+NCCL times measured on 2 x H200 (:data:`NCCL_2XH200_T32`, quoted from the project's GPU notes)
+and, when ``benchmarks/results/step.json`` exists, the whole step's overhead, the local top-K rate
+and the per-hop latency are fitted to the measured steps (:func:`fit_step`). Residuals are
+``(predicted - measured) / measured`` (:class:`Residual`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from ._checks import check_int_scalar
+
+__all__ = [
+    "KV_BYTES_PER_TOKEN", "NCCL_2XH200_T32", "MlaGeometry", "Hardware", "LineCost", "CostConstants",
+    "CollectiveBytes", "StepCost", "Observation", "StepPoint", "Residual", "Fit", "DEFAULT_CONSTANTS",
+    "kv_bytes_per_rank", "indexer_cache_bytes_per_rank", "tokens_on_busiest_rank", "communication_bytes",
+    "candidate_bytes", "lse_bytes", "output_reduce_scatter_bytes", "output_all_reduce_bytes", "query_allgather_bytes",
+    "attention_flops", "attention_bytes", "collective_time_s", "dcp_step_cost", "tp_step_cost", "max_batch",
+    "throughput_ratio", "crossover_context", "time_crossover_context", "observations_from_results",
+    "step_points_from_json", "fit_lines", "fit_collectives", "fit_step", "fit_constants", "scaling_table",
+    "STEP_STAGES", "LAYER_ONLY_STAGES",
+]
+
+#: Bytes per token per layer of the MLA KV cache: ``bf16`` = 576 dims x 2 bytes (512 latent + 64 rope);
+#: ``fp8`` = DeepSeek-V3.2's layout (512 e4m3 values, 4 float32 scales, 64 bf16 rope values = 656).
+KV_BYTES_PER_TOKEN: dict[str, int] = {"bf16": 576 * 2, "fp8": 512 + 4 * 4 + 64 * 2}
+
+#: NCCL collectives measured on 2 x H200 (NVLink) at T = 32 query tokens, H = 128, K = 2048, D = 512,
+#: through ``TorchDistributedGroup``: ``(kind, per-rank bytes, eager_s, graph_s)``. Per-rank bytes are
+#: each rank's contribution to an all-gather and each rank's input to a reduce-scatter. Source: the
+#: project's GPU notes (``../shared/gpu/README.md``, "Facts verified on the H200s (2026-11-30)").
+NCCL_2XH200_T32: tuple[tuple[str, int, float, float], ...] = (
+    ("all_gather", 32 * 2048 * 8, 49.6e-6, 13.4e-6),     # candidates: 512 KiB per rank
+    ("all_gather", 32 * 128 * 4, 48.7e-6, 9.4e-6),       # LSEs: 16 KiB per rank
+    ("reduce_scatter", 32 * 128 * 512 * 2, 35.6e-6, 24.6e-6),  # bf16 output: 4 MiB per rank
+)
+
+#: Stages of the planned step as ``benchmarks/bench_step.py`` times it (``dcp_ref.step``: the indexer
+#: scores are inputs, the query arrives with all heads).
+STEP_STAGES = ("indexer", "candidates_allgather", "select", "deinterleave", "attention", "lse_allgather", "merge",
+               "output_reduce_scatter", "step_overhead")
+#: Stages a full attention layer adds to the planned step (``scope="layer"``).
+LAYER_ONLY_STAGES = ("query_allgather", "index_scoring")
+
+
+# ---- validation ----------------------------------------------------------------------------------
+def _pos_int(value: object, name: str, min_value: int = 1) -> int:
+    return check_int_scalar(value, name, min_value=min_value)
+
+
+def _real(value: object, name: str, *, min_value: float = 0.0, strict: bool = False, allow_inf: bool = False) -> float:
+    """``value`` as a float, or a ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number (int or float), got {type(value).__name__}")
+    v = float(value)
+    if math.isnan(v) or (math.isinf(v) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if v < min_value or (strict and v == min_value):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {min_value}, got {value!r}")
+    return v
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MlaGeometry:
+    """The attention layer being modelled; defaults are DeepSeek-V3.2's (its ``config.json``).
+
+    Attributes:
+        num_heads: query heads ``H`` of the whole layer (128).
+        qk_dim: query/key dims per head, 512 latent + 64 rope (576).
+        v_dim: value dims per head (the 512-dim latent, absorbed MLA).
+        topk: keys each query token attends, ``k`` (DSA's ``index_topk`` = 2048).
+        local_topk: candidates each DCP rank contributes per token, ``K`` (= ``k`` in DSA decode).
+        kv_layout: ``"bf16"`` (1152 bytes/token, what the committed attention benchmarks use) or
+            ``"fp8"`` (DeepSeek-V3.2's 656 bytes/token cache).
+        indexer_heads, indexer_dim: the lightning indexer's query heads and key dims (64, 128).
+        indexer_bytes_per_token: the indexer's key cache, 128 FP8 values + one float32 scale (132).
+        layers: attention layers per decode step (61).
+        min_kernel_heads: the sparse MLA kernel's smallest head count; fewer heads are padded up
+            (FlashMLA sparse on SM90 accepts H = 64 or 128 only; measured on the H200).
+        interleave: DCP's ``I`` (consecutive tokens per rank); only the busiest rank's share uses it.
+    """
+
+    num_heads: int = 128
+    qk_dim: int = 576
+    v_dim: int = 512
+    topk: int = 2048
+    local_topk: int = 2048
+    kv_layout: str = "bf16"
+    indexer_heads: int = 64
+    indexer_dim: int = 128
+    indexer_bytes_per_token: int = 132
+    layers: int = 61
+    min_kernel_heads: int = 64
+    interleave: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("num_heads", "qk_dim", "v_dim", "topk", "local_topk", "indexer_heads", "indexer_dim", "layers",
+                  "min_kernel_heads", "interleave"):
+            _pos_int(getattr(self, f), f)
+        _pos_int(self.indexer_bytes_per_token, "indexer_bytes_per_token", 0)
+        if self.kv_layout not in KV_BYTES_PER_TOKEN:
+            raise ValueError(f"kv_layout must be one of {sorted(KV_BYTES_PER_TOKEN)}, got {self.kv_layout!r}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of the MLA KV cache per token and layer (1152 for bf16, 656 for fp8)."""
+        return KV_BYTES_PER_TOKEN[self.kv_layout]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machine: one HGX H200 host has 8 GPUs on NVLink; hosts talk over InfiniBand.
+
+    Attributes:
+        hbm_bytes: HBM per GPU (141 GB; NVIDIA H200 datasheet).
+        copy_Bps: device copy bandwidth, the floor of a memory-bound kernel (4.24e12: measured in
+            ``benchmarks/results/lse_merge.json``, ``copy_TBps_measured``; datasheet 4.8 TB/s).
+        bf16_flops_per_s: dense BF16 tensor-core peak (989e12; datasheet 1979 "with sparsity").
+        fp8_flops_per_s: dense FP8 tensor-core peak (1979e12).
+        gpus_per_host: GPUs on one NVLink domain (8 on HGX H200).
+        nvlink_Bps: NVLink 4 per direction per GPU (450e9: 900 GB/s bidirectional). Nominal only;
+            the model uses the fitted ``CostConstants.link_Bps`` inside a host.
+        ib_Bps: InfiniBand per GPU (50e9: one ConnectX-7 NDR 400 Gb/s NIC per GPU on HGX H200).
+        ib_efficiency: fraction of ``ib_Bps`` NCCL reaches (0.8, an assumption: never measured here).
+        ib_hop_s: latency of one ring step across hosts (5e-6, an assumption: NCCL's network
+            proxy + NDR switch; never measured here).
+    """
+
+    hbm_bytes: float = 141e9
+    copy_Bps: float = 4.24e12
+    bf16_flops_per_s: float = 989e12
+    fp8_flops_per_s: float = 1979e12
+    gpus_per_host: int = 8
+    nvlink_Bps: float = 450e9
+    ib_Bps: float = 50e9
+    ib_efficiency: float = 0.8
+    ib_hop_s: float = 5e-6
+
+    def __post_init__(self) -> None:
+        for f in ("hbm_bytes", "copy_Bps", "bf16_flops_per_s", "fp8_flops_per_s", "nvlink_Bps", "ib_Bps"):
+            _real(getattr(self, f), f, strict=True)
+        _pos_int(self.gpus_per_host, "gpus_per_host")
+        _real(self.ib_efficiency, "ib_efficiency", strict=True)
+        if self.ib_efficiency > 1:
+            raise ValueError(f"ib_efficiency must be <= 1, got {self.ib_efficiency!r}")
+        _real(self.ib_hop_s, "ib_hop_s")
+
+
+@dataclass(frozen=True)
+class LineCost:
+    """``time_s(x) = fixed_s + per_unit_s * x``: one stage's fitted time against its bytes or FLOPs.
+
+    Attributes:
+        fixed_s: seconds at ``x = 0`` (launch and tail latency inside a CUDA graph).
+        per_unit_s: seconds per unit of ``x`` (``1 / effective rate``).
+        unit: what ``x`` counts (``"bytes"`` or ``"flops"``), for the reader.
+    """
+
+    fixed_s: float
+    per_unit_s: float
+    unit: str = "bytes"
+
+    def __post_init__(self) -> None:
+        _real(self.fixed_s, "fixed_s")
+        _real(self.per_unit_s, "per_unit_s")
+
+    def time_s(self, x: float) -> float:
+        """Seconds for ``x`` units (``x >= 0``)."""
+        return self.fixed_s + self.per_unit_s * _real(x, "x")
+
+    @property
+    def rate(self) -> float:
+        """Effective units per second of the slope (``inf`` for a zero slope)."""
+        return math.inf if self.per_unit_s == 0 else 1.0 / self.per_unit_s
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    """The model's few fitted constants (defaults: :data:`DEFAULT_CONSTANTS`, the committed fit).
+
+    Attributes:
+        collective_s: fixed latency of one collective inside a CUDA graph, excluding ring steps.
+        hop_s: latency of one ring step inside a host (NVLink). With only W = 2 measured it cannot be
+            told apart from ``collective_s``: it keeps its default (1e-6, an assumption of the order
+            of NCCL's LL protocol step) until ``step.json`` has W = 4 or 8.
+        link_Bps: effective NVLink bandwidth NCCL reaches at these message sizes (fitted).
+        eager_collective_s: host latency an eager collective adds over its graph replay (fitted).
+        select, deinterleave, merge, pack, local_topk: per-byte lines (:class:`LineCost`).
+        attention: per-FLOP line of the sparse MLA kernel (FLOPs of padded heads included).
+        step_overhead_s: what the captured step costs beyond its stages (0 until ``step.json``).
+        launch_s, sync_s: eager per-launch and per-host-sync costs (0 until ``step.json``).
+    """
+
+    collective_s: float = 8.0e-6
+    hop_s: float = 1.0e-6
+    link_Bps: float = 140e9
+    eager_collective_s: float = 30e-6
+    select: LineCost = LineCost(3.5e-6, 1 / 2.5e12)
+    deinterleave: LineCost = LineCost(2.5e-6, 1 / 1.8e12)
+    merge: LineCost = LineCost(2.0e-6, 1 / 2.0e12)
+    pack: LineCost = LineCost(4.5e-6, 1 / 0.6e12)
+    local_topk: LineCost = LineCost(25e-6, 1 / 0.25e12)
+    attention: LineCost = LineCost(24e-6, 1 / 590e12, "flops")
+    step_overhead_s: float = 0.0
+    launch_s: float = 0.0
+    sync_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("collective_s", "hop_s", "eager_collective_s", "step_overhead_s", "launch_s", "sync_s"):
+            _real(getattr(self, f), f)
+        _real(self.link_Bps, "link_Bps", strict=True)
+        for f in ("select", "deinterleave", "merge", "pack", "local_topk", "attention"):
+            if not isinstance(getattr(self, f), LineCost):
+                raise TypeError(f"{f} must be a LineCost, got {type(getattr(self, f)).__name__}")
+
+    def replace(self, **changes: Any) -> CostConstants:
+        """A copy with some constants changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: Constants before any fit (rough values of the right order; :func:`fit_constants` replaces them).
+DEFAULT_CONSTANTS = CostConstants()
+
+
+# ---- bytes ---------------------------------------------------------------------------------------
+def tokens_on_busiest_rank(context: int, world_size: int, interleave: int = 1) -> int:
+    """Tokens of a ``context``-token request stored on rank 0, the busiest rank.
+
+    Token ``p`` lives on rank ``(p // I) % W``; rank 0 gets ``(c // (W*I))*I + min(c % (W*I), I)``
+    tokens, which is ``c / W`` when ``W*I`` divides ``c`` and at most ``I`` more than any other rank.
+    """
+    c = _pos_int(context, "context", 0)
+    w = _pos_int(world_size, "world_size")
+    i = _pos_int(interleave, "interleave")
+    return (c // (w * i)) * i + min(c % (w * i), i)
+
+
+def kv_bytes_per_rank(context: int, world_size: int, mode: str, geometry: MlaGeometry = MlaGeometry(),
+                      requests: int = 1) -> int:
+    """Bytes of MLA KV cache one rank stores for ``requests`` requests of ``context`` tokens, one layer.
+
+    ``mode="tp"``: every rank stores every token (heads are split, the one latent KV "head" is
+    not), ``requests * context * kv_bytes_per_token``. ``mode="dcp"``: the busiest rank's share,
+    ``requests * tokens_on_busiest_rank(context, W) * kv_bytes_per_token`` (= TP / W when ``W*I``
+    divides ``context``). The indexer's cache is separate: :func:`indexer_cache_bytes_per_rank`.
+    """
+    tokens = _tokens_per_rank(context, world_size, mode, geometry)
+    return _pos_int(requests, "requests", 0) * tokens * geometry.kv_bytes_per_token
+
+
+def indexer_cache_bytes_per_rank(context: int, world_size: int, mode: str, geometry: MlaGeometry = MlaGeometry(),
+                                 requests: int = 1) -> int:
+    """Bytes of the indexer's key cache one rank stores (same sharding as :func:`kv_bytes_per_rank`)."""
+    tokens = _tokens_per_rank(context, world_size, mode, geometry)
+    return _pos_int(requests, "requests", 0) * tokens * geometry.indexer_bytes_per_token
+
+
+def _tokens_per_rank(context: int, world_size: int, mode: str, geometry: MlaGeometry) -> int:
+    if not isinstance(geometry, MlaGeometry):
+        raise TypeError(f"geometry must be an MlaGeometry, got {type(geometry).__name__}")
+    c = _pos_int(context, "context", 0)
+    w = _pos_int(world_size, "world_size")
+    if mode == "tp":
+        return c
+    if mode == "dcp":
+        return tokens_on_busiest_rank(c, w, geometry.interleave)
+    raise ValueError(f"mode must be 'tp' or 'dcp', got {mode!r}")
+
+
+@dataclass(frozen=True)
+class CollectiveBytes:
+    """Bytes of one collective on one rank.
+
+    Attributes:
+        sent: this rank's contribution (all-gather) or input (reduce-scatter / all-reduce).
+        received: the size of the result buffer on this rank (an all-gather's gathered buffer
+            includes the rank's own slice).
+        link: bytes this rank puts on links in a ring (``(W-1)/W`` of the total for an all-gather or
+            reduce-scatter, twice that for an all-reduce); 0 when ``W = 1``.
+    """
+
+    sent: int
+    received: int
+    link: int
+
+
+def candidate_bytes(tokens: int, world_size: int, geometry: MlaGeometry = MlaGeometry()) -> CollectiveBytes:
+    """The candidates' all-gather: ``(score, id)`` float32 pairs, 8 bytes per candidate.
+
+    Per token a rank sends ``8*K`` bytes and receives the ``8*W*K``-byte gathered buffer.
+    """
+    t, w = _pos_int(tokens, "tokens", 0), _pos_int(world_size, "world_size")
+    per = t * geometry.local_topk * 8
+    return CollectiveBytes(per, w * per, (w - 1) * per)
+
+
+def lse_bytes(tokens: int, world_size: int, geometry: MlaGeometry = MlaGeometry()) -> CollectiveBytes:
+    """The LSEs' all-gather: one float32 per (token, head); ``4*H`` sent, ``4*W*H`` gathered per token."""
+    t, w = _pos_int(tokens, "tokens", 0), _pos_int(world_size, "world_size")
+    per = t * geometry.num_heads * 4
+    return CollectiveBytes(per, w * per, (w - 1) * per)
+
+
+def query_allgather_bytes(tokens: int, world_size: int, geometry: MlaGeometry = MlaGeometry()) -> CollectiveBytes:
+    """The query's all-gather over heads: each rank has ``H/W`` heads of bf16 ``qk_dim`` queries, needs all ``H``."""
+    t, w = _pos_int(tokens, "tokens", 0), _pos_int(world_size, "world_size")
+    _check_heads_divisible(geometry, w)
+    per = t * (geometry.num_heads // w) * geometry.qk_dim * 2
+    return CollectiveBytes(per, w * per, (w - 1) * per)
+
+
+def output_reduce_scatter_bytes(tokens: int, world_size: int, geometry: MlaGeometry = MlaGeometry()) -> CollectiveBytes:
+    """The corrected bf16 partial outputs reduce-scattered over heads: ``2*H*D`` in, ``2*H*D/W`` out per token."""
+    t, w = _pos_int(tokens, "tokens", 0), _pos_int(world_size, "world_size")
+    _check_heads_divisible(geometry, w)
+    full = t * geometry.num_heads * geometry.v_dim * 2
+    return CollectiveBytes(full, full // w, (w - 1) * full // w)
+
+
+def output_all_reduce_bytes(tokens: int, world_size: int, geometry: MlaGeometry = MlaGeometry()) -> CollectiveBytes:
+    """The same partials all-reduced instead: every rank keeps all ``H`` heads and moves twice the bytes."""
+    t, w = _pos_int(tokens, "tokens", 0), _pos_int(world_size, "world_size")
+    full = t * geometry.num_heads * geometry.v_dim * 2
+    return CollectiveBytes(full, full, 2 * (w - 1) * full // w)
+
+
+def communication_bytes(tokens: int, world_size: int, geometry: MlaGeometry = MlaGeometry(),
+                        scope: str = "layer") -> dict[str, CollectiveBytes]:
+    """Every DCP collective of one step on one rank, in step order (all zero-link when ``W = 1``).
+
+    ``scope="step"`` leaves out the query all-gather (the planned step receives all heads).
+    """
+    _check_scope(scope)
+    out = {} if scope == "step" else {"query_allgather": query_allgather_bytes(tokens, world_size, geometry)}
+    out["candidates_allgather"] = candidate_bytes(tokens, world_size, geometry)
+    out["lse_allgather"] = lse_bytes(tokens, world_size, geometry)
+    out["output_reduce_scatter"] = output_reduce_scatter_bytes(tokens, world_size, geometry)
+    return out
+
+
+def attention_flops(tokens: int, heads: int, keys: float, geometry: MlaGeometry = MlaGeometry()) -> float:
+    """FLOPs of sparse MLA: ``2 * T * heads * keys * (qk_dim + v_dim)`` (QK^T over 576 dims, PV over 512)."""
+    t, h = _pos_int(tokens, "tokens", 0), _pos_int(heads, "heads", 0)
+    return 2.0 * t * h * _real(keys, "keys") * (geometry.qk_dim + geometry.v_dim)
+
+
+def attention_bytes(tokens: int, heads: int, keys: float, geometry: MlaGeometry = MlaGeometry()) -> float:
+    """HBM bytes of sparse MLA: gathered KV rows (``keys * kv_bytes_per_token`` per token, shared by the
+    heads) + bf16 queries + bf16 outputs + float32 LSEs."""
+    t, h = _pos_int(tokens, "tokens", 0), _pos_int(heads, "heads", 0)
+    k = _real(keys, "keys")
+    return t * (k * geometry.kv_bytes_per_token + h * (geometry.qk_dim * 2 + geometry.v_dim * 2 + 4))
+
+
+def _check_heads_divisible(geometry: MlaGeometry, w: int) -> None:
+    if geometry.num_heads % w:
+        raise ValueError(f"world_size must divide num_heads={geometry.num_heads} (heads are split W ways), got {w}")
+
+
+def _check_scope(scope: str) -> None:
+    if scope not in ("step", "layer"):
+        raise ValueError(f"scope must be 'step' or 'layer', got {scope!r}")
+
+
+# ---- time ----------------------------------------------------------------------------------------
+def collective_time_s(kind: str, bytes_per_rank: int, world_size: int, constants: CostConstants = DEFAULT_CONSTANTS,
+                      hardware: Hardware = Hardware(), *, graph: bool = True) -> float:
+    """Seconds of one ring collective; 0 when ``world_size == 1`` (nothing to exchange).
+
+    ``kind``: ``"all_gather"`` (``bytes_per_rank`` = this rank's contribution; ``W-1`` steps of that
+    size), ``"reduce_scatter"`` (``bytes_per_rank`` = the input; ``W-1`` steps of ``1/W`` of it) or
+    ``"all_reduce"`` (``2(W-1)`` steps of ``1/W``). Time = ``collective_s + steps * (hop + chunk / bw)``
+    where ``hop, bw`` are ``hop_s, link_Bps`` inside a host and ``ib_hop_s, ib_Bps * ib_efficiency``
+    (the ring's slowest link) once ``W > gpus_per_host``. Eager launches add ``eager_collective_s``.
+    """
+    b = _pos_int(bytes_per_rank, "bytes_per_rank", 0)
+    w = _pos_int(world_size, "world_size")
+    if w == 1:
+        return 0.0
+    if kind == "all_gather":
+        steps, chunk = w - 1, float(b)
+    elif kind == "reduce_scatter":
+        steps, chunk = w - 1, b / w
+    elif kind == "all_reduce":
+        steps, chunk = 2 * (w - 1), b / w
+    else:
+        raise ValueError(f"kind must be 'all_gather', 'reduce_scatter' or 'all_reduce', got {kind!r}")
+    if w <= hardware.gpus_per_host:
+        hop, bw = constants.hop_s, constants.link_Bps
+    else:
+        hop, bw = hardware.ib_hop_s, min(constants.link_Bps, hardware.ib_Bps * hardware.ib_efficiency)
+    t = constants.collective_s + steps * (hop + chunk / bw)
+    return t if graph else t + constants.eager_collective_s
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One rank's cost of one layer's decode step.
+
+    Attributes:
+        mode: ``"dcp"`` or ``"tp"``; world_size, tokens, context: the point modelled.
+        stages_s: seconds per stage, in step order (collectives included, as stages).
+        comm: bytes of each collective (:class:`CollectiveBytes`); empty for TP.
+        attention_flops: FLOPs the attention kernel executes (padded heads included).
+        attention_hbm_bytes: HBM bytes of the attention kernel.
+        kv_bytes: this rank's KV cache for one request of ``context`` tokens (one layer).
+    """
+
+    mode: str
+    world_size: int
+    tokens: int
+    context: int
+    stages_s: dict[str, float]
+    comm: dict[str, CollectiveBytes]
+    attention_flops: float
+    attention_hbm_bytes: float
+    kv_bytes: int
+
+    @property
+    def total_s(self) -> float:
+        """Sum of the stages (they run one after another on one stream)."""
+        return sum(self.stages_s.values())
+
+    @property
+    def communication_s(self) -> float:
+        """Seconds in collectives."""
+        return sum(v for k, v in self.stages_s.items() if k in _COLLECTIVE_KIND)
+
+    @property
+    def communication_link_bytes(self) -> int:
+        """Bytes this rank puts on links."""
+        return sum(c.link for c in self.comm.values())
+
+
+_COLLECTIVE_KIND = {"query_allgather": "all_gather", "candidates_allgather": "all_gather",
+                    "lse_allgather": "all_gather", "output_reduce_scatter": "reduce_scatter"}
+
+
+def _index_scoring_s(tokens: int, keys: int, geometry: MlaGeometry, hardware: Hardware) -> float:
+    """Roofline of the lightning indexer over ``keys`` keys per token: reads its FP8 key cache and writes
+    float32 scores at the copy bandwidth, or FP8 MMA at the tensor peak, whichever is slower (never measured)."""
+    hbm = tokens * keys * (geometry.indexer_bytes_per_token + 4)
+    flops = 2.0 * tokens * keys * geometry.indexer_heads * geometry.indexer_dim
+    return max(hbm / hardware.copy_Bps, flops / hardware.fp8_flops_per_s)
+
+
+def _common_args(world_size: object, tokens: object, context: object, geometry: object, hardware: object,
+                 constants: object, scope: str) -> tuple[int, int, int]:
+    w = _pos_int(world_size, "world_size")
+    t = _pos_int(tokens, "tokens")
+    c = _pos_int(context, "context")
+    if not isinstance(geometry, MlaGeometry):
+        raise TypeError(f"geometry must be an MlaGeometry, got {type(geometry).__name__}")
+    if not isinstance(hardware, Hardware):
+        raise TypeError(f"hardware must be a Hardware, got {type(hardware).__name__}")
+    if not isinstance(constants, CostConstants):
+        raise TypeError(f"constants must be a CostConstants, got {type(constants).__name__}")
+    _check_scope(scope)
+    _check_heads_divisible(geometry, w)
+    return w, t, c
+
+
+def dcp_step_cost(world_size: int, tokens: int, context: int, geometry: MlaGeometry = MlaGeometry(),
+                  hardware: Hardware = Hardware(), constants: CostConstants = DEFAULT_CONSTANTS, *,
+                  scope: str = "layer", graph: bool = True) -> StepCost:
+    """Per-layer, per-rank cost of a DCP decode step over ``world_size`` ranks.
+
+    Args:
+        world_size: ``W >= 1``, dividing ``num_heads``. ``W = 1`` is a single rank: no collective,
+            no pack, select or merge (the local top-K is the global one) — exactly :func:`tp_step_cost` at ``W = 1``.
+        tokens: query tokens ``T`` per step (one per request), all seen by every rank.
+        context: tokens ``c`` of each request (every query token's own request).
+        scope: ``"step"``: the planned step as benchmarked (``STEP_STAGES``); ``"layer"`` adds the
+            query all-gather and the indexer's scoring (``LAYER_ONLY_STAGES``).
+        graph: ``False`` adds each collective's eager host latency.
+
+    Each rank attends ``min(k, c) / W`` keys per token on average (the global top-k spread over the
+    ranks), with all ``H`` heads; its KV share is the busiest rank's.
+    """
+    w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
+    g, k = geometry, constants
+    c_loc = tokens_on_busiest_rank(c, w, g.interleave)
+    K = g.local_topk
+    stages: dict[str, float] = {}
+    comm = communication_bytes(t, w, g, scope)
+    if scope == "layer":
+        if w > 1:
+            stages["query_allgather"] = collective_time_s("all_gather", comm["query_allgather"].sent, w, k, hardware,
+                                                          graph=graph)
+        stages["index_scoring"] = _index_scoring_s(t, c_loc, g, hardware)
+    # local top-K over this rank's c/W scores (float32), then (W > 1) pack K (score, id) pairs per token
+    stages["indexer"] = k.local_topk.time_s(t * c_loc * 4) + (k.pack.time_s(t * K * 14) if w > 1 else 0.0)
+    if w > 1:
+        stages["candidates_allgather"] = collective_time_s("all_gather", comm["candidates_allgather"].sent, w, k,
+                                                           hardware, graph=graph)
+        stages["select"] = k.select.time_s(t * (w * K * 8 + g.topk * 4))
+    stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
+    keys = min(g.topk, c) / w
+    heads = max(g.num_heads, g.min_kernel_heads)
+    flops = attention_flops(t, heads, keys, g)
+    stages["attention"] = k.attention.time_s(flops)
+    if w > 1:
+        stages["lse_allgather"] = collective_time_s("all_gather", comm["lse_allgather"].sent, w, k, hardware,
+                                                    graph=graph)
+        stages["merge"] = k.merge.time_s(t * g.num_heads * g.v_dim * 2 * 2 + w * t * g.num_heads * 4)
+        stages["output_reduce_scatter"] = collective_time_s("reduce_scatter", comm["output_reduce_scatter"].sent, w,
+                                                            k, hardware, graph=graph)
+    else:
+        comm = {}
+    stages["step_overhead"] = k.step_overhead_s
+    return StepCost("dcp", w, t, c, stages, comm, flops, attention_bytes(t, heads, keys, g),
+                    kv_bytes_per_rank(c, w, "dcp", g))
+
+
+def tp_step_cost(world_size: int, tokens: int, context: int, geometry: MlaGeometry = MlaGeometry(),
+                 hardware: Hardware = Hardware(), constants: CostConstants = DEFAULT_CONSTANTS, *,
+                 scope: str = "layer", graph: bool = True) -> StepCost:
+    """Per-layer, per-rank cost of the same step under TP over ``world_size`` ranks.
+
+    Every rank holds the whole KV cache and its ``H/W`` heads (padded up to ``min_kernel_heads`` for
+    the kernel): the indexer scores and selects over all ``c`` keys, the attention reads ``min(k, c)``
+    keys per token, and nothing is communicated inside attention. ``graph`` is accepted for symmetry
+    (no collective to launch).
+    """
+    w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
+    g, k = geometry, constants
+    stages: dict[str, float] = {}
+    if scope == "layer":
+        stages["index_scoring"] = _index_scoring_s(t, c, g, hardware)
+    stages["indexer"] = k.local_topk.time_s(t * c * 4)
+    stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
+    keys = float(min(g.topk, c))
+    heads = max(g.num_heads // w, g.min_kernel_heads)
+    flops = attention_flops(t, heads, keys, g)
+    stages["attention"] = k.attention.time_s(flops)
+    stages["step_overhead"] = k.step_overhead_s
+    return StepCost("tp", w, t, c, stages, {}, flops, attention_bytes(t, heads, keys, g),
+                    kv_bytes_per_rank(c, w, "tp", g))
+
+
+# ---- capacity and the crossover ------------------------------------------------------------------
+def max_batch(context: int, world_size: int, mode: str, kv_budget_bytes: float, geometry: MlaGeometry = MlaGeometry(),
+              cap: int = 256) -> int:
+    """Requests of ``context`` tokens one rank's KV budget holds (all layers, KV + indexer cache), at most ``cap``."""
+    budget = _real(kv_budget_bytes, "kv_budget_bytes", strict=True)
+    cap = _pos_int(cap, "cap")
+    per = geometry.layers * (kv_bytes_per_rank(context, world_size, mode, geometry)
+                             + indexer_cache_bytes_per_rank(context, world_size, mode, geometry))
+    return cap if per == 0 else min(cap, int(budget // per))
+
+
+def throughput_ratio(world_size: int, context: int, geometry: MlaGeometry = MlaGeometry(),
+                     hardware: Hardware = Hardware(), constants: CostConstants = DEFAULT_CONSTANTS, *,
+                     kv_budget_bytes: float = 40e9, batch_cap: int = 256, other_layer_s: float = 0.0) -> float:
+    """DCP's decode throughput over TP's, each at the largest batch its KV budget allows (see the module doc).
+
+    ``kv_budget_bytes``: HBM per GPU left for the KV and indexer caches after weights and activations
+    (40e9 by default: DeepSeek-V3.2 FP8 on 8 x H200 leaves roughly 141 - 86 - 15 GB; an assumption,
+    kept the same for every W). ``batch_cap``: the scheduler's most concurrent requests (vLLM's
+    default ``max_num_seqs`` = 256). ``other_layer_s``: the rest of the layer's time per step (MoE,
+    projections), equal in both layouts; 0 counts the attention path only (conservative for DCP).
+    Returns ``nan`` when TP cannot hold even one request (and ``inf`` if only DCP can).
+    """
+    other = _real(other_layer_s, "other_layer_s")
+    b_tp = max_batch(context, world_size, "tp", kv_budget_bytes, geometry, batch_cap)
+    b_dcp = max_batch(context, world_size, "dcp", kv_budget_bytes, geometry, batch_cap)
+    if b_tp == 0:
+        return math.inf if b_dcp > 0 else math.nan
+    t_tp = tp_step_cost(world_size, b_tp, context, geometry, hardware, constants).total_s + other
+    t_dcp = dcp_step_cost(world_size, b_dcp, context, geometry, hardware, constants).total_s + other
+    return (b_dcp / t_dcp) / (b_tp / t_tp)
+
+
+def _first_crossing(f: Callable[[int], float], lo: int, hi: int) -> float:
+    """Smallest integer ``c`` in ``[lo, hi]`` with ``f(c) >= 0``, scanning a geometric grid and bisecting;
+    ``inf`` if none on the grid (``f`` need not be monotonic; the first crossing of the grid is refined)."""
+    grid = sorted({int(round(lo * (hi / lo) ** (i / 256))) for i in range(257)} | {lo, hi})
+    prev = None
+    for c in grid:
+        if f(c) >= 0:
+            if prev is None:
+                return float(c)
+            a, b = prev, c  # f(a) < 0 <= f(b)
+            while b - a > 1:
+                m = (a + b) // 2
+                if f(m) >= 0:
+                    b = m
+                else:
+                    a = m
+            return float(b)
+        prev = c
+    return math.inf
+
+
+def crossover_context(world_size: int, geometry: MlaGeometry = MlaGeometry(), hardware: Hardware = Hardware(),
+                      constants: CostConstants = DEFAULT_CONSTANTS, *, kv_budget_bytes: float = 40e9,
+                      batch_cap: int = 256, other_layer_s: float = 0.0, min_context: int = 256,
+                      max_context: int = 1 << 21) -> float:
+    """The context (tokens per request) where DCP's memory saving outweighs its communication.
+
+    Precisely: the smallest ``c`` in ``[min_context, max_context]`` with
+    :func:`throughput_ratio` ``>= 1``, i.e. DCP ``W`` at the batch its ``W``-times-smaller KV share
+    allows serves at least as many tokens per second as TP ``W`` at its own memory-limited batch
+    (both capped at ``batch_cap``). ``inf`` if DCP never catches up in that range; ``0.0`` for
+    ``W = 1`` (DCP over one rank *is* TP). Contexts where TP holds no request count as DCP wins.
+    """
+    w = _pos_int(world_size, "world_size")
+    lo, hi = _pos_int(min_context, "min_context"), _pos_int(max_context, "max_context")
+    if hi < lo:
+        raise ValueError(f"max_context must be >= min_context={lo}, got {hi}")
+    if w == 1:
+        return 0.0
+
+    def gain(c: int) -> float:
+        r = throughput_ratio(w, c, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes,
+                             batch_cap=batch_cap, other_layer_s=other_layer_s)
+        return 1.0 if math.isnan(r) or math.isinf(r) else r - 1.0
+
+    return _first_crossing(gain, lo, hi)
+
+
+def time_crossover_context(world_size: int, tokens: int, geometry: MlaGeometry = MlaGeometry(),
+                           hardware: Hardware = Hardware(), constants: CostConstants = DEFAULT_CONSTANTS, *,
+                           min_context: int = 256, max_context: int = 1 << 21) -> float:
+    """Smallest context at which DCP's per-layer step is no slower than TP's at the same ``tokens``
+    (the context-proportional stages, index scoring and top-K, shrink by ``W``; the collectives do not).
+    ``inf`` if never in range; ``0.0`` for ``W = 1``."""
+    w = _pos_int(world_size, "world_size")
+    t = _pos_int(tokens, "tokens")
+    lo, hi = _pos_int(min_context, "min_context"), _pos_int(max_context, "max_context")
+    if hi < lo:
+        raise ValueError(f"max_context must be >= min_context={lo}, got {hi}")
+    if w == 1:
+        return 0.0
+    return _first_crossing(lambda c: tp_step_cost(w, t, c, geometry, hardware, constants).total_s
+                           - dcp_step_cost(w, t, c, geometry, hardware, constants).total_s, lo, hi)
+
+
+# ---- measurements --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Observation:
+    """One measured kernel time: ``family`` (a :class:`CostConstants` line name), its ``x`` (bytes or
+    FLOPs), the measured ``seconds`` and a ``label`` saying where it came from."""
+
+    family: str
+    x: float
+    seconds: float
+    label: str
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured step (a row of ``step.json``'s ``summary``), times in seconds."""
+
+    world_size: int
+    tokens: int
+    context: int
+    attention: str
+    graph_s: float
+    eager_s: float | None = None
+    launches: float | None = None
+    host_syncs: float | None = None
+    stages_sum_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Residual:
+    """``(predicted - measured) / measured`` of one observation under the fitted constants."""
+
+    family: str
+    label: str
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def rel(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Fitted constants, every residual, and what the fit used (``sources``) or could not (``notes``)."""
+
+    constants: CostConstants
+    residuals: list[Residual]
+    sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def max_abs_rel(self, family: str | None = None) -> float:
+        """Largest ``|relative residual|`` (of one family, or of all)."""
+        rs = [abs(r.rel) for r in self.residuals if family is None or r.family == family]
+        return max(rs) if rs else math.nan
+
+
+def _load(path: Path) -> Any:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def observations_from_results(results_dir: str | Path) -> list[Observation]:
+    """Kernel observations from the committed benchmark JSON files (missing files are skipped).
+
+    * ``topk.json`` ``results``: ``select`` = CuTeDSL stable top-K, CUDA-graph median, ``x = rows*(8*W*K + 4*k)``;
+      ``pack`` = Triton pack (do_bench, eager), ``x = 14*rows*K`` (bf16 logit + int32 id read, 8-byte pair
+      written); ``local_topk`` = ``torch.topk`` of ``k`` among ``W*K`` float32 scores in a CUDA graph,
+      ``x = 4*rows*W*K`` (the stand-in for the local top-K over a rank's scores).
+    * ``deinterleave.json`` ``results``: ``deinterleave`` = the fastest compacting method (atomic / rowscan /
+      twopass) per (rows, W, I) by hot-graph median ``graph_us``, ``x = rows*(8*topk + 4)``.
+    * ``lse_merge.json`` ``rows``: ``merge`` = ``correct_best`` (the correction the step runs before its
+      reduce-scatter), ``x = bytes_correct``.
+    * ``attention_flashinfer.json`` ``rows``: ``attention`` = FlashInfer FA3 sparse MLA ``run``,
+      ``x = 2*T*H*K_valid*(576+512)`` FLOPs.
+    """
+    d = Path(results_dir)
+    if not d.is_dir():
+        raise ValueError(f"results_dir must be a directory, got {str(results_dir)!r}")
+    obs: list[Observation] = []
+    if (d / "topk.json").exists():
+        for r in _load(d / "topk.json")["results"]:
+            rows, w, K, k = r["rows"], r["W"], r["K"], r["k"]
+            tag = f"rows={rows} W={w} K={K}"
+            obs.append(Observation("select", rows * (8 * w * K + 4 * k), r["cutedsl_graph"]["median_us"] * 1e-6, tag))
+            if isinstance(r.get("pack_triton"), dict) and "median_us" in r["pack_triton"]:
+                obs.append(Observation("pack", 14 * rows * K, r["pack_triton"]["median_us"] * 1e-6, tag))
+            if isinstance(r.get("torch_topk_graph"), dict):
+                obs.append(Observation("local_topk", 4 * rows * w * K, r["torch_topk_graph"]["median_us"] * 1e-6, tag))
+    if (d / "deinterleave.json").exists():
+        data = _load(d / "deinterleave.json")
+        k = data["shapes"]["topk"]
+        best: dict[tuple[int, int, int], float] = {}
+        for r in data["results"]:
+            if r["method"] in ("atomic", "rowscan", "twopass") and r.get("correct") and r.get("graph_us"):
+                key = (r["rows"], r["W"], r["I"])
+                best[key] = min(best.get(key, math.inf), r["graph_us"])
+        for (rows, w, i), us in sorted(best.items()):
+            obs.append(Observation("deinterleave", rows * (8 * k + 4), us * 1e-6, f"rows={rows} W={w} I={i}"))
+    if (d / "lse_merge.json").exists():
+        for r in _load(d / "lse_merge.json")["rows"]:
+            obs.append(Observation("merge", r["bytes_correct"], r["correct_best"]["median_us"] * 1e-6,
+                                   f"W={r['W']} T={r['T']}"))
+    if (d / "attention_flashinfer.json").exists():
+        for r in _load(d / "attention_flashinfer.json")["rows"]:
+            flops = 2.0 * r["T"] * r["H"] * r["K_valid"] * (576 + 512)
+            obs.append(Observation("attention", flops, r["run"]["median_us"] * 1e-6, f"T={r['T']} H={r['H']}"))
+    return obs
+
+
+def step_points_from_json(path: str | Path) -> list[StepPoint]:
+    """The measured steps of ``step.json`` (schema ``{"summary": [{"W", "T", "ctx", "attention", "graph_us",
+    "eager_us", "host_syncs_per_step", "launches_per_step", "stages_sum_us"}, ...]}``); ``[]`` if absent."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    summary = _load(p).get("summary")
+    if not isinstance(summary, list):
+        raise ValueError(f"{p.name}: 'summary' must be a list of rows, got {type(summary).__name__}")
+
+    def opt(row: Mapping[str, Any], key: str, scale: float = 1.0) -> float | None:
+        v = row.get(key)
+        return None if v is None else float(v) * scale
+
+    out = []
+    for row in summary:
+        out.append(StepPoint(int(row["W"]), int(row["T"]), int(row["ctx"]), str(row.get("attention", "")),
+                             float(row["graph_us"]) * 1e-6, opt(row, "eager_us", 1e-6), opt(row, "launches_per_step"),
+                             opt(row, "host_syncs_per_step"), opt(row, "stages_sum_us", 1e-6)))
+    return out
+
+
+# ---- fitting -------------------------------------------------------------------------------------
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; ``None`` if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c2 in range(col, n + 1):
+                    m[r][c2] -= f * m[col][c2]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _nnls(rows: Sequence[Sequence[float]], y: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """Weighted least squares with every coefficient ``>= 0``, exact for the few unknowns used here:
+    every subset of free coefficients is solved (columns scaled to unit norm) and the best feasible kept."""
+    n = len(rows[0])
+    scale = [math.sqrt(sum((wt * r[j]) ** 2 for r, wt in zip(rows, weights))) or 1.0 for j in range(n)]
+    best, best_err = [0.0] * n, sum((wt * yi) ** 2 for yi, wt in zip(y, weights))
+    for size in range(1, n + 1):
+        for free in itertools.combinations(range(n), size):
+            a = [[sum(wt * wt * r[i] * r[j] / (scale[i] * scale[j]) for r, wt in zip(rows, weights)) for j in free]
+                 for i in free]
+            b = [sum(wt * wt * r[i] * yi / scale[i] for r, yi, wt in zip(rows, y, weights)) for i in free]
+            sol = _solve(a, b)
+            if sol is None or any(s < 0 for s in sol):
+                continue
+            coef = [0.0] * n
+            for i, s in zip(free, sol):
+                coef[i] = s / scale[i]
+            err = sum((wt * (sum(c * v for c, v in zip(coef, r)) - yi)) ** 2 for r, yi, wt in zip(rows, y, weights))
+            if err < best_err * (1 - 1e-12):
+                best, best_err = coef, err
+    return best
+
+
+def fit_lines(observations: Iterable[Observation]) -> tuple[dict[str, LineCost], list[Residual]]:
+    """One non-negative ``fixed + slope * x`` line per family, minimising relative error."""
+    by: dict[str, list[Observation]] = {}
+    for o in observations:
+        if not isinstance(o, Observation):
+            raise TypeError(f"observations must hold Observation values, got {type(o).__name__}")
+        _real(o.seconds, f"seconds of {o.family} {o.label}", strict=True)
+        by.setdefault(o.family, []).append(o)
+    lines, res = {}, []
+    for fam, os_ in by.items():
+        unit = "flops" if fam == "attention" else "bytes"
+        if len(os_) == 1:  # one point: all of it is fixed cost (no slope can be told apart)
+            line = LineCost(os_[0].seconds, 0.0, unit)
+        else:
+            fixed, slope = _nnls([(1.0, o.x) for o in os_], [o.seconds for o in os_], [1 / o.seconds for o in os_])
+            line = LineCost(fixed, slope, unit)
+        lines[fam] = line
+        res += [Residual(fam, o.label, o.seconds, line.time_s(o.x)) for o in os_]
+    return lines, res
+
+
+def fit_collectives(measured: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32, world_size: int = 2,
+                    hop_s: float = DEFAULT_CONSTANTS.hop_s) -> tuple[dict[str, float], list[Residual]]:
+    """Fit ``collective_s`` and ``link_Bps`` (graph) and ``eager_collective_s`` to collectives measured at one W.
+
+    ``measured``: ``(kind, bytes_per_rank, eager_s, graph_s)``. Graph time = ``collective_s + steps*hop_s +
+    steps*chunk/link_Bps`` with ``hop_s`` given (at a single W it cannot be separated from ``collective_s``);
+    ``eager_collective_s`` = mean of ``eager - graph``.
+    """
+    w = _pos_int(world_size, "world_size", 2)
+    hop = _real(hop_s, "hop_s")
+    if len(measured) < 2:
+        raise ValueError(f"measured must hold at least 2 collectives, got {len(measured)}")
+    rows, y = [], []
+    for kind, b, _eager, graph in measured:
+        steps, chunk = (w - 1, float(b)) if kind == "all_gather" else (w - 1, b / w)
+        if kind not in ("all_gather", "reduce_scatter"):
+            raise ValueError(f"measured kinds must be 'all_gather' or 'reduce_scatter', got {kind!r}")
+        rows.append((1.0, steps * chunk))
+        y.append(_real(graph, "graph_s", strict=True) - steps * hop)
+    a, inv_bw = _nnls(rows, y, [1 / v for v in y])
+    if inv_bw == 0:
+        raise ValueError("measured collectives show no growth with bytes: link bandwidth cannot be fitted")
+    consts = {"collective_s": a, "link_Bps": 1 / inv_bw, "hop_s": hop,
+              "eager_collective_s": max(0.0, sum(e - g for _, _, e, g in measured) / len(measured))}
+    tmp = DEFAULT_CONSTANTS.replace(**consts)
+    res = [Residual("collective", f"{kind} {b} B/rank W={w}", g, collective_time_s(kind, b, w, tmp))
+           for kind, b, _, g in measured]
+    res += [Residual("collective_eager", f"{kind} {b} B/rank W={w}", e, collective_time_s(kind, b, w, tmp, graph=False))
+            for kind, b, e, _ in measured]
+    return consts, res
+
+
+def fit_step(points: Sequence[StepPoint], constants: CostConstants, geometry: MlaGeometry = MlaGeometry(),
+             hardware: Hardware = Hardware()) -> tuple[CostConstants, list[Residual], list[str]]:
+    """Fit the whole-step constants to measured steps (``scope="step"``), the kernel lines held fixed.
+
+    Unknowns (each only when the points can tell it apart, otherwise kept): ``step_overhead_s``
+    (always); the local top-K's per-byte cost (when the context varies); ``hop_s`` (when W varies
+    and some W > 2). Then ``launch_s`` and ``sync_s`` from ``eager - graph`` when eager times exist.
+    Returns the new constants, the graph (``step``) and eager (``step_eager``) residuals, and notes.
+    """
+    pts = [p for p in points if isinstance(p, StepPoint)]
+    if len(pts) != len(points):
+        raise TypeError("points must hold StepPoint values")
+    notes: list[str] = []
+    if not pts:
+        return constants, [], ["no step measurements: step constants keep their defaults"]
+    names = ["step_overhead_s", "local_topk_per_byte", "hop_s"]
+    use = [True, len({p.context for p in pts}) > 1,
+           len({p.world_size for p in pts}) > 1 and max(p.world_size for p in pts) > 2]
+    if not use[1]:
+        notes.append("one context only: the local top-K keeps its kernel-benchmark rate")
+    if not use[2]:
+        notes.append("W = 2 only (or one W): hop_s keeps its default")
+    # the baseline zeroes exactly the constants being fitted; the others keep their values
+    base = constants.replace(step_overhead_s=0.0)
+    if use[1]:
+        base = base.replace(local_topk=LineCost(constants.local_topk.fixed_s, 0.0))
+    if use[2]:
+        base = base.replace(hop_s=0.0)
+
+    def features(p: StepPoint) -> tuple[float, float, float, float]:
+        c0 = dcp_step_cost(p.world_size, p.tokens, p.context, geometry, hardware, base, scope="step").total_s
+        c_loc = tokens_on_busiest_rank(p.context, p.world_size, geometry.interleave)
+        n_coll = 3 if p.world_size > 1 else 0
+        steps = n_coll * (p.world_size - 1) * (1 if p.world_size <= hardware.gpus_per_host else 0)
+        return c0, 1.0, float(p.tokens * c_loc * 4), float(steps)
+
+    feats = [features(p) for p in pts]
+    cols = [i for i in range(3) if use[i]]
+    y = [p.graph_s - f[0] for p, f in zip(pts, feats)]
+    coef = _nnls([[f[1 + i] for i in cols] for f in feats], y, [1 / p.graph_s for p in pts])
+    vals = dict(zip([names[i] for i in cols], coef))
+    new = constants.replace(step_overhead_s=vals.get("step_overhead_s", 0.0))
+    if "local_topk_per_byte" in vals:
+        new = new.replace(local_topk=LineCost(constants.local_topk.fixed_s, vals["local_topk_per_byte"]))
+    if "hop_s" in vals:
+        new = new.replace(hop_s=vals["hop_s"])
+    res = [Residual("step", f"W={p.world_size} T={p.tokens} ctx={p.context} {p.attention}", p.graph_s,
+                    dcp_step_cost(p.world_size, p.tokens, p.context, geometry, hardware, new, scope="step").total_s)
+           for p in pts]
+    eager = [p for p in pts if p.eager_s is not None and p.launches is not None]
+    if eager:
+        syncs = [p.host_syncs or 0.0 for p in eager]
+        use_sync = len(set(syncs)) > 1 or any(syncs)
+        xs = [[p.launches] + ([s] if use_sync else []) for p, s in zip(eager, syncs)]
+        ys = [max(p.eager_s - p.graph_s, 0.0) for p in eager]
+        if any(ys):
+            coef = _nnls(xs, ys, [1 / max(v, 1e-9) for v in ys])
+            new = new.replace(launch_s=coef[0], sync_s=coef[1] if use_sync else 0.0)
+        for p, s in zip(eager, syncs):
+            pred = res[pts.index(p)].predicted_s + new.launch_s * p.launches + new.sync_s * s
+            res.append(Residual("step_eager", f"W={p.world_size} T={p.tokens} ctx={p.context} {p.attention}",
+                                p.eager_s, pred))
+    return new, res, notes
+
+
+def fit_constants(results_dir: str | Path, geometry: MlaGeometry = MlaGeometry(), hardware: Hardware = Hardware(),
+                  *, observations: Sequence[Observation] | None = None,
+                  step_points: Sequence[StepPoint] | None = None,
+                  collectives: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32) -> Fit:
+    """Fit every constant to the committed measurements in ``results_dir`` (or to the given ones).
+
+    Kernel lines from :func:`observations_from_results`, collectives from ``collectives``
+    (:data:`NCCL_2XH200_T32`), the whole step from ``results_dir/step.json`` when it exists
+    (:func:`fit_step`). ``observations`` / ``step_points`` override what is read from the directory.
+    """
+    obs = list(observations) if observations is not None else observations_from_results(results_dir)
+    pts = list(step_points) if step_points is not None else step_points_from_json(Path(results_dir) / "step.json")
+    lines, res = fit_lines(obs)
+    consts = DEFAULT_CONSTANTS.replace(**{k: v for k, v in lines.items()})
+    notes = [f"{fam}: not measured, default kept" for fam in ("select", "deinterleave", "merge", "pack", "local_topk",
+                                                              "attention") if fam not in lines]
+    sources = sorted({o.family for o in obs})
+    coll, cres = fit_collectives(collectives, hop_s=consts.hop_s)
+    consts = consts.replace(**coll)
+    res += cres
+    sources.append("collectives: NCCL on 2 x H200 at T = 32 (project GPU notes)")
+    consts, sres, snotes = fit_step(pts, consts, geometry, hardware)
+    res += sres
+    notes += snotes
+    if pts:
+        sources.append(f"step.json: {len(pts)} measured steps")
+    return Fit(consts, res, sources, notes)
+
+
+# ---- predictions ---------------------------------------------------------------------------------
+def scaling_table(constants: CostConstants, world_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+                  tokens: Sequence[int] = (32, 128), contexts: Sequence[int] = (8192, 65536, 131072),
+                  geometry: MlaGeometry = MlaGeometry(), hardware: Hardware = Hardware(),
+                  measured: Sequence[StepPoint] = (), scope: str = "layer") -> list[dict[str, Any]]:
+    """Per-layer DCP and TP step times (µs) and KV bytes per rank at every (W, T, context).
+
+    A row is ``predicted`` unless a measured step exists at its (W, T, ctx); ``spans_hosts`` when
+    ``W > gpus_per_host`` (the collectives then run over InfiniBand, never measured here).
+    """
+    seen = {(p.world_size, p.tokens, p.context) for p in measured}
+    rows = []
+    for w in world_sizes:
+        for t in tokens:
+            for c in contexts:
+                d = dcp_step_cost(w, t, c, geometry, hardware, constants, scope=scope)
+                tp = tp_step_cost(w, t, c, geometry, hardware, constants, scope=scope)
+                rows.append({"W": w, "T": t, "ctx": c, "dcp_us": d.total_s * 1e6, "tp_us": tp.total_s * 1e6,
+                             "dcp_comm_us": d.communication_s * 1e6, "dcp_link_bytes": d.communication_link_bytes,
+                             "kv_bytes_dcp": d.kv_bytes, "kv_bytes_tp": tp.kv_bytes,
+                             "spans_hosts": w > hardware.gpus_per_host, "predicted": (w, t, c) not in seen})
+    return rows
