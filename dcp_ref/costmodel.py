@@ -81,7 +81,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ._checks import check_int_scalar
 
 __all__ = [
-    "KV_BYTES_PER_TOKEN", "NCCL_2XH200_T32", "MlaGeometry", "Hardware", "LineCost", "CostConstants",
+    "KV_BYTES_PER_TOKEN", "NCCL_2XH200_T32", "FLASHMLA_SPARSE_T32_H128", "MlaGeometry", "Hardware", "LineCost", "CostConstants",
     "CollectiveBytes", "StepCost", "Observation", "StepPoint", "Residual", "Fit", "DEFAULT_CONSTANTS",
     "kv_bytes_per_rank", "indexer_cache_bytes_per_rank", "tokens_on_busiest_rank", "communication_bytes",
     "candidate_bytes", "lse_bytes", "output_reduce_scatter_bytes", "output_all_reduce_bytes", "query_allgather_bytes",
@@ -104,6 +104,11 @@ NCCL_2XH200_T32: tuple[tuple[str, int, float, float], ...] = (
     ("all_gather", 32 * 128 * 4, 48.7e-6, 9.4e-6),       # LSEs: 16 KiB per rank
     ("reduce_scatter", 32 * 128 * 512 * 2, 35.6e-6, 24.6e-6),  # bf16 output: 4 MiB per rank
 )
+
+#: FlashMLA sparse decode (``flash_mla_sparse_fwd``, bf16, SM90) at T = 32, H = 128, CUDA-graph replay:
+#: ``(keys per token, seconds)``. Source: the project's GPU notes (2026-11-30); the planned step's
+#: kernel stages use this kernel (``dcp_ref.kernels.stages``).
+FLASHMLA_SPARSE_T32_H128: tuple[tuple[int, float], ...] = ((1024, 36.6e-6), (2048, 67e-6))
 
 #: Stages of the planned step as ``benchmarks/bench_step.py`` times it (``dcp_ref.step``: the indexer
 #: scores are inputs, the query arrives with all heads).
@@ -1000,14 +1005,23 @@ def fit_step(points: Sequence[StepPoint], constants: CostConstants, geometry: Ml
 def fit_constants(results_dir: str | Path, geometry: MlaGeometry = MlaGeometry(), hardware: Hardware = Hardware(),
                   *, observations: Sequence[Observation] | None = None,
                   step_points: Sequence[StepPoint] | None = None,
-                  collectives: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32) -> Fit:
+                  collectives: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32,
+                  attention: str = "flashinfer") -> Fit:
     """Fit every constant to the committed measurements in ``results_dir`` (or to the given ones).
 
     Kernel lines from :func:`observations_from_results`, collectives from ``collectives``
     (:data:`NCCL_2XH200_T32`), the whole step from ``results_dir/step.json`` when it exists
     (:func:`fit_step`). ``observations`` / ``step_points`` override what is read from the directory.
+    ``attention``: ``"flashinfer"`` (``attention_flashinfer.json``) or ``"flashmla"``
+    (:data:`FLASHMLA_SPARSE_T32_H128`, the kernel the planned step runs) for the attention line.
     """
+    if attention not in ("flashinfer", "flashmla"):
+        raise ValueError(f"attention must be 'flashinfer' or 'flashmla', got {attention!r}")
     obs = list(observations) if observations is not None else observations_from_results(results_dir)
+    if attention == "flashmla":
+        obs = [o for o in obs if o.family != "attention"]
+        obs += [Observation("attention", 2.0 * 32 * 128 * keys * (576 + 512), sec, f"FlashMLA T=32 H=128 k={keys}")
+                for keys, sec in FLASHMLA_SPARSE_T32_H128]
     pts = list(step_points) if step_points is not None else step_points_from_json(Path(results_dir) / "step.json")
     lines, res = fit_lines(obs)
     consts = DEFAULT_CONSTANTS.replace(**{k: v for k, v in lines.items()})

@@ -228,6 +228,14 @@ def test_fit_to_committed_results(fitted: cm.Fit) -> None:
     assert all(math.isfinite(r.rel) for r in fitted.residuals)
 
 
+def test_flashmla_attention_line() -> None:
+    fit = cm.fit_constants(RESULTS, attention="flashmla")
+    a = fit.constants.attention
+    # two points, two unknowns: the line passes through both (flops written out here)
+    for keys, sec in ((1024, 36.6e-6), (2048, 67e-6)):
+        assert a.time_s(2 * 32 * 128 * keys * 1088) == pytest.approx(sec, rel=1e-9)
+
+
 # ---- the crossover -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("w", [2, 8, 16])
 def test_crossover_is_where_the_ratio_reaches_one(w: int, fitted: cm.Fit) -> None:
@@ -288,6 +296,7 @@ def test_scaling_table_flags_predictions() -> None:
     (lambda: cm.throughput_ratio(2, 1000, kv_budget_bytes=0), ValueError, "kv_budget_bytes"),
     (lambda: cm.crossover_context(2, min_context=1000, max_context=10), ValueError, "max_context"),
     (lambda: cm.observations_from_results(ROOT / "no-such-dir"), ValueError, "results_dir"),
+    (lambda: cm.fit_constants(RESULTS, attention="trtllm"), ValueError, "attention"),
     (lambda: cm.fit_collectives([("all_gather", 10, 1e-5, 1e-5)]), ValueError, "measured"),
     (lambda: cm.fit_lines([("select", 1.0, 1.0)]), TypeError, "observations"),
     (lambda: cm.fit_step([(2, 32, 100)], cm.DEFAULT_CONSTANTS), TypeError, "points"),
