@@ -53,6 +53,9 @@ __all__ = [
     "DEFAULT_ORDERED_METHOD",
     "DEFAULT_UNORDERED_METHOD",
     "deinterleave_kernel",
+    "convert_tile",
+    "row_setup",
+    "compact_tile_atomic",
     "rowscan_kernel",
     "twopass_count_kernel",
     "twopass_scatter_kernel",
@@ -73,7 +76,7 @@ _MAX_K_ATOMIC = (1 << _FIELD_BITS) - 1
 
 
 @triton.jit
-def _convert_tile(
+def convert_tile(
     ids_row_ptr, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
     DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
 ):
@@ -101,7 +104,7 @@ def _convert_tile(
 
 
 @triton.jit
-def _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ: tl.constexpr):
+def row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ: tl.constexpr):
     """The block-table row of query token ``row`` and whether its request id is in range."""
     if HAS_REQ:
         req = tl.load(req_ptr + row)
@@ -110,6 +113,39 @@ def _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ: tl.constexpr):
     req_ok = (req >= 0) & (req < n_reqs)
     req_safe = tl.where(req_ok, req, 0)
     return bt_ptr + req_safe.to(tl.int64) * stride_btr, req_ok
+
+
+@triton.jit
+def compact_tile_atomic(out_row_ptr, counts_ptr, ws_ptr, row, row64, slot, valid, in_row, K, stride_ok):
+    """Write one tile's slots compacted into its row: valid ones to the front, ``-1`` to the back.
+
+    ``ws_ptr[row]`` is the row's packed int64 counter (valid so far | invalid so far | tiles done,
+    21 bits each; zero on entry). One ``atomic_add`` per tile reserves both of the tile's ranges
+    and takes a ticket; the tile that arrives last writes the row's count to ``counts_ptr[row]``
+    and zeroes the word again. Order across tiles: whichever reaches the atomic first.
+    """
+    v = valid.to(tl.int32)
+    inv = (in_row & (valid == 0)).to(tl.int32)
+    n_valid = tl.sum(v, axis=0)
+    n_inv = tl.sum(inv, axis=0)
+    # One atomic per tile reserves both its front (valid) and back (-1) ranges and takes a
+    # ticket: fields are 21 bits wide (K < 2**21 is checked by the wrapper).
+    packed = (1 << 42) + (n_inv.to(tl.int64) << 21) + n_valid.to(tl.int64)
+    old = tl.atomic_add(ws_ptr + row64, packed)
+    base_v = (old & 0x1FFFFF).to(tl.int32)
+    base_i = ((old >> 21) & 0x1FFFFF).to(tl.int32)
+    done = (old >> 42).to(tl.int32)
+    # Front: base + exclusive prefix of valid. Back: mirrored, so each entry is written once.
+    pos_v = base_v + tl.cumsum(v, axis=0) - v
+    pos_i = K - 1 - (base_i + tl.cumsum(inv, axis=0) - inv)
+    dest = tl.where(valid, pos_v, pos_i)
+    # A workspace that was not zero on entry (caller bug) would push `dest` out of the row:
+    # keep such writes in bounds; the counts then come out wrong, memory stays intact.
+    tl.store(out_row_ptr + dest * stride_ok, tl.where(valid, slot, -1), mask=in_row & (dest >= 0) & (dest < K))
+    if done == tl.num_programs(1) - 1:
+        # Last tile of this row: every other tile's atomic is already in `old`.
+        tl.store(counts_ptr + row, base_v + n_valid)
+        tl.atomic_xchg(ws_ptr + row64, 0)  # leave the workspace zeroed for the next launch
 
 
 @triton.jit
@@ -126,37 +162,16 @@ def deinterleave_kernel(
     row = tl.program_id(0)
     tile = tl.program_id(1)
     row64 = row.to(tl.int64)
-    bt_row_ptr, req_ok = _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
+    bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
-    slot, valid = _convert_tile(
+    slot, valid = convert_tile(
         ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
         DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
     )
     in_row = offs < K
     out_row_ptr = out_ptr + row64 * stride_or
     if COMPACT_TO_FRONT:
-        v = valid.to(tl.int32)
-        inv = (in_row & (valid == 0)).to(tl.int32)
-        n_valid = tl.sum(v, axis=0)
-        n_inv = tl.sum(inv, axis=0)
-        # One atomic per tile reserves both its front (valid) and back (-1) ranges and takes a
-        # ticket: fields are 21 bits wide (K < 2**21 is checked by the wrapper).
-        packed = (1 << 42) + (n_inv.to(tl.int64) << 21) + n_valid.to(tl.int64)
-        old = tl.atomic_add(ws_ptr + row64, packed)
-        base_v = (old & 0x1FFFFF).to(tl.int32)
-        base_i = ((old >> 21) & 0x1FFFFF).to(tl.int32)
-        done = (old >> 42).to(tl.int32)
-        # Front: base + exclusive prefix of valid. Back: mirrored, so each entry is written once.
-        pos_v = base_v + tl.cumsum(v, axis=0) - v
-        pos_i = K - 1 - (base_i + tl.cumsum(inv, axis=0) - inv)
-        dest = tl.where(valid, pos_v, pos_i)
-        # A workspace that was not zero on entry (caller bug) would push `dest` out of the row:
-        # keep such writes in bounds; the counts then come out wrong, memory stays intact.
-        tl.store(out_row_ptr + dest * stride_ok, tl.where(valid, slot, -1), mask=in_row & (dest >= 0) & (dest < K))
-        if done == tl.num_programs(1) - 1:
-            # Last tile of this row: every other tile's atomic is already in `old`.
-            tl.store(counts_ptr + row, base_v + n_valid)
-            tl.atomic_xchg(ws_ptr + row64, 0)  # leave the workspace zeroed for the next launch
+        compact_tile_atomic(out_row_ptr, counts_ptr, ws_ptr, row, row64, slot, valid, in_row, K, stride_ok)
     else:
         tl.store(out_row_ptr + offs * stride_ok, tl.where(valid, slot, -1), mask=in_row)
 
@@ -173,14 +188,14 @@ def rowscan_kernel(
     """Grid ``(T,)``: ordered compaction of one row by a sequential scan over its tiles."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
-    bt_row_ptr, req_ok = _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
+    bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     ids_row_ptr = ids_ptr + row64 * stride_ir
     out_row_ptr = out_ptr + row64 * stride_or
     carry_v = tl.sum(tl.zeros((BLOCK,), dtype=tl.int32), axis=0)  # int32 scalar 0 (loop-carried)
     carry_i = carry_v
     for start in range(0, K, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        slot, valid = _convert_tile(
+        slot, valid = convert_tile(
             ids_row_ptr, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
             DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
         )
@@ -209,9 +224,9 @@ def twopass_count_kernel(
     row = tl.program_id(0)
     tile = tl.program_id(1)
     row64 = row.to(tl.int64)
-    bt_row_ptr, req_ok = _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
+    bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
-    slot, valid = _convert_tile(
+    slot, valid = convert_tile(
         ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
         DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
     )
@@ -235,9 +250,9 @@ def twopass_scatter_kernel(
     tile_counts = tl.load(ws_ptr + row64 * n_tiles + t_idx, mask=t_idx < n_tiles, other=0).to(tl.int32)
     base_v = tl.sum(tl.where(t_idx < tile, tile_counts, 0), axis=0)
     base_i = tile * BLOCK - base_v  # every earlier tile is full (BLOCK entries)
-    bt_row_ptr, req_ok = _row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
+    bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
-    slot, valid = _convert_tile(
+    slot, valid = convert_tile(
         ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
         DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
     )
