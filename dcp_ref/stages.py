@@ -225,19 +225,31 @@ def _named(name: str) -> Callable[[Callable], Callable]:
 
 
 # ---- the reference implementations -----------------------------------------------------------------
+# The reference stages call the oracle functions without their host-side value checks (validate=False:
+# no .item(), no sync), so that a step on the reference stays capture-safe; the step's own
+# ``validate=True`` checks its inputs' values, and the public functions validate by default.
+def _nosync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, validate=False, **kwargs)
+    except TypeError as e:
+        if "validate" not in str(e):
+            raise
+        return fn(*args, **kwargs)
+
+
 @_named("torch")
 def reference_indexer(scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
                       row_starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dcp_ref.indexer.local_topk` then :func:`dcp_ref.topk.pack_candidates`."""
     g = geometry
-    ids = local_topk(scores, k, lengths, row_starts)
-    return write_into(pack_candidates(scores, ids, g.rank, g.world_size, g.interleave, row_starts), out)
+    ids = _nosync(local_topk, scores, k, lengths, row_starts)
+    return write_into(_nosync(pack_candidates, scores, ids, g.rank, g.world_size, g.interleave, row_starts), out)
 
 
 @_named("torch")
 def reference_select(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dcp_ref.topk.stable_topk` (sorted: the reference always is)."""
-    return write_into(stable_topk(gathered, k), out)
+    return write_into(_nosync(stable_topk, gathered, k), out)
 
 
 @_named("torch")
@@ -249,11 +261,11 @@ def reference_deinterleave(global_ids: torch.Tensor, req_of_token: torch.Tensor,
 
     g = geometry
     if compact:
-        slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, g.block_size, g.world_size,
-                                                 g.rank, g.interleave)
+        slots, counts = _nosync(deinterleave_and_compact, global_ids, req_of_token, block_table, g.block_size,
+                                g.world_size, g.rank, g.interleave)
     else:
-        slots = global_ids_to_local_slots(global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank,
-                                          g.interleave).to(torch.int32)
+        slots = _nosync(global_ids_to_local_slots, global_ids, req_of_token, block_table, g.block_size, g.world_size,
+                        g.rank, g.interleave).to(torch.int32)
         counts = (slots >= 0).sum(1, dtype=torch.int32)
     return write_into(slots, out_slots), write_into(counts, out_counts)
 
@@ -263,7 +275,7 @@ def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
                         sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
                         out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.attention.sparse_mla_attention` in float64 (base e)."""
-    o, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim)
+    o, lse = _nosync(sparse_mla_attention, q, kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim)
     return write_into(o, out), write_into(lse, out_lse)
 
 
@@ -271,7 +283,7 @@ def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
 def reference_merge(partial: torch.Tensor, all_lse: torch.Tensor, rank: int, *, out: torch.Tensor | None = None,
                     out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.lse.correct_partial` (float64 weights)."""
-    corrected, merged = correct_partial(partial, all_lse, rank, "e")
+    corrected, merged = _nosync(correct_partial, partial, all_lse, rank, "e")
     return write_into(corrected, out), write_into(merged, out_lse)
 
 

@@ -246,7 +246,9 @@ class PlannedStep:
                 f"q must be [T, {s.num_heads}, {s.head_dim}] with 1 <= T <= max_tokens={s.max_tokens}, got {tuple(q.shape)}"
             )
         sg = getattr(shard, "geometry", None)
-        if sg is not None and sg != g:
+        if not isinstance(sg, DcpGeometry):
+            raise ValueError("shard.geometry must be the DcpGeometry the shard was built for (a RankShard field)")
+        if sg != g:
             raise ValueError(f"shard.geometry {sg} does not match the planned geometry {g}")
         check_tensor(shard.kv_cache, "shard.kv_cache", ndim=(2, 3), device=s.device)
         check_tensor(shard.block_table, "shard.block_table", dtypes=INT_DTYPES, ndim=2, device=s.device)

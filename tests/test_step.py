@@ -1,0 +1,306 @@
+"""The planned step: planned once, run many times against the single-device oracle; capture-safe.
+
+CPU: the reference stages and the kernel stages (Triton interpreted) over SimulatedWorld ranks,
+reusing one plan for several problems and token counts; a dispatch-level counter proves that a
+run reads no tensor value on the host (no sync: what CUDA-graph capture needs); geometry and
+shape mismatches are rejected. GPU (``-m gpu``): DeepSeek geometry in bf16 on the kernels
+(CuTeDSL top-K, FlashMLA or FlashInfer, Triton), CUDA-graph capture and replay on new inputs,
+no synchronisation under ``torch.cuda.set_sync_debug_mode("error")``, and the step over NCCL on
+two GPUs (eager and captured), each against the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcp_ref.geometry import DcpGeometry
+from dcp_ref.group import SimulatedWorld, SingleGroup
+from dcp_ref.pipeline import RankShard, make_dcp_problem, single_device_decode
+from dcp_ref.stages import REFERENCE_STAGES, Stages, StepSpec, reference_select, register_stages, resolve_stages
+from dcp_ref.step import HostSyncCounter, PlannedStep, StepMetadata, decode_metadata
+
+HERE = Path(__file__).resolve().parent
+
+
+def _spec(problem, rank: int, max_tokens: int, topk: int, scale: float, dtype=torch.float64, device="cpu") -> StepSpec:
+    _, H, D = problem.q.shape
+    return StepSpec(problem.geometry(rank), max_tokens=max_tokens, topk=topk, num_heads=H, head_dim=D, v_dim=D,
+                    sm_scale=scale, dtype=dtype, device=device)
+
+
+def _run_planned(steps: list[PlannedStep], problem, traces=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run already-planned steps (one per rank) on ``problem``; heads reassembled in rank order."""
+    W = problem.world_size
+    traces = traces if traces is not None else [None] * W
+
+    def body(group, step, shard, tr):
+        step.group = group  # the plan's group handle for this world (a plan outlives one SimulatedWorld.run)
+        out, lse = step.run(problem.q.to(step.spec.dtype), shard, problem.metadata(group.rank), trace=tr)
+        return out.clone(), lse.clone()
+
+    res = SimulatedWorld(W).run(body, steps, problem.shards, traces)
+    return torch.cat([o for o, _ in res], 1), torch.cat([l for _, l in res], 1)
+
+
+def _plan(problem, max_tokens: int, topk: int, scale: float, stages: Stages | str = "reference") -> list[PlannedStep]:
+    W = problem.world_size
+    world = SimulatedWorld(W)
+    _, _, D = problem.q.shape
+    st = resolve_stages(stages, "cpu", problem.q.dtype, D, D)
+    return [PlannedStep(world.groups[r], _spec(problem, r, max_tokens, topk, scale), st) for r in range(W)]
+
+
+@pytest.mark.parametrize("stages", ["reference", "kernels"])
+@pytest.mark.parametrize("world_size,interleave", [(1, 1), (2, 1), (3, 2)])
+def test_one_plan_many_runs_equal_the_oracle(stages: str, world_size: int, interleave: int) -> None:
+    """Plan once for T <= 8; run three problems (different data and token counts) on the same buffers."""
+    topk, scale = 5, 0.3
+    first = make_dcp_problem(world_size, interleave, seq_lens=[30, 9, 17, 4], next_n=2, num_heads=2 * world_size,
+                             head_dim=8, block_size=4, seed=1)
+    steps = _plan(first, 8, topk, scale, stages)
+    tol = 1e-10 if stages == "reference" else 3e-6
+    for seed, lens, next_n in [(1, [30, 9, 17, 4], 2), (2, [40, 3, 12], 1), (3, [25, 25, 6, 8], 2)]:
+        p = make_dcp_problem(world_size, interleave, seq_lens=lens, next_n=next_n, num_heads=2 * world_size, head_dim=8,
+                             block_size=4, seed=seed)
+        traces = [dict() for _ in range(world_size)]
+        out, lse = _run_planned(steps, p, traces)
+        ref_out, ref_lse, ref_ids = single_device_decode(p, topk, scale)
+        torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+        for tr in traces:  # the selection is a set per row
+            assert [sorted(r) for r in tr["global_ids"].tolist()] == [sorted(r) for r in ref_ids.tolist()]
+            assert list(tr["impl"]) == ["indexer", "select", "deinterleave", "attention", "merge"]
+
+
+@pytest.mark.parametrize("stages", ["reference", "kernels"])
+def test_run_reads_no_tensor_value_on_the_host(stages: str) -> None:
+    """What capture needs: no .item(), no data-dependent shapes — checked at the aten dispatch level."""
+    p = make_dcp_problem(2, 2, seq_lens=[30, 9, 17], next_n=2, num_heads=4, head_dim=8, block_size=4, seed=5)
+    steps = _plan(p, 6, 4, 0.3, stages)
+    counters = [HostSyncCounter(), HostSyncCounter()]
+
+    def body(group, step, shard, counter):
+        step.group = group
+        meta = p.metadata(group.rank)  # the ownership stage: once per decode step, outside the graph
+        with counter:
+            step.run(p.q, shard, meta)
+
+    SimulatedWorld(2).run(body, steps, p.shards, counters)
+    for c in counters:
+        assert len(c.ops) > 20  # the counter saw the run's ops
+        assert c.syncs == [], c.syncs
+
+
+def test_run_checks_geometry_shapes_and_values() -> None:
+    p = make_dcp_problem(2, 1, seq_lens=[20, 7], next_n=1, num_heads=2, head_dim=8, block_size=4, seed=0)
+    world = SimulatedWorld(2)
+    with pytest.raises(ValueError, match="does not match spec.geometry"):
+        PlannedStep(world.groups[1], _spec(p, 0, 4, 3, 0.5))
+    step = PlannedStep(SingleGroup(), StepSpec(DcpGeometry(1, 0, 1, 4), 4, 3, 2, 8, 8, 0.5, torch.float64, "cpu"))
+    meta = decode_metadata(p.seq_lens, 1, DcpGeometry(1, 0, 1, 4))
+    with pytest.raises(ValueError, match="shard.geometry .* does not match the planned geometry"):
+        step.run(p.q, p.shards[0], meta)  # a W=2 shard on a W=1 plan: silently wrong before
+    with pytest.raises(ValueError, match=r"q must be \[T, 2, 8\] with 1 <= T <= max_tokens=4"):
+        step.run(torch.zeros(5, 2, 8, dtype=torch.float64), p.shards[0], meta)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        step.run(p.q.float(), p.shards[0], meta)
+    with pytest.raises(TypeError, match="meta must be a StepMetadata"):
+        step.run(p.q[:2], RankShard(*[getattr(p.shards[0], f) for f in ("kv_cache", "block_table", "index_scores")],
+                                    DcpGeometry(1, 0, 1, 4)), {"local_bounds": meta.local_bounds})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="shard.geometry must be the DcpGeometry"):
+        step.run(p.q, RankShard(p.shards[0].kv_cache, p.shards[0].block_table, p.shards[0].index_scores), meta)
+    one = make_dcp_problem(1, 1, seq_lens=[20, 7], next_n=1, num_heads=2, head_dim=8, block_size=4, seed=0)
+    shard = one.shards[0]
+    narrow = RankShard(shard.kv_cache, shard.block_table, shard.index_scores[:, :10], shard.geometry)
+    checked = PlannedStep(SingleGroup(), step.spec, validate=True)
+    with pytest.raises(ValueError, match="shard.index_scores has 10 columns, but a token's keys reach column 20"):
+        checked.run(one.q, narrow, one.metadata(0))
+    short = RankShard(shard.kv_cache, shard.block_table[:, :2], shard.index_scores, shard.geometry)
+    with pytest.raises(ValueError, match="shard.block_table is too short"):
+        checked.run(one.q, short, one.metadata(0))
+    bad_req = StepMetadata(one.metadata(0).local_bounds, torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"meta.req_of_token must lie in \[0, 2\)"):
+        checked.run(one.q, shard, bad_req)
+    with pytest.raises(ValueError, match="capture needs a CUDA step"):
+        step.capture(one.q, shard, one.metadata(0))
+
+
+def test_spec_is_validated() -> None:
+    g = DcpGeometry(2, 0)
+    with pytest.raises(ValueError, match="num_heads .* must be divisible by the world size W=2"):
+        StepSpec(g, 4, 3, 3, 8, 8, 0.5, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="v_dim must be <= head_dim=8"):
+        StepSpec(g, 4, 3, 2, 8, 9, 0.5, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="sm_scale must be a finite float > 0"):
+        StepSpec(g, 4, 3, 2, 8, 8, float("nan"), torch.float32, "cpu")
+    with pytest.raises(TypeError, match="geometry must be a DcpGeometry"):
+        StepSpec((2, 0), 4, 3, 2, 8, 8, 0.5, torch.float32, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        StepSpec(g, 0, 3, 2, 8, 8, 0.5, torch.float32, "cpu")
+
+
+def test_a_plugged_in_stage_runs_and_is_named_in_the_trace() -> None:
+    """A user's select (here: ties broken toward the *higher* id — a real bug) plugs in through
+    Stages.with_, no monkeypatching; the trace names it, and the oracle catches it."""
+
+    def select_higher_id_wins(gathered, k, *, out=None):
+        c = gathered.reshape(-1, *gathered.shape[-2:]) if gathered.ndim == 3 else gathered.permute(1, 0, 2, 3).reshape(
+            gathered.shape[1], -1, 2)
+        score, ids = c[..., 0].double(), c[..., 1].double()
+        key = torch.where(ids >= 0, score * 1e9 + ids, torch.full_like(score, -math.inf))  # higher id first at ties
+        top = torch.topk(key, min(k, key.shape[1]), dim=1).indices
+        res = torch.where(torch.gather(key, 1, top) > -math.inf, torch.gather(ids, 1, top), -1.0).to(torch.int32)
+        return out.copy_(res) if out is not None else res
+
+    buggy = REFERENCE_STAGES.with_(select=select_higher_id_wins)
+    assert buggy.impls()["select"].endswith("select_higher_id_wins") and buggy.name == "reference+custom"
+    p = make_dcp_problem(2, 1, seq_lens=[40, 33], next_n=1, num_heads=2, head_dim=8, block_size=4, score_levels=3,
+                         seed=4)
+    traces = [dict(), dict()]
+    out, _ = _run_planned(_plan(p, 2, 6, 0.3, buggy), p, traces)
+    ref_out, _, ref_ids = single_device_decode(p, 6, 0.3)
+    assert traces[0]["impl"]["select"].endswith("select_higher_id_wins")
+    assert [sorted(r) for r in traces[0]["global_ids"].tolist()] != [sorted(r) for r in ref_ids.tolist()]
+    assert not torch.allclose(out, ref_out)
+    good = REFERENCE_STAGES.with_(select=reference_select)
+    out2, _ = _run_planned(_plan(p, 2, 6, 0.3, good), p)
+    torch.testing.assert_close(out2, ref_out, rtol=1e-10, atol=1e-10)
+
+
+def test_stage_resolution_and_registration() -> None:
+    with pytest.raises(ValueError, match="stages must be 'reference'"):
+        resolve_stages("fastest", "cpu", torch.float32, 8, 8)
+    with pytest.raises(TypeError, match="stages must be a Stages value or a name"):
+        resolve_stages(3, "cpu", torch.float32, 8, 8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown stage"):
+        REFERENCE_STAGES.with_(selct=reference_select)
+    with pytest.raises(TypeError, match="select must be callable"):
+        Stages(select=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="attention_layout must be one of"):
+        Stages(attention_layout="sparse")
+    register_stages("mine", lambda device, dtype, head_dim, v_dim, **hints: REFERENCE_STAGES.with_(name="mine"))
+    assert resolve_stages("mine", "cpu", torch.float32, 8, 8).name == "mine"
+    with pytest.raises(ValueError, match="reserved"):
+        register_stages("reference", lambda *a, **k: REFERENCE_STAGES)
+
+
+def test_masked_layout_skips_compaction() -> None:
+    """An attention that reads uncompacted slots (-1 anywhere) gets them: same answer as compacted."""
+    from dcp_ref.stages import reference_attention
+
+    seen: list[torch.Tensor] = []
+
+    def masked_attention(q, kv_cache, slots, counts, sm_scale, v_dim, *, out=None, out_lse=None):
+        seen.append(slots.clone())
+        order = torch.argsort((slots < 0).to(torch.int8), dim=1, stable=True)  # compact here, for the reference
+        return reference_attention(q, kv_cache, torch.gather(slots, 1, order), counts, sm_scale, v_dim, out=out,
+                                   out_lse=out_lse)
+
+    p = make_dcp_problem(2, 1, seq_lens=[40, 33], next_n=1, num_heads=2, head_dim=8, block_size=4, seed=2)
+    st = REFERENCE_STAGES.with_(attention=masked_attention, attention_layout="masked")
+    out, lse = _run_planned(_plan(p, 2, 7, 0.3, st), p)
+    ref_out, ref_lse, _ = single_device_decode(p, 7, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    # a valid slot after a -1 somewhere: the attention saw the uncompacted layout
+    assert any(bool((((s < 0).cumsum(1) > 0) & (s >= 0)).any()) for s in seen), "slots were compacted"
+
+
+# ---- GPU ------------------------------------------------------------------------------------------
+def _gpu_problem(world_size: int, interleave: int, seed: int, num_heads: int = 128, next_n: int = 2):
+    p = make_dcp_problem(world_size, interleave, seq_lens=[3000, 41, 2500], next_n=next_n, num_heads=num_heads,
+                         head_dim=576, block_size=64, seed=seed)
+    return p, p.to("cuda", torch.bfloat16)
+
+
+def _gpu_plan(gpu_problem, world, rank: int, max_tokens: int, topk: int) -> PlannedStep:
+    from dcp_ref.kernels.stages import kernel_stages
+
+    st = kernel_stages("cuda", torch.bfloat16, 576, 512, num_heads=gpu_problem.q.shape[1], topk=topk)
+    spec = StepSpec(gpu_problem.geometry(rank), max_tokens, topk, gpu_problem.q.shape[1], 576, 512, 192**-0.5,
+                    torch.bfloat16, "cuda")
+    return PlannedStep(world.groups[rank] if world is not None else SingleGroup(), spec, st)
+
+
+def _check_against_oracle(out, lse, problem, topk) -> None:
+    ref_out, ref_lse, _ = single_device_decode(problem, topk, 192**-0.5)
+    ref = ref_out[..., :512]
+    rel = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, rel  # bf16 inputs and outputs
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size,interleave", [(1, 1), (2, 1), (2, 64)])
+def test_planned_step_on_gpu_kernels(cuda_device, world_size: int, interleave: int) -> None:
+    """SimulatedWorld ranks are threads on one GPU: planning compiles under the lock (no abort)."""
+    cpu, gpu = _gpu_problem(world_size, interleave, seed=3)
+    world = SimulatedWorld(world_size)
+    steps = [_gpu_plan(gpu, world, r, 8, 2048) for r in range(world_size)]
+    traces = [dict() for _ in range(world_size)]
+
+    def body(group, step, shard, tr):
+        out, lse = step.run(gpu.q, shard, gpu.metadata(group.rank, "cuda"), trace=tr)
+        return out.clone(), lse.clone()
+
+    res = world.run(body, steps, gpu.shards, traces)
+    out, lse = torch.cat([o for o, _ in res], 1), torch.cat([l for _, l in res], 1)
+    _, _, ref_ids = single_device_decode(cpu, 2048, 192**-0.5)
+    for tr in traces:  # the CuTeDSL top-K returns a set per row
+        assert [sorted(r) for r in tr["global_ids"].long().cpu().tolist()] == [sorted(r) for r in ref_ids.tolist()]
+    assert traces[0]["impl"]["select"] == "cutedsl" and traces[0]["impl"]["merge"] == "triton"
+    _check_against_oracle(out, lse, cpu, 2048)
+
+
+@pytest.mark.gpu
+def test_captured_step_replays_new_inputs_without_sync(cuda_device) -> None:
+    """W = 1: capture once, copy new q / scores / metadata in place, replay == eager == oracle; the run
+    makes no host sync (CUDA sync debug mode raises on one)."""
+    cpu_a, gpu_a = _gpu_problem(1, 1, seed=5)
+    cpu_b, gpu_b = _gpu_problem(1, 1, seed=6)
+    step = _gpu_plan(gpu_a, None, 0, gpu_a.q.shape[0], 2048)
+    shard = gpu_a.shards[0]
+    meta = gpu_a.metadata(0, "cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step.run(gpu_a.q, shard, meta)  # raises on any synchronising call
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if step.impls["attention"] != "flashmla":
+        pytest.skip(f"capture needs a plan-free attention; this run has {step.impls['attention']}")
+    graph = step.capture(gpu_a.q, shard, meta)
+    out, lse = graph.replay()
+    _check_against_oracle(out, lse, cpu_a, 2048)
+    # new data, same addresses: the graph reads the captured inputs
+    gpu_a.q.copy_(gpu_b.q)
+    shard.index_scores.copy_(gpu_b.shards[0].index_scores)
+    shard.kv_cache.copy_(gpu_b.shards[0].kv_cache)
+    shard.block_table.copy_(gpu_b.shards[0].block_table)
+    meta.copy_(gpu_b.metadata(0, "cuda"))
+    out, lse = graph.replay()
+    _check_against_oracle(out, lse, cpu_b, 2048)
+
+
+@pytest.mark.gpu
+def test_step_over_nccl_on_two_gpus(cuda_device, tmp_path) -> None:
+    """Two processes, NCCL, the planned step on the kernels (eager and CUDA-graph replay) and on the
+    reference stages, each rank's head shard against the oracle."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           str(HERE / "step_nccl_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    cpu, _ = _gpu_problem(2, 1, seed=8)
+    for label in ("kernels_eager", "kernels_graph", "reference"):
+        outs = [torch.load(tmp_path / f"rank{r}_{label}.pt") for r in range(2)]
+        out = torch.cat([o["out"] for o in outs], 1)
+        lse = torch.cat([o["lse"] for o in outs], 1)
+        _check_against_oracle(out, lse, cpu, 2048)
