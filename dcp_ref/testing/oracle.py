@@ -1,0 +1,438 @@
+"""Brute-force oracles for every stage and for the whole decode step, on *your* tensors.
+
+Each function here recomputes one stage's contract from scratch — plain Python sorting over
+``(score, id)`` tuples, float64 softmax one row at a time — without calling the stage modules of
+:mod:`dcp_ref` (which are themselves checked against these functions in the project's tests).
+They are slow on purpose (loops, the host) and meant for small inputs: the cases the conformance
+checkers generate, or a slice of a real batch you want to double-check.
+
+:func:`decode` is the oracle of a whole decode step that takes the tensors a serving engine
+actually holds — each rank's paged KV cache, block table and index scores, the sequence lengths,
+the query — rather than a generated :class:`dcp_ref.pipeline.DcpProblem`::
+
+    from dcp_ref.testing import oracle
+    ref = oracle.decode(q, kv_caches, block_tables, index_scores, seq_lens, next_n=1, topk=2048,
+                        sm_scale=0.1, block_size=64, interleave=1)
+    torch.testing.assert_close(my_out.double(), ref.out)        # [T, H, v] float64, base-e LSE in ref.lse
+
+The total order every selection uses (index top-K, global top-k): score descending as float32,
+``-0.0 == +0.0``, then the lower id first; a NaN score or a negative id is invalid and never chosen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "selection_key",
+    "select",
+    "local_topk",
+    "pack",
+    "indexer",
+    "deinterleave",
+    "attention",
+    "correct",
+    "merge",
+    "DecodeResult",
+    "decode",
+    "decode_bounds",
+]
+
+_INT = (torch.int32, torch.int64)
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _tensor(x: object, name: str, dtypes: tuple[torch.dtype, ...], ndim: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d).replace('torch.', '') for d in dtypes]}, got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    return x.detach().cpu()
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to float32 (the selection compares float32 scores)."""
+    return float(torch.tensor(v, dtype=torch.float64).to(torch.float32))
+
+
+def selection_key(score: float, ident: int) -> tuple[float, int] | None:
+    """Sort key of one candidate (ascending = selection order), ``None`` when invalid.
+
+    ``(-score, id)``: a higher float32 score first, then the lower id; ``-0.0`` counts as ``+0.0``;
+    a NaN score or a negative id is invalid.
+    """
+    s = _f32(score)
+    if math.isnan(s) or ident < 0:
+        return None
+    return (-(s + 0.0), int(ident))
+
+
+def _top(cands: list[tuple[float, int]], k: int) -> list[int]:
+    """Ids of the ``k`` best valid candidates (score, id), in selection order."""
+    keyed = [(key, ident) for s, ident in cands if (key := selection_key(s, ident)) is not None]
+    keyed.sort()
+    return [ident for _, ident in keyed[:k]]
+
+
+def _pad(rows: list[list[int]], k: int) -> torch.Tensor:
+    out = torch.full((len(rows), k), -1, dtype=torch.int64)
+    for t, ids in enumerate(rows):
+        if ids:
+            out[t, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return out
+
+
+def select(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """Stable global top-``k`` of all-gathered candidates.
+
+    Args:
+        gathered: float32 ``[W, T, K, 2]`` (``[..., 0]`` score, ``[..., 1]`` global id; id ``-1`` or a
+            NaN score = invalid). Ids are compared as integers (a NaN id is invalid).
+        k: ``k >= 1``.
+    Returns:
+        int64 ``[T, k]``: the winners in selection order, ``-1`` after the last valid one.
+    """
+    g = _tensor(gathered, "gathered", (torch.float32,), 4)
+    if g.shape[-1] != 2:
+        raise ValueError(f"gathered must end in a (score, id) pair, got shape {tuple(g.shape)}")
+    W, T, K, _ = g.shape
+    rows = []
+    for t in range(T):
+        cands = []
+        for w in range(W):
+            for j in range(K):
+                s, i = float(g[w, t, j, 0]), float(g[w, t, j, 1])
+                cands.append((s, -1 if math.isnan(i) else int(i)))
+        rows.append(_top(cands, k))
+    return _pad(rows, k)
+
+
+def local_topk(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Local stable top-``k`` of each row: local key ``j < lengths[t]`` is column ``row_starts[t] + j``.
+
+    Returns int64 ``[T, k]`` local indices ``j`` in selection order (ties: lower ``j``), ``-1`` padded.
+    """
+    s = _tensor(scores, "scores", _FLOAT, 2)
+    n = _tensor(lengths, "lengths", _INT, 1)
+    T, C = s.shape
+    st = torch.zeros(T, dtype=torch.int64) if row_starts is None else _tensor(row_starts, "row_starts", _INT, 1)
+    rows = []
+    for t in range(T):
+        a, m = int(st[t]), int(n[t])
+        if a < 0 or m < 0 or a + m > C:
+            raise ValueError(f"row {t}: row_starts + lengths = {a} + {m} must lie in [0, cols={C}]")
+        rows.append(_top([(float(s[t, a + j]), j) for j in range(m)], k))
+    return _pad(rows, k)
+
+
+def _to_global(j: int, rank: int, world_size: int, interleave: int) -> int:
+    return (j // interleave) * (world_size * interleave) + rank * interleave + j % interleave
+
+
+def pack(
+    scores: torch.Tensor,
+    local_ids: torch.Tensor,
+    rank: int,
+    world_size: int,
+    interleave: int = 1,
+    row_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(score, global id)`` of each local index, position by position; ``(-inf, -1)`` for ``-1``.
+
+    Returns float32 ``[T, K, 2]``; the score is the float32 value of column ``row_starts[t] + j``.
+    """
+    s = _tensor(scores, "scores", _FLOAT, 2)
+    ids = _tensor(local_ids, "local_ids", _INT, 2)
+    T, K = ids.shape
+    st = torch.zeros(T, dtype=torch.int64) if row_starts is None else _tensor(row_starts, "row_starts", _INT, 1)
+    out = torch.empty((T, K, 2), dtype=torch.float32)
+    for t in range(T):
+        for c in range(K):
+            j = int(ids[t, c])
+            if j < 0:
+                out[t, c, 0], out[t, c, 1] = -math.inf, -1.0
+            else:
+                out[t, c, 0] = float(s[t, int(st[t]) + j])
+                out[t, c, 1] = float(_to_global(j, rank, world_size, interleave))
+    return out
+
+
+def indexer(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    rank: int,
+    world_size: int,
+    interleave: int = 1,
+    row_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The indexer stage: :func:`local_topk` then :func:`pack` (float32 ``[T, k, 2]``, selection order)."""
+    return pack(scores, local_topk(scores, k, lengths, row_starts), rank, world_size, interleave, row_starts)
+
+
+def deinterleave(
+    global_ids: torch.Tensor,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+) -> torch.Tensor:
+    """Physical slot of each global id on this rank, position by position (``-1`` when not here).
+
+    Id ``p`` is here when ``p >= 0``, ``(p // I) % W == rank``, its local block ``l // block_size``
+    (``l = (p // (W*I))*I + p % I``) is inside the block table and that block id is ``>= 0``.
+    Returns int64 ``[T, k]`` — the *masked* layout; compact it with ``row[row >= 0]``.
+    """
+    ids = _tensor(global_ids, "global_ids", _INT, 2)
+    req = _tensor(req_of_token, "req_of_token", _INT, 1)
+    bt = _tensor(block_table, "block_table", _INT, 2)
+    T, K = ids.shape
+    B, M = bt.shape
+    w, i, bs = world_size, interleave, block_size
+    out = torch.full((T, K), -1, dtype=torch.int64)
+    for t in range(T):
+        b = int(req[t])
+        if not 0 <= b < B:
+            raise ValueError(f"req_of_token[{t}] = {b} is not a row of block_table (B={B})")
+        for c in range(K):
+            p = int(ids[t, c])
+            if p < 0 or (p // i) % w != rank:
+                continue
+            loc = (p // (w * i)) * i + p % i
+            if loc // bs >= M:
+                continue
+            blk = int(bt[b, loc // bs])
+            if blk >= 0:
+                out[t, c] = blk * bs + loc % bs
+    return out
+
+
+def attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor | None,
+    sm_scale: float,
+    v_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 softmax attention of every head over each row's slots.
+
+    Args:
+        q: ``[T, H, D]``.  kv_cache: ``[S, D]`` (values: the first ``v_dim`` columns).
+        slots: int ``[T, K]``.  counts: int ``[T]``: row ``t`` attends to ``slots[t, :counts[t]]``
+            (the compact layout); ``None``: to every ``slots[t, j] >= 0`` (the masked layout).
+    Returns:
+        ``(out float64 [T, H, v_dim], lse float64 [T, H])``, LSE in base e; an empty row gives
+        ``out = 0`` and ``lse = -inf``. NaN in a key or value that is read propagates.
+    """
+    qq = _tensor(q, "q", _FLOAT, 3).double()
+    kv = _tensor(kv_cache, "kv_cache", _FLOAT, 2).double()
+    sl = _tensor(slots, "slots", _INT, 2)
+    T, H, _ = qq.shape
+    out = torch.zeros((T, H, v_dim), dtype=torch.float64)
+    lse = torch.full((T, H), -math.inf, dtype=torch.float64)
+    cn = None if counts is None else _tensor(counts, "counts", _INT, 1)
+    for t in range(T):
+        row = sl[t, : int(cn[t])] if cn is not None else sl[t][sl[t] >= 0]
+        if row.numel() == 0:
+            continue
+        if bool((row < 0).any()) or bool((row >= kv.shape[0]).any()):
+            raise ValueError(f"row {t} reads slots {row.tolist()} outside [0, {kv.shape[0]})")
+        keys = kv[row.long()]  # [n, D]
+        s = (qq[t] @ keys.T) * float(sm_scale)  # [H, n]
+        lse[t] = torch.logsumexp(s, dim=-1)
+        out[t] = torch.softmax(s, dim=-1) @ keys[:, :v_dim]
+    return out, lse
+
+
+def _merge_weights(all_lse: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(weights [W, T, H], merged lse [T, H])`` in ``base``; ``-inf`` (or NaN/+inf) = empty."""
+    if base not in ("e", "2"):
+        raise ValueError(f"base must be 'e' or '2', got {base!r}")
+    lse = all_lse.detach().cpu().double()
+    lse = torch.where(torch.isnan(lse) | (lse == math.inf), -math.inf, lse)
+    W, T, H = lse.shape
+    w = torch.zeros((W, T, H), dtype=torch.float64)
+    merged = torch.full((T, H), -math.inf, dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            col = [float(x) for x in lse[:, t, h]]
+            m = max(col)
+            if m == -math.inf:
+                continue
+            scale = math.e if base == "e" else 2.0
+            terms = [scale ** (x - m) if x > -math.inf else 0.0 for x in col]
+            total = sum(terms)
+            merged[t, h] = m + (math.log(total) if base == "e" else math.log2(total))
+            for r in range(W):
+                w[r, t, h] = terms[r] / total
+    return w, merged
+
+
+def correct(partial: torch.Tensor, all_lse: torch.Tensor, rank: int, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's share of the LSE merge: ``partial * base^(lse_rank - merged)`` in float64.
+
+    A rank whose weight is 0 (its LSE is ``-inf``: empty) contributes exactly 0, even where its partial
+    holds NaN; with a weight ``> 0`` a NaN in the partial propagates. Returns ``(corrected float64
+    [T, H, v], merged lse float64 [T, H])``, the LSE in ``base``; all ranks empty -> 0 and ``-inf``.
+    """
+    p = _tensor(partial, "partial", _FLOAT, 3).double()
+    lse = _tensor(all_lse, "all_lse", _FLOAT, 3)
+    w, merged = _merge_weights(lse, base)
+    wr = w[rank].unsqueeze(-1)
+    return torch.where(wr > 0, wr * p, 0.0), merged
+
+
+def merge(outs: torch.Tensor, lses: torch.Tensor, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
+    """All ranks' partials merged in one place: ``sum_r correct(outs[r], lses, r)`` (float64)."""
+    o = _tensor(outs, "outs", _FLOAT, 4)
+    total = torch.zeros(o.shape[1:], dtype=torch.float64)
+    merged = None
+    for r in range(o.shape[0]):
+        c, merged = correct(o[r], lses, r, base)
+        total += c
+    assert merged is not None
+    return total, merged
+
+
+def decode_bounds(seq_lens: Sequence[int] | torch.Tensor, next_n: int | Sequence[int] | torch.Tensor) -> tuple[list[int], list[int]]:
+    """``(request of each query token, exclusive global key bound of each)``, tokens of request 0 first.
+
+    Request ``b`` of length ``L_b`` has ``q_b`` query tokens (``next_n``: one int for all, or one per
+    request) at positions ``L_b - q_b .. L_b - 1``; token ``j`` sees keys ``[0, L_b - q_b + j + 1)``.
+    """
+    lens = [int(x) for x in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
+    if isinstance(next_n, torch.Tensor):
+        qs = [int(x) for x in next_n.reshape(-1).tolist()] if next_n.ndim else [int(next_n)] * len(lens)
+    elif isinstance(next_n, int):
+        qs = [next_n] * len(lens)
+    else:
+        qs = [int(x) for x in next_n]
+    if len(qs) != len(lens):
+        raise ValueError(f"next_n must be an int or one count per request ({len(lens)}), got {len(qs)}")
+    req, bound = [], []
+    for b, (L, qb) in enumerate(zip(lens, qs)):
+        if not 0 <= qb <= L:
+            raise ValueError(f"request {b}: next_n={qb} must lie in [0, seq_len={L}]")
+        for j in range(qb):
+            req.append(b)
+            bound.append(L - qb + j + 1)
+    return req, bound
+
+
+@dataclass
+class DecodeResult:
+    """What :func:`decode` returns.
+
+    Attributes:
+        out: float64 ``[T, H, v_dim]`` attention output of every head (all heads, not a shard).
+        lse: float64 ``[T, H]`` its LSE, base e (``-inf`` for a token that selected nothing).
+        ids: int64 ``[T, topk]`` the chosen global positions in selection order, ``-1`` padded.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    ids: torch.Tensor
+
+    def head_shard(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of the heads rank ``rank`` holds after the merge's reduce-scatter."""
+        H = self.out.shape[1]
+        if H % world_size:
+            raise ValueError(f"H={H} heads must be divisible by world_size={world_size}")
+        hs = H // world_size
+        return self.out[:, rank * hs : (rank + 1) * hs], self.lse[:, rank * hs : (rank + 1) * hs]
+
+
+def decode(
+    q: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    block_tables: Sequence[torch.Tensor],
+    index_scores: Sequence[torch.Tensor],
+    seq_lens: Sequence[int] | torch.Tensor,
+    next_n: int | Sequence[int] | torch.Tensor,
+    topk: int,
+    sm_scale: float,
+    *,
+    block_size: int,
+    interleave: int = 1,
+    v_dim: int | None = None,
+) -> DecodeResult:
+    """The whole DCP sparse-MLA decode step, from each rank's own tensors, without any sharded math.
+
+    Rank ``r`` (``W = len(kv_caches)``) holds position ``p`` of request ``b`` when ``(p // I) % W == r``,
+    at local index ``l = (p // (W*I))*I + p % I``, in slot ``block_tables[r][b, l // block_size] *
+    block_size + l % block_size`` of ``kv_caches[r]``; ``index_scores[r][t, l]`` is query token ``t``'s
+    index score of that key. This function reads every visible key of every query token through that
+    map, picks the global stable top-``topk`` (score desc, then lower position; NaN never chosen), and
+    attends in float64 — the answer a correct DCP step must reproduce on any ``W``.
+
+    Args:
+        q: ``[T, H, D]`` query tokens, tokens of request 0 first.
+        kv_caches: per rank ``[S_r, D]`` (or ``[S_r, 1, D]``) paged latent cache.
+        block_tables: per rank int ``[B, M_r]``.
+        index_scores: per rank float ``[T, L_r]`` (columns = local index; W = 1: the global scores).
+        seq_lens: ``B`` global lengths (including this step's query tokens).
+        next_n: query tokens per request: one int, or one per request.
+        topk: global top-k.  sm_scale: softmax scale.  block_size: tokens per block.
+        interleave: ``I``.  v_dim: value width (default ``D``).
+    Returns:
+        :class:`DecodeResult` (float64 output of *all* heads, base-e LSE, chosen ids).
+    Raises:
+        ValueError: a visible key with no block on its rank, or index scores too narrow for it.
+    """
+    W = len(kv_caches)
+    if W < 1 or len(block_tables) != W or len(index_scores) != W:
+        raise ValueError(
+            f"kv_caches, block_tables and index_scores must each hold one tensor per rank (W >= 1), got "
+            f"{len(kv_caches)}, {len(block_tables)}, {len(index_scores)}"
+        )
+    qq = _tensor(q, "q", _FLOAT, 3).double()
+    T, H, D = qq.shape
+    v = D if v_dim is None else int(v_dim)
+    kvs = []
+    for r, kv in enumerate(kv_caches):
+        if isinstance(kv, torch.Tensor) and kv.ndim == 3 and kv.shape[1] == 1:
+            kv = kv[:, 0]
+        kvs.append(_tensor(kv, f"kv_caches[{r}]", _FLOAT, 2).double())
+    bts = [_tensor(b, f"block_tables[{r}]", _INT, 2) for r, b in enumerate(block_tables)]
+    scs = [_tensor(s, f"index_scores[{r}]", _FLOAT, 2) for r, s in enumerate(index_scores)]
+    req, bound = decode_bounds(seq_lens, next_n)
+    if len(req) != T:
+        raise ValueError(f"q has {T} query tokens but seq_lens/next_n describe {len(req)}")
+    I, bs = int(interleave), int(block_size)
+    out = torch.zeros((T, H, v), dtype=torch.float64)
+    lse = torch.full((T, H), -math.inf, dtype=torch.float64)
+    rows = []
+    for t in range(T):
+        b, n = req[t], bound[t]
+        cands, where = [], {}
+        for p in range(n):
+            r, loc = (p // I) % W, (p // (W * I)) * I + p % I
+            if loc >= scs[r].shape[1]:
+                raise ValueError(f"index_scores[{r}] has {scs[r].shape[1]} columns; token {t} sees local key {loc}")
+            if loc // bs >= bts[r].shape[1] or int(bts[r][b, loc // bs]) < 0:
+                raise ValueError(f"position {p} of request {b} (rank {r}, local {loc}) has no block in block_tables[{r}]")
+            slot = int(bts[r][b, loc // bs]) * bs + loc % bs
+            if slot >= kvs[r].shape[0]:
+                raise ValueError(f"position {p} of request {b} maps to slot {slot} outside kv_caches[{r}]")
+            cands.append((float(scs[r][t, loc]), p))
+            where[p] = (r, slot)
+        chosen = _top(cands, topk)
+        rows.append(chosen)
+        if not chosen:
+            continue
+        keys = torch.stack([kvs[where[p][0]][where[p][1]] for p in chosen])  # [n, D]
+        s = (qq[t] @ keys.T) * float(sm_scale)
+        lse[t] = torch.logsumexp(s, dim=-1)
+        out[t] = torch.softmax(s, dim=-1) @ keys[:, :v]
+    return DecodeResult(out, lse, _pad(rows, topk))

@@ -1,0 +1,845 @@
+"""Hypothesis strategies for the inputs of every DCP stage — public, for your own tests.
+
+Each ``*_cases()`` strategy draws one :class:`Case`: the input tensors of one call of a stage
+(CPU, in the declared dtypes), the scalars, which tensors to pass as non-contiguous views, the
+output buffers to offer, and the Python code that rebuilds all of it (the reproducer the
+conformance checkers print). The draws cover each stage's contract, adversarial corners
+included: ties (scores from a few levels), ``±0``, NaN, ``±inf``, empty rows and empty ranks,
+rows shorter than ``k``, interleave ``I > 1``, up to ``W = 16`` ranks, ids near ``2**24``,
+garbage past every valid bound, poisoned (NaN) KV rows that must not be read. Sizes are drawn
+first and small, so Hypothesis shrinks a failure to a case you can read.
+
+Use them directly::
+
+    from hypothesis import given
+    from dcp_ref.testing import strategies as dst
+
+    @given(dst.select_cases(max_world=4))
+    def test_my_select(case):
+        args, kwargs, _ = case.build("cpu")
+        got = my_select(*args, **kwargs)
+        ...  # compare with dcp_ref.testing.oracle.select(case.values["gathered"], case.values["k"])
+
+Element strategies (:func:`score_values`, :func:`data_values`) and :func:`geometries` are the
+building blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from hypothesis import strategies as st
+
+from ..geometry import DcpGeometry
+
+__all__ = [
+    "Case",
+    "noncontiguous",
+    "tensor_literal",
+    "score_values",
+    "data_values",
+    "geometries",
+    "select_cases",
+    "local_topk_cases",
+    "pack_cases",
+    "indexer_cases",
+    "deinterleave_cases",
+    "attention_cases",
+    "merge_cases",
+    "step_cases",
+    "StepProblem",
+    "make_step_problem",
+]
+
+NAN, INF = math.nan, math.inf
+#: Score levels: ties are common, and every special float is there (shrinks toward ``0.0``).
+SCORE_LEVELS = (0.0, 1.0, -1.0, 0.5, -0.0, 2.0, INF, -INF, NAN)
+#: What sits past a row's valid bound: values that win if a kernel reads them by mistake.
+GARBAGE_LEVELS = (INF, 1e30, 3.0, NAN)
+#: Exact in bf16/fp16/fp32: q / KV / partial-output values whose products are exact too.
+DYADIC = (0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, 1.5, -1.5, 3.0, -0.75)
+#: Above this many elements a tensor is drawn from a seed (``torch.randn``) instead of elementwise.
+MAX_LITERAL_ELEMS = 384
+
+
+# ---- reproducer helpers ------------------------------------------------------------------------
+def noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values as ``t`` in a non-contiguous view (every stride doubled).
+
+    The interleaved elements in between hold poison (NaN for floats, ``-7`` for integers), so an
+    implementation that ignores strides reads garbage instead of passing by luck.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    poison = NAN if t.is_floating_point() else -7
+    base = torch.full((*t.shape, 2), poison, dtype=t.dtype, device=t.device)
+    base[..., 0] = t
+    return base[..., 0]
+
+
+def _num(v: float | int, is_float: bool) -> str:
+    if not is_float:
+        return str(int(v))
+    v = float(v)
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return repr(v)
+
+
+def _nested(x: Any, is_float: bool) -> str:
+    if isinstance(x, list):
+        return "[" + ", ".join(_nested(e, is_float) for e in x) + "]"
+    return _num(x, is_float)
+
+
+def tensor_literal(t: torch.Tensor) -> str:
+    """A Python expression that rebuilds ``t`` exactly (values, shape, dtype; on the CPU).
+
+    Uses the names ``nan`` and ``inf`` for special floats (define ``nan, inf = float("nan"),
+    float("inf")``). Every float16/bfloat16/float32 value prints as a float64 literal that rounds
+    back to itself.
+    """
+    dt = str(t.dtype).replace("torch.", "torch.")
+    if t.numel() == 0:
+        return f"torch.empty({tuple(t.shape)}, dtype={dt})"
+    vals = t.detach().cpu()
+    is_float = vals.is_floating_point()
+    body = _nested((vals.double() if is_float else vals.long()).tolist(), is_float)
+    return f"torch.tensor({body}, dtype={dt})"
+
+
+@dataclass(eq=False)
+class Case:
+    """One call of a stage: inputs, how to call, and the code that rebuilds it.
+
+    Attributes:
+        stage: the stage's name (``"select"``, ``"attention"``, ...).
+        values: name -> CPU tensor or scalar (a :class:`~dcp_ref.geometry.DcpGeometry`, an int, a
+            float, a bool), in definition order.
+        code: name -> Python statements that define that name (``tensor_literal`` or a seeded
+            recipe, then any poisoning); scalars use ``repr``.
+        args: names passed positionally, in order.  kwargs: names passed by keyword.
+        noncontig: names of tensors passed as :func:`noncontiguous` views.
+        out_buffers: keyword name -> ``(shape, dtype, poison)`` of an output buffer to pass.
+        meta: stage-specific facts for the checker (e.g. the poisoned KV rows).
+    """
+
+    stage: str
+    values: dict[str, Any]
+    code: dict[str, str]
+    args: tuple[str, ...]
+    kwargs: tuple[str, ...] = ()
+    noncontig: frozenset[str] = frozenset()
+    out_buffers: dict[str, tuple[tuple[int, ...], torch.dtype, float]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, device: torch.device | str = "cpu") -> tuple[list[Any], dict[str, Any], dict[str, torch.Tensor]]:
+        """``(args, kwargs, buffers)`` on ``device``: fresh tensors (the case's own stay untouched)."""
+        dev = torch.device(device)
+
+        def make(name: str) -> Any:
+            v = self.values[name]
+            if not isinstance(v, torch.Tensor):
+                return v
+            t = v.to(dev).clone()
+            return noncontiguous(t) if name in self.noncontig else t
+
+        buffers = {k: torch.full(shape, poison, dtype=dtype, device=dev) for k, (shape, dtype, poison) in self.out_buffers.items()}
+        kwargs = {k: make(k) for k in self.kwargs}
+        kwargs.update(buffers)
+        return [make(a) for a in self.args], kwargs, buffers
+
+    def reproducer(self, fn_name: str, device: torch.device | str = "cpu", import_line: str = "") -> str:
+        """Python source that rebuilds this case and calls ``fn_name`` on it (ready to paste)."""
+        dev = torch.device(device)
+        lines = ["import torch"]
+        if import_line:
+            lines.append(import_line)
+        if any(isinstance(v, DcpGeometry) for v in self.values.values()):
+            lines.append("from dcp_ref.geometry import DcpGeometry")
+        if self.noncontig:
+            lines.append("from dcp_ref.testing import noncontiguous")
+        lines.append('nan, inf = float("nan"), float("inf")')
+        if dev.type != "cpu":
+            lines.append(f'device = "{dev}"')
+        for name, v in self.values.items():
+            lines.append(self.code[name])
+            if isinstance(v, torch.Tensor):
+                moved = f"{name}.to(device)" if dev.type != "cpu" else name
+                if name in self.noncontig:
+                    lines.append(f"{name} = noncontiguous({moved})  # strided view; the gaps hold poison")
+                elif dev.type != "cpu":
+                    lines.append(f"{name} = {moved}")
+        dv = ", device=device" if dev.type != "cpu" else ""
+        for k, (shape, dtype, poison) in self.out_buffers.items():
+            lines.append(f"{k} = torch.full({tuple(shape)}, {_num(poison, dtype.is_floating_point)}, dtype={dtype}{dv})")
+        call = [*self.args, *(f"{k}={k}" for k in self.kwargs), *(f"{k}={k}" for k in self.out_buffers)]
+        lines.append(f"got = {fn_name}({', '.join(call)})")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:  # what Hypothesis would print: keep it the code, not tensor reprs
+        return f"Case({self.stage!r}):\n{self.reproducer('fn')}"
+
+
+def _tensor_case_value(values: dict, code: dict, name: str, t: torch.Tensor, recipe: str | None = None) -> None:
+    values[name] = t
+    code[name] = f"{name} = {recipe if recipe is not None else tensor_literal(t)}"
+
+
+def _scalar(values: dict, code: dict, name: str, v: Any) -> None:
+    values[name] = v
+    code[name] = f"{name} = {v!r}"
+
+
+# ---- element strategies -------------------------------------------------------------------------
+def score_values(*, specials: bool = True) -> st.SearchStrategy[float]:
+    """Index scores: a few levels (ties, ``±0``, ``±inf``, NaN when ``specials``) or any float32."""
+    levels = SCORE_LEVELS if specials else tuple(v for v in SCORE_LEVELS if math.isfinite(v))
+    return st.one_of(
+        st.sampled_from(levels),
+        st.floats(width=32, allow_nan=specials, allow_infinity=specials),
+    )
+
+
+def data_values(*, big: bool = False) -> st.SearchStrategy[float]:
+    """q / KV / partial-output values: exact dyadic numbers (``× 16`` when ``big``: scores that overflow
+    a float32 ``exp`` unless the softmax subtracts its maximum)."""
+    scale = 16.0 if big else 1.0
+    return st.sampled_from(tuple(v * scale for v in DYADIC))
+
+
+def geometries(
+    *, max_world: int = 16, interleaves: Sequence[int] = (1, 2, 3, 4), block_multiples: Sequence[int] = (1, 2, 4),
+    world_size: int | None = None,
+) -> st.SearchStrategy[DcpGeometry]:
+    """A :class:`~dcp_ref.geometry.DcpGeometry`: ``W <= max_world`` (or exactly ``world_size``), any rank,
+    ``I`` from ``interleaves``, ``block_size = I * m`` for ``m`` in ``block_multiples``."""
+
+    @st.composite
+    def build(draw: st.DrawFn) -> DcpGeometry:
+        w = world_size if world_size is not None else draw(st.integers(1, max_world))
+        r = draw(st.integers(0, w - 1))
+        i = draw(st.sampled_from(tuple(interleaves)))
+        m = draw(st.sampled_from(tuple(block_multiples)))
+        return DcpGeometry(w, r, i, i * m)
+
+    return build()
+
+
+def _floats_tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype, elements: st.SearchStrategy[float],
+                   name: str, scale_big: bool = False) -> tuple[torch.Tensor, str | None]:
+    """Elementwise draw for small tensors; a seeded ``randn`` (dyadic-rounded) recipe for big ones."""
+    n = math.prod(shape)
+    if n <= MAX_LITERAL_ELEMS:
+        vals = draw(st.lists(elements, min_size=n, max_size=n))
+        return torch.tensor(vals, dtype=torch.float64).reshape(shape).to(dtype), None
+    seed = draw(st.integers(0, 2**16))
+    scale = 16.0 if scale_big else 1.0
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(shape, generator=g, dtype=torch.float64) * 4).round() / 4 * scale
+    recipe = (f"((torch.randn({shape}, generator=torch.Generator().manual_seed({seed}), dtype=torch.float64) * 4)"
+              f".round() / 4 * {scale}).to({dtype})")
+    return t.to(dtype), recipe
+
+
+def _maybe_out(draw: st.DrawFn, with_out: bool, buffers: dict[str, tuple[tuple[int, ...], torch.dtype, float]]) -> dict:
+    """Offer the output buffers (poisoned) on about half of the cases when the callable takes them."""
+    if with_out and draw(st.booleans()):
+        return buffers
+    return {}
+
+
+def _noncontig(draw: st.DrawFn, allowed: bool, names: Sequence[str]) -> frozenset[str]:
+    if not allowed:
+        return frozenset()
+    return frozenset(n for n in names if draw(st.booleans()))
+
+
+# ---- select ------------------------------------------------------------------------------------
+#: True about a quarter of the time, shrinking to False: adversarial choices that shrink away when
+#: a failure does not need them (an empty row, an invalid candidate).
+_RARE = st.sampled_from((False, False, False, True))
+
+
+def _presort_key(e: tuple[float, int]) -> tuple[int, tuple]:
+    from .oracle import selection_key
+
+    key = selection_key(*e)
+    return (1, ()) if key is None else (0, key)
+
+
+@st.composite
+def select_cases(
+    draw: st.DrawFn,
+    *,
+    max_world: int = 16,
+    max_tokens: int = 3,
+    max_candidates: int = 6,
+    presorted: bool = False,
+    noncontig: bool = True,
+    with_out: bool = False,
+) -> Case:
+    """The select stage: ``gathered`` float32 ``[W, T, K, 2]`` and ``k``.
+
+    Ids are distinct within a row (small, or up to ``2**24 - 1``); a candidate is invalid through id
+    ``-1`` (with any score, even ``+inf``) or a NaN score; some ranks are empty; ``k`` runs from 1 to
+    past ``W*K``. ``presorted=True`` sorts each rank's list as the indexer stage leaves it (best first,
+    invalid last) for implementations that rely on that.
+    """
+    W = draw(st.integers(1, max_world))
+    K = draw(st.integers(1, max_candidates))
+    k = draw(st.integers(1, W * K + 1))
+    hi = draw(st.sampled_from((2 * W * K + 1, (1 << 24) - 1)))
+    empty_ranks = draw(st.sets(st.integers(0, W - 1), max_size=W))
+
+    @st.composite
+    def row(draw: st.DrawFn) -> list[list[tuple[float, int]]]:
+        ids = draw(st.lists(st.integers(0, hi), min_size=W * K, max_size=W * K, unique=True))
+        ranks = []
+        for w in range(W):
+            entries = []
+            for j in range(K):
+                invalid = w in empty_ranks or draw(_RARE)
+                entries.append((draw(score_values()), -1 if invalid else ids[w * K + j]))
+            if presorted:
+                entries.sort(key=_presort_key)
+            ranks.append(entries)
+        return ranks
+
+    rows = draw(st.lists(row(), min_size=1, max_size=max_tokens))
+    T = len(rows)
+    g = torch.empty((W, T, K, 2), dtype=torch.float32)
+    for t, ranks in enumerate(rows):
+        for w, entries in enumerate(ranks):
+            for j, (s, i) in enumerate(entries):
+                g[w, t, j, 0], g[w, t, j, 1] = s, float(i)
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "gathered", g)
+    _scalar(values, code, "k", k)
+    return Case("select", values, code, ("gathered", "k"), noncontig=_noncontig(draw, noncontig, ["gathered"]),
+                out_buffers=_maybe_out(draw, with_out, {"out": ((T, k), torch.int32, -7)}))
+
+
+# ---- local top-K, pack, indexer ----------------------------------------------------------------
+def _score_rows(draw: st.DrawFn, max_tokens: int, C: int, use_starts: bool, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Scores ``[T, C]`` with each row's window ``[start, start + length)`` drawn, garbage outside."""
+
+    @st.composite
+    def row(draw: st.DrawFn) -> tuple[int, int, list[float]]:
+        a = draw(st.integers(0, C)) if use_starts else 0
+        n = draw(st.integers(0, C - a))
+        vals = [draw(score_values() if a <= c < a + n else st.sampled_from(GARBAGE_LEVELS)) for c in range(C)]
+        return a, n, vals
+
+    rows = draw(st.lists(row(), min_size=1, max_size=max_tokens))
+    s = torch.tensor([r[2] for r in rows], dtype=torch.float64).reshape(len(rows), C)
+    return s.to(dtype), [r[0] for r in rows], [r[1] for r in rows]
+
+
+def _distinct(row: list[int]) -> list[int]:
+    """Distinct valid entries: a repeat becomes ``-1``."""
+    seen: set[int] = set()
+    out = []
+    for j in row:
+        out.append(j if j >= 0 and j not in seen else -1)
+        seen.add(j)
+    return out
+
+
+def _ints(values: dict, code: dict, name: str, data: list[int], dtype: torch.dtype) -> None:
+    _tensor_case_value(values, code, name, torch.tensor(data, dtype=dtype).reshape(len(data)))
+
+
+@st.composite
+def local_topk_cases(
+    draw: st.DrawFn,
+    *,
+    max_tokens: int = 3,
+    max_cols: int = 10,
+    dtype: torch.dtype = torch.float32,
+    index_dtypes: Sequence[torch.dtype] = (torch.int32, torch.int64),
+    noncontig: bool = True,
+) -> Case:
+    """A local top-K: ``scores [T, C]``, ``k``, ``lengths [T]``, ``row_starts [T]`` or ``None``.
+
+    Called as ``fn(scores, k, lengths, row_starts)`` (:func:`dcp_ref.indexer.local_topk`'s order).
+    Columns outside a row's window hold values that would win (``inf``, ``1e30``, NaN).
+    """
+    C = draw(st.integers(0, max_cols))
+    use_starts = draw(st.booleans())
+    s, starts, lengths = _score_rows(draw, max_tokens, C, use_starts, dtype)
+    idt = draw(st.sampled_from(tuple(index_dtypes)))
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "scores", s)
+    _scalar(values, code, "k", draw(st.integers(1, C + 2)))
+    _ints(values, code, "lengths", lengths, idt)
+    if use_starts:
+        _ints(values, code, "row_starts", starts, idt)
+    else:
+        _scalar(values, code, "row_starts", None)
+    return Case("local_topk", values, code, ("scores", "k", "lengths", "row_starts"),
+                noncontig=_noncontig(draw, noncontig, ["scores", "lengths"]))
+
+
+@st.composite
+def indexer_cases(
+    draw: st.DrawFn,
+    *,
+    max_world: int = 16,
+    max_tokens: int = 3,
+    max_cols: int = 10,
+    dtype: torch.dtype = torch.float32,
+    index_dtypes: Sequence[torch.dtype] = (torch.int32, torch.int64),
+    noncontig: bool = True,
+    with_out: bool = False,
+) -> Case:
+    """The indexer stage: ``fn(scores, lengths, geometry, k, row_starts=...)`` -> packed ``[T, k, 2]``."""
+    geo = draw(geometries(max_world=max_world))
+    C = draw(st.integers(0, max_cols))
+    use_starts = draw(st.booleans())
+    s, starts, lengths = _score_rows(draw, max_tokens, C, use_starts, dtype)
+    T = s.shape[0]
+    idt = draw(st.sampled_from(tuple(index_dtypes)))
+    k = draw(st.integers(1, C + 2))
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "scores", s)
+    _ints(values, code, "lengths", lengths, idt)
+    _scalar(values, code, "geometry", geo)
+    _scalar(values, code, "k", k)
+    kwargs: tuple[str, ...] = ()
+    if use_starts:
+        _ints(values, code, "row_starts", starts, idt)
+        kwargs = ("row_starts",)
+    return Case("indexer", values, code, ("scores", "lengths", "geometry", "k"), kwargs,
+                noncontig=_noncontig(draw, noncontig, ["scores", "lengths"]),
+                out_buffers=_maybe_out(draw, with_out, {"out": ((T, k, 2), torch.float32, NAN)}))
+
+
+@st.composite
+def pack_cases(
+    draw: st.DrawFn,
+    *,
+    max_world: int = 16,
+    max_tokens: int = 3,
+    max_cols: int = 10,
+    max_k: int = 6,
+    dtypes: Sequence[torch.dtype] = (torch.float32,),
+    noncontig: bool = True,
+) -> Case:
+    """The pack: ``fn(scores, local_ids, rank, world_size, interleave, row_starts)`` -> ``[T, K, 2]``.
+
+    ``local_ids`` are distinct indices inside each row's keys, ``-1`` anywhere; scores include NaN,
+    ``±0``, ``±inf`` (packed as they are).
+    """
+    geo = draw(geometries(max_world=max_world))
+    C = draw(st.integers(0, max_cols))
+    K = draw(st.integers(1, max_k))
+    dtype = draw(st.sampled_from(tuple(dtypes)))
+    use_starts = draw(st.booleans())
+
+    @st.composite
+    def row(draw: st.DrawFn) -> tuple[int, list[float], list[int]]:
+        a = draw(st.integers(0, C)) if use_starts else 0
+        vals = draw(st.lists(score_values(), min_size=C, max_size=C))
+        return a, vals, _distinct(draw(st.lists(st.integers(-1, C - a - 1), min_size=K, max_size=K)))
+
+    rows = draw(st.lists(row(), min_size=1, max_size=max_tokens))
+    T = len(rows)
+    s = torch.tensor([r[1] for r in rows], dtype=torch.float64).reshape(T, C)
+    starts = [r[0] for r in rows]
+    ids = [r[2] for r in rows]
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "scores", s.to(dtype))
+    _tensor_case_value(values, code, "local_ids", torch.tensor(ids, dtype=torch.int64).reshape(T, K))
+    _scalar(values, code, "rank", geo.rank)
+    _scalar(values, code, "world_size", geo.world_size)
+    _scalar(values, code, "interleave", geo.interleave)
+    if use_starts:
+        _ints(values, code, "row_starts", starts, torch.int64)
+    else:
+        _scalar(values, code, "row_starts", None)
+    return Case("pack", values, code, ("scores", "local_ids", "rank", "world_size", "interleave", "row_starts"),
+                noncontig=_noncontig(draw, noncontig, ["scores", "local_ids"]))
+
+
+# ---- de-interleave -----------------------------------------------------------------------------
+@st.composite
+def deinterleave_cases(
+    draw: st.DrawFn,
+    *,
+    max_world: int = 16,
+    max_tokens: int = 3,
+    max_k: int = 8,
+    max_requests: int = 3,
+    max_blocks: int = 4,
+    index_dtype: torch.dtype = torch.int32,
+    compact: bool = True,
+    noncontig: bool = True,
+    with_out: bool = False,
+) -> Case:
+    """The de-interleave stage: ``fn(global_ids, req_of_token, block_table, geometry[, compact=False])``.
+
+    Ids are distinct per row with ``-1`` anywhere; some are owned by other ranks, some lie past the
+    block table; block tables hold shuffled physical blocks and ``-1`` past each request's end.
+    """
+    geo = draw(geometries(max_world=max_world))
+    W, I, bs = geo.world_size, geo.interleave, geo.block_size
+    B = draw(st.integers(1, max_requests))
+    M = draw(st.integers(1, max_blocks))
+    used = [draw(st.integers(0, M)) for _ in range(B)]
+    total = sum(used) + draw(st.integers(0, 2))
+    phys = draw(st.permutations(list(range(total)))) if total else []
+    table = torch.full((B, M), -1, dtype=torch.int64)
+    nxt = 0
+    for b in range(B):
+        for j in range(used[b]):
+            table[b, j] = phys[nxt]
+            nxt += 1
+    K = draw(st.integers(1, max_k))
+    span = (M + 1) * bs * W  # positions up to one block past the table
+    rows = draw(st.lists(st.tuples(st.lists(st.integers(-1, span - 1), min_size=K, max_size=K), st.integers(0, B - 1)),
+                         min_size=1, max_size=max_tokens))
+    T = len(rows)
+    ids = [_distinct(r[0]) for r in rows]
+    req = [r[1] for r in rows]
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "global_ids", torch.tensor(ids, dtype=index_dtype).reshape(T, K))
+    _ints(values, code, "req_of_token", req, index_dtype)
+    _tensor_case_value(values, code, "block_table", table.to(index_dtype))
+    _scalar(values, code, "geometry", geo)
+    kwargs: tuple[str, ...] = ()
+    if not compact:
+        _scalar(values, code, "compact", False)
+        kwargs = ("compact",)
+    return Case("deinterleave", values, code, ("global_ids", "req_of_token", "block_table", "geometry"), kwargs,
+                noncontig=_noncontig(draw, noncontig, ["global_ids", "block_table"]),
+                out_buffers=_maybe_out(draw, with_out, {"out_slots": ((T, K), torch.int32, -7),
+                                                        "out_counts": ((T,), torch.int32, -7)}))
+
+
+# ---- attention ---------------------------------------------------------------------------------
+@st.composite
+def attention_cases(
+    draw: st.DrawFn,
+    *,
+    dtype: torch.dtype = torch.float32,
+    num_heads: int | Sequence[int] | None = None,
+    head_dim: int | None = None,
+    v_dim: int | None = None,
+    max_tokens: int = 3,
+    max_k: int = 6,
+    max_slots: int = 12,
+    layout: str = "compact",
+    noncontig: bool = True,
+    with_out: bool = False,
+) -> Case:
+    """The attention stage: ``fn(q, kv_cache, slots, counts, sm_scale, v_dim)``.
+
+    KV rows no valid slot points at are NaN (a kernel that reads them leaks NaN). ``layout="compact"``:
+    ``slots[t, :counts[t]]`` valid, the rest garbage (``-1``, in-range poisoned rows, or far out of
+    range) that must not be read. ``layout="masked"``: valid slots anywhere, ``-1`` elsewhere.
+    Empty rows (``counts = 0``), large scores (an ``exp`` without the max subtracted overflows) and
+    NaN in a KV row that is read (it must propagate) are all drawn.
+    """
+    if num_heads is None:
+        H = draw(st.integers(1, 4))
+    elif isinstance(num_heads, int):
+        H = num_heads
+    else:
+        H = draw(st.sampled_from(tuple(num_heads)))
+    D = head_dim if head_dim is not None else draw(st.integers(1, 8))
+    v = v_dim if v_dim is not None else draw(st.integers(1, D))
+    S = draw(st.integers(1, max_slots))
+    K = draw(st.integers(1, max_k))
+    big = draw(_RARE)
+    literal = max_tokens * H * D + S * D <= MAX_LITERAL_ELEMS
+
+    @st.composite
+    def row(draw: st.DrawFn) -> tuple[list[float], list[int], int]:
+        c = 0 if draw(_RARE) else draw(st.integers(1, min(K, S)))
+        chosen = draw(st.lists(st.integers(0, S - 1), min_size=c, max_size=c, unique=True))
+        if layout == "masked":
+            pos = sorted(draw(st.lists(st.integers(0, K - 1), min_size=c, max_size=c, unique=True)))
+            slots_row = [-1] * K
+            for p, s_ in zip(pos, chosen):
+                slots_row[p] = s_
+        else:
+            pad = [draw(st.one_of(st.just(-1), st.integers(0, S - 1), st.just(S + 1000))) for _ in range(K - c)]
+            slots_row = chosen + pad
+        qv = draw(st.lists(data_values(big=big), min_size=H * D, max_size=H * D)) if literal else []
+        return qv, slots_row, c
+
+    rows = draw(st.lists(row(), min_size=1, max_size=max_tokens))
+    T = len(rows)
+    slots = [r[1] for r in rows]
+    counts = [r[2] for r in rows]
+    if literal:
+        q = torch.tensor([r[0] for r in rows], dtype=torch.float64).reshape(T, H, D).to(dtype)
+        q_recipe = None
+    else:
+        q, q_recipe = _floats_tensor(draw, (T, H, D), dtype, data_values(big=big), "q", big)
+    kv, kv_recipe = _floats_tensor(draw, (S, D), dtype, data_values(big=big), "kv_cache", big)
+    used = sorted({s_ for row, c in zip(slots, counts) for s_ in (row[:c] if layout == "compact" else row) if s_ >= 0})
+    poisoned = [r for r in range(S) if r not in used]
+    kv = kv.clone()
+    if poisoned:
+        kv[poisoned] = NAN
+    nan_row = None
+    if used and draw(_RARE) and draw(_RARE):  # real data: a NaN in a row that is read must propagate
+        nan_row = draw(st.sampled_from(used))
+        kv[nan_row, draw(st.integers(0, D - 1))] = NAN
+    sm_scale = draw(st.sampled_from((0.5, 1.0, 0.125, 0.25)))
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "q", q, q_recipe)
+    if kv_recipe is None:
+        _tensor_case_value(values, code, "kv_cache", kv)
+    else:
+        extra = f"\nkv_cache[{poisoned}] = nan  # rows no valid slot points at" if poisoned else ""
+        if nan_row is not None:
+            col = int(torch.isnan(kv[nan_row]).nonzero()[0])
+            extra += f"\nkv_cache[{nan_row}, {col}] = nan  # real data: must propagate"
+        _tensor_case_value(values, code, "kv_cache", kv, kv_recipe + extra)
+    _tensor_case_value(values, code, "slots", torch.tensor(slots, dtype=torch.int32).reshape(T, K))
+    _ints(values, code, "counts", counts, torch.int32)
+    _scalar(values, code, "sm_scale", sm_scale)
+    _scalar(values, code, "v_dim", v)
+    return Case("attention", values, code, ("q", "kv_cache", "slots", "counts", "sm_scale", "v_dim"),
+                noncontig=_noncontig(draw, noncontig, ["q", "kv_cache", "slots"]),
+                out_buffers=_maybe_out(draw, with_out, {"out": ((T, H, v), dtype, NAN),
+                                                        "out_lse": ((T, H), torch.float32, NAN)}),
+                meta={"layout": layout})
+
+
+# ---- merge -------------------------------------------------------------------------------------
+#: LSE levels: equal values, spreads that overflow a naive ``exp``, and ``-inf`` (an empty rank).
+LSE_LEVELS = (0.0, 1.0, -1.0, 2.0, 0.5, 90.0, -90.0, 1000.0, -INF)
+
+
+@st.composite
+def merge_cases(
+    draw: st.DrawFn,
+    *,
+    max_world: int = 16,
+    max_tokens: int = 3,
+    max_heads: int = 3,
+    max_v: int = 6,
+    dtype: torch.dtype = torch.float32,
+    form: str = "correct",
+    noncontig: bool = True,
+    with_out: bool = False,
+) -> Case:
+    """The merge: ``form="correct"``: ``fn(partial [T, H, v], all_lse [W, T, H], rank)`` (the stage);
+    ``form="merge"``: ``fn(outs [W, T, H, v], lses [W, T, H])`` (all partials in one place).
+
+    Empty ranks (LSE ``-inf``) hold garbage partials — NaN, ``inf``, ``1e30`` — that must contribute
+    exactly 0 (``0 * NaN`` is NaN); rows where every rank is empty; LSE spreads far past ``exp``'s
+    range; NaN in a non-empty partial, which must propagate.
+    """
+    W = draw(st.integers(1, max_world))
+    H = draw(st.integers(1, max_heads))
+    v = draw(st.integers(1, max_v))
+    rank = draw(st.integers(0, W - 1))
+    empty_ranks = draw(st.sets(st.integers(0, W - 1), max_size=W))
+    ranks = list(range(W)) if form == "merge" else [rank]
+
+    @st.composite
+    def token(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = torch.empty((W, H), dtype=torch.float64)
+        for w in range(W):
+            for h in range(H):
+                lse[w, h] = -INF if w in empty_ranks else draw(st.one_of(st.sampled_from(LSE_LEVELS),
+                                                                         st.floats(-100, 100, width=32)))
+        outs = torch.empty((len(ranks), H, v), dtype=torch.float64)
+        for n, w in enumerate(ranks):
+            for h in range(H):
+                empty = lse[w, h] == -INF
+                best = (not empty) and bool(lse[w, h] == lse[:, h].max())  # weight >= 1/W: a NaN shows
+                for d in range(v):
+                    if empty:
+                        outs[n, h, d] = draw(st.sampled_from((NAN, INF, 1e30, 0.0)))
+                    elif best and draw(_RARE) and draw(_RARE):
+                        outs[n, h, d] = NAN
+                    else:
+                        outs[n, h, d] = draw(data_values())
+        return lse, outs
+
+    toks = draw(st.lists(token(), min_size=1, max_size=max_tokens))
+    T = len(toks)
+    lse = torch.stack([x[0] for x in toks], dim=1)  # [W, T, H]
+    outs = torch.stack([x[1] for x in toks], dim=1)  # [R, T, H, v]
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    if form == "merge":
+        _tensor_case_value(values, code, "outs", outs.to(dtype))
+        _tensor_case_value(values, code, "lses", lse.to(torch.float32))
+        args: tuple[str, ...] = ("outs", "lses")
+        bufs = {"out": ((T, H, v), dtype, NAN), "out_lse": ((T, H), torch.float32, NAN)}
+    else:
+        _tensor_case_value(values, code, "partial", outs[0].to(dtype))
+        _tensor_case_value(values, code, "all_lse", lse.to(torch.float32))
+        _scalar(values, code, "rank", rank)
+        args = ("partial", "all_lse", "rank")
+        bufs = {"out": ((T, H, v), dtype, NAN), "out_lse": ((T, H), torch.float32, NAN)}
+    return Case("merge", values, code, args, noncontig=_noncontig(draw, noncontig, list(args[:2])),
+                out_buffers=_maybe_out(draw, with_out, bufs), meta={"form": form})
+
+
+# ---- the whole step ----------------------------------------------------------------------------
+@dataclass
+class StepProblem:
+    """A decode problem as the ranks hold it (see :func:`make_step_problem`).
+
+    Attributes:
+        q: float ``[T, H, D]``.  seq_lens: int64 ``[B]``.  next_n: int or int64 ``[B]``.
+        kv_caches, block_tables, index_scores: one tensor per rank (paged KV ``[S_r, D]``, int32
+            ``[B, M_r]``, float32 ``[T, L_r]`` with NaN past each token's local bound).
+        world_size, interleave, block_size, topk, sm_scale, v_dim: the step's parameters.
+    """
+
+    q: torch.Tensor
+    seq_lens: torch.Tensor
+    next_n: int | torch.Tensor
+    kv_caches: list[torch.Tensor]
+    block_tables: list[torch.Tensor]
+    index_scores: list[torch.Tensor]
+    world_size: int
+    interleave: int
+    block_size: int
+    topk: int
+    sm_scale: float
+    v_dim: int
+
+    def geometry(self, rank: int) -> DcpGeometry:
+        return DcpGeometry(self.world_size, rank, self.interleave, self.block_size)
+
+    def req_of_token(self) -> torch.Tensor:
+        """int64 ``[T]``: the request of each query token."""
+        per = self.next_n if isinstance(self.next_n, torch.Tensor) else torch.full_like(self.seq_lens, self.next_n)
+        return torch.arange(self.seq_lens.numel()).repeat_interleave(per)
+
+
+def make_step_problem(
+    world_size: int,
+    interleave: int,
+    block_size: int,
+    seq_lens: Sequence[int],
+    next_n: int | Sequence[int],
+    scores: Sequence[Sequence[float]],
+    *,
+    num_heads: int,
+    head_dim: int,
+    v_dim: int | None = None,
+    topk: int,
+    sm_scale: float = 0.5,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> StepProblem:
+    """Shard a decode problem given its global index scores (one row per query token).
+
+    ``scores[t][p]`` is query token ``t``'s index score of global position ``p`` (only ``p`` below the
+    token's causal bound matter; the row may be shorter than the longest request, missing = NaN).
+    ``q`` and the KV rows are drawn from ``seed`` (multiples of 1/4: exact in every float dtype); each
+    rank's physical blocks are handed out in a shuffled order, with one spare block, and its cache
+    rows that no token owns are NaN.
+    """
+    W, I, bs = int(world_size), int(interleave), int(block_size)
+    DcpGeometry(W, 0, I, bs)  # validates
+    lens = [int(x) for x in seq_lens]
+    B = len(lens)
+    per = [int(next_n)] * B if isinstance(next_n, int) else [int(x) for x in next_n]
+    T = sum(per)
+    if len(scores) != T:
+        raise ValueError(f"scores must have one row per query token ({T}), got {len(scores)}")
+    g = torch.Generator().manual_seed(seed)
+    q = ((torch.randn((T, num_heads, head_dim), generator=g, dtype=torch.float64) * 4).round() / 4).to(dtype)
+    kv_global = [((torch.randn((L, head_dim), generator=g, dtype=torch.float64) * 4).round() / 4).to(dtype) for L in lens]
+    Lmax = max(lens) if lens else 0
+    glob = torch.full((T, max(Lmax, 1)), NAN, dtype=torch.float32)
+    for t, row in enumerate(scores):
+        if len(row):
+            glob[t, : len(row)] = torch.tensor([float(x) for x in row], dtype=torch.float32)[: glob.shape[1]]
+    req = [b for b in range(B) for _ in range(per[b])]
+    kvs, bts, scs = [], [], []
+    for r in range(W):
+        own = [[p for p in range(L) if (p // I) % W == r] for L in lens]
+        nblk = [(len(o) + bs - 1) // bs for o in own]
+        total = sum(nblk) + 1
+        perm = torch.randperm(total, generator=g).tolist()
+        table = torch.full((B, max(max(nblk, default=0), 1)), -1, dtype=torch.int32)
+        kv = torch.full((total * bs, head_dim), NAN, dtype=dtype)
+        nxt = 0
+        for b in range(B):
+            for j in range(nblk[b]):
+                table[b, j] = perm[nxt]
+                nxt += 1
+            for p in own[b]:
+                loc = (p // (W * I)) * I + p % I
+                kv[int(table[b, loc // bs]) * bs + loc % bs] = kv_global[b][p]
+        width = max(max((len(o) for o in own), default=0), 1)
+        sc = torch.full((T, width), NAN, dtype=torch.float32)
+        for t in range(T):
+            for p in own[req[t]]:
+                sc[t, (p // (W * I)) * I + p % I] = glob[t, p]
+        kvs.append(kv)
+        bts.append(table)
+        scs.append(sc)
+    nn: int | torch.Tensor = int(next_n) if isinstance(next_n, int) else torch.tensor(per, dtype=torch.int64)
+    return StepProblem(q, torch.tensor(lens, dtype=torch.int64), nn, kvs, bts, scs, W, I, bs, int(topk),
+                       float(sm_scale), int(v_dim if v_dim is not None else head_dim))
+
+
+@st.composite
+def step_cases(
+    draw: st.DrawFn,
+    *,
+    max_world: int = 16,
+    world_sizes: Sequence[int] | None = None,
+    max_requests: int = 2,
+    max_len: int = 24,
+    max_next_n: int = 2,
+    head_dim: int | None = None,
+    v_dim: int | None = None,
+    heads_per_rank: int | Sequence[int] = (1, 2),
+    dtype: torch.dtype = torch.float32,
+) -> Case:
+    """A whole decode step: ``W`` ranks, ``I``, block size, requests (some shorter than ``W``: empty
+    ranks), MTP query tokens, top-k from 1 to past the length, index scores with ties, ``±0``, ``±inf``
+    and NaN. The case's ``values["problem"]`` is a :class:`StepProblem`.
+    """
+    W = draw(st.sampled_from(tuple(world_sizes))) if world_sizes else draw(st.integers(1, max_world))
+    I = draw(st.sampled_from((1, 2, 4)))
+    bs = I * draw(st.sampled_from((1, 2)))
+    B = draw(st.integers(1, max_requests))
+    nn = draw(st.integers(1, max_next_n))
+    lens = [draw(st.integers(nn, max_len)) for _ in range(B)]
+    hpr = heads_per_rank if isinstance(heads_per_rank, int) else draw(st.sampled_from(tuple(heads_per_rank)))
+    D = head_dim if head_dim is not None else draw(st.integers(1, 6))
+    v = v_dim if v_dim is not None else draw(st.integers(1, D))
+    topk = draw(st.integers(1, max(lens) + 1))
+    rows = []
+    for b in range(B):
+        for j in range(nn):
+            n = lens[b] - nn + j + 1
+            rows.append(draw(st.lists(score_values(), min_size=n, max_size=n)))
+    seed = draw(st.integers(0, 3))
+    sm_scale = draw(st.sampled_from((0.5, 0.25)))
+    problem = make_step_problem(W, I, bs, lens, nn, rows, num_heads=hpr * W, head_dim=D, v_dim=v, topk=topk,
+                                sm_scale=sm_scale, seed=seed, dtype=dtype)
+    rows_code = "[" + ", ".join("[" + ", ".join(_num(x, True) for x in r) + "]" for r in rows) + "]"
+    code = (f"problem = make_step_problem(world_size={W}, interleave={I}, block_size={bs}, seq_lens={lens}, "
+            f"next_n={nn},\n    scores={rows_code},\n    num_heads={hpr * W}, head_dim={D}, v_dim={v}, topk={topk}, "
+            f"sm_scale={sm_scale}, seed={seed}, dtype={dtype})")
+    return Case("step", {"problem": problem}, {"problem": "from dcp_ref.testing import make_step_problem\n" + code},
+                ("problem",))
