@@ -1,0 +1,409 @@
+"""Plots of the committed H200 benchmark results (``benchmarks/results/*.json``) and of the cost model.
+
+Every function reads only the JSON values it is given (so the performance chapter runs on a CPU and
+in CI) and returns a small matplotlib ``Figure`` (``dpi`` <= 80) whose title says what it shows in
+one sentence. :func:`plotted_series` reads back every labelled line and bar series of a figure, so
+a caller can check that the plotted numbers are the committed ones.
+
+Times are plotted in µs, bandwidths in TB/s (1e12 bytes/s), FLOP rates in TFLOP/s (1e12 FLOP/s).
+matplotlib is imported inside the functions: ``import dcp_ref`` does not need it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from . import costmodel as cm
+
+__all__ = [
+    "results_dir", "load_results", "plotted_series", "plot_topk", "plot_deinterleave", "plot_lse_merge",
+    "plot_attention", "plot_bandwidth", "plot_step_breakdown", "plot_step_growth", "plot_fit", "plot_scaling",
+    "plot_crossover", "deinterleave_best", "DPI",
+]
+
+#: Figure resolution: small files, notebooks stay light.
+DPI = 70
+_COMPACTING = ("atomic", "rowscan", "twopass")
+
+
+def results_dir(start: str | Path | None = None) -> Path:
+    """The ``benchmarks/results`` directory: next to the ``dcp_ref`` package (a checkout), else the first
+    one found walking up from ``start`` (default: the working directory). ``FileNotFoundError`` if none."""
+    candidates = [Path(__file__).resolve().parents[1] / "benchmarks" / "results"]
+    here = Path(start or Path.cwd()).resolve()
+    candidates += [p / "benchmarks" / "results" for p in (here, *here.parents)]
+    for c in candidates:
+        if c.is_dir():
+            return c
+    raise FileNotFoundError("no benchmarks/results directory next to dcp_ref or above the working directory")
+
+
+def load_results(directory: str | Path | None = None) -> dict[str, Any]:
+    """Every ``*.json`` of the results directory, by file stem (``{"topk": {...}, ...}``)."""
+    d = Path(directory) if directory is not None else results_dir()
+    if not d.is_dir():
+        raise ValueError(f"directory must be an existing directory, got {str(directory)!r}")
+    out = {}
+    for p in sorted(d.glob("*.json")):
+        with open(p) as fh:
+            out[p.stem] = json.load(fh)
+    return out
+
+
+def _figure(ncols: int, caption: str, width: float = 3.0, height: float = 2.4, dpi: int = DPI) -> tuple[Any, list]:
+    import matplotlib.pyplot as plt
+
+    if not 1 <= dpi <= 80:
+        raise ValueError(f"dpi must be in [1, 80] (small figures), got {dpi}")
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), dpi=dpi, squeeze=False)
+    fig.suptitle("\n".join(textwrap.wrap(caption, width=int(30 * width * ncols / 3.0) + 10)), fontsize=8)
+    for ax in axes[0]:
+        ax.tick_params(labelsize=7)
+        ax.grid(True, which="both", alpha=0.25)
+    return fig, list(axes[0])
+
+
+def _finish(fig: Any, axes: Sequence[Any], outside: bool = False) -> Any:
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            if outside:  # many series on one panel: keep the data visible
+                ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
+            else:
+                ax.legend(fontsize=6, loc="best")
+        ax.title.set_fontsize(8)
+        ax.xaxis.label.set_fontsize(7)
+        ax.yaxis.label.set_fontsize(7)
+    fig.tight_layout()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)  # the caller displays it; no second copy from the inline backend
+    return fig
+
+
+def plotted_series(fig: Any) -> dict[str, tuple[list[float], list[float]]]:
+    """``{"<axes title> | <label>": (xs, ys)}`` for every labelled line and bar series of ``fig``.
+
+    Bars give their centres and heights (stacked bars: their own heights, not the stack's top); error bars
+    their central points.
+    """
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for ax in fig.axes:
+        title = ax.get_title()
+        for line in ax.get_lines():
+            label = line.get_label()
+            if label and not label.startswith("_"):
+                out[f"{title} | {label}"] = ([float(v) for v in line.get_xdata()], [float(v) for v in line.get_ydata()])
+        for cont in ax.containers:
+            label = cont.get_label()
+            if not label or label.startswith("_"):
+                continue
+            if hasattr(cont, "patches"):  # bars
+                xs = [p.get_x() + p.get_width() / 2 for p in cont.patches]
+                out[f"{title} | {label}"] = (xs, [float(p.get_height()) for p in cont.patches])
+            elif getattr(cont, "lines", None) and cont.lines[0] is not None:  # error bars: their data line
+                line = cont.lines[0]
+                out[f"{title} | {label}"] = ([float(v) for v in line.get_xdata()], [float(v) for v in line.get_ydata()])
+    return out
+
+
+def _need(data: Any, name: str, keys: Sequence[str]) -> None:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{name} must be the parsed JSON object (a dict), got {type(data).__name__}")
+    for k in keys:
+        if k not in data:
+            raise ValueError(f"{name} lacks the key {k!r} (is it the right file?)")
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+def plot_topk(topk: Mapping[str, Any], K: int = 2048, dpi: int = DPI) -> Any:
+    """Stable top-K (select) time against rows, one panel per W: ours (CUDA graph) vs vLLM's CuTeDSL
+    selector (where ``vllm_cutedsl_us`` is set) vs ``torch.topk`` and an exact stable torch top-K (graphs)."""
+    _need(topk, "topk", ["results"])
+    rows = [r for r in topk["results"] if r["K"] == K]
+    worlds = sorted({r["W"] for r in rows})
+    fig, axes = _figure(len(worlds), f"Stable top-K of k = K = {K} among W·K candidates per row: ours against "
+                                     "vLLM's CuTeDSL selector and torch (device time, lower is better).", dpi=dpi)
+    for ax, w in zip(axes, worlds):
+        rs = sorted((r for r in rows if r["W"] == w), key=lambda r: r["rows"])
+        x = [r["rows"] for r in rs]
+        ax.plot(x, [r["cutedsl_graph"]["median_us"] for r in rs], "o-", label="ours (CuTeDSL)")
+        v = [(r["rows"], r["vllm_cutedsl_us"]) for r in rs if r.get("vllm_cutedsl_us") is not None]
+        if v:
+            ax.plot([a for a, _ in v], [b for _, b in v], "s--", label="vLLM CuTeDSL")
+        ax.plot(x, [r["torch_topk_graph"]["median_us"] for r in rs], "^:", label="torch.topk (unstable)")
+        ax.plot(x, [r["torch_stable_graph"]["median_us"] for r in rs], "v:", label="torch stable")
+        ax.set(xscale="log", yscale="log", title=f"W = {w}", xlabel="rows (query tokens)", ylabel="µs")
+    return _finish(fig, axes)
+
+
+def deinterleave_best(de: Mapping[str, Any], rows: int, w: int, i: int = 1) -> dict[str, Any]:
+    """The compacting configuration (atomic / rowscan / twopass) with the lowest cold-graph median."""
+    cand = [r for r in de["results"] if (r["rows"], r["W"], r["I"]) == (rows, w, i) and r["method"] in _COMPACTING
+            and r.get("correct") and r.get("graph_cold_us") is not None]
+    if not cand:
+        raise ValueError(f"no compacting result at rows={rows}, W={w}, I={i}")
+    return min(cand, key=lambda r: r["graph_cold_us"])
+
+
+def plot_deinterleave(de: Mapping[str, Any], interleave: int = 1, dpi: int = DPI) -> Any:
+    """De-interleave + compaction time against rows, one panel per W: our best Triton kernel (CUDA graph,
+    L2 flushed) vs the plain torch path (eager). vLLM's times are issue quotes, not in the JSON."""
+    _need(de, "deinterleave", ["results"])
+    worlds = sorted({r["W"] for r in de["results"]})
+    fig, axes = _figure(len(worlds), "De-interleave + compaction of k = 2048 global ids per row: our Triton kernel "
+                                     "(best method, cold graph) against plain torch (eager).", dpi=dpi)
+    for ax, w in zip(axes, worlds):
+        rows = sorted({r["rows"] for r in de["results"] if r["W"] == w and r["I"] == interleave})
+        ours = [deinterleave_best(de, n, w, interleave)["graph_cold_us"] for n in rows]
+        torch_t = [next(r["time_us"] for r in de["results"] if (r["rows"], r["W"], r["I"], r["method"])
+                        == (n, w, interleave, "torch")) for n in rows]
+        ax.plot(rows, ours, "o-", label="ours (Triton)")
+        ax.plot(rows, torch_t, "v:", label="torch (eager)")
+        ax.set(xscale="log", yscale="log", title=f"W = {w}, I = {interleave}", xlabel="rows", ylabel="µs")
+    return _finish(fig, axes)
+
+
+def plot_lse_merge(lse: Mapping[str, Any], dpi: int = DPI) -> Any:
+    """LSE correction and full merge time against T, one panel per W: ours (Triton, best tile) vs vLLM's
+    ``correct_attn_out`` (the issue's range, midpoint plotted, bar = range) vs a torch merge."""
+    _need(lse, "lse_merge", ["rows", "targets"])
+    worlds = sorted({r["W"] for r in lse["rows"]})
+    vllm = lse["targets"]["vllm_correct_attn_out_us"]
+    fig, axes = _figure(len(worlds), "Merging W partial attention outputs (H = 128, D = 512, bf16): our Triton "
+                                     "correction and merge against vLLM's correction and torch.", dpi=dpi)
+    for ax, w in zip(axes, worlds):
+        rs = sorted((r for r in lse["rows"] if r["W"] == w), key=lambda r: r["T"])
+        t = [r["T"] for r in rs]
+        ax.plot(t, [r["correct_best"]["median_us"] for r in rs], "o-", label="ours: correct")
+        ax.plot(t, [r["merge_best"]["median_us"] for r in rs], "D-", label="ours: merge")
+        ax.plot(t, [r["torch_merge"]["median_us"] for r in rs], "v:", label="torch merge")
+        vt = [n for n in t if f"T{n}" in vllm]
+        lo_hi = [vllm[f"T{n}"] for n in vt]
+        mid = [(a + b) / 2 for a, b in lo_hi]
+        ax.errorbar(vt, mid, yerr=[[m - a for m, (a, _) in zip(mid, lo_hi)], [b - m for m, (_, b) in zip(mid, lo_hi)]],
+                    fmt="s--", label="vLLM correct")
+        ax.set(xscale="log", yscale="log", title=f"W = {w}", xlabel="T (query tokens)", ylabel="µs")
+    return _finish(fig, axes)
+
+
+def plot_attention(attn: Mapping[str, Any], peak_tflops: float = 989.0, dpi: int = DPI) -> Any:
+    """FlashInfer sparse MLA (H = 128, k = 2048, bf16): time against T, and achieved TFLOP/s against the
+    dense BF16 tensor-core peak (FLOPs = 2·T·H·k·(576 + 512))."""
+    _need(attn, "attention_flashinfer", ["rows"])
+    rs = sorted(attn["rows"], key=lambda r: r["T"])
+    t = [r["T"] for r in rs]
+    fig, axes = _figure(2, "Sparse MLA attention (FlashInfer FA3, H = 128, k = 2048): time per call and the "
+                           "fraction of the H200's BF16 tensor-core peak it reaches.", dpi=dpi)
+    axes[0].plot(t, [r["run"]["median_us"] for r in rs], "o-", label="run")
+    axes[0].plot(t, [r["plan_plus_run"]["median_us"] for r in rs], "s:", label="plan + run")
+    axes[0].set(xscale="log", title="time", xlabel="T (query tokens)", ylabel="µs")
+    tf = [2 * r["T"] * r["H"] * r["K_valid"] * (576 + 512) / (r["run"]["median_us"] * 1e-6) / 1e12 for r in rs]
+    axes[1].plot(t, tf, "o-", label="achieved")
+    axes[1].plot(t, [peak_tflops] * len(t), "k--", label="BF16 dense peak")
+    axes[1].set(xscale="log", title="TFLOP/s", xlabel="T (query tokens)", ylabel="TFLOP/s", ylim=(0, peak_tflops * 1.1))
+    return _finish(fig, axes)
+
+
+def plot_bandwidth(results: Mapping[str, Any], w: int = 8, dpi: int = DPI) -> Any:
+    """Effective bandwidth (bytes of each kernel's traffic model / its time) against rows at one W, with the
+    copy bandwidth measured in the same sessions: top-K (graph), de-interleave (cold graph), merge and
+    correction (do_bench)."""
+    _need(results, "results", ["topk", "deinterleave", "lse_merge"])
+    topk, de, lse = results["topk"], results["deinterleave"], results["lse_merge"]
+    fig, axes = _figure(1, f"Effective bandwidth of each memory-bound kernel at W = {w} against the measured "
+                           "copy bandwidth (the ceiling).", width=5.0, height=2.8, dpi=dpi)
+    ax = axes[0]
+    rs = sorted((r for r in topk["results"] if r["W"] == w and r["K"] == 2048), key=lambda r: r["rows"])
+    ax.plot([r["rows"] for r in rs], [r["rows"] * (8 * r["W"] * r["K"] + 4 * r["k"]) / r["cutedsl_graph"]["median_us"]
+                                      / 1e6 for r in rs], "o-", label="top-K")
+    k = de["shapes"]["topk"]
+    rows = sorted({r["rows"] for r in de["results"] if r["W"] == w})
+    ax.plot(rows, [n * (8 * k + 4) / deinterleave_best(de, n, w)["graph_cold_us"] / 1e6 for n in rows], "s-",
+            label="de-interleave")
+    ls = sorted((r for r in lse["rows"] if r["W"] == w), key=lambda r: r["T"])
+    ax.plot([r["T"] for r in ls], [r["merge_best"]["eff_TBps"] for r in ls], "D-", label="merge")
+    ax.plot([r["T"] for r in ls], [r["correct_best"]["eff_TBps"] for r in ls], "^-", label="correct")
+    copy = lse["copy_TBps_measured"]
+    xs = sorted({*rows, *[r["rows"] for r in rs], *[r["T"] for r in ls]})
+    ax.plot([xs[0], xs[-1]], [copy, copy], "k--", label="copy bandwidth")
+    ax.set(xscale="log", title="TB/s", xlabel="rows / T", ylabel="TB/s", ylim=(0, copy * 1.1))
+    return _finish(fig, axes, outside=True)
+
+
+# ---- the step (step.json) -----------------------------------------------------------------------
+def _step_rows(step: Mapping[str, Any]) -> list[dict[str, Any]]:
+    _need(step, "step", ["summary"])
+    rows = step["summary"]
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("step['summary'] must be a non-empty list of rows")
+    return rows
+
+
+def _stage_dict(row: Mapping[str, Any]) -> dict[str, float] | None:
+    """A per-stage breakdown in a step row, if it carries one (a dict of numbers)."""
+    for key in ("stages_us", "stage_us", "stages"):
+        v = row.get(key)
+        if isinstance(v, Mapping) and v and all(isinstance(x, (int, float)) for x in v.values()):
+            return {str(a): float(b) for a, b in v.items()}
+    return None
+
+
+def plot_step_breakdown(step: Mapping[str, Any], dpi: int = DPI) -> Any:
+    """The whole step per (W, T, ctx): eager (before planning), CUDA-graph replay of the planned step (after),
+    and the sum of its stages timed alone; stacked per-stage bars when the rows carry a breakdown."""
+    rows = _step_rows(step)
+    labels = [f"W{r['W']} T{r['T']}\n{r['ctx'] // 1024}K" for r in rows]
+    staged = [_stage_dict(r) for r in rows]
+    n = 2 if any(staged) else 1
+    fig, axes = _figure(n, "One decode step before planning (eager) and after (planned, CUDA graph), against the "
+                           "sum of its stages timed alone.", width=max(3.0, 0.45 * len(rows) + 1.2), height=2.6,
+                        dpi=dpi)
+    ax = axes[0]
+    x = list(range(len(rows)))
+    wd = 0.27
+    for j, (key, lab) in enumerate((("eager_us", "eager"), ("graph_us", "planned (graph)"),
+                                    ("stages_sum_us", "sum of stages"))):
+        ax.bar([i + (j - 1) * wd for i in x], [float(r.get(key) or 0.0) for r in rows], wd, label=lab)
+    ax.set_xticks(x, labels, fontsize=6)
+    ax.set(yscale="log", title="step time", ylabel="µs")
+    if n == 2:
+        ax2 = axes[1]
+        names = list(dict.fromkeys(k for s in staged if s for k in s))
+        bottom = [0.0] * len(rows)
+        for name in names:
+            h = [(s or {}).get(name, 0.0) for s in staged]
+            ax2.bar(x, h, 0.6, bottom=bottom, label=name)
+            bottom = [a + b for a, b in zip(bottom, h)]
+        ax2.set_xticks(x, labels, fontsize=6)
+        ax2.set(title="per stage", ylabel="µs")
+    return _finish(fig, axes)
+
+
+def plot_step_growth(step: Mapping[str, Any], dpi: int = DPI) -> Any:
+    """Planned-step time (graph replay) as rows T, W and context grow: one panel per variable, one line per
+    combination of the other two."""
+    rows = _step_rows(step)
+    fig, axes = _figure(3, "How the planned step's time grows with query tokens T, world size W and context "
+                           "(CUDA-graph replay).", dpi=dpi)
+    for ax, var, others in zip(axes, ("T", "W", "ctx"), (("W", "ctx"), ("T", "ctx"), ("W", "T"))):
+        groups: dict[tuple, list] = {}
+        for r in rows:
+            groups.setdefault(tuple(r[o] for o in others), []).append(r)
+        for key, rs in sorted(groups.items()):
+            if len({r[var] for r in rs}) < 2:
+                continue
+            rs = sorted(rs, key=lambda r: r[var])
+            lab = ", ".join(f"{o}={_short(v)}" for o, v in zip(others, key))
+            ax.plot([r[var] for r in rs], [r["graph_us"] for r in rs], "o-", label=lab)
+        ax.set(xscale="log", yscale="log", title=f"against {var}", xlabel=var, ylabel="µs")
+    return _finish(fig, axes)
+
+
+def _short(v: Any) -> str:
+    return f"{v // 1024}K" if isinstance(v, int) and v >= 1024 and v % 1024 == 0 else str(v)
+
+
+# ---- the cost model ------------------------------------------------------------------------------
+def plot_fit(fit: cm.Fit, dpi: int = DPI) -> Any:
+    """Every measurement the cost model is fitted to against the model's prediction (log-log; on the
+    diagonal = exact), one marker per family."""
+    if not isinstance(fit, cm.Fit):
+        raise TypeError(f"fit must be a costmodel.Fit, got {type(fit).__name__}")
+    fig, axes = _figure(1, "The cost model's fit: each committed measurement against the model's prediction "
+                           "(on the diagonal = exact).", width=4.6, height=3.0, dpi=dpi)
+    ax = axes[0]
+    fams = list(dict.fromkeys(r.family for r in fit.residuals))
+    marks = "osD^v<>ph*"
+    for i, fam in enumerate(fams):
+        rs = [r for r in fit.residuals if r.family == fam]
+        ax.plot([r.measured_s * 1e6 for r in rs], [r.predicted_s * 1e6 for r in rs], marks[i % len(marks)],
+                ms=3, label=fam)
+    lo = min(min(r.measured_s, r.predicted_s) for r in fit.residuals) * 1e6 * 0.8
+    hi = max(max(r.measured_s, r.predicted_s) for r in fit.residuals) * 1e6 * 1.25
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.6, label="_diagonal")
+    ax.set(xscale="log", yscale="log", title="model vs measured", xlabel="measured µs", ylabel="predicted µs")
+    return _finish(fig, axes, outside=True)
+
+
+def plot_scaling(fit: cm.Fit, observations: Sequence[cm.Observation], step_points: Sequence[cm.StepPoint] = (),
+                 tokens: int = 32, context: int = 65536, world_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+                 geometry: cm.MlaGeometry = cm.MlaGeometry(), hardware: cm.Hardware = cm.Hardware(),
+                 dpi: int = DPI) -> Any:
+    """Measured points and the model's curves against W on one plot (``T`` tokens, ``context``): the DCP and TP
+    layer, the planned step, and the W-dependent stages (select, merge, candidates all-gather) with the
+    measurements they were fitted to; right of W = gpus_per_host (shaded) everything is a prediction."""
+    c = fit.constants
+    fig, axes = _figure(1, f"Per-layer decode time against W at T = {tokens}, context {_short(context)}: "
+                           "model curves (lines) and measurements (filled markers); the shaded part spans hosts "
+                           "and is prediction only.", width=6.4, height=3.2, dpi=dpi)
+    ax = axes[0]
+    ws = list(world_sizes)
+
+    def curve(fn: Any) -> list[float]:
+        return [fn(w) * 1e6 for w in ws]
+
+    K = geometry.local_topk
+    ax.plot(ws, curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c).total_s), "-",
+            color="C0", label="model: DCP layer")
+    ax.plot(ws, curve(lambda w: cm.tp_step_cost(w, tokens, context, geometry, hardware, c).total_s), "-",
+            color="C1", label="model: TP layer")
+    ax.plot(ws, curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c, scope="step").total_s),
+            "--", color="C2", label="model: DCP planned step")
+    ax.plot(ws, curve(lambda w: c.select.time_s(tokens * (w * K * 8 + geometry.topk * 4)) if w > 1 else 0.0),
+            ":", color="C3", label="model: select")
+    ax.plot(ws, curve(lambda w: cm.collective_time_s("all_gather", tokens * K * 8, w, c, hardware)), ":",
+            color="C4", label="model: candidates all-gather")
+    ax.plot(ws, curve(lambda w: c.merge.time_s(tokens * geometry.num_heads * geometry.v_dim * 4
+                                               + w * tokens * geometry.num_heads * 4) if w > 1 else 0.0),
+            ":", color="C5", label="model: merge")
+    sel = [(o, int(o.label.split()[1][2:])) for o in observations if o.family == "select"
+           and o.label.startswith(f"rows={tokens} ") and o.label.endswith(f"K={K}")]
+    if sel:
+        ax.plot([w for _, w in sel], [o.seconds * 1e6 for o, _ in sel], "o", color="C3", label="measured: select")
+    mer = [(o, int(o.label.split()[0][2:])) for o in observations if o.family == "merge"
+           and o.label.endswith(f"T={tokens}")]
+    if mer:
+        ax.plot([w for _, w in mer], [o.seconds * 1e6 for o, _ in mer], "D", color="C5", label="measured: merge")
+    if tokens == 32:
+        ag = [m for m in cm.NCCL_2XH200_T32 if m[0] == "all_gather" and m[1] == 32 * K * 8]
+        if ag:
+            ax.plot([2], [ag[0][3] * 1e6], "s", color="C4", label="measured: candidates all-gather")
+    meas = [p for p in step_points if p.tokens == tokens and p.context == context]
+    if meas:
+        ax.plot([p.world_size for p in meas], [p.graph_s * 1e6 for p in meas], "*", ms=8, color="C2",
+                label="measured: planned step")
+    ax.axvspan(hardware.gpus_per_host * 1.0001, max(ws) * 1.2, color="0.85", alpha=0.5, lw=0)
+    ax.set(xscale="log", yscale="log", title="scaling with W", xlabel="W (ranks)", ylabel="µs per layer")
+    ax.set_xticks(ws, [str(w) for w in ws])
+    return _finish(fig, axes, outside=True)
+
+
+def plot_crossover(constants: cm.CostConstants, world_sizes: Sequence[int] = (2, 4, 8, 16, 32, 64),
+                   contexts: Sequence[int] | None = None, geometry: cm.MlaGeometry = cm.MlaGeometry(),
+                   hardware: cm.Hardware = cm.Hardware(), kv_budget_bytes: float = 40e9, batch_cap: int = 256,
+                   dpi: int = DPI) -> Any:
+    """DCP's decode throughput over TP's (each at the batch its KV budget holds) against context, one line per
+    W; above 1 DCP wins, and the marker is the crossover (:func:`dcp_ref.costmodel.crossover_context`)."""
+    ctxs = list(contexts) if contexts is not None else [int(1024 * 2 ** (i / 4)) for i in range(0, 41)]
+    fig, axes = _figure(1, "DCP W over TP W decode throughput, each at the batch its KV memory allows: "
+                           "above 1 DCP's memory saving outweighs its communication (model; W > 8 spans hosts).",
+                        width=5.6, height=3.0, dpi=dpi)
+    ax = axes[0]
+    for i, w in enumerate(world_sizes):
+        ratio = [cm.throughput_ratio(w, c, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes,
+                                     batch_cap=batch_cap) for c in ctxs]
+        ax.plot(ctxs, ratio, "-" if w <= hardware.gpus_per_host else "--", color=f"C{i}", label=f"W = {w}")
+        x = cm.crossover_context(w, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes,
+                                 batch_cap=batch_cap)
+        if math.isfinite(x) and ctxs[0] <= x <= ctxs[-1]:
+            ax.plot([x], [cm.throughput_ratio(w, int(x), geometry, hardware, constants,
+                                              kv_budget_bytes=kv_budget_bytes, batch_cap=batch_cap)],
+                    "o", color=f"C{i}", label="_crossover")
+    ax.plot([ctxs[0], ctxs[-1]], [1, 1], "k-", lw=0.6, label="_parity")
+    ax.set(xscale="log", yscale="log", title="throughput DCP / TP", xlabel="context (tokens per request)",
+           ylabel="ratio")
+    return _finish(fig, axes, outside=True)

@@ -1,0 +1,173 @@
+"""dcp_ref.perf_plots: the plotted numbers are the committed JSON values, figures stay small, bad input is named.
+
+Expected series are read from the JSON files here, independently of the plotting code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from dcp_ref import costmodel as cm  # noqa: E402
+from dcp_ref import perf_plots as pp  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _json(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _synthetic_step(with_stages: bool = False) -> dict:
+    rows = []
+    for w in (2, 4):
+        for t in (1, 32):
+            for c in (8192, 65536):
+                r = {"W": w, "T": t, "ctx": c, "attention": "flashmla", "graph_us": 50.0 + w + t + c / 4096,
+                     "eager_us": 900.0 + w, "host_syncs_per_step": 0, "launches_per_step": 12,
+                     "stages_sum_us": 40.0 + w + t + c / 4096}
+                if with_stages:
+                    r["stages_us"] = {"indexer": 10.0 + c / 4096, "select": 5.0 + w, "attention": 20.0 + t}
+                rows.append(r)
+    return {"summary": rows}
+
+
+def _check_small(fig) -> None:  # noqa: ANN001
+    assert fig.dpi <= 80
+    w, h = fig.get_size_inches()
+    assert w * fig.dpi <= 1000 and h * fig.dpi <= 400
+    caption = fig._suptitle.get_text().replace("\n", " ")
+    assert caption.endswith(".") and caption.count(". ") == 0, caption  # one sentence
+
+
+def test_results_dir_and_load() -> None:
+    assert pp.results_dir() == RESULTS
+    res = pp.load_results(RESULTS)
+    assert {"topk", "deinterleave", "lse_merge", "attention_flashinfer"} <= set(res)
+    assert res["topk"] == _json("topk")
+    with pytest.raises(ValueError, match="directory"):
+        pp.load_results(ROOT / "no-such-dir")
+
+
+def test_topk_series_are_the_committed_values() -> None:
+    fig = pp.plot_topk(_json("topk"))
+    _check_small(fig)
+    series = pp.plotted_series(fig)
+    raw = _json("topk")["results"]
+    for w in (2, 4, 8):
+        rs = sorted((r for r in raw if r["W"] == w and r["K"] == 2048), key=lambda r: r["rows"])
+        ours = ([r["rows"] for r in rs], [r["cutedsl_graph"]["median_us"] for r in rs])
+        assert series[f"W = {w} | ours (CuTeDSL)"] == ours
+        v = [(r["rows"], r["vllm_cutedsl_us"]) for r in rs if r["vllm_cutedsl_us"] is not None]
+        assert series[f"W = {w} | vLLM CuTeDSL"] == ([a for a, _ in v], [b for _, b in v])
+        assert series[f"W = {w} | torch stable"][1] == [r["torch_stable_graph"]["median_us"] for r in rs]
+
+
+def test_deinterleave_series_are_the_best_committed_kernel() -> None:
+    de = _json("deinterleave")
+    fig = pp.plot_deinterleave(de)
+    _check_small(fig)
+    series = pp.plotted_series(fig)
+    for w in (2, 8):
+        xs, ys = series[f"W = {w}, I = 1 | ours (Triton)"]
+        for n, y in zip(xs, ys):
+            times = [r["graph_cold_us"] for r in de["results"] if r["rows"] == n and r["W"] == w and r["I"] == 1
+                     and r["method"] in ("atomic", "rowscan", "twopass")]
+            assert y == min(times)
+        torch_t = {r["rows"]: r["time_us"] for r in de["results"]
+                   if r["W"] == w and r["I"] == 1 and r["method"] == "torch"}
+        assert series[f"W = {w}, I = 1 | torch (eager)"] == (sorted(torch_t), [torch_t[n] for n in sorted(torch_t)])
+
+
+def test_lse_merge_and_attention_series() -> None:
+    lse = _json("lse_merge")
+    series = pp.plotted_series(pp.plot_lse_merge(lse))
+    for w in (2, 4, 8):
+        rs = sorted((r for r in lse["rows"] if r["W"] == w), key=lambda r: r["T"])
+        assert series[f"W = {w} | ours: correct"][1] == [r["correct_best"]["median_us"] for r in rs]
+        assert series[f"W = {w} | torch merge"][1] == [r["torch_merge"]["median_us"] for r in rs]
+        lo_hi = lse["targets"]["vllm_correct_attn_out_us"]
+        assert series[f"W = {w} | vLLM correct"] == ([32, 1024], [sum(lo_hi["T32"]) / 2, sum(lo_hi["T1024"]) / 2])
+    attn = _json("attention_flashinfer")
+    fig = pp.plot_attention(attn)
+    _check_small(fig)
+    s = pp.plotted_series(fig)
+    assert s["time | run"][1] == [r["run"]["median_us"] for r in attn["rows"]]
+    # TFLOP/s written out: 2 * 32 * 128 * 2048 * 1088 FLOPs in 55.008 µs
+    assert s["TFLOP/s | achieved"][1][0] == pytest.approx(2 * 32 * 128 * 2048 * 1088 / 55.00800162553787e-6 / 1e12)
+    assert s["TFLOP/s | BF16 dense peak"][1] == [989.0, 989.0]
+
+
+def test_bandwidth_series() -> None:
+    res = pp.load_results(RESULTS)
+    fig = pp.plot_bandwidth(res)
+    _check_small(fig)
+    s = pp.plotted_series(fig)
+    assert s["TB/s | copy bandwidth"][1] == [res["lse_merge"]["copy_TBps_measured"]] * 2
+    r = next(r for r in res["topk"]["results"] if (r["rows"], r["W"], r["K"]) == (1024, 8, 2048))
+    want = 1024 * (8 * 8 * 2048 + 4 * 2048) / (r["cutedsl_graph"]["median_us"] * 1e-6) / 1e12
+    assert s["TB/s | top-K"][1][-1] == pytest.approx(want)
+    assert max(s["TB/s | merge"][1]) < res["lse_merge"]["copy_TBps_measured"]
+
+
+def test_step_plots_show_the_given_rows() -> None:
+    step = _synthetic_step()
+    fig = pp.plot_step_breakdown(step)
+    _check_small(fig)
+    s = pp.plotted_series(fig)
+    assert s["step time | planned (graph)"][1] == [r["graph_us"] for r in step["summary"]]
+    assert s["step time | eager"][1] == [r["eager_us"] for r in step["summary"]]
+    assert len(fig.axes) == 1
+    staged = _synthetic_step(with_stages=True)
+    s2 = pp.plotted_series(pp.plot_step_breakdown(staged))
+    assert s2["per stage | select"][1] == [r["stages_us"]["select"] for r in staged["summary"]]
+    g = pp.plotted_series(pp.plot_step_growth(step))
+    assert g["against ctx | W=2, T=32"] == ([8192, 65536], [50.0 + 2 + 32 + 2, 50.0 + 2 + 32 + 16])
+    assert g["against W | T=1, ctx=8K"] == ([2, 4], [50.0 + 2 + 1 + 2, 50.0 + 4 + 1 + 2])
+
+
+def test_model_plots() -> None:
+    fit = cm.fit_constants(RESULTS)
+    obs = cm.observations_from_results(RESULTS)
+    f1 = pp.plot_fit(fit)
+    _check_small(f1)
+    s1 = pp.plotted_series(f1)
+    assert sum(len(v[0]) for v in s1.values()) == len(fit.residuals)
+    f2 = pp.plot_scaling(fit, obs, [cm.StepPoint(2, 32, 65536, "flashmla", 150e-6)])
+    _check_small(f2)
+    s2 = pp.plotted_series(f2)
+    assert s2["scaling with W | measured: planned step"] == ([2.0], [150.0])
+    sel = {r["W"]: r["cutedsl_graph"]["median_us"] for r in _json("topk")["results"]
+           if r["rows"] == 32 and r["K"] == 2048}
+    xs, ys = s2["scaling with W | measured: select"]
+    assert dict(zip(xs, ys)) == pytest.approx(sel)
+    dcp = s2["scaling with W | model: DCP layer"]
+    assert dcp[1][3] == pytest.approx(cm.dcp_step_cost(8, 32, 65536, constants=fit.constants).total_s * 1e6)
+    f3 = pp.plot_crossover(fit.constants, world_sizes=(2, 8))
+    _check_small(f3)
+    marks = [ln for ln in f3.axes[0].get_lines() if ln.get_label() == "_crossover"]
+    want = [cm.crossover_context(w, constants=fit.constants) for w in (2, 8)]
+    assert sorted(float(m.get_xdata()[0]) for m in marks) == sorted(x for x in want if math.isfinite(x))
+
+
+@pytest.mark.parametrize("call,exc,name", [
+    (lambda: pp.plot_topk({}), ValueError, "results"),
+    (lambda: pp.plot_topk([]), TypeError, "topk"),
+    (lambda: pp.plot_topk(_json("topk"), dpi=100), ValueError, "dpi"),
+    (lambda: pp.plot_lse_merge(_json("topk")), ValueError, "rows"),
+    (lambda: pp.plot_step_breakdown({"summary": []}), ValueError, "summary"),
+    (lambda: pp.plot_step_growth({"rows": []}), ValueError, "summary"),
+    (lambda: pp.plot_fit("fit"), TypeError, "fit"),
+    (lambda: pp.deinterleave_best(_json("deinterleave"), 7, 2), ValueError, "rows=7"),
+])
+def test_bad_input_names_the_argument(call, exc, name) -> None:  # noqa: ANN001
+    with pytest.raises(exc, match=name):
+        call()
