@@ -1,0 +1,311 @@
+"""Benchmark the planned DCP decode step on H200s: eager, CUDA-graph replay, launches and syncs.
+
+One process (W = 1):      python benchmarks/bench_step.py --out DIR
+Two GPUs (W = 2, NCCL):   python -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out DIR
+Merge into step.json/.md: python benchmarks/bench_step.py --merge DIR --out benchmarks/results
+
+Shapes (issue 9): T in {1, 32, 128} query tokens (one per request, decode), H = 128, d = 576/512,
+top-k 2048, context 8K and 64K per request; bf16. For each: the eager step (host wall time per
+step, the GPU never waited on), graph replay (CUDA events over many replays), launches and host
+syncs per step (torch.profiler over one eager step: kernel launches, cudaStreamSynchronize /
+cudaDeviceSynchronize / D2H copies), allocations per run (caching-allocator counter), each stage's
+isolated device time (the stage alone, captured and replayed) and their sum, and the FlashInfer
+(plan) attention path eager beside it. vLLM's composed step is our measured attention + NCCL plus
+vLLM's own pack / top-K / convert / correct times quoted from the side-by-side runs of issue 9
+(T = 32, W = 2, graph replay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+H, DQK, DV, TOPK, BLOCK = 128, 576, 512, 2048, 64
+SCALE = 192**-0.5
+#: vLLM's kernels measured side by side with ours on this H200 at T = 32, W = 2 (graph replay; pack eager).
+VLLM_QUOTED_T32_W2 = {"pack": 6.8, "select": 11.5, "deinterleave": 9.5, "merge": 8.5}
+
+
+def _versions() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    v: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("triton", "nvidia-cutlass-dsl", "flashinfer-python", "sgl-flash-mla"):
+        try:
+            v[name] = md.version(name)
+        except md.PackageNotFoundError:
+            v[name] = None
+    return v
+
+
+def make_inputs(world: int, rank: int, T: int, ctx: int, device: torch.device, seed: int = 0):
+    """A decode batch of T requests (one query token each) with ``ctx`` tokens of context, sharded."""
+    from dcp_ref.geometry import DcpGeometry
+    from dcp_ref.pipeline import RankShard
+    from dcp_ref.step import decode_metadata
+
+    g = DcpGeometry(world, rank, 1, BLOCK)
+    gen = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
+    local = -(-ctx // world)
+    nblk = -(-local // BLOCK)
+    kv = (torch.randn(T * nblk * BLOCK, DQK, device=device, generator=gen) * 0.5).to(torch.bfloat16)
+    table = torch.randperm(T * nblk, device=device, generator=gen).to(torch.int32).view(T, nblk)
+    scores = torch.randn(T, local, device=device, generator=gen)
+    q = (torch.randn(T, H, DQK, device=device, generator=gen)).to(torch.bfloat16)
+    meta = decode_metadata(torch.full((T,), ctx, dtype=torch.int64), 1, g, device=device)
+    return q, RankShard(kv, table, scores, g), meta, g
+
+
+def _profile_counts(fn) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    launches = syncs = 0
+    for e in prof.events():
+        n = e.name
+        if n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+            launches += 1
+        elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense", "cudaEventSynchronize"):
+            syncs += 1
+        elif n == "cudaMemcpyAsync" and "DtoH" in str(getattr(e, "name", "")):
+            syncs += 1
+    # the final torch.cuda.synchronize() above is ours, not the step's
+    return {"launches_per_step": launches, "host_syncs_per_step": max(syncs - 1, 0)}
+
+
+def _graph_time_us(fn, iters: int = 200) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(10):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def _eager_time_us(fn, iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / iters
+
+
+def _stage_times(step, q, shard, meta) -> dict[str, float]:
+    """Each local stage alone (captured and replayed) on the inputs of one real run; collectives alone too."""
+    st, g, k = step.stages, step.spec.geometry, step.spec.topk
+    trace: dict = {}
+    step.run(q, shard, meta, trace=trace)
+    T = q.shape[0]
+    packed = torch.empty(T, k, 2, device=q.device)
+    gathered = torch.empty(g.world_size, T, k, 2, device=q.device)
+    ids = trace["global_ids"].clone()
+    slots, counts = trace["slots"].clone(), trace["counts"].clone()
+    out = torch.empty(T, H, DV, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(T, H, device=q.device)
+    all_lse = torch.empty(g.world_size, T, H, device=q.device)
+    all_lse[:] = trace["partial_lse"].float()
+    corrected = torch.empty_like(out)
+    merged = torch.empty_like(lse)
+    ids_out, s_out, c_out = torch.empty_like(ids), torch.empty_like(slots), torch.empty_like(counts)
+    gathered[:] = trace["packed"].unsqueeze(0)
+    times = {
+        "indexer": _graph_time_us(lambda: st.indexer(shard.index_scores, meta.local_bounds, g, k, out=packed)),
+        "select": _graph_time_us(lambda: st.select(gathered, k, out=ids_out)),
+        "deinterleave": _graph_time_us(lambda: st.deinterleave(ids, meta.req_of_token, shard.block_table, g,
+                                                               out_slots=s_out, out_counts=c_out)),
+        "attention": _graph_time_us(lambda: st.attention(q, shard.kv_cache, slots, counts, SCALE, DV, out=out,
+                                                         out_lse=lse)),
+        "merge": _graph_time_us(lambda: st.merge(trace["partial_out"], all_lse, g.rank, out=corrected, out_lse=merged)),
+    }
+    if g.world_size > 1:
+        grp = step.group
+        send = torch.empty(g.world_size * T, H // g.world_size, DV, dtype=torch.bfloat16, device=q.device)
+        rs_out = torch.empty(T, H // g.world_size, DV, dtype=torch.bfloat16, device=q.device)
+        times["allgather_candidates"] = _graph_time_us(lambda: grp.all_gather(packed, out=gathered))
+        times["allgather_lse"] = _graph_time_us(lambda: grp.all_gather(lse, out=all_lse))
+        times["reduce_scatter"] = _graph_time_us(lambda: grp.reduce_scatter(send, 0, out=rs_out))
+    return times
+
+
+def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.device) -> dict[str, Any]:
+    from dcp_ref.kernels.stages import _attention_flashinfer, kernel_stages
+    from dcp_ref.stages import StepSpec
+    from dcp_ref.step import PlannedStep
+
+    q, shard, meta, g = make_inputs(world, rank, T, ctx, device)
+    stages = kernel_stages(device, torch.bfloat16, DQK, DV, num_heads=H, topk=TOPK)
+    spec = StepSpec(g, T, TOPK, H, DQK, DV, SCALE, torch.bfloat16, device)
+    t_plan = time.perf_counter()
+    step = PlannedStep(group, spec, stages)
+    plan_ms = (time.perf_counter() - t_plan) * 1e3
+    run = lambda: step.run(q, shard, meta)  # noqa: E731
+    row: dict[str, Any] = {"W": world, "T": T, "ctx": ctx, "attention": step.impls["attention"], "impl": step.impls,
+                           "plan_ms": plan_ms}
+    mem0 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0)
+    run()
+    torch.cuda.synchronize()
+    row["allocations_per_run"] = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) - mem0
+    row["eager_us"] = _eager_time_us(run)
+    row.update(_profile_counts(run))
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        run()
+        row["sync_free"] = True
+    except RuntimeError as e:
+        row["sync_free"] = f"no: {e}"[:200]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = step.capture(q, shard, meta)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(200):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    row["graph_us"] = start.elapsed_time(end) * 1000 / 200
+    stage_us = _stage_times(step, q, shard, meta)
+    row["stage_us"] = stage_us
+    row["stages_sum_us"] = sum(stage_us.values())
+    row["graph_over_stages_sum"] = row["graph_us"] / row["stages_sum_us"]
+    # FlashInfer fa3 (host plan per call) in the same step: eager only (its plan cannot be captured)
+    fi_ok = True
+    try:
+        fi = PlannedStep(group, spec, stages.with_(attention=_attention_flashinfer, name="kernels+flashinfer"))
+        fi_run = lambda: fi.run(q, shard, meta)  # noqa: E731
+        row["flashinfer_eager_us"] = _eager_time_us(fi_run, iters=20)
+        row["flashinfer_counts"] = _profile_counts(fi_run)
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal (flashinfer may be missing)
+        fi_ok = False
+        row["flashinfer_eager_us"] = None
+        row["flashinfer_error"] = repr(e)[:300]
+    if world == 2 and T == 32:
+        ours = sum(stage_us.get(s, 0.0) for s in ("select", "deinterleave", "merge"))
+        vllm = sum(VLLM_QUOTED_T32_W2[s] for s in ("select", "deinterleave", "merge")) + VLLM_QUOTED_T32_W2["pack"]
+        # vLLM's composition: same attention, NCCL and our local top-K, with vLLM's pack/top-K/convert/correct
+        row["vllm_composed_graph_us"] = row["graph_us"] - ours + vllm
+    del fi_ok
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--merge", default=None, help="merge step_W*.json of this folder into --out/step.json + step.md")
+    ap.add_argument("--T", default="1,32,128")
+    ap.add_argument("--ctx", default="8192,65536")
+    args = ap.parse_args()
+    if args.merge:
+        merge(Path(args.merge), Path(args.out))
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    if world > 1:
+        import torch.distributed as dist
+
+        from dcp_ref.group import TorchDistributedGroup
+
+        dist.init_process_group("nccl", device_id=device)
+        group: Any = TorchDistributedGroup()
+    else:
+        from dcp_ref.group import SingleGroup
+
+        group = SingleGroup()
+    rows = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    configs = [(T, ctx) for T in map(int, args.T.split(",")) for ctx in map(int, args.ctx.split(","))]
+    it = tqdm(configs, desc=f"step W={world}", disable=rank != 0) if tqdm else configs
+    for T, ctx in it:
+        rows.append(bench_config(group, world, rank, T, ctx, device))
+        torch.cuda.empty_cache()
+    if rank == 0:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        doc = {"device": torch.cuda.get_device_name(device), "versions": _versions(),
+               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "world_size": world, "rows": rows}
+        (Path(args.out) / f"step_W{world}.json").write_text(json.dumps(doc, indent=1))
+        for r in rows:
+            print(f"W={r['W']} T={r['T']:4d} ctx={r['ctx']:6d} {r['attention']:10s} graph {r['graph_us']:8.1f} us  "
+                  f"eager {r['eager_us']:8.1f} us  stages {r['stages_sum_us']:7.1f} us  launches {r['launches_per_step']}  "
+                  f"syncs {r['host_syncs_per_step']}  allocs {r['allocations_per_run']}  fi-eager {r['flashinfer_eager_us']}")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+SUMMARY_KEYS = ("W", "T", "ctx", "attention", "graph_us", "eager_us", "host_syncs_per_step", "launches_per_step",
+                "stages_sum_us")
+
+
+def merge(src: Path, out: Path) -> None:
+    docs = [json.loads(p.read_text()) for p in sorted(src.glob("step_W*.json"))]
+    rows = [r for d in docs for r in d["rows"]]
+    summary = [{k: r[k] for k in SUMMARY_KEYS} for r in rows]
+    doc = {"benchmark": "benchmarks/bench_step.py", "device": docs[0]["device"], "versions": docs[0]["versions"],
+           "date_utc": docs[0]["date_utc"], "shapes": {"H": H, "d_qk": DQK, "d_v": DV, "topk": TOPK, "block_size": BLOCK},
+           "targets": {"graph_us_W2_T32_8K": 150, "eager_us_W2_T32_8K_flashmla": 400, "graph_over_stages_sum": 1.3,
+                       "graph_us_T1": 80},
+           "baseline_before_planning": {"W": 2, "T": 32, "ctx": 8192, "eager_us": 2960, "launches_per_step": 82,
+                                        "host_syncs_per_step": 15, "source": "issue 9 (dcp_decode_step, NCCL, eager)"},
+           "vllm_quoted_T32_W2_us": VLLM_QUOTED_T32_W2, "summary": summary, "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step.json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = ["# The planned step on the H200 (`benchmarks/bench_step.py`)", "",
+             f"{doc['device']}; {doc['versions']}; {doc['date_utc']}. H = 128, d = 576/512, top-k 2048, bf16, "
+             "one query token per request. Times in µs per step (per layer).", "",
+             "| W | T | ctx | attention | graph | eager | syncs | launches | allocs | stages sum | graph / sum | "
+             "FlashInfer eager |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        fi = r.get("flashinfer_eager_us")
+        lines.append(f"| {r['W']} | {r['T']} | {r['ctx']} | {r['attention']} | {r['graph_us']:.1f} | {r['eager_us']:.1f} | "
+                     f"{r['host_syncs_per_step']} | {r['launches_per_step']} | {r['allocations_per_run']} | "
+                     f"{r['stages_sum_us']:.1f} | {r['graph_over_stages_sum']:.2f} | "
+                     f"{'—' if fi is None else f'{fi:.1f}'} |")
+    lines += ["", "Per-stage isolated device times (graph replay, µs):", "",
+              "| W | T | ctx | " + " | ".join(rows[0]["stage_us"]) + " |", "|" + "---:|" * (3 + len(rows[0]["stage_us"]))]
+    for r in rows:
+        lines.append(f"| {r['W']} | {r['T']} | {r['ctx']} | " + " | ".join(f"{v:.1f}" for v in r["stage_us"].values()) + " |")
+    v = [r for r in rows if "vllm_composed_graph_us" in r]
+    if v:
+        lines += ["", "vLLM's kernels composed into the same step (W = 2, T = 32; our attention, NCCL and local top-K, "
+                  f"vLLM's pack / top-K / convert / correct as quoted {VLLM_QUOTED_T32_W2}):", ""]
+        for r in v:
+            lines.append(f"- ctx {r['ctx']}: ours {r['graph_us']:.1f} µs vs vLLM-composed {r['vllm_composed_graph_us']:.1f} µs "
+                         f"({r['vllm_composed_graph_us'] / r['graph_us']:.2f}×)")
+    (out / "step.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
