@@ -77,8 +77,18 @@ _MAX_K_ATOMIC = (1 << _FIELD_BITS) - 1
 
 @triton.jit
 def convert_tile(
-    ids_row_ptr, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
-    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    ids_row_ptr,
+    offs,
+    K,
+    stride_ik,
+    bt_row_ptr,
+    stride_btc,
+    n_blocks,
+    req_ok,
+    DCP_SIZE: tl.constexpr,
+    DCP_RANK: tl.constexpr,
+    DCP_INTERLEAVE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
 ):
     """Slots and validity of ids ``offs`` of one row (masked tail → invalid)."""
     in_row = offs < K
@@ -150,12 +160,28 @@ def compact_tile_atomic(out_row_ptr, counts_ptr, ws_ptr, row, row64, slot, valid
 
 @triton.jit
 def deinterleave_kernel(
-    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr, ws_ptr,
-    K, n_reqs, n_blocks,
-    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
+    ids_ptr,
+    req_ptr,
+    bt_ptr,
+    out_ptr,
+    counts_ptr,
+    ws_ptr,
+    K,
+    n_reqs,
+    n_blocks,
+    stride_ir,
+    stride_ik,
+    stride_btr,
+    stride_btc,
+    stride_or,
+    stride_ok,
     HAS_REQ: tl.constexpr,
-    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
-    COMPACT_TO_FRONT: tl.constexpr, BLOCK: tl.constexpr,
+    DCP_SIZE: tl.constexpr,
+    DCP_RANK: tl.constexpr,
+    DCP_INTERLEAVE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    COMPACT_TO_FRONT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Grid ``(T, cdiv(K, BLOCK))``. Convert one tile; with ``COMPACT_TO_FRONT`` compact it with
     the packed atomic counter ``ws_ptr[row]`` (int64, zero on entry, zero again on exit)."""
@@ -165,8 +191,18 @@ def deinterleave_kernel(
     bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     slot, valid = convert_tile(
-        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
-        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+        ids_ptr + row64 * stride_ir,
+        offs,
+        K,
+        stride_ik,
+        bt_row_ptr,
+        stride_btc,
+        n_blocks,
+        req_ok,
+        DCP_SIZE,
+        DCP_RANK,
+        DCP_INTERLEAVE,
+        KV_BLOCK,
     )
     in_row = offs < K
     out_row_ptr = out_ptr + row64 * stride_or
@@ -178,11 +214,25 @@ def deinterleave_kernel(
 
 @triton.jit
 def rowscan_kernel(
-    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr,
-    K, n_reqs, n_blocks,
-    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
+    ids_ptr,
+    req_ptr,
+    bt_ptr,
+    out_ptr,
+    counts_ptr,
+    K,
+    n_reqs,
+    n_blocks,
+    stride_ir,
+    stride_ik,
+    stride_btr,
+    stride_btc,
+    stride_or,
+    stride_ok,
     HAS_REQ: tl.constexpr,
-    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    DCP_SIZE: tl.constexpr,
+    DCP_RANK: tl.constexpr,
+    DCP_INTERLEAVE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Grid ``(T,)``: ordered compaction of one row by a sequential scan over its tiles."""
@@ -196,8 +246,18 @@ def rowscan_kernel(
     for start in range(0, K, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         slot, valid = convert_tile(
-            ids_row_ptr, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
-            DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+            ids_row_ptr,
+            offs,
+            K,
+            stride_ik,
+            bt_row_ptr,
+            stride_btc,
+            n_blocks,
+            req_ok,
+            DCP_SIZE,
+            DCP_RANK,
+            DCP_INTERLEAVE,
+            KV_BLOCK,
         )
         in_row = offs < K
         v = valid.to(tl.int32)
@@ -213,11 +273,23 @@ def rowscan_kernel(
 
 @triton.jit
 def twopass_count_kernel(
-    ids_ptr, req_ptr, bt_ptr, ws_ptr,
-    K, n_reqs, n_blocks, n_tiles,
-    stride_ir, stride_ik, stride_btr, stride_btc,
+    ids_ptr,
+    req_ptr,
+    bt_ptr,
+    ws_ptr,
+    K,
+    n_reqs,
+    n_blocks,
+    n_tiles,
+    stride_ir,
+    stride_ik,
+    stride_btr,
+    stride_btc,
     HAS_REQ: tl.constexpr,
-    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    DCP_SIZE: tl.constexpr,
+    DCP_RANK: tl.constexpr,
+    DCP_INTERLEAVE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Pass 1, grid ``(T, n_tiles)``: ``ws[row * n_tiles + tile]`` = valid entries of the tile."""
@@ -226,21 +298,48 @@ def twopass_count_kernel(
     row64 = row.to(tl.int64)
     bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
-    slot, valid = convert_tile(
-        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
-        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+    _slot, valid = convert_tile(  # the count pass needs only the validity
+        ids_ptr + row64 * stride_ir,
+        offs,
+        K,
+        stride_ik,
+        bt_row_ptr,
+        stride_btc,
+        n_blocks,
+        req_ok,
+        DCP_SIZE,
+        DCP_RANK,
+        DCP_INTERLEAVE,
+        KV_BLOCK,
     )
     tl.store(ws_ptr + row64 * n_tiles + tile, tl.sum(valid.to(tl.int32), axis=0).to(tl.int64))
 
 
 @triton.jit
 def twopass_scatter_kernel(
-    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr, ws_ptr,
-    K, n_reqs, n_blocks, n_tiles,
-    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
+    ids_ptr,
+    req_ptr,
+    bt_ptr,
+    out_ptr,
+    counts_ptr,
+    ws_ptr,
+    K,
+    n_reqs,
+    n_blocks,
+    n_tiles,
+    stride_ir,
+    stride_ik,
+    stride_btr,
+    stride_btc,
+    stride_or,
+    stride_ok,
     HAS_REQ: tl.constexpr,
-    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
-    BLOCK: tl.constexpr, TILES_POW2: tl.constexpr,
+    DCP_SIZE: tl.constexpr,
+    DCP_RANK: tl.constexpr,
+    DCP_INTERLEAVE: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILES_POW2: tl.constexpr,
 ):
     """Pass 2, grid ``(T, n_tiles)``: exclusive prefix of the tile counts, then the ordered write."""
     row = tl.program_id(0)
@@ -253,8 +352,18 @@ def twopass_scatter_kernel(
     bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     slot, valid = convert_tile(
-        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
-        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+        ids_ptr + row64 * stride_ir,
+        offs,
+        K,
+        stride_ik,
+        bt_row_ptr,
+        stride_btc,
+        n_blocks,
+        req_ok,
+        DCP_SIZE,
+        DCP_RANK,
+        DCP_INTERLEAVE,
+        KV_BLOCK,
     )
     in_row = offs < K
     v = valid.to(tl.int32)
@@ -270,6 +379,7 @@ def twopass_scatter_kernel(
 # ----------------------------------------------------------------------------------------------
 # Wrappers
 # ----------------------------------------------------------------------------------------------
+
 
 def _cdiv(a: int, b: int) -> int:
     # Plain Python on purpose: triton.cdiv / next_power_of_2 are JIT-aware wrappers that cost
@@ -370,19 +480,39 @@ def global_ids_to_local_slots_triton(
     """
     w, r, i, bs, dev = _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave)
     t_rows, k = token_ids.shape
-    out = torch.empty((t_rows, k), dtype=torch.int32, device=dev) if out is None else _check_out(out, "out", (t_rows, k), torch.int32, dev)
+    out = (
+        torch.empty((t_rows, k), dtype=torch.int32, device=dev)
+        if out is None
+        else _check_out(out, "out", (t_rows, k), torch.int32, dev)
+    )
     if t_rows == 0 or k == 0:
         return out
     b = block or _default_block("atomic", k, t_rows)
     req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
     deinterleave_kernel[(t_rows, _cdiv(k, b))](
-        token_ids, req, block_table, out, out, out,
-        k, block_table.shape[0], block_table.shape[1],
-        token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1),
-        out.stride(0), out.stride(1),
+        token_ids,
+        req,
+        block_table,
+        out,
+        out,
+        out,
+        k,
+        block_table.shape[0],
+        block_table.shape[1],
+        token_ids.stride(0),
+        token_ids.stride(1),
+        block_table.stride(0),
+        block_table.stride(1),
+        out.stride(0),
+        out.stride(1),
         HAS_REQ=req_of_token is not None,
-        DCP_SIZE=w, DCP_RANK=r, DCP_INTERLEAVE=i, KV_BLOCK=bs,
-        COMPACT_TO_FRONT=False, BLOCK=b, num_warps=num_warps,
+        DCP_SIZE=w,
+        DCP_RANK=r,
+        DCP_INTERLEAVE=i,
+        KV_BLOCK=bs,
+        COMPACT_TO_FRONT=False,
+        BLOCK=b,
+        num_warps=num_warps,
     )
     return out
 
@@ -443,15 +573,25 @@ def deinterleave_compact(
     if b & (b - 1):
         raise ValueError(f"block must be a power of two, got {b}")
     nw = def_warps if num_warps is None else check_int_scalar(num_warps, "num_warps", min_value=1)
-    out = torch.empty((t_rows, k), dtype=torch.int32, device=dev) if out is None else _check_out(out, "out", (t_rows, k), torch.int32, dev)
-    counts = torch.empty((t_rows,), dtype=torch.int32, device=dev) if counts is None else _check_out(counts, "counts", (t_rows,), torch.int32, dev)
+    out = (
+        torch.empty((t_rows, k), dtype=torch.int32, device=dev)
+        if out is None
+        else _check_out(out, "out", (t_rows, k), torch.int32, dev)
+    )
+    counts = (
+        torch.empty((t_rows,), dtype=torch.int32, device=dev)
+        if counts is None
+        else _check_out(counts, "counts", (t_rows,), torch.int32, dev)
+    )
     need = workspace_numel(method, t_rows, k, b)
     if workspace is None:
         workspace = torch.zeros(max(need, 1), dtype=torch.int64, device=dev)
     else:
         check_tensor(workspace, "workspace", dtypes=(torch.int64,), ndim=1, device=dev)
         if workspace.numel() < need:
-            raise ValueError(f"workspace must have at least {need} elements for method={method!r}, got {workspace.numel()}")
+            raise ValueError(
+                f"workspace must have at least {need} elements for method={method!r}, got {workspace.numel()}"
+            )
         if need and workspace.stride(0) != 1:
             raise ValueError("workspace must be contiguous")
     if t_rows == 0:
@@ -468,20 +608,64 @@ def deinterleave_compact(
     in_strides = (token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1))
     if method == "atomic":
         deinterleave_kernel[(t_rows, n_tiles)](
-            token_ids, req, block_table, out, counts, workspace, k, n_reqs, n_blocks,
-            *in_strides, out.stride(0), out.stride(1), COMPACT_TO_FRONT=True, **geo,
+            token_ids,
+            req,
+            block_table,
+            out,
+            counts,
+            workspace,
+            k,
+            n_reqs,
+            n_blocks,
+            *in_strides,
+            out.stride(0),
+            out.stride(1),
+            COMPACT_TO_FRONT=True,
+            **geo,
         )
     elif method == "rowscan":
         rowscan_kernel[(t_rows,)](
-            token_ids, req, block_table, out, counts, k, n_reqs, n_blocks,
-            *in_strides, out.stride(0), out.stride(1), **geo,
+            token_ids,
+            req,
+            block_table,
+            out,
+            counts,
+            k,
+            n_reqs,
+            n_blocks,
+            *in_strides,
+            out.stride(0),
+            out.stride(1),
+            **geo,
         )
     else:
         twopass_count_kernel[(t_rows, n_tiles)](
-            token_ids, req, block_table, workspace, k, n_reqs, n_blocks, n_tiles, *in_strides, **geo,
+            token_ids,
+            req,
+            block_table,
+            workspace,
+            k,
+            n_reqs,
+            n_blocks,
+            n_tiles,
+            *in_strides,
+            **geo,
         )
         twopass_scatter_kernel[(t_rows, n_tiles)](
-            token_ids, req, block_table, out, counts, workspace, k, n_reqs, n_blocks, n_tiles,
-            *in_strides, out.stride(0), out.stride(1), TILES_POW2=next_pow2(n_tiles), **geo,
+            token_ids,
+            req,
+            block_table,
+            out,
+            counts,
+            workspace,
+            k,
+            n_reqs,
+            n_blocks,
+            n_tiles,
+            *in_strides,
+            out.stride(0),
+            out.stride(1),
+            TILES_POW2=next_pow2(n_tiles),
+            **geo,
         )
     return out, counts

@@ -69,10 +69,9 @@ import functools
 import os
 from typing import Any
 
-import torch
-
 import cutlass
 import cutlass.cute as cute
+import torch
 from cutlass import Boolean, Float32, Int32, Int64, Uint32, Uint64, const_expr
 
 from dcp_ref.kernels._util import next_pow2
@@ -189,8 +188,16 @@ class StableTopKKernel:
     """
 
     def __init__(
-        self, world: int, kloc: int, k: int, sorted_: bool, small: bool = True, variant: str = "regs",
-        threads: int = 0, min_ctas: int = 0, first_bits: int = 8,
+        self,
+        world: int,
+        kloc: int,
+        k: int,
+        sorted_: bool,
+        small: bool = True,
+        variant: str = "regs",
+        threads: int = 0,
+        min_ctas: int = 0,
+        first_bits: int = 8,
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -228,8 +235,11 @@ class StableTopKKernel:
             # minctasm caps the registers (65536 / (threads * min_ctas)); the carveout is given so
             # that the shared memory of min_ctas CTAs fits (and no device query at compile time).
             self.kernel(cand, out, rows).launch(
-                grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream,
-                min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100,
+                grid=[rows, 1, 1],
+                block=[self.threads, 1, 1],
+                stream=stream,
+                min_blocks_per_mp=self.min_ctas,
+                preferred_smem_carveout=100,
             )
         else:
             self.kernel(cand, out, rows).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
@@ -307,8 +317,15 @@ class StableTopKKernel:
 
     @cute.jit
     def load_keys(
-        self, cand: cute.Tensor, rows: Int32, row: Int32, tid: Int32, khi: cute.Tensor, klo: cute.Tensor,
-        slo: cute.Tensor, hist: cute.Tensor,
+        self,
+        cand: cute.Tensor,
+        rows: Int32,
+        row: Int32,
+        tid: Int32,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        hist: cute.Tensor,
     ) -> None:
         """Load this thread's candidates as keys and count pass 0's histogram on the way.
 
@@ -378,8 +395,17 @@ class StableTopKKernel:
 
     @cute.jit
     def radix_pass(
-        self, d: int, khi: cute.Tensor, klo: cute.Tensor, slo: cute.Tensor, hist: cute.Tensor, wsum: cute.Tensor,
-        st: cute.Tensor, tid: Int32, lane: Int32, warp: Int32,
+        self,
+        d: int,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        hist: cute.Tensor,
+        wsum: cute.Tensor,
+        st: cute.Tensor,
+        tid: Int32,
+        lane: Int32,
+        warp: Int32,
     ) -> None:
         """Pass ``d`` of the radix select (skipped once the threshold is found).
 
@@ -425,8 +451,17 @@ class StableTopKKernel:
 
     @cute.jit
     def pick_bin(
-        self, d: int, need: Int32, phi: Uint32, plo: Uint32, hist: cute.Tensor, wsum: cute.Tensor, st: cute.Tensor,
-        tid: Int32, lane: Int32, warp: Int32,
+        self,
+        d: int,
+        need: Int32,
+        phi: Uint32,
+        plo: Uint32,
+        hist: cute.Tensor,
+        wsum: cute.Tensor,
+        st: cute.Tensor,
+        tid: Int32,
+        lane: Int32,
+        warp: Int32,
     ) -> None:
         """Scan pass ``d``'s histogram from the top bin down and publish the bin of the need-th key.
 
@@ -493,7 +528,13 @@ class StableTopKKernel:
 
     @cute.jit
     def store_winner(
-        self, skeys: cute.Tensor, out: cute.Tensor, obase: Int32 | Int64, slot: Int32, hi: Uint32, lo: Uint32,
+        self,
+        skeys: cute.Tensor,
+        out: cute.Tensor,
+        obase: Int32 | Int64,
+        slot: Int32,
+        hi: Uint32,
+        lo: Uint32,
     ) -> None:
         """Winner -> output slot: its id into ``out`` (unsorted) or its key into ``skeys`` (sorted)."""
         if const_expr(self.sorted_):
@@ -503,8 +544,17 @@ class StableTopKKernel:
 
     @cute.jit
     def commit_fast(
-        self, phi: Uint32, khi: cute.Tensor, klo: cute.Tensor, slo: cute.Tensor, st: cute.Tensor,
-        skeys: cute.Tensor, out: cute.Tensor, obase: Int32 | Int64, tid: Int32, lane: Int32,
+        self,
+        phi: Uint32,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        st: cute.Tensor,
+        skeys: cute.Tensor,
+        out: cute.Tensor,
+        obase: Int32 | Int64,
+        tid: Int32,
+        lane: Int32,
     ) -> None:
         """Commit when the selection ended in a score pass on a bin holding exactly what is needed.
 
@@ -534,8 +584,20 @@ class StableTopKKernel:
 
     @cute.jit
     def commit_general(
-        self, need: Int32, phi: Uint32, plo: Uint32, hm: Uint32, lm: Uint32, khi: cute.Tensor, klo: cute.Tensor,
-        slo: cute.Tensor, st: cute.Tensor, skeys: cute.Tensor, out: cute.Tensor, obase: Int32 | Int64, tid: Int32,
+        self,
+        need: Int32,
+        phi: Uint32,
+        plo: Uint32,
+        hm: Uint32,
+        lm: Uint32,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        st: cute.Tensor,
+        skeys: cute.Tensor,
+        out: cute.Tensor,
+        obase: Int32 | Int64,
+        tid: Int32,
     ) -> None:
         """Commit when the selection went into the id word, or ended with surplus ties.
 
@@ -610,10 +672,19 @@ def warp_inclusive_scan(x: Int32, lane: Int32) -> Int32:
         x = x + cutlass.select_(lane >= (1 << o), other, Int32(0))
     return x
 
+
 @functools.lru_cache(maxsize=64)
 def _compiled(
-    world: int, kloc: int, k: int, sorted_: bool, tvm_ffi: bool, small: bool = True, variant: str = "regs",
-    threads: int = 0, min_ctas: int = 0, first_bits: int = 8,
+    world: int,
+    kloc: int,
+    k: int,
+    sorted_: bool,
+    tvm_ffi: bool,
+    small: bool = True,
+    variant: str = "regs",
+    threads: int = 0,
+    min_ctas: int = 0,
+    first_bits: int = 8,
 ) -> Any:
     """Compile once per shape configuration (tracing takes milliseconds; launching microseconds)."""
     kern = StableTopKKernel(world, kloc, k, sorted_, small, variant, threads, min_ctas, first_bits)
@@ -627,16 +698,20 @@ def _compiled(
 
 
 def compile_to_ptx(
-    world: int, kloc: int, k: int, sorted: bool, dump_dir: str, small: bool = True, variant: str = "regs",  # noqa: A002
+    world: int,
+    kloc: int,
+    k: int,
+    sorted: bool,  # noqa: A002
+    dump_dir: str,
+    small: bool = True,
+    variant: str = "regs",
     first_bits: int = 8,
 ) -> str:
     """Compile one configuration (uncached) and return its PTX text — the CPU CI check.
 
     Needs ``CUTE_DSL_ARCH=sm_90a`` in the environment (no GPU is needed); ``dump_dir`` must exist.
     """
-    kern = StableTopKKernel(
-        int(world), int(kloc), int(k), bool(sorted), bool(small), variant, first_bits=first_bits,
-    )
+    kern = StableTopKKernel(int(world), int(kloc), int(k), bool(sorted), bool(small), variant, first_bits=first_bits)
     cand = cute.runtime.make_fake_compact_tensor(Int64, (cute.sym_int64(),), assumed_align=8)
     out = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int64(),), assumed_align=4)
     stream = cutlass.runtime.make_fake_stream()
@@ -649,8 +724,15 @@ def compile_to_ptx(
 
 
 def compile_stable_topk(
-    world: int, kloc: int, k: int, sorted: bool = False, tvm_ffi: bool = False, small: bool = True,  # noqa: A002
-    variant: str | None = None, config: tuple[int, int] | None = None, first_bits: int = 8,
+    world: int,
+    kloc: int,
+    k: int,
+    sorted: bool = False,  # noqa: A002
+    tvm_ffi: bool = False,
+    small: bool = True,
+    variant: str | None = None,
+    config: tuple[int, int] | None = None,
+    first_bits: int = 8,
 ) -> Any:
     """The compiled kernel for one configuration (cached). Works without a GPU (sm_90a).
 
@@ -662,7 +744,15 @@ def compile_stable_topk(
         variant = default_variant(world, kloc, k, sorted)
     threads, min_ctas = (0, 0) if config is None else (int(config[0]), int(config[1]))
     return _compiled(
-        int(world), int(kloc), int(k), bool(sorted), bool(tvm_ffi), bool(small), variant, threads, min_ctas,
+        int(world),
+        int(kloc),
+        int(k),
+        bool(sorted),
+        bool(tvm_ffi),
+        bool(small),
+        variant,
+        threads,
+        min_ctas,
         int(first_bits),
     )
 
@@ -713,7 +803,9 @@ def stable_topk_cutedsl(
     if world * kloc > MAX_CANDIDATES:
         raise ValueError(f"the CuTeDSL top-K supports W*K <= {MAX_CANDIDATES} candidates per row, got {world * kloc}")
     if sorted and min(k, world * kloc) > MAX_SORTED_WINNERS:
-        raise ValueError(f"sorted=True supports min(k, W*K) <= {MAX_SORTED_WINNERS} in shared memory, got {min(k, world * kloc)}")
+        raise ValueError(
+            f"sorted=True supports min(k, W*K) <= {MAX_SORTED_WINNERS} in shared memory, got {min(k, world * kloc)}"
+        )
     if gathered.device.type != "cuda":
         raise ValueError(f"gathered must be a CUDA tensor for the CuTeDSL kernel, got device {gathered.device}")
     if not gathered.is_contiguous():
@@ -746,7 +838,6 @@ def stable_topk_cutedsl(
         fn(words, flat, rows)
     else:
         import cuda.bindings.driver as cuda  # shipped with nvidia-cutlass-dsl
-
         from cutlass.cute.runtime import from_dlpack
 
         stream = cuda.CUstream(torch.cuda.current_stream(gathered.device).cuda_stream)

@@ -96,7 +96,9 @@ def compile_ptx(mod: Any, cfg: tuple[int, int, int, bool, str, bool, int]) -> st
 
 
 def git_rev(rev: str) -> str:
-    return subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,9 +128,17 @@ def main(argv: list[str] | None = None) -> int:
             world, kloc, k, sorted_, variant, small, first_bits = cfg
             rows.append(
                 {
-                    "world": world, "kloc": kloc, "k": k, "sorted": sorted_, "variant": variant, "small": small,
-                    "first_bits": first_bits, "ptx_lines": b.count("\n"),
-                    "sha256_before": digest(a), "sha256_after": digest(b), "identical": a == b,
+                    "world": world,
+                    "kloc": kloc,
+                    "k": k,
+                    "sorted": sorted_,
+                    "variant": variant,
+                    "small": small,
+                    "first_bits": first_bits,
+                    "ptx_lines": b.count("\n"),
+                    "sha256_before": digest(a),
+                    "sha256_after": digest(b),
+                    "identical": a == b,
                 }
             )
             print(f"{'same' if a == b else 'DIFF'}  {cfg}  {b.count(chr(10))} lines")

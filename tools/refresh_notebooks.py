@@ -47,7 +47,12 @@ def _strip_outputs(cell: nbformat.NotebookNode) -> None:
         data = out.get("data", {})
         if WIDGET_VIEW in data:
             continue  # widget views: random model ids, and nbval's client cannot reproduce them
-        if out.get("output_type") == "stream" and kept and kept[-1].get("output_type") == "stream" and kept[-1].get("name") == out.get("name"):
+        if (
+            out.get("output_type") == "stream"
+            and kept
+            and kept[-1].get("output_type") == "stream"
+            and kept[-1].get("name") == out.get("name")
+        ):
             # How a cell's prints are split into stream messages depends on flush timing:
             # merge consecutive chunks of one stream (nbval compares them merged as well).
             prev = kept[-1]
