@@ -4,6 +4,8 @@
 #   ./dev.sh test    run every test: pytest (unit + property + Triton-interpreter + CuTeDSL
 #                    compile tests) and nbval over every notebook; GPU tests are skipped
 #                    without CUDA (run them on a GPU with: ./dev.sh test -m gpu)
+#   ./dev.sh lint    ruff check, ruff format --check and mypy on dcp_ref/ and kernels/ (ruff.toml,
+#                    mypy.ini; `ruff format dcp_ref kernels` fixes the formatting)
 # Extra arguments after `test` go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -42,6 +44,17 @@ case "$cmd" in
     export PYTHONHASHSEED=0 MPLBACKEND=Agg
     exec "$VENV/bin/python" -m pytest -n "${DCP_TEST_WORKERS:-2}" --dist loadfile \
       --nbval --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg "$@" ;;
+  lint)
+    setup
+    if [ ! -x "$VENV/bin/ruff" ] || [ ! -x "$VENV/bin/mypy" ]; then
+      "$VENV/bin/python" -m pip install -q ruff mypy  # until the test extra lists them
+    fi
+    # Run all three, then fail if any failed: one run shows every finding.
+    rc=0
+    "$VENV/bin/ruff" check dcp_ref kernels || rc=1
+    "$VENV/bin/ruff" format --check dcp_ref kernels || rc=1
+    "$VENV/bin/mypy" || rc=1  # mypy.ini names the files (dcp_ref, kernels)
+    exit $rc ;;
   *)
-    sed -n '2,8p' "$0"; exit 2 ;;
+    sed -n '2,9p' "$0"; exit 2 ;;
 esac
