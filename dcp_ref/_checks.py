@@ -4,17 +4,21 @@ Every public function of :mod:`dcp_ref` validates its inputs with these helpers 
 input fails loudly with a ``ValueError``/``TypeError`` that *names the argument* and says what
 was expected, instead of returning a silently wrong answer or indexing out of bounds.
 
-Checks that need a tensor's *values* (e.g. "non-negative") read them back to the host. That is
-fine for the reference implementation; the GPU kernels in :mod:`dcp_ref.kernels` validate only
-shapes/dtypes/devices on their hot path so that they stay free of host synchronisation.
+Checks that need a tensor's *values* (e.g. "non-negative") read them back to the host. Every
+stage function that does so takes ``validate: bool = True``; with ``validate=False`` it reads no
+value on the host (no ``.item()``, no ``bool(tensor)``, no data-dependent shape: no device sync)
+and instead clamps on the device, so that it still never reads out of bounds. Shape, dtype and
+device checks are free and always run.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import operator
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 INT_DTYPES = (torch.int32, torch.int64)
@@ -24,17 +28,26 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_int_scalar(value: object, name: str, *, min_value: int | None = None) -> int:
     """Return ``value`` as a Python int, or raise naming ``name``.
 
-    ``bool`` is rejected on purpose: ``True`` as a world size is always a bug.
+    Accepted: Python ints, NumPy integer scalars, 0-d int32/int64 tensors (read on the host).
+    ``bool`` is rejected on purpose: ``True`` as a world size is always a bug. So are floats,
+    even integral ones (``2.0``), and meta tensors (they have no value).
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        # Accept 0-d integer tensors too (e.g. a rank read from a tensor).
-        if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype in INT_DTYPES:
-            value = int(value.item())
-        else:
-            raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python int, got bool")
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or value.dtype not in INT_DTYPES:
+            raise TypeError(f"{name} must be a Python int (or a 0-d integer tensor), got a tensor of shape "
+                            f"{tuple(value.shape)} and dtype {value.dtype}")
+        if value.is_meta:
+            raise ValueError(f"{name} is a meta tensor: it has no value to use as an int")
+        value = int(value.item())
+    elif isinstance(value, np.integer):
+        value = int(value)
+    elif not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
     if min_value is not None and value < min_value:
         raise ValueError(f"{name} must be >= {min_value}, got {value}")
-    return value
+    return operator.index(value)
 
 
 def check_world(world_size: object, rank: object = None, interleave: object = 1) -> tuple[int, int | None, int]:
@@ -50,28 +63,45 @@ def check_world(world_size: object, rank: object = None, interleave: object = 1)
 
 
 def as_int_tensor(value: object, name: str, *, allow_scalar: bool = True) -> torch.Tensor:
-    """Convert ints / lists of ints / integer tensors to an integer tensor.
+    """Convert ints / lists of ints / NumPy integer arrays / integer tensors to an integer tensor.
 
-    Integer tensors (int32/int64) pass through unchanged (device and dtype kept). Python ints and
-    (nested) lists of ints become int64 CPU tensors. Anything else is a ``TypeError`` naming
+    Integer tensors (int32/int64) pass through unchanged (device and dtype kept). Python and NumPy
+    ints and (nested) lists of them become int64 CPU tensors; NumPy integer arrays keep an int32 /
+    int64 dtype (other integer dtypes become int64). Anything else is a ``TypeError`` naming
     ``name``.
     """
     if isinstance(value, torch.Tensor):
         if value.dtype not in INT_DTYPES:
             raise TypeError(f"{name} must be an int32 or int64 tensor, got dtype {value.dtype}")
         return value
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int or an integer tensor, got bool")
-    if isinstance(value, int):
+    if isinstance(value, (int, np.integer)):
         if not allow_scalar:
             raise TypeError(f"{name} must be a tensor or a list of ints, got int")
-        return torch.tensor(value, dtype=torch.int64)
+        return torch.tensor(int(value), dtype=torch.int64)
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be an integer array, got dtype {value.dtype}")
+        if value.ndim == 0 and not allow_scalar:
+            raise TypeError(f"{name} must be a tensor or a list of ints, got a 0-d array")
+        keep = value.dtype in (np.int32, np.int64)
+        return torch.from_numpy(np.ascontiguousarray(value if keep else value.astype(np.int64)))
     if isinstance(value, (list, tuple)):
         flat = list(_flatten(value))
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in flat):
             raise TypeError(f"{name} must contain only ints")
-        return torch.tensor(value, dtype=torch.int64)
+        try:
+            return torch.tensor([_as_py(v) for v in value] if value else value, dtype=torch.int64)
+        except (ValueError, RuntimeError, OverflowError) as e:  # ragged nesting, ints beyond int64
+            raise ValueError(f"{name} must be a rectangular list of int64 values: {e}") from None
     raise TypeError(f"{name} must be an int, a list of ints or an int32/int64 tensor, got {type(value).__name__}")
+
+
+def _as_py(v: object) -> object:
+    if isinstance(v, (list, tuple)):
+        return [_as_py(x) for x in v]
+    return int(v)  # type: ignore[call-overload]
 
 
 def _flatten(seq: Iterable) -> Iterable:
@@ -82,11 +112,52 @@ def _flatten(seq: Iterable) -> Iterable:
             yield v
 
 
+def check_values_readable(t: torch.Tensor, name: str) -> None:
+    """A value check needs real data: a meta tensor has none (``validate=False`` skips value checks)."""
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor: its values cannot be validated (pass validate=False)")
+
+
 def check_non_negative(t: torch.Tensor, name: str) -> None:
     """Raise ``ValueError`` if any element of ``t`` is negative (reads values back to the host)."""
+    check_values_readable(t, name)
     if t.numel() and bool((t < 0).any()):
         bad = int(t.min())
         raise ValueError(f"{name} must be non-negative, found {bad}")
+
+
+def check_bool(value: object, name: str) -> bool:
+    """``value`` must be a Python bool (``1``/``"yes"`` are bugs, not flags)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_out(
+    buf: object, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, *, contiguous: bool = False
+) -> torch.Tensor:
+    """A caller-provided output buffer must match exactly: it is written, never broadcast into."""
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != dtype:
+        raise TypeError(f"{name} must be a {str(dtype).replace('torch.', '')} buffer, got dtype {str(buf.dtype).replace('torch.', '')}")
+    if tuple(buf.shape) != tuple(shape):
+        raise ValueError(f"{name} must be a buffer of shape {tuple(shape)}, got {tuple(buf.shape)}")
+    if buf.device != device:
+        raise ValueError(f"{name} must be on device {device}, got {buf.device}")
+    if contiguous and not buf.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (it is written as one flat buffer)")
+    return buf
+
+
+def max_global_id_bound(cols: int, world_size: int, interleave: int) -> int:
+    """Exclusive bound on the global id of a local index ``< cols`` (from shapes alone, no sync).
+
+    Local index ``l <= cols - 1`` maps to ``(l // I)*W*I + r*I + l % I < ((cols - 1)//I + 1)*W*I``.
+    """
+    if cols <= 0:
+        return 0
+    return ((cols - 1) // interleave + 1) * world_size * interleave
 
 
 def check_tensor(

@@ -18,6 +18,12 @@ rank, compacted to the front; entries at ``j >= counts[t]`` are padding (``-1``)
 read. A row with ``counts[t] == 0`` (every chosen token lives elsewhere) is *empty*: output 0 and
 LSE ``-inf``, which the LSE merge (:mod:`dcp_ref.lse`) turns into an exact-zero contribution.
 
+Emptiness is decided by the count, never by the numbers: the LSE is ``-inf`` *exactly* when
+``counts[t] == 0``. A non-empty row whose scores are NaN (a NaN in the query or in an attended KV
+row) gives a NaN output and a NaN LSE, which the merge propagates — corrupt data is never
+mistaken for an empty rank and dropped. (A non-empty row whose scores are all ``-inf`` — only
+possible with infinite data — gets a NaN LSE too, so that ``-inf`` keeps meaning "empty".)
+
 Everything is computed in float64 so that this is an oracle for bf16/fp32 kernels.
 """
 
@@ -25,9 +31,19 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_lse_base, check_same_device, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_bool,
+    check_int_scalar,
+    check_lse_base,
+    check_same_device,
+    check_tensor,
+    check_values_readable,
+)
 
 __all__ = ["KV_LORA_RANK", "QK_ROPE_DIM", "MLA_HEAD_DIM", "sparse_mla_attention"]
 
@@ -49,6 +65,7 @@ def sparse_mla_attention(
     lse_base: str = "e",
     *,
     v_dim: int = KV_LORA_RANK,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA decode attention of each query row over its own compacted slots (float64).
 
@@ -60,18 +77,25 @@ def sparse_mla_attention(
         slots: int32/int64 ``[T, K]``; row ``t`` attends to ``slots[t, :counts[t]]``, which must
             lie in ``[0, num_slots)``. Entries from ``counts[t]`` on are ignored (padding, ``-1``).
         counts: int32/int64 ``[T]``, ``0 <= counts[t] <= K``.
-        sm_scale: softmax scale (finite, > 0), e.g. ``1/sqrt(192)`` for DeepSeek V3.2.
+        sm_scale: softmax scale (a finite float or int > 0, NumPy floats too), e.g.
+            ``1/sqrt(192)`` for DeepSeek V3.2.
         lse_base: ``"e"`` (natural log) or ``"2"`` (``log2``, what exp2-based kernels return).
         v_dim: value width (``0 < v_dim <= Dqk``); 512 for DeepSeek, smaller for toy examples.
+        validate: check ``counts`` and the used ``slots`` on the host (one sync). ``False``: no
+            host read; ``counts`` is clamped to ``[0, K]`` on the device, and a row whose used
+            slots leave ``[0, num_slots)`` reads only in-range rows and is *poisoned*: its output
+            and LSE are NaN (never a plausible-looking wrong answer).
 
     Returns:
         ``(out, lse)``: ``out`` float64 ``[T, H, v_dim]``, ``lse`` float64 ``[T, H]`` in
         ``lse_base``, on the device of ``q``. Empty rows (``counts[t] == 0``) give ``out = 0`` and
-        ``lse = -inf``.
+        ``lse = -inf``; ``lse`` is ``-inf`` for no other row (see the module docstring: NaN data
+        gives NaN, which propagates).
 
     Raises:
         TypeError / ValueError naming the argument on a wrong dtype, shape, device or range.
     """
+    validate = check_bool(validate, "validate")
     base = check_lse_base(lse_base, "lse_base")
     check_tensor(q, "q", dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(kv_cache, "kv_cache", dtypes=FLOAT_DTYPES, ndim=(2, 3))
@@ -92,27 +116,35 @@ def sparse_mla_attention(
         raise ValueError(f"slots must be [T={T}, K], got shape {tuple(slots.shape)}")
     if counts.shape != (T,):
         raise ValueError(f"counts must be [T={T}], got shape {tuple(counts.shape)}")
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise TypeError(f"sm_scale must be a float, got {type(sm_scale).__name__}")
-    if not (math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be finite and > 0, got {sm_scale}")
+    scale = check_sm_scale(sm_scale)
     K = slots.shape[1]
     num_slots = kv_cache.shape[0]
-    if T and (bool((counts < 0).any()) or bool((counts > K).any())):
-        raise ValueError(f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(counts.min())}, max {int(counts.max())}")
+    cnt = counts.long()
+    if validate and T:
+        check_values_readable(counts, "counts")
+        check_values_readable(slots, "slots")
+        if bool((cnt < 0).any()) or bool((cnt > K).any()):
+            raise ValueError(f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(cnt.min())}, max {int(cnt.max())}")
+    cnt = cnt.clamp(min=0, max=K)  # a no-op for validated counts
     # Only the valid prefix of each row is read, so only it must be in range.
-    valid = torch.arange(K, device=slots.device).unsqueeze(0) < counts.unsqueeze(1)  # [T, K]
-    if bool(valid.any()):
-        used = slots[valid]
-        if bool((used < 0).any()) or bool((used >= num_slots).any()):
-            raise ValueError(
-                f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {int(used.min())}, max {int(used.max())}"
-            )
+    valid = torch.arange(K, device=slots.device).unsqueeze(0) < cnt.unsqueeze(1)  # [T, K]
+    s64 = slots.long()
+    out_of_range = valid & ((s64 < 0) | (s64 >= num_slots))
+    if validate and T and K and bool(out_of_range.any()):
+        used = s64[valid]
+        raise ValueError(
+            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {int(used.min())}, max {int(used.max())}"
+        )
+    poisoned = out_of_range.any(dim=1)  # [T]; all False after validation
 
     out = torch.zeros((T, H, v), dtype=torch.float64, device=q.device)
     lse = torch.full((T, H), -math.inf, dtype=torch.float64, device=q.device)
     if T == 0 or K == 0:
         return out, lse
+    if num_slots == 0:  # nothing can be read: every non-empty row is out of range (poisoned)
+        lse = torch.where((cnt > 0).unsqueeze(1), math.nan, lse)
+        return out.masked_fill((cnt > 0).view(T, 1, 1), math.nan), lse
+    valid &= ~out_of_range
     kv64 = kv_cache.to(torch.float64)
     q64 = q.to(torch.float64)
     rows = max(1, _GATHER_BUDGET_ELEMS // max(1, K * dqk))
@@ -120,20 +152,35 @@ def sparse_mla_attention(
         t1 = min(T, t0 + rows)
         # Padding entries may be -1: clamp them to a real row for the gather, then mask their
         # scores to -inf so they carry zero weight.
-        idx = slots[t0:t1].long().clamp(min=0, max=num_slots - 1)
+        idx = s64[t0:t1].clamp(min=0, max=num_slots - 1)
         kv = kv64[idx]  # [t, K, Dqk]
         # Zero the padding rows: the slot they were clamped to may hold garbage (NaN/inf in a
         # never-written cache block), and 0 * NaN would leak into the output through the einsum.
         kv = torch.where(valid[t0:t1].unsqueeze(-1), kv, 0.0)
-        scores = torch.einsum("thd,tkd->thk", q64[t0:t1], kv) * float(sm_scale)
+        scores = torch.einsum("thd,tkd->thk", q64[t0:t1], kv) * scale
         scores = scores.masked_fill(~valid[t0:t1].unsqueeze(1), -math.inf)
-        row_lse = torch.logsumexp(scores, dim=-1)  # [t, H]; -inf for empty rows
-        nonempty = torch.isfinite(row_lse)
-        # exp(score - lse) is the softmax; for an empty row lse = -inf would give NaN, so use 0.
+        row_lse = torch.logsumexp(scores, dim=-1)  # [t, H]; NaN when a used score is NaN
+        # Emptiness is the count, not the numbers: an empty row is 0 / -inf; a non-empty row is
+        # the softmax as computed, so a NaN score gives NaN (it must propagate, not vanish).
+        nonempty = (cnt[t0:t1] > 0).unsqueeze(1)  # [t, 1]
+        # A non-empty row with lse = -inf (all scores -inf: infinite data) must not look empty.
+        row_lse = torch.where(nonempty & (row_lse == -math.inf), math.nan, row_lse)
         p = torch.exp(scores - torch.where(nonempty, row_lse, 0.0).unsqueeze(-1))
         p = torch.where(nonempty.unsqueeze(-1), p, 0.0)
         out[t0:t1] = torch.einsum("thk,tkd->thd", p, kv[..., :v])
-        lse[t0:t1] = row_lse
+        lse[t0:t1] = torch.where(nonempty, row_lse, -math.inf)
+    out = out.masked_fill(poisoned.view(T, 1, 1), math.nan)
+    lse = lse.masked_fill(poisoned.view(T, 1), math.nan)
     if base == "2":
         lse = lse / math.log(2.0)
     return out, lse
+
+
+def check_sm_scale(sm_scale: object, name: str = "sm_scale") -> float:
+    """A softmax scale is a finite real number > 0 (Python / NumPy float or int; not a bool or tensor)."""
+    if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(sm_scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a float, got {type(sm_scale).__name__}")
+    value = float(sm_scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {sm_scale}")
+    return value

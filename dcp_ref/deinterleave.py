@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INT_DTYPES, check_int_scalar, check_tensor, check_world
+from ._checks import INT_DTYPES, check_bool, check_int_scalar, check_tensor, check_values_readable, check_world
 
 __all__ = [
     "global_ids_to_local_slots",
@@ -53,6 +53,100 @@ def _check_block_geometry(block_size: object, interleave: int) -> int:
     return bs
 
 
+def _check_geometry(world_size: object, rank: object, interleave: object, block_size: object) -> tuple[int, int, int, int]:
+    w, r, i = check_world(world_size, rank, interleave)
+    if r is None:
+        raise ValueError(f"rank must be an int in [0, world_size={w}), got None")
+    return w, r, i, _check_block_geometry(block_size, i)
+
+
+def check_deinterleave_inputs(
+    token_ids: object,
+    req_of_token: object,
+    block_table: object,
+    block_size: object,
+    world_size: object,
+    rank: object,
+    interleave: object,
+    validate: object,
+) -> tuple[int, int, int, int]:
+    """Every check of :func:`global_ids_to_local_slots`, shared with the Triton kernels so that both
+    accept and reject the same inputs with the same message. Returns ``(W, rank, I, block_size)``.
+
+    Always (free): types, dtypes (int32/int64), ranks, shapes, devices, the geometry. When
+    ``validate``: the values (one host sync) — request ids in ``[0, B)`` and slots that fit int32.
+    """
+    validate = check_bool(validate, "validate")
+    w, r, i, bs = _check_geometry(world_size, rank, interleave, block_size)
+    check_tensor(token_ids, "token_ids", dtypes=INT_DTYPES, ndim=2)
+    assert isinstance(token_ids, torch.Tensor)
+    check_tensor(block_table, "block_table", dtypes=INT_DTYPES, ndim=2, device=token_ids.device)
+    assert isinstance(block_table, torch.Tensor)
+    t_rows = token_ids.shape[0]
+    n_req = block_table.shape[0]
+    if req_of_token is None:
+        if t_rows > n_req:
+            raise ValueError(
+                f"req_of_token=None needs one block_table row per token: token_ids has {t_rows} rows, "
+                f"block_table has {n_req}"
+            )
+    else:
+        check_tensor(req_of_token, "req_of_token", dtypes=INT_DTYPES, ndim=1, device=token_ids.device)
+        assert isinstance(req_of_token, torch.Tensor)
+        if req_of_token.shape[0] != t_rows:
+            raise ValueError(
+                f"req_of_token must have shape [T]=[{t_rows}] (one entry per row of token_ids), "
+                f"got {tuple(req_of_token.shape)}"
+            )
+    if not validate or not token_ids.numel():
+        return w, r, i, bs
+    check_values_readable(token_ids, "token_ids")
+    check_values_readable(block_table, "block_table")
+    if req_of_token is not None:
+        check_values_readable(req_of_token, "req_of_token")
+        req = req_of_token.long()
+        if bool(((req < 0) | (req >= n_req)).any()):
+            raise ValueError(
+                f"req_of_token values must be in [0, {n_req}) (rows of block_table), "
+                f"got min {int(req.min())}, max {int(req.max())}"
+            )
+    slots = _slots64(token_ids, req_of_token, block_table, bs, w, r, i)
+    if int(slots.max()) > _INT32_MAX:
+        raise ValueError(
+            f"block_table holds a block id whose slots exceed int32 (max slot {int(slots.max())}); "
+            f"block ids must be < {(_INT32_MAX + 1) // bs} for block_size={bs}"
+        )
+    return w, r, i, bs
+
+
+def _slots64(
+    token_ids: torch.Tensor, req_of_token: torch.Tensor | None, block_table: torch.Tensor, bs: int, w: int, r: int, i: int
+) -> torch.Tensor:
+    """int64 slots (``-1`` where not local), no checks and no host read: a request id outside
+    ``[0, B)`` gives an all-``-1`` row, exactly as the Triton kernels do."""
+    t_rows = token_ids.shape[0]
+    n_req, n_blocks = block_table.shape
+    if req_of_token is None:
+        req = torch.arange(t_rows, device=token_ids.device, dtype=torch.int64)
+    else:
+        req = req_of_token.long()
+    req_ok = (req >= 0) & (req < n_req)
+    t = token_ids.long()
+    tc = t.clamp(min=0)  # keep the arithmetic on non-negative ids; negatives are masked below
+    owner = (tc // i) % w
+    local = (tc // (w * i)) * i + tc % i
+    blk_idx = local // bs
+    valid = (t >= 0) & (owner == r) & (blk_idx < n_blocks) & req_ok.unsqueeze(1)
+    if not t.numel() or not n_req:
+        return torch.full_like(t, -1)
+    # Gather block ids only where the indices are in range (clamped elsewhere, then masked out).
+    safe_idx = torch.where(valid, blk_idx, torch.zeros_like(blk_idx))
+    rows = torch.where(req_ok, req, 0).unsqueeze(1).expand_as(safe_idx)
+    blocks = block_table.long()[rows, safe_idx]
+    valid &= blocks >= 0
+    return torch.where(valid, blocks * bs + local % bs, torch.full_like(t, -1))
+
+
 def global_ids_to_local_slots(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
@@ -61,6 +155,8 @@ def global_ids_to_local_slots(
     world_size: int,
     rank: int,
     interleave: int = 1,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Map selected global token ids to this rank's physical KV slots (``-1`` when not here).
 
@@ -74,64 +170,35 @@ def global_ids_to_local_slots(
             (block ``j`` holds local indices ``[j*block_size, (j+1)*block_size)``). A negative
             entry means "no block" and maps to ``-1``.
         block_size: tokens per KV block, ``>= 1`` and a multiple of ``interleave``.
-        world_size, rank, interleave: the DCP geometry (``W >= 1``, ``0 <= rank < W``, ``I >= 1``).
+        world_size, rank, interleave: the DCP geometry (``W >= 1``, ``0 <= rank < W`` — an int,
+            ``None`` is rejected — and ``I >= 1``).
+        validate: check values on the host (one sync). ``False``: no host read; a request id
+            outside ``[0, B)`` gives an all-``-1`` row and a slot beyond int32 saturates to
+            ``2**31 - 1`` (which no cache holds: the attention stage rejects it, or with
+            ``validate=False`` poisons its row with NaN) — exactly what the Triton kernels do.
     Returns:
         int32 ``[T, K]`` on the device of ``token_ids``: the physical slot
         ``block*block_size + local % block_size``, or ``-1`` where the id is negative, owned by
-        another rank, or its block index ``local // block_size`` is ``>= M``. Entries keep their
-        positions (no compaction).
+        another rank, or its block index ``local // block_size`` is ``>= M`` or its block entry
+        negative. Entries keep their positions (no compaction).
     Raises:
         TypeError / ValueError naming the argument: wrong dtype, rank, shape, device, request
         ids out of range, ``block_size % interleave != 0``, or a slot that does not fit int32.
+
+    The stage does not know the local lengths: an id past the block table is "not here". That
+    the block table covers every request's local length is a plan-time check of the caller
+    (``block_table.shape[1] * block_size >= `` the largest local length).
     """
-    w, r, i = check_world(world_size, rank, interleave)
-    bs = _check_block_geometry(block_size, i)
-    check_tensor(token_ids, "token_ids", dtypes=INT_DTYPES, ndim=2)
-    check_tensor(block_table, "block_table", dtypes=INT_DTYPES, ndim=2, device=token_ids.device)
-    t_rows = token_ids.shape[0]
-    n_req, n_blocks = block_table.shape
-    if req_of_token is None:
-        if t_rows > n_req:
-            raise ValueError(
-                f"req_of_token=None needs one block_table row per token: token_ids has {t_rows} rows, "
-                f"block_table has {n_req}"
-            )
-        req = torch.arange(t_rows, device=token_ids.device, dtype=torch.int64)
-    else:
-        check_tensor(req_of_token, "req_of_token", dtypes=INT_DTYPES, ndim=1, device=token_ids.device)
-        if req_of_token.shape[0] != t_rows:
-            raise ValueError(
-                f"req_of_token must have shape [T]=[{t_rows}] (one entry per row of token_ids), "
-                f"got {tuple(req_of_token.shape)}"
-            )
-        req = req_of_token.long()
-        if req.numel() and bool(((req < 0) | (req >= n_req)).any()):
-            raise ValueError(
-                f"req_of_token values must be in [0, {n_req}) (rows of block_table), "
-                f"got min {int(req.min())}, max {int(req.max())}"
-            )
-
-    t = token_ids.long()
-    tc = t.clamp(min=0)  # keep the arithmetic on non-negative ids; negatives are masked below
-    owner = (tc // i) % w
-    local = (tc // (w * i)) * i + tc % i
-    blk_idx = local // bs
-    valid = (t >= 0) & (owner == r) & (blk_idx < n_blocks)
-    # Gather block ids only where the index is in range (clamped elsewhere, then masked out).
-    safe_idx = torch.where(valid, blk_idx, torch.zeros_like(blk_idx))
-    rows = req.unsqueeze(1).expand_as(safe_idx)
-    blocks = block_table.long()[rows, safe_idx] if t.numel() else torch.zeros_like(t)
-    valid &= blocks >= 0
-    slots = torch.where(valid, blocks * bs + local % bs, torch.full_like(t, -1))
-    if slots.numel() and int(slots.max()) > _INT32_MAX:
-        raise ValueError(
-            f"block_table holds a block id whose slots exceed int32 (max slot {int(slots.max())}); "
-            f"block ids must be < {(_INT32_MAX + 1) // bs} for block_size={bs}"
-        )
-    return slots.to(torch.int32)
+    w, r, i, bs = check_deinterleave_inputs(
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
+    )
+    slots = _slots64(token_ids, req_of_token, block_table, bs, w, r, i)
+    return slots.clamp(max=_INT32_MAX).to(torch.int32)  # saturate (validated values never reach it)
 
 
-def compact_to_front(slots: torch.Tensor, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_to_front(
+    slots: torch.Tensor, *, ordered: bool = True, validate: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Move each row's valid (``>= 0``) entries to the front, ``-1`` after them; count them.
 
     Args:
@@ -139,14 +206,21 @@ def compact_to_front(slots: torch.Tensor, ordered: bool = True) -> tuple[torch.T
         ordered: ``True`` — valid entries keep their order (a stable partition). ``False`` — the
             order of the valid entries is unspecified (what atomics give); this reference returns
             them sorted ascending, the canonical form that :func:`canonicalize` produces.
+        validate: accepted for a uniform stage signature; this function reads no value on the
+            host either way.
     Returns:
         ``(compacted, counts)``: int32 ``[T, K]`` and int32 ``[T]`` on the device of ``slots``.
         ``compacted[i, :counts[i]]`` are row ``i``'s valid entries, ``compacted[i, counts[i]:]``
-        are ``-1``. No entry is dropped or duplicated.
+        are ``-1``. No entry is dropped or duplicated. A row with no valid entry: all ``-1``,
+        count 0. Values beyond int32 are rejected (``ValueError`` naming ``slots``, validated).
     """
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
-    if not isinstance(ordered, bool):
-        raise TypeError(f"ordered must be a bool, got {type(ordered).__name__}")
+    ordered = check_bool(ordered, "ordered")
+    validate = check_bool(validate, "validate")
+    if validate and slots.dtype == torch.int64 and slots.numel():
+        check_values_readable(slots, "slots")
+        if int(slots.max()) > _INT32_MAX:
+            raise ValueError(f"slots must fit int32 (the result is int32), got max {int(slots.max())}")
     s = slots.long()
     valid = s >= 0
     counts = valid.sum(dim=1)
@@ -160,7 +234,7 @@ def compact_to_front(slots: torch.Tensor, ordered: bool = True) -> tuple[torch.T
         big = torch.iinfo(torch.int64).max
         out = torch.sort(torch.where(valid, s, torch.full_like(s, big)), dim=1).values
     out = torch.where(torch.arange(s.shape[1], device=s.device) < counts.unsqueeze(1), out, torch.full_like(out, -1))
-    return out.to(torch.int32), counts.to(torch.int32)
+    return out.clamp(max=_INT32_MAX).to(torch.int32), counts.to(torch.int32)
 
 
 def deinterleave_and_compact(
@@ -171,15 +245,22 @@ def deinterleave_and_compact(
     world_size: int,
     rank: int,
     interleave: int = 1,
+    *,
     ordered: bool = True,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stages 4a+4b in one call: :func:`global_ids_to_local_slots` then :func:`compact_to_front`.
 
     Returns ``(slots, counts)``: int32 ``[T, K]`` (valid slots first, ``-1`` after) and int32
-    ``[T]`` — the contract the sparse-attention stage consumes. Arguments as in the two functions.
+    ``[T]`` — the contract the sparse-attention stage consumes. Arguments (``ordered`` and
+    ``validate`` keyword-only, as in the Triton kernel) and errors as in the two functions; an
+    empty row (nothing selected is local) gives count 0 and all ``-1``.
     """
-    slots = global_ids_to_local_slots(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave)
-    return compact_to_front(slots, ordered=ordered)
+    ordered = check_bool(ordered, "ordered")
+    slots = global_ids_to_local_slots(
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate=validate
+    )
+    return compact_to_front(slots, ordered=ordered, validate=False)
 
 
 def canonicalize(slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

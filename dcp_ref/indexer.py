@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_non_negative, check_tensor
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_bool, check_int_scalar, check_non_negative, check_tensor
 from .topk import INVALID_KEY, stable_key
 
 __all__ = ["local_topk"]
 
 
 def local_topk(
-    logits: torch.Tensor, k: int, lengths: torch.Tensor | None = None, row_starts: torch.Tensor | None = None
+    logits: torch.Tensor,
+    k: int,
+    lengths: torch.Tensor | None = None,
+    row_starts: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Stable top-``k`` local key indices of each row.
 
@@ -36,30 +41,53 @@ def local_topk(
             and ``row_starts[r] + lengths[r] <= cols`` — a prefill chunk's scores hold several
             requests' local keys side by side (``token_ks`` of
             :class:`dcp_ref.ownership.PrefillChunkMetadata`).
+        validate: check ``lengths`` / ``row_starts`` values on the host (one sync). ``False``: no
+            host read; on the device ``row_starts`` is clamped to ``[0, cols]`` and ``lengths`` to
+            ``[0, cols - row_starts]`` (never a read outside ``logits``).
     Returns:
         int64 ``[rows, k]`` local indices ``j`` (relative to the row's start) in selection order,
         ``-1`` padded.
+
+    Contract: the selection order is score descending (as float32; ``-0.0 == +0.0``), then lower
+    index. A NaN score marks a masked key: never selected. An empty row (``lengths[r] == 0``)
+    gives all ``-1``; ``rows == 0`` gives ``[0, k]``.
+    Raises (naming the argument): ``TypeError`` for a non-float ``logits``, a non-int ``k`` or
+    ``lengths`` / ``row_starts`` that are not int32/int64 tensors; ``ValueError`` for wrong
+    ranks / shapes / devices, ``k < 1``, negative ``lengths`` / ``row_starts``, and (validated)
+    a row window outside ``logits``: ``lengths > cols`` (index scores narrower than the local
+    bound: keys would be dropped silently) or ``row_starts + lengths > cols``.
     """
+    validate = check_bool(validate, "validate")
     check_tensor(logits, "logits", dtypes=FLOAT_DTYPES, ndim=2)
     k = check_int_scalar(k, "k", min_value=1)
     rows, cols = logits.shape
     idx = torch.arange(cols, device=logits.device).expand(rows, cols)
+    starts = None
     if row_starts is not None:
         check_tensor(row_starts, "row_starts", dtypes=INT_DTYPES, ndim=1, device=logits.device)
         if row_starts.shape[0] != rows:
             raise ValueError(f"row_starts must have shape [{rows}] (one per logits row), got {tuple(row_starts.shape)}")
-        check_non_negative(row_starts, "row_starts")
-        if rows and int(row_starts.max()) > cols:
-            raise ValueError(f"row_starts must be <= cols={cols}, got max {int(row_starts.max())}")
-        idx = idx - row_starts.long()[:, None]  # local index j of each column (negative: before the row's keys)
+        if validate:
+            check_non_negative(row_starts, "row_starts")
+            if rows and int(row_starts.max()) > cols:
+                raise ValueError(f"row_starts must be <= cols={cols}, got max {int(row_starts.max())}")
+        starts = row_starts.long().clamp(min=0, max=cols)  # a no-op for validated values
+        idx = idx - starts[:, None]  # local index j of each column (negative: before the row's keys)
     if lengths is not None:
         check_tensor(lengths, "lengths", dtypes=INT_DTYPES, ndim=1, device=logits.device)
         if lengths.shape[0] != rows:
             raise ValueError(f"lengths must have shape [{rows}] (one per logits row), got {tuple(lengths.shape)}")
-        check_non_negative(lengths, "lengths")
-        if row_starts is not None and rows and bool((row_starts.long() + lengths.long() > cols).any()):
-            raise ValueError(f"row_starts + lengths must be <= cols={cols} (a row's keys lie inside logits)")
-        idx = torch.where(idx < lengths[:, None], idx, torch.full_like(idx, -1))
+        if validate:
+            check_non_negative(lengths, "lengths")
+            if starts is not None:
+                if rows and bool((starts + lengths.long() > cols).any()):
+                    raise ValueError(f"row_starts + lengths must be <= cols={cols} (a row's keys lie inside logits)")
+            elif rows and int(lengths.max()) > cols:
+                raise ValueError(
+                    f"lengths must be <= logits.shape[1]={cols} (the index scores are narrower than the local "
+                    f"bound: keys past column {cols} would be dropped), got max {int(lengths.max())}"
+                )
+        idx = torch.where(idx < lengths.long().clamp(min=0)[:, None], idx, torch.full_like(idx, -1))
     idx = torch.where(idx >= 0, idx, torch.full_like(idx, -1))
     out = torch.full((rows, k), -1, dtype=torch.int64, device=logits.device)
     kk = min(k, cols)

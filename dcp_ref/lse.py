@@ -21,13 +21,20 @@ FlashMLA) return ``lse2 = log2 sum exp(s)``. ``lse_e = lse2 * ln 2``. Mixing the
 every weight wrong: the merge needs all LSEs in one base, and the formula for that base
 (``exp`` for e, ``exp2`` for 2).
 
-Invalid entries
----------------
-An *empty* rank (no chosen key on it) reports ``lse = -inf`` and its partial output is
-meaningless (0, or NaN from a 0/0 in some kernels). NaN and ``+inf`` LSEs are also treated as
-``-inf``: the rank contributes *exactly* zero (its weight is 0 and its output is never
-multiplied in, so a NaN output cannot leak). When every rank is empty the merged output is 0 and
-the merged LSE is ``-inf`` (the LSE of an empty set), so a later merge treats it as empty again.
+Empty ranks and NaN
+-------------------
+An *empty* rank (no chosen key on it: a count of zero) reports ``lse = -inf`` — the attention
+stage writes ``-inf`` exactly when the count is 0 — and its partial output is meaningless (0, or
+NaN from a 0/0 in some kernels). It contributes *exactly* zero: its weight is 0 and its output
+is *selected away* (never multiplied in), so its garbage cannot leak. When every rank is empty
+the merged output is 0 and the merged LSE is ``-inf`` (the LSE of an empty set), so a later
+merge treats it as empty again.
+
+Emptiness is never inferred from a NaN. A NaN LSE (NaN in the query or in an attended KV row of
+a non-empty rank) or a ``+inf`` LSE (an overflow) is corrupt data: the merged output and LSE of
+that ``(t, h)`` are NaN on every rank, and no other ``(t, h)`` is affected. A NaN in a non-empty
+rank's partial output propagates the same way (its weight times NaN is NaN, even when the weight
+underflows to 0 — as in the single-device softmax).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from __future__ import annotations
 import math
 import torch
 
-from ._checks import FLOAT_DTYPES, check_int_scalar, check_lse_base, check_same_device, check_tensor
+from ._checks import FLOAT_DTYPES, check_bool, check_int_scalar, check_lse_base, check_same_device, check_tensor
 from .group import Group
 
 __all__ = [
@@ -96,7 +103,12 @@ def normalize_lse_shape(lse: torch.Tensor, num_tokens: int, num_heads: int) -> t
 
 
 def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
-    """Replace NaN and ``+inf`` by ``-inf`` (an invalid LSE means "this rank is empty")."""
+    """Replace NaN and ``+inf`` by ``-inf`` — **not** what the merge does.
+
+    Kept for notebooks that show the old convention: reading a NaN LSE as "empty" makes corrupt
+    data vanish (the rank is dropped and the answer looks fine). The merge treats only ``-inf``
+    as empty and propagates NaN / ``+inf`` as NaN (module docstring).
+    """
     check_tensor(lse, "lse", dtypes=FLOAT_DTYPES)
     bad = torch.isnan(lse) | (lse == math.inf)
     return lse.masked_fill(bad, -math.inf)
@@ -112,43 +124,63 @@ def _check_partials(outs: torch.Tensor, lses: torch.Tensor) -> None:
         raise ValueError("outs must hold at least one rank (W >= 1)")
 
 
-def _weights(lses: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``(w [W,T,H], merged lse [T,H])`` with ``w_r = b^(lse_r - lse)``, 0 for invalid ranks."""
-    l64 = sanitize_lse(lses.to(torch.float64))
-    m = l64.amax(dim=0)  # [T, H]; -inf iff every rank is empty
+def _weights(lses: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 ``(w [W,T,H], merged lse [T,H], empty [W,T,H])``, ``w_r = b^(lse_r - lse)``.
+
+    ``empty`` is ``lse_r == -inf`` (weight 0, output selected away). A NaN or ``+inf`` LSE in any
+    rank makes every weight and the merged LSE of that ``(t, h)`` NaN: corrupt data propagates.
+    """
+    l64 = lses.to(torch.float64)
+    empty = l64 == -math.inf
+    corrupt = torch.isnan(l64) | (l64 == math.inf)
+    clean = l64.masked_fill(corrupt, -math.inf)
+    m = clean.amax(dim=0)  # [T, H]; -inf iff every rank is empty (or corrupt)
     m_safe = torch.where(torch.isfinite(m), m, 0.0)  # avoid (-inf) - (-inf) = NaN
     if base == "2":
-        e = torch.exp2(l64 - m_safe)  # -inf -> 0: empty ranks get weight 0
+        e = torch.exp2(clean - m_safe)  # -inf -> 0: empty ranks get weight 0
         total = e.sum(0)
         merged = m_safe + torch.log2(total)  # log2(0) = -inf for all-empty rows
     else:
-        e = torch.exp(l64 - m_safe)
+        e = torch.exp(clean - m_safe)
         total = e.sum(0)
         merged = m_safe + torch.log(total)
     w = torch.where(total > 0, e / torch.where(total > 0, total, 1.0), 0.0)
-    return w, merged
+    bad = corrupt.any(dim=0)  # [T, H]
+    w = w.masked_fill(bad.unsqueeze(0), math.nan)
+    merged = merged.masked_fill(bad, math.nan)
+    return w, merged, empty
 
 
-def merge_partials(outs: torch.Tensor, lses: torch.Tensor, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
+def _contribution(w: torch.Tensor, out: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """``w * out`` in float64, exactly 0 for an empty rank (``where``: 0 * NaN would be NaN)."""
+    return torch.where(empty.unsqueeze(-1), 0.0, w.unsqueeze(-1) * out.to(torch.float64))
+
+
+def merge_partials(
+    outs: torch.Tensor, lses: torch.Tensor, base: str = "e", *, validate: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge W partial attention outputs by their LSEs (computed in float64).
 
     Args:
         outs: ``[W, T, H, D]`` float, rank ``r``'s normalized partial output in ``outs[r]``.
-        lses: ``[W, T, H]`` float, rank ``r``'s LSE in ``base``; NaN / ``+inf`` mean "empty".
+        lses: ``[W, T, H]`` float, rank ``r``'s LSE in ``base``; ``-inf`` means "empty" (a count
+            of zero).
         base: ``"e"`` or ``"2"`` — the base of ``lses`` (and of the returned LSE).
+        validate: accepted for a uniform stage signature: the merge has no value checks (it
+            reads nothing on the host either way; NaN is data, not an error).
 
     Returns:
         ``(out, lse)``: ``out`` ``[T, H, D]`` in ``outs.dtype``, ``lse`` ``[T, H]`` in
-        ``lses.dtype`` and ``base``. Ranks with an invalid LSE contribute exactly 0 (a NaN output
-        of an empty rank never leaks). When every rank is empty: ``out = 0``, ``lse = -inf``.
+        ``lses.dtype`` and ``base``. Empty ranks contribute exactly 0 (their output, even NaN,
+        never leaks). When every rank is empty: ``out = 0``, ``lse = -inf``. A NaN / ``+inf``
+        LSE or a NaN output of a non-empty rank gives NaN for that ``(t, h)`` only.
+    Raises: TypeError (non-float tensors), ValueError (ranks / shapes / devices, base).
     """
+    check_bool(validate, "validate")
     b = check_lse_base(base)
     _check_partials(outs, lses)
-    w, merged = _weights(lses, b)
-    o64 = outs.to(torch.float64)
-    # where(), not w * o: 0 * NaN = NaN would leak an empty rank's garbage output.
-    contrib = torch.where((w > 0).unsqueeze(-1), w.unsqueeze(-1) * o64, 0.0)
-    return contrib.sum(0).to(outs.dtype), merged.to(lses.dtype)
+    w, merged, empty = _weights(lses, b)
+    return _contribution(w, outs, empty).sum(0).to(outs.dtype), merged.to(lses.dtype)
 
 
 def merge_partials_naive_add(outs: torch.Tensor, lses: torch.Tensor, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,12 +190,12 @@ def merge_partials_naive_add(outs: torch.Tensor, lses: torch.Tensor, base: str =
     """
     b = check_lse_base(base)
     _check_partials(outs, lses)
-    _, merged = _weights(lses, b)
+    _, merged, _ = _weights(lses, b)
     return outs.to(torch.float64).sum(0).to(outs.dtype), merged.to(lses.dtype)
 
 
 def correct_partial(
-    out: torch.Tensor, all_lses: torch.Tensor, rank: int, base: str = "e"
+    out: torch.Tensor, all_lses: torch.Tensor, rank: int, base: str = "e", *, validate: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's share of the merge: rescale its partial output by ``b^(lse_rank - lse)``.
 
@@ -173,11 +205,14 @@ def correct_partial(
     Args:
         out: ``[T, H, D]`` float, this rank's partial output.
         all_lses: ``[W, T, H]`` float, every rank's LSE in ``base`` (rank order).
-        rank: this rank, ``0 <= rank < W``.
+        rank: this rank, ``0 <= rank < W`` (a Python or NumPy int).
+        validate: as in :func:`merge_partials` (no value checks exist).
     Returns:
         ``(corrected [T, H, D] in out.dtype, merged lse [T, H] in all_lses.dtype)``.
-        ``sum_r correct_partial(o_r, L, r)[0] == merge_partials(stack(o), L)[0]``.
+        ``sum_r correct_partial(o_r, L, r)[0] == merge_partials(stack(o), L)[0]``. An empty rank
+        (``lse = -inf``) gives exactly 0; NaN propagates as in :func:`merge_partials`.
     """
+    check_bool(validate, "validate")
     b = check_lse_base(base)
     check_tensor(out, "out", dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(all_lses, "all_lses", dtypes=FLOAT_DTYPES, ndim=3)
@@ -185,12 +220,13 @@ def correct_partial(
     if tuple(all_lses.shape[1:]) != tuple(out.shape[:2]):
         raise ValueError(f"all_lses must be [W, T, H] with [T, H] = {tuple(out.shape[:2])}, got {tuple(all_lses.shape)}")
     w_size = all_lses.shape[0]
+    if w_size < 1:
+        raise ValueError("all_lses must hold at least one rank (W >= 1)")
     r = check_int_scalar(rank, "rank", min_value=0)
     if r >= w_size:
         raise ValueError(f"rank must be < W={w_size} (all_lses.shape[0]), got {r}")
-    w, merged = _weights(all_lses, b)
-    wr = w[r].unsqueeze(-1)
-    corrected = torch.where(wr > 0, wr * out.to(torch.float64), 0.0)
+    w, merged, empty = _weights(all_lses, b)
+    corrected = _contribution(w[r], out, empty[r])
     return corrected.to(out.dtype), merged.to(all_lses.dtype)
 
 

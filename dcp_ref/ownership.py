@@ -24,8 +24,14 @@ Decode bounds must be expanded per query token *first* and localized *after*: a 
 bound is a global length, and ``local_len`` is not linear in ``L`` (see
 :func:`localize_decode_bounds_wrong_order` for the bug the other order produces).
 
-All functions take Python ints or int32/int64 tensors (CPU or CUDA) and return the same kind:
-int in → int out, tensor in → tensor of the same dtype and device out.
+All functions take Python (or NumPy) ints or int32/int64 tensors (CPU or CUDA) and return the
+same kind: int in → int out, tensor in → tensor of the same dtype and device out. The arithmetic
+runs in int64 whatever the input dtype (an int32 ``W*I`` or ``l // I * W*I`` must not wrap), and
+a result that does not fit the input's dtype raises ``ValueError`` instead of wrapping.
+
+Contract (every function): negative positions / lengths raise ``ValueError`` naming the argument;
+``world_size < 1``, ``interleave < 1`` or a rank outside ``[0, W)`` raise ``ValueError``; a float,
+bool or list where an int belongs raises ``TypeError``. An empty tensor gives an empty result.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union, overload
 
+import numpy as np
 import torch
 
-from ._checks import as_int_tensor, check_int_scalar, check_non_negative, check_world
+from ._checks import as_int_tensor, check_bool, check_int_scalar, check_non_negative, check_world
 
 IntLike = Union[int, torch.Tensor]
 
@@ -52,16 +59,20 @@ __all__ = [
 ]
 
 
+_INT_MAX = {torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
+
+
 def _positions(pos: object, name: str) -> tuple[torch.Tensor, bool]:
     """Return (int tensor, was_python_int) after checking values are >= 0."""
-    scalar = isinstance(pos, int) and not isinstance(pos, bool)
+    scalar = isinstance(pos, (int, np.integer)) and not isinstance(pos, (bool, np.bool_))
     t = as_int_tensor(pos, name)
     check_non_negative(t, name)
     return t, scalar
 
 
-def _out(t: torch.Tensor, scalar: bool) -> IntLike:
-    return int(t.item()) if scalar else t
+def _out(t: torch.Tensor, scalar: bool, like: torch.Tensor) -> IntLike:
+    """The int64 result ``t`` back in the input's kind: a Python int, or ``like``'s dtype."""
+    return int(t.item()) if scalar else t.to(like.dtype)
 
 
 @overload
@@ -79,7 +90,8 @@ def owner_rank(pos, world_size, interleave=1):
     """
     w, _, i = check_world(world_size, None, interleave)
     t, scalar = _positions(pos, "pos")
-    return _out(torch.div(t, i, rounding_mode="floor") % w, scalar)
+    t64 = t.long()
+    return _out(torch.div(t64, i, rounding_mode="floor") % w, scalar, t)
 
 
 @overload
@@ -93,7 +105,8 @@ def global_to_local(pos, world_size, interleave=1):
     """
     w, _, i = check_world(world_size, None, interleave)
     t, scalar = _positions(pos, "pos")
-    return _out(torch.div(t, w * i, rounding_mode="floor") * i + t % i, scalar)
+    t64 = t.long()
+    return _out(torch.div(t64, w * i, rounding_mode="floor") * i + t64 % i, scalar, t)
 
 
 @overload
@@ -103,11 +116,25 @@ def local_to_global(local: torch.Tensor, rank: int, world_size: int, interleave:
 def local_to_global(local, rank, world_size, interleave=1):
     """Global position of local index ``local`` on ``rank``: ``(l // I)*(W*I) + rank*I + l % I``.
 
-    Exact inverse of ``(owner_rank, global_to_local)`` for every ``I >= 1``.
+    Exact inverse of ``(owner_rank, global_to_local)`` for every ``I >= 1``. The global position
+    is about ``W`` times the local one: a result that does not fit ``local``'s dtype (int32, or
+    int64) raises ``ValueError`` naming ``local`` (pass int64 tensors) instead of wrapping.
     """
     w, r, i = check_world(world_size, rank, interleave)
+    if r is None:
+        raise ValueError(f"rank must be an int in [0, world_size={w}), got None")
     t, scalar = _positions(local, "local")
-    return _out(torch.div(t, i, rounding_mode="floor") * (w * i) + r * i + t % i, scalar)
+    t64 = t.long()
+    limit = _INT_MAX[torch.int64 if scalar else t.dtype]
+    # Largest local index whose global position fits: (l // I)*W*I + (W-1)*I + I-1 <= limit.
+    max_local = ((limit - w * i + 1) // (w * i)) * i + i - 1
+    if t.numel() and int(t64.max()) > max_local:
+        raise ValueError(
+            f"local must be <= {max_local} for world_size={w}, interleave={i}: its global position would "
+            f"overflow {'int64' if scalar else str(t.dtype).replace('torch.', '')}, got max {int(t64.max())}"
+            + ("" if scalar or t.dtype == torch.int64 else " (pass an int64 tensor)")
+        )
+    return _out(torch.div(t64, i, rounding_mode="floor") * (w * i) + r * i + t64 % i, scalar, t)
 
 
 @overload
@@ -129,17 +156,26 @@ def local_seq_lens(seq_lens, world_size, rank=None, interleave=1):
     """
     w, r, i = check_world(world_size, rank, interleave)
     t, scalar = _positions(seq_lens, "seq_lens")
+    out = _local_lens(t, w, r, i)
+    return out if r is None else _out(out, scalar, t)
+
+
+def _local_lens(t: torch.Tensor, w: int, r: int | None, i: int) -> torch.Tensor:
+    """The closed form of :func:`local_seq_lens` without checks (int64 arithmetic, ``t``'s dtype out
+    for ``r=None``, int64 otherwise). Negative lengths count as 0 (the unvalidated path's clamp)."""
+    t64 = t.long().clamp(min=0)
     span = w * i
-    full = torch.div(t, span, rounding_mode="floor")
-    rem = t - full * span
+    full = torch.div(t64, span, rounding_mode="floor")
+    rem = t64 - full * span
     if r is None:
-        ranks = torch.arange(w, device=t.device, dtype=t.dtype)
-        out = full.unsqueeze(-1) * i + torch.clamp(rem.unsqueeze(-1) - ranks * i, min=0, max=i)
-        return out
-    return _out(full * i + torch.clamp(rem - r * i, min=0, max=i), scalar)
+        ranks = torch.arange(w, device=t.device, dtype=torch.int64)
+        return (full.unsqueeze(-1) * i + torch.clamp(rem.unsqueeze(-1) - ranks * i, min=0, max=i)).to(t.dtype)
+    return full * i + torch.clamp(rem - r * i, min=0, max=i)
 
 
-def expand_decode_bounds(seq_lens: object, query_lens: object) -> torch.Tensor:
+def expand_decode_bounds(
+    seq_lens: object, query_lens: object, *, num_tokens: int | None = None, validate: bool = True
+) -> torch.Tensor:
     """Per-query-token *global* key bounds for (speculative / MTP) decode.
 
     Request ``b`` has ``L_b = seq_lens[b]`` tokens in total, the last ``q_b`` of which are this
@@ -147,41 +183,79 @@ def expand_decode_bounds(seq_lens: object, query_lens: object) -> torch.Tensor:
     and attends causally to keys ``[0, L_b - q_b + j + 1)``; that exclusive bound is returned.
 
     Args:
-        seq_lens: int32/int64 ``[B]`` (or list of ints), ``L_b >= q_b``.
+        seq_lens: int32/int64 ``[B]`` (or a list / NumPy array of ints), ``L_b >= q_b``.
         query_lens: either an int ``next_n >= 1`` (every request has ``next_n`` query tokens —
             the 2-D form), or int32/int64 ``[B]`` per-request counts ``>= 0`` (the 1-D flattened
             form, tokens of request 0 first).
+        num_tokens: the number of query tokens ``T`` the caller has (e.g. ``q.shape[0]``).
+            Checked against ``B * next_n`` / ``sum(query_lens)`` (``ValueError`` naming
+            ``query_lens`` on a mismatch). Required with ``validate=False`` for a tensor
+            ``query_lens``: the output size must not depend on tensor values.
+        validate: check values on the host (one sync). ``False``: no host read; negative
+            lengths / counts are clamped to 0 and bounds to ``>= 0`` on the device.
     Returns:
         ``[B, next_n]`` for an int ``query_lens``, else ``[sum(query_lens)]``; dtype/device of
         ``seq_lens``.
+    Raises:
+        ValueError: negative ``seq_lens`` / ``query_lens``, ``seq_lens < query_lens``, a
+            ``num_tokens`` mismatch, shapes that disagree. TypeError: non-integer inputs.
     """
+    validate = check_bool(validate, "validate")
     lens = as_int_tensor(seq_lens, "seq_lens", allow_scalar=False)
     if lens.ndim != 1:
         raise ValueError(f"seq_lens must be 1-D [B], got shape {tuple(lens.shape)}")
-    check_non_negative(lens, "seq_lens")
-    return _expand(lens, query_lens, check_bounds=True)
+    if validate:
+        check_non_negative(lens, "seq_lens")
+    return _expand(lens, query_lens, check_bounds=True, validate=validate, num_tokens=num_tokens)
 
 
-def _expand(lens: torch.Tensor, query_lens: object, *, check_bounds: bool) -> torch.Tensor:
+def _expand(
+    lens: torch.Tensor, query_lens: object, *, check_bounds: bool, validate: bool = True, num_tokens: object = None
+) -> torch.Tensor:
     """Shared body of the right and the deliberately wrong expansion (see callers)."""
-    if isinstance(query_lens, int) and not isinstance(query_lens, bool):
+    n_tok = None if num_tokens is None else check_int_scalar(num_tokens, "num_tokens", min_value=0)
+    B = lens.numel()
+    if isinstance(query_lens, (int, np.integer)) and not isinstance(query_lens, (bool, np.bool_)):
         next_n = check_int_scalar(query_lens, "query_lens", min_value=1)
-        if check_bounds and lens.numel() and bool((lens < next_n).any()):
+        if n_tok is not None and B * next_n != n_tok:
+            raise ValueError(
+                f"query_lens={next_n} per request for {B} requests gives {B * next_n} query tokens, "
+                f"but num_tokens={n_tok} (q has that many rows)"
+            )
+        if validate and check_bounds and B and bool((lens < next_n).any()):
             raise ValueError(f"seq_lens must be >= query_lens={next_n} (each query token is part of the sequence)")
-        j = torch.arange(next_n, device=lens.device, dtype=lens.dtype)
-        return lens.unsqueeze(1) - next_n + 1 + j
-    q = as_int_tensor(query_lens, "query_lens", allow_scalar=False).to(device=lens.device, dtype=lens.dtype)
-    if q.shape != lens.shape:
+        j = torch.arange(next_n, device=lens.device, dtype=torch.int64)
+        out = lens.long().unsqueeze(1) - next_n + 1 + j
+        return (out if validate else out.clamp(min=0)).to(lens.dtype)
+    q = as_int_tensor(query_lens, "query_lens", allow_scalar=False)
+    if tuple(q.shape) != tuple(lens.shape):
         raise ValueError(f"query_lens must have the shape of seq_lens {tuple(lens.shape)}, got {tuple(q.shape)}")
-    check_non_negative(q, "query_lens")
-    if check_bounds and bool((lens < q).any()):
-        raise ValueError("seq_lens must be >= query_lens elementwise (each query token is part of the sequence)")
-    # Index of each flattened token within its request: arange minus the request's start offset.
-    total = int(q.sum())
-    req = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), q.long(), output_size=total)
-    starts = torch.cumsum(q, 0) - q
-    j = torch.arange(total, device=lens.device, dtype=lens.dtype) - starts[req]
-    return lens[req] - q[req] + 1 + j
+    q = q.to(device=lens.device, dtype=torch.int64)
+    if validate:
+        check_non_negative(q, "query_lens")
+        if check_bounds and B and bool((lens < q).any()):
+            raise ValueError("seq_lens must be >= query_lens elementwise (each query token is part of the sequence)")
+        total = int(q.sum()) if B else 0
+        if n_tok is not None and total != n_tok:
+            raise ValueError(f"query_lens must add up to num_tokens={n_tok} (q has that many rows), got sum {total}")
+    else:
+        if n_tok is None:
+            raise ValueError(
+                "num_tokens is required with validate=False when query_lens is a tensor "
+                "(the number of query tokens must not be read from the device)"
+            )
+        if B == 0 and n_tok:
+            raise ValueError(f"query_lens is empty (no request) but num_tokens={n_tok}")
+        total = n_tok
+        q = q.clamp(min=0)
+    # Request and index-within-request of each flattened token, by a search in the cumulative
+    # counts: always in bounds (repeat_interleave with a wrong output_size is not, on CUDA).
+    ends = torch.cumsum(q, 0)
+    tok = torch.arange(total, device=lens.device, dtype=torch.int64)
+    req = torch.searchsorted(ends, tok, right=True).clamp(max=max(B - 1, 0))
+    j = tok - (ends - q)[req]
+    out = lens.long()[req] - q[req] + 1 + j
+    return (out if validate else out.clamp(min=0)).to(lens.dtype)
 
 
 def localize_decode_bounds(
@@ -190,6 +264,9 @@ def localize_decode_bounds(
     world_size: int,
     rank: int | None,
     interleave: int = 1,
+    *,
+    num_tokens: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """This rank's per-query-token key bounds: expand globally first, localize each bound after.
 
@@ -198,10 +275,18 @@ def localize_decode_bounds(
 
     Example (W=2, rank 1, I=1; one request, L=10, 3 query tokens): global bounds ``[8, 9, 10]``
     → local ``[4, 4, 5]``.
+
+    Contract: valid inputs are those of :func:`expand_decode_bounds` plus the geometry
+    (``W >= 1``, ``0 <= rank < W`` or ``None``, ``I >= 1``). ``num_tokens`` (``q.shape[0]``) is
+    checked against the query counts. ``validate=False`` reads nothing on the host (pass
+    ``num_tokens`` for a tensor ``query_lens``); bad values are clamped to 0 on the device. A
+    request with ``L = 0`` keys on this rank gives bound 0 (an empty row downstream).
     """
     check_world(world_size, rank, interleave)
-    bounds = expand_decode_bounds(seq_lens, query_lens)
-    return local_seq_lens(bounds, world_size, rank, interleave)
+    bounds = expand_decode_bounds(seq_lens, query_lens, num_tokens=num_tokens, validate=validate)
+    w, r, i = check_world(world_size, rank, interleave)
+    out = _local_lens(bounds, w, r, i)
+    return out.to(bounds.dtype)
 
 
 def localize_decode_bounds_wrong_order(
@@ -300,7 +385,7 @@ def localize_prefill_chunk(
     req = torch.repeat_interleave(torch.arange(ctx.numel(), device=ctx.device), q.long())
     ks = cu_k[:-1][req]
     ke = ks + local_seq_lens(bounds, w, r, i)
-    totals = all_local.sum(0) if all_local.numel() else torch.zeros(w, dtype=ctx.dtype)
+    totals = all_local.sum(0) if all_local.numel() else torch.zeros(w, dtype=ctx.dtype, device=ctx.device)
     return PrefillChunkMetadata(
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,

@@ -31,7 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, as_int_tensor, check_int_scalar, check_tensor, check_world
+from ._checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_bool,
+    check_int_scalar,
+    check_tensor,
+    check_values_readable,
+    check_world,
+    max_global_id_bound,
+)
 from .group import Group, SingleGroup
 from .ownership import local_to_global, owner_rank, global_to_local
 
@@ -67,6 +76,8 @@ def pack_candidates(
     world_size: int,
     interleave: int = 1,
     row_starts: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Pack one rank's local top-K as ``(score, global id)`` pairs, ready for the all-gather.
 
@@ -74,53 +85,101 @@ def pack_candidates(
         logits: float16/bfloat16/float32/float64 ``[rows, cols]`` — this rank's indexer scores;
             column ``row_starts[r] + j`` holds local key ``j`` of row ``r``.
         local_topk: int32/int64 ``[rows, K]`` local key indices, ``-1`` for an empty slot.
-        rank, world_size, interleave: the DCP geometry (stage 1's layout).
-        row_starts: optional int32/int64 ``[rows]`` column offsets (prefill chunks pack several
-            requests' keys into one logits row space); ``None`` means 0.
+        rank, world_size, interleave: the DCP geometry (stage 1's layout); ``rank`` is required.
+        row_starts: optional int32/int64 ``[rows]`` tensor of column offsets (prefill chunks pack
+            several requests' keys into one logits row space); ``None`` means 0.
+        validate: check index values on the host (one sync). ``False``: no host read; on the
+            device ``row_starts`` is clamped to ``[0, cols]`` and an entry outside
+            ``[0, cols - row_start)`` is packed as invalid (never read out of bounds).
     Returns:
         float32 ``[rows, K, 2]``: ``[..., 0]`` the score (as float32), ``[..., 1]`` the global id
-        ``local_to_global(j, rank, W, I)``. Empty slots get ``(-inf, -1)``.
+        ``local_to_global(j, rank, W, I)``. Empty slots get ``(-inf, -1)``. A NaN score is packed
+        as is (the selection treats it as invalid).
     Raises:
-        ValueError: a local index outside ``[-1, cols - row_start)``, or a global id ``>= 2**24``
-            (not exactly representable in float32).
+        ValueError: (validated) a local index outside ``[-1, cols - row_start)``, a row start
+            outside ``[0, cols]``; always: a global id that may reach ``2**24`` (not exactly
+            representable in float32) — by value when validated, from the shape of ``logits``
+            (``cols`` local keys) with ``validate=False``; wrong shapes / devices / geometry.
+        TypeError: wrong dtypes, a non-tensor ``row_starts``.
     """
-    w, r, i = check_world(world_size, rank, interleave)
-    check_tensor(logits, "logits", dtypes=FLOAT_DTYPES, ndim=2)
-    idx = check_tensor(local_topk, "local_topk", dtypes=INT_DTYPES, ndim=2)
-    if idx.shape[0] != logits.shape[0]:
-        raise ValueError(f"local_topk must have logits' row count {logits.shape[0]}, got shape {tuple(idx.shape)}")
-    if idx.device != logits.device:
-        raise ValueError(f"local_topk must be on logits' device {logits.device}, got {idx.device}")
+    w, r, i = _check_pack(logits, local_topk, rank, world_size, interleave, row_starts, validate)
     rows, cols = logits.shape
-    if row_starts is None:
-        starts = torch.zeros(rows, dtype=torch.int64, device=logits.device)
-    else:
-        starts = as_int_tensor(row_starts, "row_starts", allow_scalar=False).to(logits.device).long()
-        if starts.shape != (rows,):
-            raise ValueError(f"row_starts must have shape ({rows},), got {tuple(starts.shape)}")
-        if rows and bool(((starts < 0) | (starts > cols)).any()):
-            raise ValueError(f"row_starts must lie in [0, cols={cols}]")
-    idx = idx.long()
-    valid = idx >= 0
+    starts = torch.zeros(rows, dtype=torch.int64, device=logits.device) if row_starts is None else row_starts.long()
+    starts = starts.clamp(min=0, max=cols)  # a no-op for validated values
+    idx = local_topk.long()
     col = starts.unsqueeze(1) + idx
-    if idx.numel() and bool((idx < -1).any()):
-        raise ValueError(f"local_topk entries must be -1 or >= 0, found {int(idx.min())}")
-    if idx.numel() and bool((valid & (col >= cols)).any()):
-        raise ValueError(f"local_topk + row_starts must be < logits.shape[1]={cols} for valid entries")
-    gid = local_to_global(idx.clamp(min=0), r, w, i)
-    if gid.numel() and bool((valid & (gid >= MAX_EXACT_ID)).any()):
-        raise ValueError(
-            f"global id {int(gid[valid].max())} >= 2**24 is not exactly representable in float32; "
-            "the (score, id) packing needs ids < 16777216"
-        )
+    # The unvalidated path packs anything else as invalid (compared without the sum: no overflow).
+    valid = (idx >= 0) & (idx < (cols - starts).unsqueeze(1))
+    li = torch.where(valid, idx, 0)
+    gid = torch.div(li, i, rounding_mode="floor") * (w * i) + r * i + li % i  # local_to_global, no checks
     if cols:
         score = torch.gather(logits, 1, torch.where(valid, col, 0)).to(torch.float32)
-    else:  # a rank that owns no key yet: every entry must be -1 (checked above)
+    else:  # a rank that owns no key yet: every entry is invalid
         score = torch.zeros(idx.shape, dtype=torch.float32, device=logits.device)
     out = torch.empty((rows, idx.shape[1], 2), dtype=torch.float32, device=logits.device)
     out[..., 0] = torch.where(valid, score, torch.full_like(score, float("-inf")))
     out[..., 1] = torch.where(valid, gid, -1).to(torch.float32)
     return out
+
+
+def _check_pack(
+    logits: object, local_topk: object, rank: object, world_size: object, interleave: object,
+    row_starts: object, validate: object,
+) -> tuple[int, int, int]:
+    """Every check of :func:`pack_candidates` (shared with the Triton kernel: same inputs, same errors).
+
+    Shapes, dtypes, devices and the geometry always; values (one host sync) when ``validate``.
+    Returns ``(W, rank, I)``.
+    """
+    validate = check_bool(validate, "validate")
+    w, r, i = check_world(world_size, rank, interleave)
+    if r is None:
+        raise ValueError(f"rank must be an int in [0, world_size={w}), got None")
+    check_tensor(logits, "logits", dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor(local_topk, "local_topk", dtypes=INT_DTYPES, ndim=2)
+    assert isinstance(logits, torch.Tensor) and isinstance(local_topk, torch.Tensor)
+    if local_topk.shape[0] != logits.shape[0]:
+        raise ValueError(f"local_topk must have logits' row count {logits.shape[0]}, got shape {tuple(local_topk.shape)}")
+    if local_topk.device != logits.device:
+        raise ValueError(f"local_topk must be on logits' device {logits.device}, got {local_topk.device}")
+    rows, cols = logits.shape
+    if row_starts is not None:
+        check_tensor(row_starts, "row_starts", dtypes=INT_DTYPES, ndim=1, device=logits.device)
+        assert isinstance(row_starts, torch.Tensor)
+        if tuple(row_starts.shape) != (rows,):
+            raise ValueError(f"row_starts must have shape ({rows},), got {tuple(row_starts.shape)}")
+    bound = max_global_id_bound(cols, w, i)
+    if not validate:
+        if bound > MAX_EXACT_ID:
+            raise ValueError(
+                f"logits has {cols} columns: global ids could reach {bound - 1} >= 2**24, not exactly "
+                "representable in float32; with validate=False the shapes must rule that out "
+                "(validate=True checks the actual ids)"
+            )
+        return w, r, i
+    if not local_topk.numel():
+        return w, r, i
+    idx = local_topk.long()
+    check_values_readable(idx, "local_topk")
+    starts = torch.zeros(rows, dtype=torch.int64, device=logits.device) if row_starts is None else row_starts.long()
+    check_values_readable(starts, "row_starts")
+    if bool(((starts < 0) | (starts > cols)).any()):
+        raise ValueError(f"row_starts must lie in [0, cols={cols}]")
+    if bool((idx < -1).any()):
+        raise ValueError(f"local_topk entries must be -1 or >= 0, found {int(idx.min())}")
+    valid = idx >= 0
+    if bool((valid & (starts.unsqueeze(1) + idx >= cols)).any()):
+        raise ValueError(f"local_topk + row_starts must be < logits.shape[1]={cols} for valid entries")
+    if bound > MAX_EXACT_ID:  # only then can an id be too large: check the largest one
+        gmax = int(idx.max())
+        if gmax >= 0:
+            g = (gmax // i) * (w * i) + r * i + gmax % i
+            if g >= MAX_EXACT_ID:
+                raise ValueError(
+                    f"global id {g} >= 2**24 is not exactly representable in float32; "
+                    "the (score, id) packing needs ids < 16777216"
+                )
+    return w, r, i
 
 
 def stable_key(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -176,13 +235,14 @@ def _as_rows(gathered: torch.Tensor) -> torch.Tensor:
 
 def check_candidate_ids(ids: torch.Tensor, name: str = "gathered") -> None:
     """Valid ids are integers in ``[0, 2**24)``; ``-1`` (or NaN) marks an invalid candidate."""
+    check_values_readable(ids, name)
     ok = torch.isnan(ids) | (ids == -1) | ((ids >= 0) & (ids < MAX_EXACT_ID) & (ids == torch.floor(ids)))
     if ids.numel() and not bool(ok.all()):
         bad = ids[~ok][0].item()
         raise ValueError(f"{name}[..., 1] (ids) must be -1 or an integer in [0, 2**24), found {bad}")
 
 
-def stable_topk(gathered: torch.Tensor, k: int, sorted: bool = False) -> torch.Tensor:  # noqa: A002
+def stable_topk(gathered: torch.Tensor, k: int, sorted: bool = False, *, validate: bool = True) -> torch.Tensor:  # noqa: A002
     """Exact, deterministic top-``k`` of packed candidates (the reference; CPU or GPU tensors).
 
     Args:
@@ -191,12 +251,24 @@ def stable_topk(gathered: torch.Tensor, k: int, sorted: bool = False) -> torch.T
         k: how many to select, ``k >= 1`` (``k > N`` is fine: the rest is ``-1``).
         sorted: return the ids in key order (score descending, then id ascending). The
             reference always does; kernels may return another order when ``sorted=False``.
+        validate: check the id values on the host (one sync). ``False``: no host read; an id
+            that is not ``-1`` / NaN / an integer in ``[0, 2**24)`` gives an unspecified (but
+            in-bounds) selection — negative ids and NaN scores are always invalid.
     Returns:
         int32 ``[rows, k]`` global ids; ``-1`` after the last valid one.
+
+    Contract: a candidate is invalid when its id is ``-1`` (any negative) or NaN, or its score
+    is NaN; invalid candidates are never selected. A row with no valid candidate is all ``-1``.
+    Duplicated ``(score, id)`` pairs are both selectable (the caller's job to avoid).
+    Raises: ``TypeError`` (gathered not float32, k not an int), ``ValueError`` (rank / last
+    dimension != 2, ``k < 1``, and — validated — a bad id, naming ``gathered``).
     """
+    validate = check_bool(validate, "validate")
     c = _as_rows(gathered)
     k = check_int_scalar(k, "k", min_value=1)
-    check_candidate_ids(c[..., 1])
+    check_bool(sorted, "sorted")
+    if validate:
+        check_candidate_ids(c[..., 1])
     rows, n, _ = c.shape
     out = torch.full((rows, k), -1, dtype=torch.int32, device=c.device)
     if n == 0 or rows == 0:
@@ -219,29 +291,30 @@ def merge_topk_global(
     interleave: int = 1,
     row_starts: torch.Tensor | None = None,
     sorted: bool = False,  # noqa: A002
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """One rank's stage 3: pack → ``all_gather`` over ``group`` → :func:`stable_topk`.
 
     Every rank of the group gets the identical result. ``W = 1`` (``group`` ``None`` or a
-    :class:`~dcp_ref.group.SingleGroup`) is a no-op: the local top-K already is the global one
-    (local ids are global ids), returned as int32 ``[rows, k]`` when ``k == K``.
+    :class:`~dcp_ref.group.SingleGroup`) runs the same pack and selection as any ``W``: there is
+    no shortcut that would skip their checks (or pass a NaN-scored or ``-1``-first row through).
 
     Args:
         group: a :class:`~dcp_ref.group.Group` (``SimulatedWorld`` rank, torch.distributed, ...).
-        logits, local_topk, interleave, row_starts: as in :func:`pack_candidates`.
+        logits, local_topk, interleave, row_starts, validate: as in :func:`pack_candidates`
+            (``validate`` also goes to :func:`stable_topk`).
         k: global top-k size.  sorted: as in :func:`stable_topk`.
     Returns:
         int32 ``[rows, k]`` global ids, ``-1`` padded.
     """
     group = SingleGroup() if group is None else group
+    if not all(hasattr(group, a) for a in ("rank", "world_size", "all_gather")):
+        raise TypeError(f"group must be a dcp_ref.group.Group (rank, world_size, all_gather) or None, got {type(group).__name__}")
     k = check_int_scalar(k, "k", min_value=1)
-    if group.world_size == 1 and k == local_topk.shape[-1] and not sorted:
-        check_tensor(local_topk, "local_topk", dtypes=INT_DTYPES, ndim=2)
-        check_tensor(logits, "logits", dtypes=FLOAT_DTYPES, ndim=2)
-        return local_topk.to(torch.int32).clone()
-    packed = pack_candidates(logits, local_topk, group.rank, group.world_size, interleave, row_starts)
+    packed = pack_candidates(logits, local_topk, group.rank, group.world_size, interleave, row_starts, validate=validate)
     gathered = group.all_gather(packed)  # [W, rows, K, 2], rank order
-    return stable_topk(gathered, k, sorted=sorted)
+    return stable_topk(gathered, k, sorted=sorted, validate=validate)
 
 
 def unsigned_key(key: torch.Tensor) -> list[int]:

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from . import topk as _ref
-from ._checks import check_int_scalar, has_module, triton_interpreting
+from ._checks import check_bool, check_int_scalar, check_out, check_tensor, has_module, triton_interpreting
 
 __all__ = ["BACKENDS", "resolve_backend", "pack_candidates", "stable_topk", "merge_topk_global"]
 
@@ -72,6 +72,12 @@ def resolve_backend(backend: str, device: torch.device, op: str = "stable_topk")
     return "torch", reason
 
 
+def _check_device_arg(x: object, name: str) -> torch.device:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x.device
+
+
 def pack_candidates(
     logits: torch.Tensor,
     local_topk: torch.Tensor,
@@ -85,13 +91,17 @@ def pack_candidates(
 ) -> torch.Tensor:
     """:func:`dcp_ref.topk.pack_candidates` on the chosen backend (``"cutedsl"`` packs with Triton).
 
-    ``out``/``validate`` apply to the Triton path (see :mod:`dcp_ref.kernels.pack_triton`).
-    Returns float32 ``[rows, K, 2]``.
+    Same contract on every backend (same accepted inputs, same errors): ``validate`` as in the
+    reference; ``out`` an optional contiguous float32 ``[rows, K, 2]`` buffer on ``logits``'
+    device, checked exactly (never broadcast into). Returns float32 ``[rows, K, 2]``.
     """
-    be, _ = resolve_backend("triton" if backend == "cutedsl" else backend, logits.device, "pack")
+    validate = check_bool(validate, "validate")
+    be, _ = resolve_backend("triton" if backend == "cutedsl" else backend, _check_device_arg(logits, "logits"), "pack")
     if be == "torch":
-        res = _ref.pack_candidates(logits, local_topk, rank, world_size, interleave, row_starts)
-        return out.copy_(res) if out is not None else res
+        res = _ref.pack_candidates(logits, local_topk, rank, world_size, interleave, row_starts, validate=validate)
+        if out is None:
+            return res
+        return check_out(out, "out", tuple(res.shape), torch.float32, logits.device, contiguous=True).copy_(res)
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
     return pack_candidates_triton(logits, local_topk, rank, world_size, interleave, row_starts, out=out, validate=validate)
@@ -103,16 +113,22 @@ def stable_topk(
     sorted: bool = False,  # noqa: A002
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """:func:`dcp_ref.topk.stable_topk` on the chosen backend.
 
-    ``"triton"`` has no selection kernel: it runs the reference. With ``"cutedsl"`` and
-    ``out`` given, nothing is allocated and the host is not synchronised (CUDA graphs); the
-    kernel does not validate id values (the reference does). Returns int32 ``[rows, k]``.
+    ``"triton"`` has no selection kernel: it runs the reference. With ``"cutedsl"``, ``out``
+    given and ``validate=False``, nothing is allocated and the host is not synchronised (CUDA
+    graphs). ``validate=True`` checks the id values on every backend (same ``ValueError``).
+    ``out``: optional contiguous int32 ``[rows, k]`` on ``gathered``'s device, checked exactly.
+    Returns int32 ``[rows, k]``.
     """
+    validate = check_bool(validate, "validate")
     k = check_int_scalar(k, "k", min_value=1)
-    if not isinstance(gathered, torch.Tensor):
-        raise TypeError(f"gathered must be a torch.Tensor, got {type(gathered).__name__}")
+    check_tensor(gathered, "gathered", dtypes=(torch.float32,), ndim=(3, 4))
+    rows = gathered.shape[-3]
+    if out is not None:
+        check_out(out, "out", (rows, k), torch.int32, gathered.device, contiguous=True)
     be, _ = resolve_backend(backend, gathered.device, "stable_topk")
     if be == "cutedsl":
         from dcp_ref.kernels.topk_cutedsl import MAX_CANDIDATES, MAX_SORTED_WINNERS, stable_topk_cutedsl
@@ -128,8 +144,8 @@ def stable_topk(
                 raise ValueError(f"backend='cutedsl' cannot run this shape: {too_big}")
             _log_fallback("stable_topk", too_big)
         else:
-            return stable_topk_cutedsl(gathered.contiguous(), k, sorted=sorted, out=out)
-    res = _ref.stable_topk(gathered, k, sorted=sorted)
+            return stable_topk_cutedsl(gathered.contiguous(), k, sorted=sorted, out=out, validate=validate)
+    res = _ref.stable_topk(gathered, k, sorted=sorted, validate=validate)
     return out.copy_(res) if out is not None else res
 
 
@@ -142,13 +158,19 @@ def merge_topk_global(
     row_starts: torch.Tensor | None = None,
     sorted: bool = False,  # noqa: A002
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
-    """:func:`dcp_ref.topk.merge_topk_global` with pack and selection on ``backend``."""
+    """:func:`dcp_ref.topk.merge_topk_global` with pack and selection on ``backend``.
+
+    No ``W = 1`` shortcut: one world size, one code path, the same checks.
+    """
     from .group import SingleGroup
 
     group = SingleGroup() if group is None else group
-    if group.world_size == 1 and k == local_topk.shape[-1] and not sorted:
-        return _ref.merge_topk_global(group, logits, local_topk, k, interleave, row_starts, sorted)
-    packed = pack_candidates(logits, local_topk, group.rank, group.world_size, interleave, row_starts, backend=backend)
+    if not all(hasattr(group, a) for a in ("rank", "world_size", "all_gather")):
+        raise TypeError(f"group must be a dcp_ref.group.Group (rank, world_size, all_gather) or None, got {type(group).__name__}")
+    k = check_int_scalar(k, "k", min_value=1)
+    packed = pack_candidates(logits, local_topk, group.rank, group.world_size, interleave, row_starts, backend=backend,
+                             validate=validate)
     gathered = group.all_gather(packed)
-    return stable_topk(gathered, k, sorted=sorted, backend=backend)
+    return stable_topk(gathered, k, sorted=sorted, backend=backend, validate=validate)

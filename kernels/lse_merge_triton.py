@@ -12,9 +12,12 @@ output values per partial, and write ``D`` values. The arithmetic (a max, W ``ex
 * everything in the log2 domain with ``exp2``/``log2`` (the hardware MUFU instructions); a base-e
   LSE is converted on load (``× log2 e``) and back on store (``× ln 2``).
 
-Invalid LSEs (NaN, ``+inf``) are treated as ``-inf`` (an empty rank). An empty rank's weight is
-exactly 0 and its output is *selected away* (``where``), never multiplied (``0 × NaN = NaN``).
-All ranks empty → output 0, LSE ``-inf`` (as :func:`dcp_ref.lse.merge_partials`).
+Emptiness is ``lse == -inf`` (the attention stage writes it exactly when a row's count is 0): an
+empty rank's weight is exactly 0 and its output is *selected away* (``where``), never multiplied
+(``0 × NaN = NaN``). All ranks empty → output 0, LSE ``-inf``. A NaN or ``+inf`` LSE is corrupt
+data, never "empty": the merged output and LSE of that ``(t, h)`` are NaN (and nothing else is);
+a NaN in a non-empty rank's output propagates through its weight. Exactly the semantics of
+:func:`dcp_ref.lse.merge_partials` (tested against it, NaN patterns included).
 
 Kernels:
 
@@ -58,22 +61,28 @@ LOG2E_C: tl.constexpr = tl.constexpr(1.0 / LN2)  # base e -> base 2: lse_2 = lse
 def merge_weights(lse_row, s_lw, offs_hs, mask_h, W: tl.constexpr, BLOCK_W: tl.constexpr, IS_BASE2: tl.constexpr):
     """All W ranks' LSEs for BLOCK_H heads in one [BLOCK_W, BLOCK_H] tile (one load, no second pass).
 
-    Returns ``(e, m_safe, total)`` in the log2 domain: ``e[w, h] = 2^(lse2[w, h] - m_safe[h])``
-    (exactly 0 for an invalid LSE), ``m_safe`` the max (0 where every rank is empty, so that
-    ``(-inf) - (-inf)`` = NaN never happens) and ``total = sum_w e[w]``.
+    Returns ``(e, m_safe, total, empty)`` in the log2 domain: ``e[w, h] = 2^(lse2[w, h] - m_safe[h])``
+    (exactly 0 for an empty rank, NaN for a corrupt — NaN or ``+inf`` — LSE), ``m_safe`` the max
+    of the other LSEs (0 where every rank is empty, so that ``(-inf) - (-inf)`` = NaN never
+    happens), ``total = sum_w e[w]`` (NaN when any rank is corrupt: it poisons that head) and
+    ``empty[w, h]`` = 1.0 where ``lse == -inf``, else 0.0.
     """
     offs_w = tl.arange(0, BLOCK_W)
     mask = (offs_w < W)[:, None] & mask_h[None, :]
     x = tl.load(lse_row + offs_w[:, None] * s_lw + offs_hs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-    # x == x is False only for NaN; NaN / +inf mean "this rank has nothing for (t, h)".
-    x = tl.where((x == x) & (x < float("inf")), x, float("-inf"))
+    empty = tl.where(x == float("-inf"), 1.0, 0.0)
+    # x != x only for NaN. NaN / +inf are corrupt data, not "empty": kept out of the max, then
+    # given a NaN weight so that they poison their head instead of vanishing.
+    corrupt = (x != x) | (x == float("inf"))
+    x = tl.where(corrupt, float("-inf"), x)
     if not IS_BASE2:
         x = x * LOG2E_C  # base e -> base 2
     m = tl.max(x, axis=0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     e = tl.exp2(x - m_safe[None, :])  # 2^-inf = 0: empty ranks weigh exactly 0
+    e = tl.where(corrupt, float("nan"), e)
     total = tl.sum(e, axis=0)
-    return e, m_safe, total
+    return e, m_safe, total, empty
 
 
 @triton.jit
@@ -84,8 +93,9 @@ def weight_row(e, offs_w, w):
 
 @triton.jit
 def store_merged_lse(res_lse_ptr, offs_hs, mask_h, m_safe, total, IS_BASE2: tl.constexpr):
-    # Guard log2(0): all-empty rows get -inf without ever evaluating log2 of 0.
-    merged = tl.where(total > 0, m_safe + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
+    # Guard log2(0): all-empty rows get -inf without ever evaluating log2 of 0; a NaN total
+    # (a corrupt rank) gives NaN.
+    merged = tl.where(total == 0, float("-inf"), m_safe + tl.log2(tl.where(total == 0, 1.0, total)))
     if not IS_BASE2:
         merged = merged * LN2_C  # base 2 -> base e
     tl.store(res_lse_ptr + offs_hs, merged, mask=mask_h)
@@ -110,11 +120,13 @@ def lse_correct_kernel(
     mask = mask_h[:, None] & (offs_d < D)[None, :]
     # Issue the big load first: its memory latency then overlaps the LSE arithmetic below.
     x = tl.load(out_ptr + t * s_ot + offs_h[:, None] * s_oh + offs_d[None, :] * s_od, mask=mask, other=0.0)
-    e, m_safe, total = merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
-    mine = weight_row(e, tl.arange(0, BLOCK_W), rank)
-    factor = tl.where(total > 0, mine / tl.where(total > 0, total, 1.0), 0.0)
+    e, m_safe, total, empty = merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
+    offs_w = tl.arange(0, BLOCK_W)
+    mine = weight_row(e, offs_w, rank)
+    mine_empty = weight_row(empty, offs_w, rank) > 0
+    factor = mine / tl.where(total == 0, 1.0, total)  # NaN total (a corrupt rank) -> NaN factor
     # where(), not factor * x: an empty rank's output may be NaN and 0 * NaN = NaN.
-    y = tl.where(factor[:, None] > 0, factor[:, None] * x.to(tl.float32), 0.0)
+    y = tl.where(mine_empty[:, None], 0.0, factor[:, None] * x.to(tl.float32))
     tl.store(res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, y.to(res_ptr.dtype.element_ty), mask=mask)
     if STORE_LSE:
         store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
@@ -137,8 +149,8 @@ def lse_merge_kernel(
     mask_h = offs_h < H
     offs_d = tl.arange(0, BLOCK_D)
     mask = mask_h[:, None] & (offs_d < D)[None, :]
-    e, m_safe, total = merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
-    inv_total = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    e, m_safe, total, empty = merge_weights(lses_ptr + t * s_lt, s_lw, offs_h * s_lh, mask_h, W, BLOCK_W, IS_BASE2)
+    inv_total = 1.0 / tl.where(total == 0, 1.0, total)  # NaN total (a corrupt rank) -> NaN
     offs_w = tl.arange(0, BLOCK_W)
     tile = t * s_ot + offs_h[:, None] * s_oh + offs_d[None, :] * s_od
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
@@ -147,7 +159,7 @@ def lse_merge_kernel(
     for w in tl.static_range(W):
         f = weight_row(e, offs_w, w) * inv_total
         x = tl.load(outs_ptr + w * s_ow + tile, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.where(f[:, None] > 0, f[:, None] * x, 0.0)
+        acc += tl.where((weight_row(empty, offs_w, w) > 0)[:, None], 0.0, f[:, None] * x)
     tl.store(res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, acc.to(res_ptr.dtype.element_ty), mask=mask)
     if STORE_LSE:
         store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)

@@ -35,10 +35,16 @@ NAN, INF = float("nan"), float("inf")
 
 # ----------------------------------------------------------------------------- brute force
 def brute_merge(outs: list, lses: list, base: str) -> tuple[list, float]:
-    """Python-float merge of W partials for one (t, h): outs[w] is a list of D floats."""
+    """Python-float merge of W partials for one (t, h): outs[w] is a list of D floats.
+
+    Only ``-inf`` means "empty" (a count of zero): a NaN or ``+inf`` LSE is corrupt data and makes
+    this (t, h) NaN; a NaN output of a non-empty rank propagates through its weight.
+    """
     b = 2.0 if base == "2" else math.e
-    valid = [w for w, l in enumerate(lses) if not (math.isnan(l) or l == INF or l == -INF)]
     D = len(outs[0])
+    if any(math.isnan(l) or l == INF for l in lses):
+        return [NAN] * D, NAN
+    valid = [w for w, l in enumerate(lses) if l != -INF]
     if not valid:
         return [0.0] * D, -INF
     m = max(lses[w] for w in valid)
@@ -68,6 +74,7 @@ def brute_merge_tensor(outs: torch.Tensor, lses: torch.Tensor, base: str) -> tup
 def assert_lse_equal(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
     a, b = a.double().cpu(), b.double().cpu()
     assert torch.equal(torch.isneginf(a), torch.isneginf(b)), "-inf pattern differs"
+    assert torch.equal(torch.isnan(a), torch.isnan(b)), "NaN pattern differs"
     fin = torch.isfinite(b)
     assert torch.isfinite(a[fin]).all()
     if fin.any():
@@ -153,8 +160,9 @@ def test_merge_partials_matches_brute_force(W: int, base: str) -> None:
     outs, lses = random_partials(W, 5, 3, 4, seed=W)
     got_o, got_l = merge_partials(outs, lses, base)
     ref_o, ref_l = brute_merge_tensor(outs, lses, base)
-    assert torch.isfinite(got_o).all(), "a NaN output of an empty rank leaked"
-    assert torch.allclose(got_o, ref_o, rtol=1e-12, atol=1e-12)
+    assert torch.equal(torch.isnan(got_o), torch.isnan(ref_o)), "NaN leaked from an empty rank, or vanished"
+    assert torch.isnan(ref_o).any() and not torch.isnan(ref_o).all()  # the case is exercised both ways
+    assert torch.allclose(got_o, ref_o, rtol=1e-12, atol=1e-12, equal_nan=True)
     assert_lse_equal(got_l, ref_l, 1e-12)
 
 
@@ -168,16 +176,29 @@ def test_merge_partials_property(W: int, T: int, H: int, D: int, seed: int, base
     got_o, got_l = merge_partials(outs, lses, base)
     ref_o, ref_l = brute_merge_tensor(outs, lses, base)
     assert got_o.shape == (T, H, D) and got_l.shape == (T, H)
-    assert torch.allclose(got_o, ref_o, rtol=1e-10, atol=1e-10)
+    assert torch.allclose(got_o, ref_o, rtol=1e-10, atol=1e-10, equal_nan=True)
     assert_lse_equal(got_l, ref_l, 1e-10)
 
 
 def test_merge_all_empty_gives_zero_and_neg_inf() -> None:
     outs = torch.full((3, 2, 2, 4), NAN, dtype=torch.float64)
-    lses = torch.tensor([-INF, NAN, INF], dtype=torch.float64).view(3, 1, 1).expand(3, 2, 2).contiguous()
+    lses = torch.full((3, 2, 2), -INF, dtype=torch.float64)
     o, l = merge_partials(outs, lses, "e")
     assert o.tolist() == torch.zeros(2, 2, 4).tolist()
     assert torch.isneginf(l).all()
+
+
+@pytest.mark.parametrize("bad", [NAN, INF])
+def test_merge_nan_or_inf_lse_is_never_empty(bad: float) -> None:
+    """A NaN / +inf LSE is corrupt data, not an empty rank: that (t, h) is NaN, nothing else is."""
+    outs, lses = random_partials(3, 2, 2, 4, seed=2, invalid=False)
+    clean_o, clean_l = merge_partials(outs, lses, "e")
+    lses[1, 0, 1] = bad
+    o, l = merge_partials(outs, lses, "e")
+    assert torch.isnan(o[0, 1]).all() and math.isnan(l[0, 1].item())
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    mask[0, 1] = False
+    assert torch.equal(o[mask], clean_o[mask]) and torch.equal(l[mask], clean_l[mask])
 
 
 def test_merge_empty_rank_does_not_leak_nan() -> None:
@@ -260,10 +281,11 @@ def test_correct_partial_sums_to_merge(base: str) -> None:
     acc = torch.zeros_like(ref_o)
     for r in range(W):
         c, l = correct_partial(outs[r], lses, r, base)
-        assert torch.isfinite(c).all()
+        assert not torch.isnan(c[torch.isneginf(lses[r])]).any()  # an empty rank gives exactly 0
         acc += c
         assert_lse_equal(l, ref_l, 1e-12)
-    assert torch.allclose(acc, ref_o, atol=1e-12)
+    assert torch.equal(torch.isnan(acc), torch.isnan(ref_o))
+    assert torch.allclose(acc, ref_o, atol=1e-12, equal_nan=True)
     with pytest.raises(ValueError, match="rank"):
         correct_partial(outs[0], lses, W, base)
     with pytest.raises(ValueError, match="all_lses"):
@@ -281,7 +303,7 @@ def test_dcp_merge_collective(W: int, base: str) -> None:
     hs = H // W
     for r, (o, l) in enumerate(res):
         assert o.shape == (T, hs, D) and l.shape == (T, hs)
-        assert torch.allclose(o, ref_o[:, r * hs : (r + 1) * hs], atol=1e-12)
+        assert torch.allclose(o, ref_o[:, r * hs : (r + 1) * hs], atol=1e-12, equal_nan=True)
         assert_lse_equal(l, ref_l[:, r * hs : (r + 1) * hs], 1e-12)
 
 
@@ -315,8 +337,8 @@ def test_triton_merge_matches_brute_force(kernel_device, W, T, H, D, dtype, bloc
     k.lse_merge(outs.to(dtype).to(kernel_device), lses.float().to(kernel_device), base=base,
                 merged=merged, merged_lse=mlse, block_h=block_h)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert torch.isfinite(merged).all()
-    assert torch.allclose(merged.double().cpu(), ref_o, rtol=tol, atol=tol)
+    assert torch.equal(torch.isnan(merged.cpu()), torch.isnan(ref_o))
+    assert torch.allclose(merged.double().cpu(), ref_o, rtol=tol, atol=tol, equal_nan=True)
     assert_lse_equal(mlse, ref_l, 1e-5)
 
 
@@ -339,10 +361,10 @@ def test_triton_correct_matches_reference_and_in_place(kernel_device, base) -> N
             res = _poison((T, H, D), torch.float32, kernel_device)
             k.lse_correct(x, lses_d, r, base=base, corrected=res)
         ref_r, _ = correct_partial(outs[r].float().double(), lses.float().double(), r, base)
-        assert torch.isfinite(res).all()
-        assert torch.allclose(res.double().cpu(), ref_r, rtol=1e-5, atol=1e-6)
+        assert torch.equal(torch.isnan(res.cpu()), torch.isnan(ref_r))
+        assert torch.allclose(res.double().cpu(), ref_r, rtol=1e-5, atol=1e-6, equal_nan=True)
         acc += res.double().cpu()
-    assert torch.allclose(acc, ref_o, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(acc, ref_o, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 def test_triton_merge_strided_inputs(kernel_device) -> None:
@@ -355,7 +377,7 @@ def test_triton_merge_strided_inputs(kernel_device) -> None:
     assert not outs_s.is_contiguous() and not lses_s.is_contiguous()
     merged, _ = k.lse_merge(outs_s, lses_s, base="e")
     ref_o, _ = brute_merge_tensor(outs.float().double(), lses.float().double(), "e")
-    assert torch.allclose(merged.double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(merged.double().cpu(), ref_o, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 @settings(max_examples=12, deadline=None)
@@ -369,7 +391,8 @@ def test_triton_merge_property(W, T, H, D, seed, base) -> None:
     mlse = _poison((T, H), torch.float32, dev)
     k.lse_merge(outs.float().to(dev), lses.float().to(dev), base=base, merged=merged, merged_lse=mlse)
     ref_o, ref_l = brute_merge_tensor(outs.float().double(), lses.float().double(), base)
-    assert torch.allclose(merged.double().cpu(), ref_o, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isnan(merged.cpu()), torch.isnan(ref_o))
+    assert torch.allclose(merged.double().cpu(), ref_o, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert_lse_equal(mlse, ref_l, 1e-5)
 
 
