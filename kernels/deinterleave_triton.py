@@ -29,11 +29,14 @@ plain conversion). ``token_ids`` / ``block_table`` may have any strides. Wrapper
 caller-provided ``out`` / ``counts`` / ``workspace`` buffers: with them the GPU path allocates
 nothing and never synchronises with the host, so it can be captured in a CUDA graph.
 
-Hot-path validation is shapes / dtypes / devices only (no value reads). Values are made
-memory-safe instead: a request id outside ``[0, B)`` gives an all-``-1`` row, a block index
-``>= M`` or a negative block id gives ``-1`` — the same answers as the reference for the
-latter two (the reference raises for bad request ids). Slots are computed in int32: the caller
-guarantees ``num_blocks * block_size < 2**31`` (the reference checks it).
+Validation is the reference's own (:func:`dcp_ref.deinterleave.check_deinterleave_inputs`): the
+same inputs (int32 or int64 ids, request ids and block tables) are accepted and rejected with the
+same messages. ``validate=True`` (the default) also checks values on the host (one sync);
+``validate=False`` — the hot path, CUDA-graph capturable — reads nothing on the host, and values
+are made memory-safe on the device instead, with exactly the reference's ``validate=False``
+answers: a request id outside ``[0, B)`` gives an all-``-1`` row, a block index ``>= M`` or a
+negative block id gives ``-1``, and a slot beyond int32 (a corrupt block id) saturates to
+``2**31 - 1`` (computed in int64, never wrapped into a plausible small slot).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_int_scalar, check_tensor, check_world, triton_interpreting
+from dcp_ref._checks import check_bool, check_int_scalar, check_tensor, triton_interpreting
+from dcp_ref.deinterleave import check_deinterleave_inputs
 from dcp_ref.kernels._util import next_pow2
 
 __all__ = [
@@ -109,7 +113,8 @@ def convert_tile(
     valid = owned & (blk_idx < tl.where(req_ok, n_blocks, 0))
     blk = tl.load(bt_row_ptr + blk_idx * stride_btc, mask=valid, other=-1)
     valid = valid & (blk >= 0)
-    slot = blk * KV_BLOCK + local % KV_BLOCK
+    # int64, then saturated: a corrupt block id must not wrap into a plausible small int32 slot.
+    slot = tl.minimum(blk.to(tl.int64) * KV_BLOCK + (local % KV_BLOCK).to(tl.int64), 2147483647).to(tl.int32)
     return slot, valid
 
 
@@ -421,34 +426,15 @@ def workspace_numel(method: str, rows: int, k: int, block: int | None = None) ->
     return rows * _cdiv(max(k, 1), b)
 
 
-def _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave):
-    w, r, i = check_world(world_size, rank, interleave)
-    if r is None:
-        raise ValueError("rank must be an int")
-    bs = check_int_scalar(block_size, "block_size", min_value=1)
-    if bs % i:
-        raise ValueError(
-            f"block_size must be a multiple of interleave (block_size % interleave == 0), "
-            f"got block_size={bs}, interleave={i}"
-        )
-    check_tensor(token_ids, "token_ids", dtypes=(torch.int32,), ndim=2)
+def _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate):
+    w, r, i, bs = check_deinterleave_inputs(
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
+    )
     dev = token_ids.device
     if dev.type != "cuda" and not triton_interpreting():
         raise ValueError(
             f"token_ids must be on a CUDA device (or set TRITON_INTERPRET=1 before importing this "
             f"module to run on the CPU), got {dev}"
-        )
-    check_tensor(block_table, "block_table", dtypes=(torch.int32,), ndim=2, device=dev)
-    if req_of_token is not None:
-        check_tensor(req_of_token, "req_of_token", dtypes=(torch.int32,), ndim=1, device=dev)
-        if req_of_token.shape[0] != token_ids.shape[0]:
-            raise ValueError(
-                f"req_of_token must have shape [T]=[{token_ids.shape[0]}], got {tuple(req_of_token.shape)}"
-            )
-    elif token_ids.shape[0] > block_table.shape[0]:
-        raise ValueError(
-            f"req_of_token=None needs one block_table row per token: token_ids has "
-            f"{token_ids.shape[0]} rows, block_table has {block_table.shape[0]}"
         )
     return w, r, i, bs, dev
 
@@ -472,13 +458,16 @@ def global_ids_to_local_slots_triton(
     out: torch.Tensor | None = None,
     block: int | None = None,
     num_warps: int = 4,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Conversion only (no compaction): int32 ``[T, K]`` slots, ``-1`` where not local.
 
-    Same contract as :func:`dcp_ref.deinterleave.global_ids_to_local_slots`; ``out`` (int32
-    ``[T, K]``) is written and returned when given.
+    Same contract as :func:`dcp_ref.deinterleave.global_ids_to_local_slots` (``validate`` too);
+    ``out`` (int32 ``[T, K]``) is written and returned when given.
     """
-    w, r, i, bs, dev = _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave)
+    w, r, i, bs, dev = _check_common(
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
+    )
     t_rows, k = token_ids.shape
     out = (
         torch.empty((t_rows, k), dtype=torch.int32, device=dev)
@@ -533,13 +522,14 @@ def deinterleave_compact(
     workspace: torch.Tensor | None = None,
     block: int | None = None,
     num_warps: int | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused conversion + compaction to the front (stages 4a+4b).
 
     Args:
-        token_ids: int32 ``[T, K]`` selected global ids (``-1`` = none), any strides.
-        req_of_token: int32 ``[T]`` request of each row, or ``None`` (row ``i`` is request ``i``).
-        block_table: int32 ``[B, M]`` physical block ids of each request's local KV, any strides.
+        token_ids: int32/int64 ``[T, K]`` selected global ids (``-1`` = none), any strides.
+        req_of_token: int32/int64 ``[T]`` request of each row, or ``None`` (row ``i`` is request ``i``).
+        block_table: int32/int64 ``[B, M]`` physical block ids of each request's local KV, any strides.
         block_size, world_size, rank, interleave: as in the reference
             (:func:`dcp_ref.deinterleave.deinterleave_and_compact`).
         ordered: keep the valid slots in top-K order (deterministic). ``False`` allows the atomic
@@ -552,13 +542,16 @@ def deinterleave_compact(
             Pass all three buffers to make the call allocation-free (CUDA-graph capturable).
         block, num_warps: tile width (power of two) and warps; the defaults (per method and row
             count) are the H200 benchmark's best for K = 2048.
+        validate: as in the reference: check values on the host (one sync); ``False`` on the hot
+            path (no host read; bad values handled on the device, module docstring).
     Returns:
         ``(out, counts)``: int32 ``[T, K]`` with the valid slots in ``out[i, :counts[i]]`` and
         ``-1`` after; int32 ``[T]``.
     """
-    w, r, i, bs, dev = _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave)
-    if not isinstance(ordered, bool):
-        raise TypeError(f"ordered must be a bool, got {type(ordered).__name__}")
+    w, r, i, bs, dev = _check_common(
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
+    )
+    ordered = check_bool(ordered, "ordered")
     if method is None:
         method = DEFAULT_ORDERED_METHOD if ordered else DEFAULT_UNORDERED_METHOD
     if method not in METHODS:

@@ -189,14 +189,15 @@ def check_kernel_result(out, counts, ids, req, bt, bs, w, r, i, ordered):
         assert canonicalize(out, counts).tolist() == want.tolist()
 
 
-def run_method(method, ids, req, bt, bs, w, r, i, dev, block=None, poison=True):
+def run_method(method, ids, req, bt, bs, w, r, i, dev, block=None, poison=True, validate=True):
     ids, bt = ids.to(dev), bt.to(dev)
     req = None if req is None else req.to(dev)
     t_rows, k = ids.shape
     out = torch.full((t_rows, k), 12345, dtype=torch.int32, device=dev) if poison else None
     counts = torch.full((t_rows,), 777, dtype=torch.int32, device=dev) if poison else None
     o, c = dk.deinterleave_compact(
-        ids, req, bt, bs, w, r, i, ordered=method != "atomic", method=method, out=out, counts=counts, block=block
+        ids, req, bt, bs, w, r, i, ordered=method != "atomic", method=method, out=out, counts=counts, block=block,
+        validate=validate,
     )
     if poison:
         assert o.data_ptr() == out.data_ptr() and c.data_ptr() == counts.data_ptr()
@@ -286,12 +287,14 @@ def test_conversion_kernel_matches_reference(kernel_device):
 
 @pytest.mark.parametrize("method", dk.METHODS)
 def test_kernel_bad_request_id_gives_empty_row(kernel_device, method):
-    # The hot path cannot read values back to raise (no host sync); it must stay in bounds and
-    # return an empty row. (The reference raises for the same input.)
+    # The hot path (validate=False) cannot read values back to raise (no host sync); it must stay in
+    # bounds and return an empty row, as the reference does with validate=False. (Validated, both raise.)
     ids = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]], dtype=torch.int32)
     bt = torch.tensor([[4, 5]], dtype=torch.int32)
     req = torch.tensor([0, 9], dtype=torch.int32)
-    o, c = run_method(method, ids, req, bt, 2, 1, 0, 1, kernel_device)
+    with pytest.raises(ValueError, match="req_of_token values must be in"):
+        run_method(method, ids, req, bt, 2, 1, 0, 1, kernel_device)
+    o, c = run_method(method, ids, req, bt, 2, 1, 0, 1, kernel_device, validate=False)
     assert c.cpu().tolist() == [4, 0]
     assert o.cpu()[1].tolist() == [-1] * 4
     assert sorted(o.cpu()[0].tolist()) == [8, 9, 10, 11]
@@ -326,9 +329,10 @@ def test_defaults_are_valid():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(token_ids=torch.zeros(2, 3, dtype=torch.int64)), TypeError, "token_ids must have dtype in \\(int32\\)"),
-        (dict(block_table=torch.zeros(2, 2, dtype=torch.int64)), TypeError, "block_table"),
-        (dict(req_of_token=torch.zeros(2, dtype=torch.int64)), TypeError, "req_of_token"),
+        # int64 ids / tables / request ids are accepted, as by the reference (issue 10); floats are not.
+        (dict(token_ids=torch.zeros(2, 3, dtype=torch.float32)), TypeError, "token_ids must have dtype in \\(int32, int64\\)"),
+        (dict(block_table=torch.zeros(2, 2, dtype=torch.float32)), TypeError, "block_table"),
+        (dict(req_of_token=torch.zeros(2, dtype=torch.int16)), TypeError, "req_of_token"),
         (dict(req_of_token=torch.zeros(3, dtype=torch.int32)), ValueError, "req_of_token must have shape"),
         (dict(block_size=6, interleave=4), ValueError, "block_size must be a multiple of interleave"),
         (dict(rank=5), ValueError, "rank"),
