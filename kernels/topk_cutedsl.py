@@ -528,13 +528,7 @@ class StableTopKKernel:
 
     @cute.jit
     def store_winner(
-        self,
-        skeys: cute.Tensor,
-        out: cute.Tensor,
-        obase: Int32 | Int64,
-        slot: Int32,
-        hi: Uint32,
-        lo: Uint32,
+        self, skeys: cute.Tensor, out: cute.Tensor, obase: Int32 | Int64, slot: Int32, hi: Uint32, lo: Uint32
     ) -> None:
         """Winner -> output slot: its id into ``out`` (unsorted) or its key into ``skeys`` (sorted)."""
         if const_expr(self.sorted_):
@@ -763,7 +757,7 @@ def stable_topk_cutedsl(
     sorted: bool = False,  # noqa: A002
     out: torch.Tensor | None = None,
     tvm_ffi: bool | None = None,
-    validate: bool = False,
+    validate: bool = True,
     variant: str | None = None,
     config: tuple[int, int] | None = None,
     first_bits: int | None = None,
@@ -777,9 +771,11 @@ def stable_topk_cutedsl(
         out: optional int32 CUDA ``[rows, k]`` contiguous output buffer (CUDA-graph path: no
             allocation, no host synchronisation).
         tvm_ffi: force the TVM-FFI call path on/off (``None``: on when apache-tvm-ffi is there).
-        validate: check the id values on the host first (one sync; ValueError as in the
-            reference). Off by default: the hot path checks shapes/dtypes/devices only, and the
-            kernel treats a negative id or a NaN score as invalid.
+        validate: check the id values on the host first (one sync; the reference's ValueError,
+            as :func:`dcp_ref.topk.stable_topk` with its default ``validate=True``). Pass
+            ``False`` on the hot path (CUDA graphs): shapes/dtypes/devices only, and the kernel
+            treats a negative id or a NaN score as invalid; ids are never used as addresses, so
+            a bad id cannot make it read or write out of bounds.
         variant: ``"regs"`` or ``"lean"`` (same result; see :class:`StableTopKKernel`);
             ``None``: :func:`default_variant` for the shape.
         config: ``(threads, min_ctas)`` override of the CTA configuration (benchmarking only).
@@ -788,10 +784,12 @@ def stable_topk_cutedsl(
     Returns:
         int32 ``[rows, k]`` (``out`` when given).
     """
-    from dcp_ref._checks import check_int_scalar, check_tensor
+    from dcp_ref._checks import check_bool, check_int_scalar, check_out, check_tensor
 
     check_tensor(gathered, "gathered", dtypes=(torch.float32,), ndim=(3, 4))
     k = check_int_scalar(k, "k", min_value=1)
+    sorted = check_bool(sorted, "sorted")  # noqa: A001
+    validate = check_bool(validate, "validate")
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if gathered.shape[-1] != 2:
@@ -813,11 +811,7 @@ def stable_topk_cutedsl(
     if out is None:
         out = torch.empty((rows, k), dtype=torch.int32, device=gathered.device)
     else:
-        check_tensor(out, "out", dtypes=(torch.int32,), ndim=2)
-        if tuple(out.shape) != (rows, k) or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous int32 [{rows}, {k}] tensor, got shape {tuple(out.shape)}")
-        if out.device != gathered.device:
-            raise ValueError(f"out must be on {gathered.device}, got {out.device}")
+        check_out(out, "out", (rows, k), torch.int32, gathered.device, contiguous=True)
     if validate:
         from dcp_ref.topk import check_candidate_ids
 
