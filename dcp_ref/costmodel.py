@@ -81,7 +81,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ._checks import check_int_scalar
 
 __all__ = [
-    "KV_BYTES_PER_TOKEN", "NCCL_2XH200_T32", "FLASHMLA_SPARSE_T32_H128", "MlaGeometry", "Hardware", "LineCost", "CostConstants",
+    "KV_BYTES_PER_TOKEN", "NCCL_2XH200_T32", "FLASHMLA_SPARSE_T32_H128", "MlaGeometry", "Hardware", "LineCost",
+    "CostConstants",
     "CollectiveBytes", "StepCost", "Observation", "StepPoint", "Residual", "Fit", "DEFAULT_CONSTANTS",
     "kv_bytes_per_rank", "indexer_cache_bytes_per_rank", "tokens_on_busiest_rank", "communication_bytes",
     "candidate_bytes", "lse_bytes", "output_reduce_scatter_bytes", "output_all_reduce_bytes", "query_allgather_bytes",
@@ -755,12 +756,15 @@ class Residual:
 
 @dataclass(frozen=True)
 class Fit:
-    """Fitted constants, every residual, and what the fit used (``sources``) or could not (``notes``)."""
+    """Fitted constants, every residual, and what the fit used (``sources``) or could not (``notes``);
+    ``attention`` names the attention kernel of the fit and ``step_points`` the measured steps it used."""
 
     constants: CostConstants
     residuals: list[Residual]
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    attention: str = "flashinfer"
+    step_points: list[StepPoint] = field(default_factory=list)
 
     def max_abs_rel(self, family: str | None = None) -> float:
         """Largest ``|relative residual|`` (of one family, or of all)."""
@@ -1006,27 +1010,36 @@ def fit_constants(results_dir: str | Path, geometry: MlaGeometry = MlaGeometry()
                   *, observations: Sequence[Observation] | None = None,
                   step_points: Sequence[StepPoint] | None = None,
                   collectives: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32,
-                  attention: str = "flashinfer") -> Fit:
+                  attention: str = "auto") -> Fit:
     """Fit every constant to the committed measurements in ``results_dir`` (or to the given ones).
 
     Kernel lines from :func:`observations_from_results`, collectives from ``collectives``
     (:data:`NCCL_2XH200_T32`), the whole step from ``results_dir/step.json`` when it exists
     (:func:`fit_step`). ``observations`` / ``step_points`` override what is read from the directory.
-    ``attention``: ``"flashinfer"`` (``attention_flashinfer.json``) or ``"flashmla"``
-    (:data:`FLASHMLA_SPARSE_T32_H128`, the kernel the planned step runs) for the attention line.
+    ``attention``: ``"flashinfer"`` (``attention_flashinfer.json``), ``"flashmla"``
+    (:data:`FLASHMLA_SPARSE_T32_H128`, the kernel the planned step runs) or ``"auto"``: FlashMLA when a
+    measured step ran it, else FlashInfer. Steps that ran another attention kernel are not fitted.
     """
-    if attention not in ("flashinfer", "flashmla"):
-        raise ValueError(f"attention must be 'flashinfer' or 'flashmla', got {attention!r}")
+    if attention not in ("flashinfer", "flashmla", "auto"):
+        raise ValueError(f"attention must be 'flashinfer', 'flashmla' or 'auto', got {attention!r}")
     obs = list(observations) if observations is not None else observations_from_results(results_dir)
+    pts = list(step_points) if step_points is not None else step_points_from_json(Path(results_dir) / "step.json")
+    if attention == "auto":
+        attention = "flashmla" if any("flashmla" in p.attention.lower() for p in pts) else "flashinfer"
     if attention == "flashmla":
         obs = [o for o in obs if o.family != "attention"]
         obs += [Observation("attention", 2.0 * 32 * 128 * keys * (576 + 512), sec, f"FlashMLA T=32 H=128 k={keys}")
                 for keys, sec in FLASHMLA_SPARSE_T32_H128]
-    pts = list(step_points) if step_points is not None else step_points_from_json(Path(results_dir) / "step.json")
+    early_notes = []
+    if len({p.attention for p in pts}) > 1:  # one attention line: fit the steps that ran that kernel
+        same = [p for p in pts if attention in p.attention.lower()]
+        if same:
+            early_notes.append(f"step.json: {len(same)} of {len(pts)} steps ran {attention}; only those are fitted")
+            pts = same
     lines, res = fit_lines(obs)
     consts = DEFAULT_CONSTANTS.replace(**{k: v for k, v in lines.items()})
-    notes = [f"{fam}: not measured, default kept" for fam in ("select", "deinterleave", "merge", "pack", "local_topk",
-                                                              "attention") if fam not in lines]
+    notes = early_notes + [f"{fam}: not measured, default kept" for fam in
+                           ("select", "deinterleave", "merge", "pack", "local_topk", "attention") if fam not in lines]
     sources = sorted({o.family for o in obs})
     coll, cres = fit_collectives(collectives, hop_s=consts.hop_s)
     consts = consts.replace(**coll)
@@ -1037,7 +1050,7 @@ def fit_constants(results_dir: str | Path, geometry: MlaGeometry = MlaGeometry()
     notes += snotes
     if pts:
         sources.append(f"step.json: {len(pts)} measured steps")
-    return Fit(consts, res, sources, notes)
+    return Fit(consts, res, sources, notes, attention, pts)
 
 
 # ---- predictions ---------------------------------------------------------------------------------

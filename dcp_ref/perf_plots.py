@@ -256,7 +256,8 @@ def plot_step_breakdown(step: Mapping[str, Any], dpi: int = DPI) -> Any:
     """The whole step per (W, T, ctx): eager (before planning), CUDA-graph replay of the planned step (after),
     and the sum of its stages timed alone; stacked per-stage bars when the rows carry a breakdown."""
     rows = _step_rows(step)
-    labels = [f"W{r['W']} T{r['T']}\n{r['ctx'] // 1024}K" for r in rows]
+    multi = len({r.get("attention") for r in rows}) > 1
+    labels = [f"W{r['W']} T{r['T']}\n{_short(r['ctx'])}" + (f"\n{r.get('attention')}" if multi else "") for r in rows]
     staged = [_stage_dict(r) for r in rows]
     n = 2 if any(staged) else 1
     fig, axes = _figure(n, "One decode step before planning (eager) and after (planned, CUDA graph), against the "
@@ -289,10 +290,13 @@ def plot_step_growth(step: Mapping[str, Any], dpi: int = DPI) -> Any:
     rows = _step_rows(step)
     fig, axes = _figure(3, "How the planned step's time grows with query tokens T, world size W and context "
                            "(CUDA-graph replay).", dpi=dpi)
+    multi = len({r.get("attention") for r in rows}) > 1  # several attention kernels: one line each
     for ax, var, others in zip(axes, ("T", "W", "ctx"), (("W", "ctx"), ("T", "ctx"), ("W", "T"))):
+        if multi:
+            others = (*others, "attention")
         groups: dict[tuple, list] = {}
         for r in rows:
-            groups.setdefault(tuple(r[o] for o in others), []).append(r)
+            groups.setdefault(tuple(r.get(o) for o in others), []).append(r)
         for key, rs in sorted(groups.items()):
             if len({r[var] for r in rs}) < 2:
                 continue

@@ -311,3 +311,21 @@ def test_step_json_with_a_bad_summary(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="summary"):
         cm.step_points_from_json(tmp_path / "step.json")
     assert cm.step_points_from_json(tmp_path / "absent.json") == []
+
+
+def test_steps_of_another_attention_kernel_are_not_fitted() -> None:
+    k = cm.DEFAULT_CONSTANTS
+    pts = [cm.StepPoint(2, t, 65536, name, cm.dcp_step_cost(2, t, 65536, constants=k, scope="step").total_s + extra)
+           for t in (1, 32) for name, extra in (("flashinfer", 5e-6), ("flashmla", 50e-6))]
+    fit = cm.fit_constants(RESULTS, step_points=pts, attention="flashinfer")
+    assert any("2 of 4 steps" in n for n in fit.notes)
+    assert len([r for r in fit.residuals if r.family == "step"]) == 2
+
+
+def test_auto_attention_follows_the_measured_step() -> None:
+    assert cm.fit_constants(RESULTS, step_points=[]).attention == "flashinfer"
+    k = cm.DEFAULT_CONSTANTS
+    pts = [cm.StepPoint(2, 32, 65536, "flashmla", cm.dcp_step_cost(2, 32, 65536, constants=k, scope="step").total_s)]
+    fit = cm.fit_constants(RESULTS, step_points=pts)
+    assert fit.attention == "flashmla" and fit.step_points == pts
+    assert fit.constants.attention.time_s(2 * 32 * 128 * 2048 * 1088) == pytest.approx(67e-6, rel=1e-9)

@@ -171,3 +171,14 @@ def test_model_plots() -> None:
 def test_bad_input_names_the_argument(call, exc, name) -> None:  # noqa: ANN001
     with pytest.raises(exc, match=name):
         call()
+
+
+def test_step_growth_keeps_attention_kernels_apart() -> None:
+    rows = [{"W": 2, "T": t, "ctx": 8192, "attention": a, "graph_us": float(t + (100 if a == "flashinfer" else 0)),
+             "eager_us": None, "host_syncs_per_step": 0, "launches_per_step": 9, "stages_sum_us": None}
+            for a in ("flashmla", "flashinfer") for t in (1, 32)]
+    g = pp.plotted_series(pp.plot_step_growth({"summary": rows}))
+    assert g["against T | W=2, ctx=8K, attention=flashmla"] == ([1, 32], [1.0, 32.0])
+    assert g["against T | W=2, ctx=8K, attention=flashinfer"] == ([1, 32], [101.0, 132.0])
+    b = pp.plotted_series(pp.plot_step_breakdown({"summary": rows}))
+    assert b["step time | sum of stages"][1] == [0.0] * 4  # absent values plot as zero-height bars
