@@ -43,7 +43,6 @@ the project's only GPU is an H200 (SM90).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +92,27 @@ def _check_slots_counts(slots: object, counts: object) -> tuple[int, int]:
     return T, K
 
 
+def _check_values(slots: torch.Tensor, counts: torch.Tensor, num_slots: int | None) -> None:
+    """The reference's value checks (:func:`dcp_ref.attention.sparse_mla_attention`), same messages."""
+    from dcp_ref._checks import check_values_readable
+
+    check_values_readable(counts, "counts")
+    check_values_readable(slots, "slots")
+    T, K = slots.shape
+    if not T:
+        return
+    cnt = counts.long()
+    if bool((cnt < 0).any()) or bool((cnt > K).any()):
+        raise ValueError(f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(cnt.min())}, max {int(cnt.max())}")
+    valid = torch.arange(K, device=slots.device).unsqueeze(0) < cnt.unsqueeze(1)
+    used = slots.long()[valid]
+    hi = num_slots if num_slots is not None else 2**31 - 1
+    if used.numel() and (bool((used < 0).any()) or bool((used >= hi).any())):
+        raise ValueError(
+            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {int(used.min())}, max {int(used.max())}"
+        )
+
+
 @dataclass(frozen=True)
 class CompactCSR:
     """FlashInfer CSR metadata for page_size 1 (all int32, on the device of the slots).
@@ -115,15 +135,16 @@ def build_compact_csr(slots: torch.Tensor, counts: torch.Tensor) -> CompactCSR:
 
     Row ``t``'s valid slots are scattered to ``kv_indices[kv_indptr[t] + j]``; padding entries are
     all sent to one extra trash element past the end (so no boolean indexing, which would need
-    the total on the host). Values are not validated (that would sync); the reference
-    :func:`dcp_ref.attention.sparse_mla_attention` does.
+    the total on the host). Values are not validated (that would sync: :meth:`FlashInferSparseMLA.plan`
+    does, as the reference :func:`dcp_ref.attention.sparse_mla_attention`); ``counts`` is clamped
+    to ``[0, K]`` on the device instead, so the CSR never claims entries that do not exist.
 
     Args: ``slots`` int32/int64 ``[T, K]``, ``counts`` int32/int64 ``[T]`` with ``0 <= counts <= K``.
     Returns: :class:`CompactCSR`.
     """
     T, K = _check_slots_counts(slots, counts)
     dev = slots.device
-    cnt = counts.to(torch.int32)
+    cnt = counts.clamp(min=0, max=K).to(torch.int32)
     kv_indptr = torch.zeros(T + 1, dtype=torch.int32, device=dev)
     torch.cumsum(cnt, 0, out=kv_indptr[1:])
     j = torch.arange(K, device=dev, dtype=torch.int64)
@@ -162,10 +183,11 @@ class FlashInferSparseMLA:
         workspace_bytes: int = 128 * 1024 * 1024,
         backend: str = "fa3",
     ) -> None:
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
-        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not (math.isfinite(sm_scale) and sm_scale > 0):
-            raise ValueError(f"sm_scale must be a finite float > 0, got {sm_scale!r}")
+        from dcp_ref._checks import check_int_scalar
+        from dcp_ref.attention import check_sm_scale
+
+        num_heads = check_int_scalar(num_heads, "num_heads", min_value=1)
+        sm_scale = check_sm_scale(sm_scale)  # the reference's check and messages
         if dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
         dev = torch.device(device)
@@ -186,12 +208,28 @@ class FlashInferSparseMLA:
         #: False once FlashInfer's run() refused caller buffers (then results are copied into them).
         self.accepts_out_buffers = True
 
-    def plan(self, slots: torch.Tensor, counts: torch.Tensor) -> None:
-        """Plan for this step's ``[T, K]`` slots / ``[T]`` counts. **Synchronises the host.**"""
-        T, _ = _check_slots_counts(slots, counts)
+    def plan(self, slots: torch.Tensor, counts: torch.Tensor, *, validate: bool = True) -> None:
+        """Plan for this step's ``[T, K]`` slots / ``[T]`` counts. **Synchronises the host.**
+
+        ``validate``: the reference's value checks (``0 <= counts <= K``, used slots ``>= 0``;
+        the upper bound ``num_slots`` is checked by :meth:`run`), raising its ``ValueError``.
+        ``False``: counts are clamped to ``[0, K]``, and :meth:`run` clamps the slots and poisons
+        a row whose used slots leave the cache with NaN (no read out of bounds).
+        """
+        from dcp_ref._checks import check_bool
+
+        validate = check_bool(validate, "validate")
+        T, K = _check_slots_counts(slots, counts)
         if slots.device != self.device:
             raise ValueError(f"slots must be on {self.device}, got {slots.device}")
+        if validate:
+            _check_values(slots, counts, None)
         csr = build_compact_csr(slots, counts)
+        # Per-row range of the used slots, for run()'s bound check against the cache (on the device).
+        used = torch.arange(K, device=slots.device).unsqueeze(0) < csr.kv_len.unsqueeze(1).long()
+        s64 = slots.long()
+        self._row_lo = torch.where(used, s64, torch.iinfo(torch.int64).max).amin(1) if K else s64.new_zeros(T)
+        self._row_hi = torch.where(used, s64, -1).amax(1) if K else s64.new_full((T,), -1)
         # plan() reads the lengths on the host anyway; reading the total here costs nothing extra
         # and hands FlashInfer an exactly-sized (compact) index array.
         total = int(csr.kv_indptr[-1])
@@ -219,10 +257,16 @@ class FlashInferSparseMLA:
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
         lse_base: str = "e",
+        validate: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention for the planned rows. Returns ``(out [T, H, 512], lse [T, H] fp32 in lse_base)``.
 
-        ``out``/``lse`` may be caller-provided buffers (no allocation). No host sync.
+        ``out``/``lse`` may be caller-provided buffers (no allocation). ``validate``: check that
+        the planned slots lie in ``[0, num_slots)`` (one host read; the reference's ``ValueError``).
+        ``False``: no host sync; out-of-range slots are clamped on the device (never read out
+        of bounds) and their rows' output and LSE are NaN. Emptiness is the count: an empty row
+        gives 0 / ``-inf``; a non-empty row never gives ``-inf`` (NaN instead), so the merge
+        never mistakes corrupt data for an empty rank.
         """
         if self._planned_T is None:
             raise ValueError("call plan(slots, counts) before run()")
@@ -242,6 +286,17 @@ class FlashInferSparseMLA:
         for name, t in (("q", q), ("kv_cache", kv_cache)):
             if t.device != self.device:
                 raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+        num_slots = kv_cache.shape[0]
+        lens = self._csr.kv_len
+        bad_row = (self._row_lo < 0) | (self._row_hi >= num_slots)  # [T] on the device
+        if validate:
+            if T and bool(bad_row.any()):
+                lo, hi = int(self._row_lo.min()), int(self._row_hi.max())
+                raise ValueError(f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {lo}, max {hi}")
+        elif num_slots == 0:
+            raise ValueError("kv_cache must hold at least one slot (num_slots=0): nothing could be read")
+        else:
+            self._csr.kv_indices.clamp_(min=0, max=num_slots - 1)  # FlashInfer reads these at run time
         if out is None:
             out = torch.empty((T, H, self.head_dim_ckv), dtype=self.dtype, device=self.device)
         elif tuple(out.shape) != (T, H, self.head_dim_ckv) or out.dtype != self.dtype or out.device != self.device:
@@ -267,6 +322,12 @@ class FlashInferSparseMLA:
             lse.copy_(normalize_lse_shape(l2, T, H))
         if lse_base == "e":
             lse.mul_(LN2)  # log2-domain -> natural log; -inf stays -inf
+        # Emptiness is the count: -inf exactly for empty rows (output 0), NaN for a non-empty row
+        # that came out -inf (corrupt data) or read out-of-range slots (validate=False).
+        empty = (lens == 0).unsqueeze(1)
+        poison = bad_row.unsqueeze(1) | (~empty & (lse == float("-inf")))
+        lse.masked_fill_(empty, float("-inf")).masked_fill_(poison, float("nan"))
+        out.masked_fill_(empty.unsqueeze(-1), 0.0).masked_fill_(poison.unsqueeze(-1), float("nan"))
         return out, lse
 
 
@@ -277,17 +338,21 @@ def sparse_mla_flashinfer(
     counts: torch.Tensor,
     sm_scale: float,
     lse_base: str = "e",
+    *,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One-shot plan + run (allocates a wrapper; for tests and notebooks, not the hot path).
 
-    Same contract as :func:`dcp_ref.attention.sparse_mla_attention` but in bf16/fp16 on a GPU:
-    returns ``(out [T, H, 512] q.dtype, lse [T, H] fp32 in lse_base)``.
+    Same contract as :func:`dcp_ref.attention.sparse_mla_attention` (``validate`` too) but in
+    bf16/fp16 on a GPU: returns ``(out [T, H, 512] q.dtype, lse [T, H] fp32 in lse_base)``.
     """
-    if not isinstance(q, torch.Tensor) or q.ndim != 3:
-        raise ValueError(f"q must be a 3-D tensor [T, H, 576], got {getattr(q, 'shape', type(q).__name__)}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.ndim != 3 or q.shape[2] <= 512:
+        raise ValueError(f"q must be a 3-D tensor [T, H, 512 + rope dims], got shape {tuple(q.shape)}")
     attn = FlashInferSparseMLA(q.shape[1], sm_scale, device=q.device, dtype=q.dtype, head_dim_kpe=q.shape[2] - 512)
-    attn.plan(slots, counts)
-    return attn.run(q, kv_cache, lse_base=lse_base)
+    attn.plan(slots, counts, validate=validate)
+    return attn.run(q, kv_cache, lse_base=lse_base, validate=validate)
 
 
 def sparse_mla_trtllm_blackwell(

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_lse_base, triton_interpreting
+from dcp_ref._checks import check_int_scalar, check_lse_base, triton_interpreting
 from dcp_ref.lse import LN2
 
 __all__ = ["lse_correct", "lse_merge", "lse_correct_kernel", "lse_merge_kernel", "merge_weights"]
@@ -183,11 +183,14 @@ def _check(t: object, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[i
     return t
 
 
-def _check_device(device: torch.device) -> None:
+def _check_device(device: torch.device, name: str) -> None:
     if device.type == "cpu" and not _INTERPRET:
-        raise ValueError("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing this module")
+        raise ValueError(
+            f"{name} is on the CPU: CPU tensors need the Triton interpreter "
+            "(set TRITON_INTERPRET=1 before importing this module)"
+        )
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"tensors must be on a CUDA device (or CPU under TRITON_INTERPRET=1), got {device}")
+        raise ValueError(f"{name} must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {device}")
 
 
 def _check_block_h(block_h: object) -> int:
@@ -228,15 +231,14 @@ def lse_correct(
     T, H, D = out.shape
     dev = out.device
     _check(out, "out", _OUT_DTYPES, (T, H, D), dev)
-    _check_device(dev)
+    _check_device(dev, "out")
     if not isinstance(all_lses, torch.Tensor) or all_lses.ndim != 3:
         raise ValueError(f"all_lses must be a 3-D tensor [W, T={T}, H={H}], got {getattr(all_lses, 'shape', type(all_lses).__name__)}")
     W = all_lses.shape[0]
     _check(all_lses, "all_lses", _LSE_DTYPES, (W, T, H), dev)
     if W < 1:
         raise ValueError("all_lses must hold at least one rank (W >= 1)")
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"rank must be a Python int, got {type(rank).__name__}")
+    rank = check_int_scalar(rank, "rank")
     if not 0 <= rank < W:
         raise ValueError(f"rank must satisfy 0 <= rank < W={W}, got {rank}")
     is_b2 = check_lse_base(base) == "2"
@@ -292,7 +294,7 @@ def lse_merge(
     W, T, H, D = outs.shape
     dev = outs.device
     _check(outs, "outs", _OUT_DTYPES, (W, T, H, D), dev)
-    _check_device(dev)
+    _check_device(dev, "outs")
     if W < 1:
         raise ValueError("outs must hold at least one rank (W >= 1)")
     _check(lses, "lses", _LSE_DTYPES, (W, T, H), dev)
