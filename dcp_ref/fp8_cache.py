@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_same_device, check_tensor
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_bool, check_int_scalar, check_same_device, check_tensor
 from .attention import sparse_mla_attention
 
 __all__ = [
@@ -87,6 +87,9 @@ __all__ = [
 
 #: dtypes an FP8 cache may have: raw bytes, or FlashMLA's float8 view of the same bytes.
 FP8_CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+# The reference dequantizes the rows of a few query rows at a time: [rows, K, 576] float64 stays
+# below this many elements (T = 128, K = 2048 at once would be 1.2 GB).
+_DEQUANT_BUDGET_ELEMS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -357,6 +360,7 @@ def sparse_mla_attention_fp8(
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
     attention_layout: str = "masked",
+    validate: bool = True,
     layout: Fp8CacheLayout = FP8_DS_MLA,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode over an FP8 cache: the float64 oracle for FlashMLA's FP8 decode.
@@ -379,15 +383,23 @@ def sparse_mla_attention_fp8(
             copied into them (cast to their dtype) and they are returned.
         attention_layout: ``"masked"`` (default; every entry ``>= 0`` is read, ``-1`` anywhere
             means none: what FlashMLA's FP8 decode reads) or ``"compact"``.
+        validate: check the slot values on the host (one sync; :func:`check_fp8_slots`).
+            ``False``: no host read and no data-dependent shape; ``counts`` is clamped to
+            ``[0, K]``, and a row holding an entry that may not be read (masked: anything but
+            ``-1`` outside ``[0, num_slots)``; compact: a used entry outside it) reads nothing
+            out of range and is *poisoned*: its output and LSE are NaN, as in
+            :func:`dcp_ref.attention.sparse_mla_attention`.
         layout: the row layout (default :data:`FP8_DS_MLA`).
 
     Returns:
         ``(out, lse)``: float64 ``[T, H, v_dim]`` and float64 ``[T, H]`` base e (or the given
-        buffers). A row with nothing to read gives ``out = 0`` and ``lse = -inf``.
+        buffers). A row with nothing to read gives ``out = 0`` and ``lse = -inf``; no other row
+        has ``lse = -inf`` (NaN data gives NaN).
 
     Raises:
         TypeError / ValueError naming the argument (see :func:`check_fp8_slots` for slot values).
     """
+    validate = check_bool(validate, "validate")
     rows = fp8_cache_rows(kv_cache, "kv_cache", layout)
     check_tensor(q, "q", dtypes=FLOAT_DTYPES, ndim=3)
     T, H, dqk = q.shape
@@ -396,31 +408,65 @@ def sparse_mla_attention_fp8(
     v = check_int_scalar(v_dim, "v_dim", min_value=1)
     if v > dqk:
         raise ValueError(f"v_dim must be <= {dqk}, got {v}")
+    if attention_layout not in ("masked", "compact"):
+        raise ValueError(f"attention_layout must be 'masked' or 'compact', got {attention_layout!r}")
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
     if slots.shape[0] != T:
         raise ValueError(f"slots must be [T={T}, K], got shape {tuple(slots.shape)}")
     check_same_device(q=q, kv_cache=rows, slots=slots)
-    valid = check_fp8_slots(slots, counts, rows.shape[0], attention_layout)
+    if attention_layout == "compact":
+        if counts is None:
+            raise ValueError("counts must be given for attention_layout='compact' (row t reads slots[t, :counts[t]])")
+        check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1)
+        check_same_device(slots=slots, counts=counts)
+        if counts.shape != (T,):
+            raise ValueError(f"counts must be [T={T}], got shape {tuple(counts.shape)}")
     for buf, name, shape in ((out, "out", (T, H, v)), (out_lse, "out_lse", (T, H))):
         if buf is not None:
             check_tensor(buf, name, dtypes=FLOAT_DTYPES)
             if tuple(buf.shape) != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {tuple(buf.shape)}")
+    num_slots, K = rows.shape[0], slots.shape[1]
+    if validate and T:
+        check_fp8_slots(slots, counts, num_slots, attention_layout)
 
-    # Dequantize only the rows that are read (a cache may hold millions), then run the bf16/float
-    # oracle on a compacted copy: attention is a sum over keys, so their order does not matter.
-    K = slots.shape[1]
-    picked = slots.long()[valid]
-    uniq, inverse = torch.unique(picked, return_inverse=True)
-    small = dequantize_kv_fp8(rows[uniq], layout, torch.float64)  # [U, 576], the kernel's values
-    local = torch.full((T, K), -1, dtype=torch.int64, device=slots.device)
-    local[valid] = inverse
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid entries first, in order
-    n_valid = valid.sum(dim=1)
-    compact = torch.gather(local, 1, order)
-    if small.shape[0] == 0:  # nothing is read anywhere: every row is empty
-        small = torch.zeros((1, dqk), dtype=torch.float64, device=q.device)
-    res_out, res_lse = sparse_mla_attention(q, small, compact, n_valid, float(sm_scale), "e", v_dim=v)
+    # What each entry is: read, none, or an entry that may not be read (poisons its row). Static
+    # shapes only, no host read: this runs inside a captured step too.
+    s64 = slots.long()
+    in_cache = (s64 >= 0) & (s64 < num_slots)
+    if attention_layout == "masked":
+        read = in_cache
+        bad = ~in_cache & (s64 != -1)
+    else:
+        assert counts is not None
+        used = torch.arange(K, device=slots.device).unsqueeze(0) < counts.long().clamp(0, K).unsqueeze(1)
+        read = used & in_cache
+        bad = used & ~in_cache
+    poisoned = bad.any(dim=1)
+    n_read = read.sum(dim=1)
+    order = torch.argsort((~read).to(torch.int8), dim=1, stable=True)  # entries to read first, in order
+
+    res_out = torch.zeros((T, H, v), dtype=torch.float64, device=q.device)
+    res_lse = torch.full((T, H), -math.inf, dtype=torch.float64, device=q.device)
+    if T and K and num_slots:
+        # Dequantize the gathered rows of a few query rows at a time (a cache may hold millions of
+        # rows; only those read matter), then run the float64 oracle on them as a small cache.
+        chunk = max(1, _DEQUANT_BUDGET_ELEMS // (K * dqk))
+        local = torch.arange(K, device=slots.device)
+        for t0 in range(0, T, chunk):
+            t1 = min(T, t0 + chunk)
+            idx = s64[t0:t1].clamp(0, num_slots - 1)  # unread entries fetch some row; never used
+            small = dequantize_kv_fp8(rows[idx.reshape(-1)], layout, torch.float64)  # [(t1-t0)*K, 576]
+            compact = torch.gather(
+                (local + K * torch.arange(t1 - t0, device=slots.device).unsqueeze(1)), 1, order[t0:t1]
+            )
+            o, lse = sparse_mla_attention(
+                q[t0:t1], small, compact, n_read[t0:t1], sm_scale, "e", v_dim=v, validate=False
+            )
+            res_out[t0:t1] = o
+            res_lse[t0:t1] = lse
+    res_out = res_out.masked_fill(poisoned.view(T, 1, 1), math.nan)
+    res_lse = res_lse.masked_fill(poisoned.view(T, 1), math.nan)
     if out is not None:
         out.copy_(res_out)
         res_out = out

@@ -17,8 +17,10 @@ Facts (verified on the H200 with sgl-flash-mla 1.0.0, and in FlashMLA's source):
   *uncompacted* slots of the de-interleave stage — no compaction — and the kernel walks all
   ``K`` entries of every row: :attr:`FlashMLAFp8Decode.attention_layout` is ``"masked"``;
 * only ``-1`` means "none": any other out-of-range index is read (no bounds check). The wrapper
-  maps every entry outside ``[0, num_slots)`` to ``-1`` on the device (``validate=True`` raises
-  instead, like the reference), so the kernel never reads out of bounds;
+  hands the kernel ``-1`` for every entry outside ``[0, num_slots)``, so it never reads out of
+  bounds, and *poisons* a row that held such an entry (output and LSE NaN, never a plausible
+  answer without a key), exactly as the reference does with ``validate=False``;
+  ``validate=True`` raises instead, with the reference's message;
 * ``K`` must be a multiple of 64 (the kernel's top-K block): the wrapper pads rows with ``-1``;
   ``H`` must be 64 or 128;
 * the LSE is base e, shaped ``[T, H, 1]``; an empty row gives output 0 and LSE **+inf**. The
@@ -48,6 +50,9 @@ from dcp_ref.fp8_cache import FP8_CACHE_DTYPES, FP8_DS_MLA, check_fp8_slots
 
 __all__ = [
     "TOPK_BLOCK",
+    "ROW_EMPTY",
+    "ROW_READ",
+    "ROW_POISONED",
     "SUPPORTED_HEADS",
     "prepare_indices",
     "finish_outputs",
@@ -76,12 +81,16 @@ def _flash_mla() -> Any:
     return flash_mla
 
 
+#: Row states written by :func:`prepare_indices` and read by :func:`finish_outputs`.
+ROW_EMPTY, ROW_READ, ROW_POISONED = 0, 1, 2
+
+
 @triton.jit
 def prepare_indices_kernel(
     slots_ptr,
     counts_ptr,
     idx_ptr,
-    nonempty_ptr,
+    state_ptr,
     K,
     K_PAD,
     num_slots,
@@ -90,24 +99,34 @@ def prepare_indices_kernel(
     HAS_COUNTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per row: ``idx[row, j] = slots[row, j]`` if it may be read, else ``-1``.
+    """One program per row: ``idx[row, j] = slots[row, j]`` if it is read, else ``-1``.
 
-    An entry may be read when it lies in ``[0, num_slots)`` (and, with counts, ``j < counts``).
-    Columns ``K .. K_PAD-1`` are padding (``-1``). ``nonempty[row]`` = 1 if any entry may be read.
+    Masked layout (no counts): an entry in ``[0, num_slots)`` is read, ``-1`` is none, anything
+    else may not be read. Compact layout: the entries ``j < counts[row]`` are used and must be in
+    ``[0, num_slots)``; the rest is ignored. Columns ``K .. K_PAD-1`` are padding (``-1``).
+    ``state[row]``: 0 nothing to read, 1 something to read, 2 an entry that may not be read (the
+    row is poisoned: NaN, as in the reference with ``validate=False``).
     """
     row = tl.program_id(0)
     limit = K
     if HAS_COUNTS:
-        limit = tl.minimum(tl.load(counts_ptr + row).to(tl.int64), K)
+        limit = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int64), 0), K)
     seen = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, K_PAD, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         in_row = offs < K
         s = tl.load(slots_ptr + row * stride_s0 + offs * stride_s1, mask=in_row, other=-1).to(tl.int64)
-        ok = in_row & (s >= 0) & (s < num_slots) & (offs < limit)
+        in_cache = (s >= 0) & (s < num_slots)
+        if HAS_COUNTS:
+            used = in_row & (offs < limit)
+            ok = used & in_cache
+            bad = used & (in_cache == 0)
+        else:
+            ok = in_row & in_cache
+            bad = in_row & (in_cache == 0) & (s != -1)
         tl.store(idx_ptr + row * K_PAD + offs, tl.where(ok, s, -1).to(tl.int32), mask=offs < K_PAD)
-        seen = tl.maximum(seen, ok.to(tl.int32))
-    tl.store(nonempty_ptr + row, tl.max(seen, axis=0))
+        seen = tl.maximum(seen, tl.where(bad, 2, ok.to(tl.int32)))
+    tl.store(state_ptr + row, tl.max(seen, axis=0))
 
 
 @triton.jit
@@ -116,7 +135,7 @@ def finish_outputs_kernel(
     o_dst_ptr,
     lse_src_ptr,
     lse_dst_ptr,
-    nonempty_ptr,
+    state_ptr,
     H,
     D,
     s_os0,
@@ -132,24 +151,28 @@ def finish_outputs_kernel(
     COPY_OUT: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per (row, head): LSE ``-inf`` for empty rows; output copied (or zeroed) per row."""
+    """One program per (row, head): the kernel's values for a row that was read; 0 and ``-inf``
+    for an empty row; NaN for a poisoned one."""
     row = tl.program_id(0)
     h = tl.program_id(1)
-    flag = tl.load(nonempty_ptr + row)
+    state = tl.load(state_ptr + row)
     lse = tl.load(lse_src_ptr + row * s_ls0 + h * s_ls1)
-    tl.store(lse_dst_ptr + row * s_ld0 + h * s_ld1, tl.where(flag != 0, lse, float("-inf")))
-    # Columns to read from the kernel's output: all of them, or none for an empty row.
-    read_to = tl.where(flag != 0, D, 0)
+    lse = tl.where(state == 1, lse, tl.where(state == 0, float("-inf"), float("nan")))
+    tl.store(lse_dst_ptr + row * s_ld0 + h * s_ld1, lse)
+    fill = tl.where(state == 0, 0.0, float("nan"))  # what a row not read gets
+    read_to = tl.where(state == 1, D, 0)  # columns taken from the kernel's output: all, or none
     for start in range(0, D, BLOCK_D):
         offs = start + tl.arange(0, BLOCK_D)
         m = offs < D
+        dst = o_dst_ptr + row * s_od0 + h * s_od1 + offs * s_od2
         if COPY_OUT:
             v = tl.load(o_src_ptr + row * s_os0 + h * s_os1 + offs * s_os2, mask=offs < read_to, other=0.0)
-            tl.store(o_dst_ptr + row * s_od0 + h * s_od1 + offs * s_od2, v.to(o_dst_ptr.dtype.element_ty), mask=m)
+            v = tl.where(offs < read_to, v.to(tl.float32), fill)
+            tl.store(dst, v.to(o_dst_ptr.dtype.element_ty), mask=m)
         else:
-            # In place: only an empty row is rewritten (zeros), whatever the kernel left there.
-            zero = tl.zeros([BLOCK_D], dtype=o_dst_ptr.dtype.element_ty)
-            tl.store(o_dst_ptr + row * s_od0 + h * s_od1 + offs * s_od2, zero, mask=m & (offs >= read_to))
+            # In place: only a row that was not read is rewritten, whatever the kernel left there.
+            v = tl.zeros([BLOCK_D], dtype=tl.float32) + fill
+            tl.store(dst, v.to(o_dst_ptr.dtype.element_ty), mask=m & (offs >= read_to))
 
 
 def prepare_indices(
@@ -158,20 +181,22 @@ def prepare_indices(
     num_slots: int,
     *,
     out: torch.Tensor | None = None,
-    nonempty: torch.Tensor | None = None,
+    row_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's indices from the step's slots: int32 ``[T, 1, K_pad]`` and a per-row flag.
 
-    ``K_pad`` = ``K`` rounded up to a multiple of :data:`TOPK_BLOCK`. Every entry that must not
-    be read (negative, ``>= num_slots``, past ``counts[t]`` when counts are given, padding) is
-    ``-1``. No host sync.
+    ``K_pad`` = ``K`` rounded up to a multiple of :data:`TOPK_BLOCK`. Every entry that is not read
+    (``-1``, out of range, past ``counts[t]`` when counts are given, padding) is ``-1``: the kernel
+    never reads out of bounds. No host sync.
 
     Args:
         slots: int32/int64 ``[T, K]``. counts: ``None`` (masked layout) or int32/int64 ``[T]``.
         num_slots: rows of the cache.
-        out: optional int32 ``[T, 1, K_pad]`` buffer. nonempty: optional int32 ``[T]`` buffer.
+        out: optional int32 ``[T, 1, K_pad]`` buffer. row_state: optional int32 ``[T]`` buffer.
     Returns:
-        ``(indices, nonempty)``: ``nonempty[t] = 1`` when row ``t`` has an entry to read, else 0.
+        ``(indices, row_state)``: ``row_state[t]`` is :data:`ROW_EMPTY` (nothing to read),
+        :data:`ROW_READ` or :data:`ROW_POISONED` (an entry that may not be read: never read, and
+        the row's output and LSE become NaN).
     """
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
     T, K = slots.shape
@@ -187,20 +212,20 @@ def prepare_indices(
         check_tensor(out, "out", dtypes=(torch.int32,), ndim=3, device=dev)
         if tuple(out.shape) != (T, 1, k_pad) or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous int32 [{T}, 1, {k_pad}] tensor, got {tuple(out.shape)}")
-    if nonempty is None:
-        nonempty = torch.empty((T,), dtype=torch.int32, device=dev)
+    if row_state is None:
+        row_state = torch.empty((T,), dtype=torch.int32, device=dev)
     else:
-        check_tensor(nonempty, "nonempty", dtypes=(torch.int32,), ndim=1, device=dev)
-        if nonempty.shape != (T,) or not nonempty.is_contiguous():
-            raise ValueError(f"nonempty must be a contiguous int32 [{T}] tensor, got {tuple(nonempty.shape)}")
+        check_tensor(row_state, "row_state", dtypes=(torch.int32,), ndim=1, device=dev)
+        if row_state.shape != (T,) or not row_state.is_contiguous():
+            raise ValueError(f"row_state must be a contiguous int32 [{T}] tensor, got {tuple(row_state.shape)}")
     if T == 0:
-        return out, nonempty
+        return out, row_state
     block = min(1024, triton.next_power_of_2(k_pad))
     prepare_indices_kernel[(T,)](
         slots,
         counts if counts is not None else slots,
         out,
-        nonempty,
+        row_state,
         K,
         k_pad,
         int(num_slots),
@@ -209,13 +234,13 @@ def prepare_indices(
         HAS_COUNTS=counts is not None,
         BLOCK=block,
     )
-    return out, nonempty
+    return out, row_state
 
 
 def finish_outputs(
     o_src: torch.Tensor,
     lse_src: torch.Tensor,
-    nonempty: torch.Tensor,
+    row_state: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
@@ -225,12 +250,13 @@ def finish_outputs(
     Args:
         o_src: ``[T, H, D]`` (any strides; a view of FlashMLA's ``[T, 1, H, D]``).
         lse_src: float32 ``[T, H]`` (a view of FlashMLA's ``[T, H, 1]``), base e.
-        nonempty: int32 ``[T]`` from :func:`prepare_indices`.
-        out: optional ``[T, H, D]`` buffer: ``o_src`` is copied into it (empty rows: zeros).
-            Without it, ``o_src``'s empty rows are zeroed in place and ``o_src`` is returned.
+        row_state: int32 ``[T]`` from :func:`prepare_indices`.
+        out: optional ``[T, H, D]`` buffer: ``o_src`` is copied into it. Without it, ``o_src``'s
+            rows that were not read are rewritten in place and ``o_src`` is returned.
         out_lse: optional float32 ``[T, H]`` buffer (else a new one).
     Returns:
-        ``(out, lse)`` with ``lse = -inf`` on empty rows, the kernel's value elsewhere.
+        ``(out, lse)``: the kernel's values for rows that were read; ``0`` / ``-inf`` for empty
+        rows; NaN / NaN for poisoned rows.
     """
     T, H, D = o_src.shape
     dev = o_src.device
@@ -256,7 +282,7 @@ def finish_outputs(
         dst,
         lse_src,
         out_lse,
-        nonempty,
+        row_state,
         H,
         D,
         *o_src.stride(),
@@ -314,8 +340,8 @@ class FlashMLAFp8Decode:
     Args:
         device: the CUDA device.
         validate: check slot values on the host (one sync; ``ValueError`` like the reference
-            :func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8`). ``False`` for the hot path:
-            out-of-range entries are then masked (never read) instead.
+            :func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8`). ``False`` for the hot path: an
+            entry that may not be read is then never read, and its row's output and LSE are NaN.
     """
 
     #: The step feeds this attention the uncompacted slots (``-1`` scattered): no compaction.
@@ -338,8 +364,8 @@ class FlashMLAFp8Decode:
         if plan is None:
             sched = self._fm.get_mla_metadata()[0]
             idx = torch.empty((T, 1, k_pad), dtype=torch.int32, device=self.device)
-            nonempty = torch.empty((T,), dtype=torch.int32, device=self.device)
-            plan = self._plans[key] = (sched, idx, nonempty)
+            row_state = torch.empty((T,), dtype=torch.int32, device=self.device)
+            plan = self._plans[key] = (sched, idx, row_state)
         return plan
 
     def attention(
@@ -418,8 +444,8 @@ class FlashMLAFp8Decode:
         elif cache4.ndim == 3:
             cache4 = cache4.unsqueeze(2)
         k_pad = max(TOPK_BLOCK, -(-K // TOPK_BLOCK) * TOPK_BLOCK)
-        sched, idx, nonempty = self._plan(T, H, k_pad, tuple(cache4.shape))
-        prepare_indices(slots, counts, num_slots, out=idx, nonempty=nonempty)
+        sched, idx, row_state = self._plan(T, H, k_pad, tuple(cache4.shape))
+        prepare_indices(slots, counts, num_slots, out=idx, row_state=row_state)
         o_raw, lse_raw = self._fm.flash_mla_with_kvcache(
             q.unsqueeze(1),
             cache4,
@@ -433,7 +459,7 @@ class FlashMLAFp8Decode:
             use_legacy=True,
         )
         # out [T, 1, H, 512]; lse [T, H, 1] (legacy) or [T, 1, H]: one dim is 1 either way.
-        return finish_outputs(o_raw.reshape(T, H, _V_DIM), lse_raw.reshape(T, H), nonempty, out=out, out_lse=out_lse)
+        return finish_outputs(o_raw.reshape(T, H, _V_DIM), lse_raw.reshape(T, H), row_state, out=out, out_lse=out_lse)
 
     __call__ = attention
 

@@ -339,6 +339,33 @@ def test_reference_writes_caller_buffers_and_reads_blocked_caches() -> None:
     assert torch.allclose(ob.double(), ref_o, atol=1e-6) and torch.allclose(lb.double(), ref_l, atol=1e-5)
 
 
+def test_reference_without_validation_poisons_rows_it_cannot_read() -> None:
+    q, cache, slots = make_fp8_case(T=5, H=2, S=20, K=6, seed=21)
+    slots[1] = -1  # empty
+    bad = slots.clone()
+    bad[0, 2] = 20  # past the cache
+    bad[3, 0] = -4  # not -1
+    ref_o, ref_l = sparse_mla_attention_fp8(q, cache, slots, None, 0.1)
+    with pytest.raises(ValueError, match="slots entries must be -1"):
+        sparse_mla_attention_fp8(q, cache, bad, None, 0.1)
+    o, l = sparse_mla_attention_fp8(q, cache, bad, None, 0.1, validate=False)
+    for t in range(5):
+        if t in (0, 3):
+            assert bool(o[t].isnan().all()) and bool(l[t].isnan().all())
+        else:
+            assert torch.equal(o[t], ref_o[t]) and torch.equal(l[t], ref_l[t])
+    # compact layout: a used -1 poisons, unused junk does not; counts out of [0, K] are clamped
+    counts = torch.tensor([2, 0, 9, -3, 4])
+    comp = torch.randint(0, 20, (5, 6), generator=torch.Generator().manual_seed(2))
+    comp[0, 1] = -1  # used: poisons row 0
+    comp[1, 0] = comp[3, 2] = comp[4, 5] = 10**6  # not used (past counts): ignored
+    o, l = sparse_mla_attention_fp8(q, cache, comp, counts, 0.1, attention_layout="compact", validate=False)
+    assert bool(o[0].isnan().all()) and bool(torch.isneginf(l[1]).all()) and bool(torch.isneginf(l[3]).all())
+    used = torch.where(torch.arange(6) < counts.clamp(0, 6)[:, None], comp, -1)
+    mo, ml = sparse_mla_attention_fp8(q, cache, used, None, 0.1, validate=False)
+    assert torch.equal(o[2:5:2], mo[2:5:2]) and torch.equal(l[2:5:2], ml[2:5:2])
+
+
 BAD = [
     (dict(q=torch.zeros(2, 1, 512)), ValueError, "q must be"),
     (dict(kv_cache=torch.zeros(8, 576)), TypeError, "kv_cache must have dtype"),
@@ -407,26 +434,31 @@ def test_prepare_indices_kernel(kernel_device) -> None:
     from dcp_ref.kernels.flashmla_fp8 import prepare_indices
 
     g = torch.Generator().manual_seed(0)
-    for T, K, S in ((3, 5, 50), (2, 64, 10), (4, 130, 1000), (1, 1, 1)):
-        slots = torch.randint(-3, S + 3, (T, K), generator=g)
+    for T, K, S in ((3, 5, 50), (2, 64, 10), (4, 130, 1000), (1, 1, 1), (5, 7, 3)):
+        slots = torch.randint(-1, S, (T, K), generator=g)
         slots[0] = -1  # an empty row
-        counts = torch.randint(0, K + 1, (T,), generator=g)
+        if T > 2:
+            slots[2, K // 2] = S if K % 2 else -3  # an entry that may not be read: poisons its row
+        counts = torch.randint(-1, K + 2, (T,), generator=g)  # out of [0, K] too: clamped
         for dt in (torch.int32, torch.int64):
             for cnt in (None, counts):
                 s_dev = slots.to(dt).to(kernel_device)
-                idx, ne = prepare_indices(s_dev, None if cnt is None else cnt.to(kernel_device), S)
+                idx, state = prepare_indices(s_dev, None if cnt is None else cnt.to(kernel_device), S)
                 k_pad = -(-K // 64) * 64
-                ok = (slots >= 0) & (slots < S)
-                if cnt is not None:
-                    ok &= torch.arange(K) < cnt[:, None]
+                in_cache = (slots >= 0) & (slots < S)
+                if cnt is None:
+                    read, bad = in_cache, ~in_cache & (slots != -1)
+                else:
+                    used = torch.arange(K) < cnt.clamp(0, K)[:, None]
+                    read, bad = used & in_cache, used & ~in_cache
                 want = torch.full((T, 1, k_pad), -1, dtype=torch.int32)
-                want[:, 0, :K] = torch.where(ok, slots, -1).to(torch.int32)
+                want[:, 0, :K] = torch.where(read, slots, -1).to(torch.int32)
                 assert idx.shape == (T, 1, k_pad) and torch.equal(idx.cpu(), want)
-                assert ne.cpu().tolist() == ok.any(1).int().tolist()
+                assert state.cpu().tolist() == torch.where(bad.any(1), 2, read.any(1).int()).tolist()
 
 
 def test_finish_outputs_kernel(kernel_device) -> None:
-    from dcp_ref.kernels.flashmla_fp8 import finish_outputs
+    from dcp_ref.kernels.flashmla_fp8 import ROW_EMPTY, ROW_POISONED, ROW_READ, finish_outputs
 
     g = torch.Generator().manual_seed(1)
     T, H, D = 4, 3, 40
@@ -434,18 +466,23 @@ def test_finish_outputs_kernel(kernel_device) -> None:
     lse_raw = torch.randn(T, H, 1, generator=g).to(kernel_device)
     lse_raw[1] = INF  # FlashMLA's empty-row LSE
     o[1] = 7.0  # whatever the kernel left in an empty row
-    ne = torch.tensor([1, 0, 1, 1], dtype=torch.int32, device=kernel_device)
-    ob = torch.full((T, H, D), math.nan, device=kernel_device).bfloat16()
-    lb = torch.full((T, H), math.nan, device=kernel_device)
-    out, lse = finish_outputs(o.view(T, H, D), lse_raw.view(T, H), ne, out=ob, out_lse=lb)
-    assert out is ob and lse is lb
+    state = torch.tensor([ROW_READ, ROW_EMPTY, ROW_POISONED, ROW_READ], dtype=torch.int32, device=kernel_device)
     want = o.view(T, H, D).cpu().clone()
-    want[1] = 0
+    want[1], want[2] = 0, math.nan
     want_l = lse_raw.view(T, H).cpu().clone()
-    want_l[1] = -INF
-    assert torch.equal(ob.cpu(), want) and torch.equal(lb.cpu(), want_l)
-    out2, lse2 = finish_outputs(o.view(T, H, D), lse_raw.view(T, H), ne)  # in place
-    assert torch.equal(out2.cpu(), want) and out2.data_ptr() == o.data_ptr() and torch.equal(lse2.cpu(), want_l)
+    want_l[1], want_l[2] = -INF, math.nan
+    for buf in (torch.bfloat16, torch.float32):
+        ob = torch.full((T, H, D), 5.0, device=kernel_device, dtype=buf)
+        lb = torch.full((T, H), 5.0, device=kernel_device)
+        out, lse = finish_outputs(o.view(T, H, D), lse_raw.view(T, H), state, out=ob, out_lse=lb)
+        assert out is ob and lse is lb
+        assert torch.equal(ob.cpu().float().nan_to_num(9.0), want.float().nan_to_num(9.0))
+        assert torch.equal(lb.cpu().nan_to_num(9.0), want_l.nan_to_num(9.0))
+    src = o.view(T, H, D).clone()
+    out2, lse2 = finish_outputs(src, lse_raw.view(T, H), state)  # in place
+    assert out2.data_ptr() == src.data_ptr()
+    assert torch.equal(out2.cpu().float().nan_to_num(9.0), want.float().nan_to_num(9.0))
+    assert torch.equal(lse2.cpu().nan_to_num(9.0), want_l.nan_to_num(9.0))
 
 
 def test_wrapper_needs_cuda_and_names_flash_mla(monkeypatch) -> None:
@@ -548,9 +585,13 @@ def test_flashmla_fp8_validate_and_out_of_range(cuda_device) -> None:
     bad[3, 7] = -5
     with pytest.raises(ValueError, match=r"-1 \(none\) or lie in \[0, num_slots=2048\)"):
         FlashMLAFp8Decode(cuda_device, validate=True).attention(q, cache, bad, None, 0.1)
+    # without validation: such an entry is never read, and its row is poisoned (NaN), like the reference's
     o, l = FlashMLAFp8Decode(cuda_device, validate=False).attention(q, cache, bad, None, 0.1)
-    sane = torch.where((bad >= 0) & (bad < S), bad, -1)  # without validation: never read
-    _check_against_reference(o, l, q, cache, sane, 0.1)
+    ro, rl = sparse_mla_attention_fp8(q, cache, bad, None, 0.1, validate=False)
+    poison = torch.tensor([True, False, False, True], device=cuda_device)
+    assert bool(o[poison].isnan().all()) and bool(l[poison].isnan().all())
+    assert bool(ro[poison].isnan().all()) and bool(rl[poison].isnan().all())
+    _check_against_reference(o[~poison], l[~poison], q[~poison], cache, bad[~poison], 0.1)
     for kw, msg in (
         (dict(q=q[:, :48]), "64 or 128 heads"),
         (dict(q=q.float()), "q must have dtype"),
