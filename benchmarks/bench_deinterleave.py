@@ -34,6 +34,38 @@ INTERLEAVES = (1, 64)
 BLOCK_SIZE = 64
 CONTEXT = 65536
 
+try:  # a progress bar over the long sweeps (tqdm is optional: without it, e.g. on the H200 image, no bar)
+    from tqdm import tqdm as _tqdm
+except ImportError:
+    _tqdm = None
+
+
+class _NoBar:
+    """What ``progress`` returns without tqdm: iterates like the sweep, shows nothing."""
+
+    def __init__(self, iterable=None):  # noqa: ANN001
+        self.iterable = iterable
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.iterable)
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(iterable=None, total: int | None = None, desc: str = ""):  # noqa: ANN001, ANN201
+    """A tqdm bar on stderr (stdout keeps the per-shape lines), or a silent stand-in without tqdm."""
+    if _tqdm is None:
+        return _NoBar(iterable)
+    return _tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
 # (method, block, num_warps). Kept short: every entry is a compile per geometry.
 CONFIGS = [
     ("atomic", 256, 4), ("atomic", 512, 4), ("atomic", 1024, 4), ("atomic", 1024, 8), ("atomic", 2048, 8),
@@ -146,9 +178,11 @@ def run(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows_list = ((32, 64) if dev.type == "cuda" else (3,)) if args.sanitize else ROWS
     configs = [("atomic", 256, 4), ("rowscan", 2048, 8), ("twopass", 256, 4)] if args.sanitize else CONFIGS
+    bar = progress(total=len(WORLDS) * len(INTERLEAVES) * len(rows_list), desc="deinterleave shapes")
     for w in WORLDS:
         for i in INTERLEAVES:
             for rows in rows_list:
+                bar.set_postfix_str(f"W={w} I={i} rows={rows}")
                 ids, req, bt = make_inputs(rows, w, i, gen, dev)
                 nbytes = 8 * rows * TOPK + 4 * rows
                 out = torch.empty((rows, TOPK), dtype=torch.int32, device=dev)
@@ -197,6 +231,8 @@ def run(args) -> dict:
                     entries.append(e)
                     print(json.dumps(e), flush=True)
                 rows_out.extend(entries)
+                bar.update()
+    bar.close()
     result["results"] = rows_out
     return result
 

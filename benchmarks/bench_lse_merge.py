@@ -39,6 +39,38 @@ sys.path.insert(0, str(ROOT))
 H, D = 128, 512
 ISSUE_COPY_TBPS = 4.23
 
+try:  # a progress bar over the long sweeps (tqdm is optional: without it, e.g. on the H200 image, no bar)
+    from tqdm import tqdm as _tqdm
+except ImportError:
+    _tqdm = None
+
+
+class _NoBar:
+    """What ``progress`` returns without tqdm: iterates like the sweep, shows nothing."""
+
+    def __init__(self, iterable=None):  # noqa: ANN001
+        self.iterable = iterable
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.iterable)
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(iterable=None, total: int | None = None, desc: str = ""):  # noqa: ANN001, ANN201
+    """A tqdm bar on stderr (stdout keeps the per-shape lines), or a silent stand-in without tqdm."""
+    if _tqdm is None:
+        return _NoBar(iterable)
+    return _tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
 
 def versions() -> dict:
     import triton
@@ -111,8 +143,10 @@ def bench_merge(copy_tbps: float) -> dict:
 
     rows = []
     configs = [(bh, nw) for bh in (1, 2, 4, 8) for nw in (2, 4, 8)]
+    bar = progress(total=3 * 2, desc="merge sweep (W, T)")
     for W in (2, 4, 8):
         for T in (32, 1024):
+            bar.set_postfix_str(f"W={W} T={T}")
             outs, lses = make_partials(W, T, seed=W * 7 + T)
             ref_m, ref_ml = merge_partials(outs, lses.double(), "2")  # outs bf16 -> merged bf16 (computed in fp64)
             ref_m64 = merge_partials(outs.double(), lses.double(), "2")[0]
@@ -161,6 +195,8 @@ def bench_merge(copy_tbps: float) -> dict:
                   f"torch {row['torch_merge']['median_us']:8.2f} us", flush=True)
             del outs, lses, ref_m, ref_ml, ref_m64, ref_c64
             torch.cuda.empty_cache()
+            bar.update()
+    bar.close()
     return {"rows": rows}
 
 

@@ -45,6 +45,38 @@ import triton.testing
 
 from dcp_ref.topk import stable_topk as ref_topk
 
+try:  # a progress bar over the long sweeps (tqdm is optional: without it, e.g. on the H200 image, no bar)
+    from tqdm import tqdm as _tqdm
+except ImportError:
+    _tqdm = None
+
+
+class _NoBar:
+    """What ``progress`` returns without tqdm: iterates like the sweep, shows nothing."""
+
+    def __init__(self, iterable=None):  # noqa: ANN001
+        self.iterable = iterable
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.iterable)
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress(iterable=None, total: int | None = None, desc: str = ""):  # noqa: ANN001, ANN201
+    """A tqdm bar on stderr (stdout keeps the per-shape lines), or a silent stand-in without tqdm."""
+    if _tqdm is None:
+        return _NoBar(iterable)
+    return _tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
 SHAPES = [(r, w, k) for r in (1, 32, 128, 1024) for w in (2, 4, 8) for k in (512, 2048)]
 # vLLM's CuTeDSL selector on this H200 (from the issue), K = 2048: {(rows, W): µs}.
 VLLM = {(1, 2): 7.3, (1, 4): 14.0, (1, 8): 20.3, (128, 2): 11.8, (128, 4): 19.3, (128, 8): 28.8,
@@ -114,9 +146,11 @@ def variants_main(args: argparse.Namespace, meta: dict) -> None:
 
     ints = lambda t: [int(x) for x in t.split(",")]  # noqa: E731
     results = []
+    bar = progress(total=len(ints(args.rows)) * len(ints(args.worlds)) * len(ints(args.K)), desc="top-K variants")
     for rows in ints(args.rows):
         for w in ints(args.worlds):
             for K in ints(args.K):
+                bar.set_postfix_str(f"rows={rows} W={w} K={K}")
                 k = K
                 gathered = make_input(rows, w, K)
                 want = ref_topk(gathered, k, sorted=True)
@@ -157,6 +191,8 @@ def variants_main(args: argparse.Namespace, meta: dict) -> None:
                           f"graph={rec['graph']['median_us']:7.1f} sorted={sg:7.1f}", flush=True)
                     with open(args.out, "w") as fh:  # written after every record: a cut run keeps what it has
                         json.dump({"meta": meta, "variants": results}, fh, indent=1)
+                bar.update()
+    bar.close()
 
 
 def main() -> None:
@@ -195,7 +231,7 @@ def main() -> None:
 
     shapes = SHAPES[:4] if args.quick else SHAPES
     results = []
-    for rows, w, K in shapes:
+    for rows, w, K in progress(shapes, desc="top-K shapes"):
         k = K
         gathered = make_input(rows, w, K)
         out = torch.full((rows, k), 12345, dtype=torch.int32, device="cuda")
