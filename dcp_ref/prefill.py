@@ -24,7 +24,7 @@ import torch
 
 from typing import TYPE_CHECKING
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_tensor
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_non_negative, check_tensor
 from .group import Group
 from .ownership import PrefillChunkMetadata, localize_prefill_chunk
 from .stages import Stages
@@ -51,6 +51,14 @@ def chunk_scores_from_local(local_scores: torch.Tensor, query_lens: torch.Tensor
     """
     check_tensor(local_scores, "local_scores", dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor(query_lens, "query_lens", dtypes=INT_DTYPES, ndim=1)
+    if not isinstance(meta, PrefillChunkMetadata):
+        raise TypeError(f"meta must be a PrefillChunkMetadata (from localize_prefill_chunk), got {type(meta).__name__}")
+    if query_lens.numel() != meta.cu_seqlens_k.numel() - 1:
+        raise ValueError(
+            f"query_lens must have one entry per request of meta ({meta.cu_seqlens_k.numel() - 1}), "
+            f"got {query_lens.numel()}"
+        )
+    check_non_negative(query_lens, "query_lens")
     T = local_scores.shape[0]
     if int(query_lens.sum()) != T:
         raise ValueError(f"query_lens must add up to local_scores' rows ({T}), got {int(query_lens.sum())}")
@@ -101,9 +109,14 @@ def dcp_prefill_step(
 
     g = _shard_geometry(shard, group)
     topk = check_int_scalar(topk, "topk", min_value=1)
+    check_tensor(q, "q", dtypes=FLOAT_DTYPES, ndim=3)
     chunk = localize_prefill_chunk(context_lens, query_lens, g.world_size, g.rank, g.interleave)
     check_tensor(shard.index_scores, "shard.index_scores", dtypes=FLOAT_DTYPES, ndim=2)
     T = q.shape[0]
+    if chunk.cu_seqlens_q.numel() and int(chunk.cu_seqlens_q[-1]) != T:
+        raise ValueError(
+            f"query_lens must add up to q's {T} query tokens (q.shape[0]), got {int(chunk.cu_seqlens_q[-1])}"
+        )
     if shard.index_scores.shape[0] != T or shard.index_scores.shape[1] < chunk.local_total:
         raise ValueError(
             f"shard.index_scores must be [T={T}, >= local_total={chunk.local_total}] (the chunk layout), "
