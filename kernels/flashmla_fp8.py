@@ -39,6 +39,7 @@ Facts (verified on the H200 with sgl-flash-mla 1.0.0, and in FlashMLA's source):
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -334,8 +335,8 @@ class FlashMLAFp8Decode:
     ``[T, H, 512]`` and float32 ``[T, H]`` base-e LSE, ``-inf`` and output 0 for a row with
     nothing to read.
 
-    Per shape ``(T, H, K_pad, block layout)`` the object keeps FlashMLA's schedule and an index
-    buffer: call it once eagerly before capturing it in a CUDA graph.
+    Per shape ``(T, H, K_pad, block layout)`` and calling thread the object keeps FlashMLA's
+    schedule and an index buffer: call it once eagerly before capturing it in a CUDA graph.
 
     Args:
         device: the CUDA device.
@@ -359,7 +360,9 @@ class FlashMLAFp8Decode:
         self._plans: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
 
     def _plan(self, T: int, H: int, k_pad: int, cache_shape: tuple[int, ...]) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        key = (T, H, k_pad, cache_shape[1])
+        # Per thread too: the ranks of a SimulatedWorld are threads sharing one object, and one
+        # index buffer written by two ranks before either kernel runs would mix their rows.
+        key = (threading.get_ident(), T, H, k_pad, cache_shape[1])
         plan = self._plans.get(key)
         if plan is None:
             sched = self._fm.get_mla_metadata()[0]

@@ -629,3 +629,39 @@ def test_flashmla_fp8_cuda_graph_replay(cuda_device) -> None:
         graph.replay()
         torch.cuda.synchronize()
         _check_against_reference(ob, lb, q, cache, new, 0.1)
+
+
+@pytest.mark.gpu
+def test_flashmla_fp8_dcp_two_ranks_merged_equals_single_device(cuda_device) -> None:
+    """W = 2 ranks on one GPU: masked slots per rank, FlashMLA FP8 partials, the LSE merge."""
+    from dcp_ref.cache_write import build_sharded_caches
+    from dcp_ref.deinterleave import global_ids_to_local_slots
+    from dcp_ref.geometry import DcpGeometry
+    from dcp_ref.kernels.flashmla_fp8 import FlashMLAFp8Decode
+    from dcp_ref.lse import merge_partials
+    from dcp_ref.pipeline import make_dcp_problem
+
+    W, I, BS, K = 2, 2, 64, 256
+    p = make_dcp_problem(W, I, seq_lens=[700, 300], head_dim=576, block_size=BS, seed=4)
+    geo = DcpGeometry(W, 0, I, BS)
+    caches = build_sharded_caches(
+        p.kv_global, [s.block_table for s in p.shards], geo, [s.kv_cache.shape[0] for s in p.shards]
+    )
+    g = torch.Generator().manual_seed(8)
+    req = p.req_of_token
+    T = req.numel()
+    q = torch.randn(T, 128, 576, generator=g).bfloat16().to(cuda_device)
+    ids = torch.stack([torch.randperm(int(p.seq_lens[b]), generator=g)[:K] for b in req.tolist()])
+    attn = FlashMLAFp8Decode(cuda_device, validate=True)
+    outs, lses = [], []
+    for r, shard in enumerate(p.shards):
+        slots = global_ids_to_local_slots(ids, req, shard.block_table, BS, W, r, I)  # masked layout
+        o, l = attn.attention(q, caches[r].to(cuda_device), slots.to(cuda_device), None, 192**-0.5)
+        outs.append(o.double())
+        lses.append(l.double())
+    out, lse = merge_partials(torch.stack(outs), torch.stack(lses))
+    flat = quantize_kv_fp8(torch.cat(p.kv_global).to(cuda_device))
+    offset = torch.tensor([0, int(p.seq_lens[0])])[req]
+    ref_o, ref_l = sparse_mla_attention_fp8(q, flat, (ids + offset[:, None]).to(cuda_device), None, 192**-0.5)
+    assert (out - ref_o).norm().item() / ref_o.norm().item() <= 1e-2
+    assert (lse - ref_l).abs().max().item() <= 5e-3
