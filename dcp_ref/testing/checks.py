@@ -214,6 +214,7 @@ def _run(
     expected_code: Callable[[Case], str] | None = None,
 ) -> None:
     """Drive Hypothesis; on failure raise :class:`ConformanceError` for the shrunk case."""
+    __tracebackhide__ = True
     n_examples = DEFAULT_MAX_EXAMPLES if max_examples is None else int(max_examples)
     if n_examples < 1:
         raise ValueError(f"max_examples must be >= 1, got {max_examples}")
@@ -374,6 +375,7 @@ def check_select(
     Raises:
         ConformanceError: on the smallest failing case.
     """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
     strategy = S.select_cases(max_world=max_world, max_candidates=max_candidates, presorted=presorted,
                               noncontig=noncontig, with_out=_with_out(fn, out_buffers))
@@ -417,6 +419,7 @@ def check_local_topk(
     if read. The winners: score descending, ``-0.0 == +0.0``, then the lower ``j``; NaN never; ``-1``
     padding. ``sorted=False`` compares the winners as a set.
     """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
     strategy = S.local_topk_cases(dtype=dtype, index_dtypes=index_dtypes, noncontig=noncontig)
 
@@ -468,6 +471,7 @@ def check_pack(
     ``(j // I)*(W*I) + rank*I + j % I``; ``-1`` -> ``(-inf, -1)``. NaN scores are packed as NaN.
     ``dtypes``: the score dtypes your pack accepts.
     """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
     strategy = S.pack_cases(max_world=max_world, dtypes=dtypes, noncontig=noncontig)
 
@@ -515,6 +519,7 @@ def check_indexer(
     (as :func:`check_pack`). ``sorted=False`` (the protocol): the winners as a set of pairs in any
     positions, every other entry exactly ``(-inf, -1)``; ``sorted=True``: in the key order, padding last.
     """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
     strategy = S.indexer_cases(max_world=max_world, index_dtypes=index_dtypes, noncontig=noncontig,
                                with_out=_with_out(fn, out_buffers))
@@ -579,6 +584,7 @@ def check_deinterleave(
     ``compact=False`` (the masked layout; ``fn`` gets ``compact=False``): ``slots[t, j]`` is ``global_ids[t, j]``'s
     slot or ``-1``, ``counts`` still the number of valid ones.
     """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
     strategy = S.deinterleave_cases(max_world=max_world, index_dtype=index_dtype, compact=compact, noncontig=noncontig,
                                     with_out=_with_out(fn, out_buffers, "out_slots"))
@@ -666,6 +672,7 @@ def check_attention(
     num_heads: int | Sequence[int] | None = None,
     head_dim: int | None = None,
     v_dim: int | None = None,
+    slots_width: int | None = None,
     noncontig: bool = True,
     out_buffers: bool | str = "auto",
     rtol: float | None = None,
@@ -684,11 +691,12 @@ def check_attention(
             or ``"any"`` (any non-finite value). empty_out: ``"zero"`` (the protocol) or ``"any"``.
         layout: ``"compact"`` (``slots[t, :counts[t]]``; what follows is garbage that must not be read)
             or ``"masked"`` (every ``slots[t, j] >= 0``).
-        dtype: of ``q`` and ``kv_cache``.  num_heads / head_dim / v_dim: fix the shapes (a kernel built
-            for DeepSeek's 576/512 and 64 or 128 heads); ``None``: drawn small.
+        dtype: of ``q`` and ``kv_cache``.  num_heads / head_dim / v_dim / slots_width: fix the shapes (a
+            kernel built for DeepSeek's 576/512, 64 or 128 heads, top-k in tiles of 64); ``None``: drawn small.
         rtol: override the tolerance (default :func:`tolerance` of ``dtype`` and the output dtype, widened
             by the float32 rounding of scores as large as the case's).
     """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     if lse_base not in ("e", "2"):
         raise ValueError(f"lse_base must be 'e' or '2', got {lse_base!r}")
     if empty_lse not in _EMPTY_LSE:
@@ -698,7 +706,8 @@ def check_attention(
     if layout not in ("compact", "masked"):
         raise ValueError(f"layout must be 'compact' or 'masked', got {layout!r}")
     dev = _dev(device)
-    strategy = S.attention_cases(dtype=dtype, num_heads=num_heads, head_dim=head_dim, v_dim=v_dim, layout=layout,
+    strategy = S.attention_cases(dtype=dtype, num_heads=num_heads, head_dim=head_dim, v_dim=v_dim,
+                                 slots_width=slots_width, layout=layout,
                                  noncontig=noncontig, with_out=_with_out(fn, out_buffers))
 
     def evaluate(case: Case) -> None:
@@ -795,6 +804,7 @@ def check_merge(
     holds (NaN, ``inf``: ``0 * NaN`` is NaN, so select it away); every rank empty -> 0 and ``-inf``; a NaN
     in a partial that has weight propagates. ``dtype``: of the partial outputs (LSEs are float32).
     """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     if lse_base not in ("e", "2"):
         raise ValueError(f"lse_base must be 'e' or '2', got {lse_base!r}")
     if form not in ("correct", "merge"):
@@ -927,6 +937,7 @@ def check_step(
     NaN selects nothing: output 0, LSE ``-inf``). With a ``Stages`` value, ``trace["impl"]`` must name
     your implementations (``Stages.impls()``).
     """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
     stages = _as_stages(impl)
     if stages is None and not callable(impl):
@@ -967,8 +978,10 @@ def check_step(
                     diffs.append(f"rank {r}: trace['impl'] = {tr.get('impl')}, expected {want}")
                     break
         if diffs:
-            ids = ref.ids.tolist()
-            raise _Mismatch(case, "  " + "\n  ".join(diffs[:6]) + f"\n  (the oracle's chosen positions per token: {ids})")
+            note = f"\n  the oracle's chosen positions per token: {ref.ids.tolist()}"
+            if "global_ids" in traces[0]:
+                note += f"\n  your step's global_ids (rank 0's trace): {traces[0]['global_ids'].tolist()}"
+            raise _Mismatch(case, "  " + "\n  ".join(diffs[:6]) + note)
 
     def expected(case: Case) -> str:
         return ("from dcp_ref.testing import oracle\n"
@@ -982,7 +995,7 @@ def check_step(
     # The reproducer of a step case runs the whole step through the kit's runner.
     def step_code(case: Case) -> str:
         call = f"out, lse = run_step_problem(problem, {name}{'' if dev.type == 'cpu' else f', device={str(dev)!r}'})"
-        return "\n".join(["from dcp_ref.testing.checks import run_step_problem", *(l for l in [imp] if l), call,
+        return "\n".join(["from dcp_ref.testing import run_step_problem", *(l for l in [imp] if l), call,
                           expected(case)])
 
     _run_step(label, conv, impl, strategy, evaluate, device=dev, max_examples=max_examples, seed=seed,
@@ -993,6 +1006,7 @@ def _run_step(label: str, conv: str, impl: Any, strategy: st.SearchStrategy[Case
               device: torch.device, max_examples: int | None, seed: int | None, shrink_budget: int,
               code: Callable[[Case], str]) -> None:
     """:func:`_run` for the step, whose reproducer builds a problem instead of calling ``impl`` directly."""
+    __tracebackhide__ = True
     try:
         _run(f"step ({label})", conv, impl, strategy, evaluate, device=device, max_examples=max_examples, seed=seed,
              shrink_budget=shrink_budget)
@@ -1009,6 +1023,7 @@ def check_stages(stages: Any, *, device: torch.device | str = "cpu", step: bool 
     Uses the protocol's conventions (set semantics, base-e LSE, ``-inf`` for empty rows, compaction
     unless ``stages.attention_layout == "masked"``). ``step_kwargs`` go to :func:`check_step`.
     """
+    __tracebackhide__ = True
     st_ = _as_stages(stages)
     if st_ is None:
         raise TypeError(f"stages must be a Stages value or a dict of stages, got {type(stages).__name__}")

@@ -489,8 +489,9 @@ def deinterleave_cases(
 ) -> Case:
     """The de-interleave stage: ``fn(global_ids, req_of_token, block_table, geometry[, compact=False])``.
 
-    Ids are distinct per row with ``-1`` anywhere; some are owned by other ranks, some lie past the
-    block table; block tables hold shuffled physical blocks and ``-1`` past each request's end.
+    Ids are distinct per row with ``-1`` anywhere; mostly this rank's keys of the token's request (rows
+    where every id is local happen), else any position: other ranks' keys, keys past the block table.
+    Block tables hold shuffled physical blocks and ``-1`` past each request's end.
     """
     geo = draw(geometries(max_world=max_world))
     W, I, bs = geo.world_size, geo.interleave, geo.block_size
@@ -507,10 +508,26 @@ def deinterleave_cases(
             nxt += 1
     K = draw(st.integers(1, max_k))
     span = (M + 1) * bs * W  # positions up to one block past the table
-    rows = draw(st.lists(st.tuples(st.lists(st.integers(-1, span - 1), min_size=K, max_size=K), st.integers(0, B - 1)),
-                         min_size=1, max_size=max_tokens))
+
+    @st.composite
+    def row(draw: st.DrawFn) -> tuple[list[int], int]:
+        b = draw(st.integers(0, B - 1))
+        entries = []
+        for _ in range(K):
+            # Mostly this rank's keys inside the request's blocks (full rows happen), else any position or none.
+            kind = draw(st.sampled_from(("local", "local", "any", "none")))
+            if kind == "local" and used[b]:
+                j = draw(st.integers(0, used[b] * bs - 1))
+                entries.append((j // I) * W * I + geo.rank * I + j % I)
+            elif kind == "none":
+                entries.append(-1)
+            else:
+                entries.append(draw(st.integers(0, span - 1)))
+        return _distinct(entries), b
+
+    rows = draw(st.lists(row(), min_size=1, max_size=max_tokens))
     T = len(rows)
-    ids = [_distinct(r[0]) for r in rows]
+    ids = [r[0] for r in rows]
     req = [r[1] for r in rows]
     values: dict[str, Any] = {}
     code: dict[str, str] = {}
@@ -540,6 +557,7 @@ def attention_cases(
     max_tokens: int = 3,
     max_k: int = 6,
     max_slots: int = 12,
+    slots_width: int | None = None,
     layout: str = "compact",
     noncontig: bool = True,
     with_out: bool = False,
@@ -549,6 +567,7 @@ def attention_cases(
     KV rows no valid slot points at are NaN (a kernel that reads them leaks NaN). ``layout="compact"``:
     ``slots[t, :counts[t]]`` valid, the rest garbage (``-1``, in-range poisoned rows, or far out of
     range) that must not be read. ``layout="masked"``: valid slots anywhere, ``-1`` elsewhere.
+    ``slots_width`` fixes ``K`` (e.g. 64 for a kernel that reads slots in tiles of 64).
     Empty rows (``counts = 0``), large scores (an ``exp`` without the max subtracted overflows) and
     NaN in a KV row that is read (it must propagate) are all drawn.
     """
@@ -561,7 +580,7 @@ def attention_cases(
     D = head_dim if head_dim is not None else draw(st.integers(1, 8))
     v = v_dim if v_dim is not None else draw(st.integers(1, D))
     S = draw(st.integers(1, max_slots))
-    K = draw(st.integers(1, max_k))
+    K = slots_width if slots_width is not None else draw(st.integers(1, max_k))
     big = draw(_RARE)
     literal = max_tokens * H * D + S * D <= MAX_LITERAL_ELEMS
 

@@ -1,0 +1,712 @@
+"""The conformance kit (dcp_ref.testing): references and the project's kernels pass it, seeded bugs
+of every stage are caught with a small reproducer that reproduces, the oracle equals the pipeline's
+independent single-device oracle, and the plugin, the CLI and the lazy import work.
+
+The seeded bugs are module-level functions so that the reproducer's import line finds them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from dcp_ref.geometry import DcpGeometry
+from dcp_ref.stages import REFERENCE_STAGES
+from dcp_ref.testing import (
+    ConformanceError,
+    check_attention,
+    check_deinterleave,
+    check_indexer,
+    check_local_topk,
+    check_merge,
+    check_pack,
+    check_select,
+    check_stages,
+    check_step,
+    make_step_problem,
+    noncontiguous,
+    oracle,
+    run_step_problem,
+)
+from dcp_ref.testing import strategies as dst
+
+pytest_plugins = ["dcp_ref.testing.plugin"]  # the dcp_conformance fixture (before the entry point is installed)
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = 20  # cases per check for the Triton interpreter: each call is a few ms to tens of ms
+INF = math.inf
+
+
+# ---- seeded bugs, one per stage ---------------------------------------------------------------------
+def select_ties_to_higher_id(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference order with ids mirrored: equal scores go to the HIGHER id (bug)."""
+    from dcp_ref.topk import stable_topk
+
+    g = gathered.clone()
+    g[..., 1] = torch.where(g[..., 1] >= 0, (2**24 - 1) - g[..., 1], g[..., 1])
+    out = stable_topk(g, k)
+    return torch.where(out >= 0, (2**24 - 1) - out, out).to(torch.int32)
+
+
+def local_topk_off_by_one(scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None) -> torch.Tensor:
+    """Keys j <= lengths[t] instead of j < lengths[t] (bug), clamped to stay inside the tensor."""
+    from dcp_ref.indexer import local_topk
+
+    starts = torch.zeros_like(lengths) if row_starts is None else row_starts
+    return local_topk(scores, k, torch.minimum(lengths + 1, scores.shape[1] - starts), row_starts)
+
+
+def indexer_off_by_one(scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
+                       row_starts: torch.Tensor | None = None) -> torch.Tensor:
+    from dcp_ref.topk import pack_candidates
+
+    g = geometry
+    ids = local_topk_off_by_one(scores, k, lengths, row_starts)
+    return pack_candidates(scores, ids, g.rank, g.world_size, g.interleave, row_starts)
+
+
+def pack_ignoring_interleave(scores: torch.Tensor, local_ids: torch.Tensor, rank: int, world_size: int, interleave: int,
+                             row_starts: torch.Tensor | None) -> torch.Tensor:
+    """Global id j*W + rank, right only for I = 1 (bug)."""
+    from dcp_ref.topk import pack_candidates
+
+    return pack_candidates(scores, local_ids, rank, world_size, 1, row_starts)
+
+
+def deinterleave_dropping_last(global_ids: torch.Tensor, req_of_token: torch.Tensor, block_table: torch.Tensor,
+                               geometry: DcpGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compaction that loses the last slot of a row whose every id is local (bug)."""
+    slots, counts = REFERENCE_STAGES.deinterleave(global_ids, req_of_token, block_table, geometry)
+    slots, counts = slots.clone(), counts.clone()
+    full = counts == slots.shape[1]
+    slots[full, -1] = -1
+    counts[full] -= 1
+    return slots, counts
+
+
+def attention_base2_as_e(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                         sm_scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns a base-2 LSE where base e is declared (bug)."""
+    from dcp_ref.attention import sparse_mla_attention
+
+    return sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "2", v_dim=v_dim)
+
+
+def merge_multiplying_nan(partial: torch.Tensor, all_lse: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight * partial: an empty rank's NaN partial times its zero weight is NaN (bug)."""
+    lse = all_lse.double()
+    merged = torch.logsumexp(lse, 0)
+    w = torch.nan_to_num(torch.exp(lse[rank] - merged), nan=0.0)
+    return (w.unsqueeze(-1) * partial.double()).to(partial.dtype), merged.float()
+
+
+def merge_base_e_math(partial: torch.Tensor, all_lse: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base-e merge applied to LSEs declared base 2 (bug)."""
+    from dcp_ref.lse import correct_partial
+
+    return correct_partial(partial, all_lse, rank, "e")
+
+
+def step_attending_local_topk(group: Any, q: torch.Tensor, shard: Any, seq_lens: torch.Tensor, next_n: Any, topk: int,
+                              sm_scale: float, *, v_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank attends to its own local top-k: no global selection (bug; see topk.union_counterexample)."""
+    from dcp_ref.indexer import local_topk
+    from dcp_ref.lse import dcp_merge_collective
+    from dcp_ref.step import decode_metadata
+
+    g = shard.geometry
+    meta = decode_metadata(seq_lens, next_n, g)
+    ids = local_topk(shard.index_scores, topk, meta.local_bounds)
+    gid = torch.where(ids >= 0, (ids // g.interleave) * g.world_size * g.interleave + g.rank * g.interleave
+                      + ids % g.interleave, -1).to(torch.int32)
+    slots, counts = REFERENCE_STAGES.deinterleave(gid, meta.req_of_token, shard.block_table, g)
+    out, lse = REFERENCE_STAGES.attention(q, shard.kv_cache, slots, counts, sm_scale, v_dim or q.shape[-1])
+    return dcp_merge_collective(group, out, lse, "e")
+
+
+def _select_with_out(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    r = select_ties_to_higher_id(gathered, k)
+    return r if out is None else out.copy_(r)
+
+
+# ---- the references conform ---------------------------------------------------------------------------
+def test_reference_select_conforms() -> None:
+    from dcp_ref.topk import stable_topk
+
+    check_select(REFERENCE_STAGES.select, max_examples=25)
+    check_select(stable_topk, sorted=True, max_examples=25)
+    check_select(stable_topk, sorted=True, presorted=True, max_examples=10)
+
+
+def test_reference_indexer_local_topk_and_pack_conform() -> None:
+    from dcp_ref.indexer import local_topk
+    from dcp_ref.topk import pack_candidates
+
+    check_local_topk(local_topk, sorted=True, max_examples=25)
+    check_pack(pack_candidates, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64), max_examples=25)
+    check_indexer(REFERENCE_STAGES.indexer, sorted=True, max_examples=25)
+
+
+def test_reference_deinterleave_conforms() -> None:
+    check_deinterleave(REFERENCE_STAGES.deinterleave, ordered=True, max_examples=25)
+    check_deinterleave(REFERENCE_STAGES.deinterleave, compact=False, max_examples=25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_reference_attention_conforms(dtype: torch.dtype) -> None:
+    check_attention(REFERENCE_STAGES.attention, dtype=dtype, max_examples=20)
+
+
+def test_reference_attention_in_base_2_and_the_masked_layout() -> None:
+    from dcp_ref.attention import sparse_mla_attention
+    from dcp_ref.deinterleave import compact_to_front
+
+    def base2(q, kv, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
+        return sparse_mla_attention(q, kv, slots, counts, sm_scale, "2", v_dim=v_dim)
+
+    def masked(q, kv, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
+        compacted, n = compact_to_front(slots)  # the masked layout: -1 anywhere, valid slots anywhere
+        return sparse_mla_attention(q, kv, compacted, n, sm_scale, v_dim=v_dim)
+
+    check_attention(base2, lse_base="2", max_examples=15)
+    check_attention(masked, layout="masked", max_examples=15)
+
+
+def test_reference_merge_conforms() -> None:
+    from dcp_ref.lse import correct_partial, merge_partials
+
+    check_merge(REFERENCE_STAGES.merge, max_examples=25)
+    check_merge(lambda p, lse, r: correct_partial(p, lse, r, "2"), lse_base="2", dtype=torch.bfloat16, max_examples=15)
+    check_merge(merge_partials, form="merge", max_examples=15)
+
+
+def test_reference_step_conforms() -> None:
+    from dcp_ref.pipeline import dcp_decode_step
+
+    check_step(REFERENCE_STAGES, max_examples=20)
+    check_step(dcp_decode_step, max_examples=10, dtype=torch.float64)
+
+
+def test_the_fixture_runs_the_checkers(dcp_conformance: Any) -> None:
+    from dcp_ref.topk import stable_topk
+
+    dcp_conformance.select(stable_topk, sorted=True, max_examples=10)
+    with pytest.raises(ConformanceError):
+        dcp_conformance.select(select_ties_to_higher_id, max_examples=10)
+
+
+# ---- the project's Triton kernels conform (interpreted on the CPU) -----------------------------------
+@pytest.fixture(scope="module")
+def interp(kernel_device: torch.device) -> torch.device:
+    pytest.importorskip("triton")
+    return kernel_device
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inside the interpreter: 0 * inf in masked lanes
+def test_triton_pack_conforms(interp: torch.device) -> None:
+    from dcp_ref.kernels.pack_triton import pack_candidates_triton
+
+    check_pack(pack_candidates_triton, device=interp, dtypes=(torch.float32, torch.bfloat16, torch.float16),
+               max_examples=FAST)
+
+
+@pytest.mark.parametrize("method,ordered", [("rowscan", True), ("twopass", True), ("atomic", False)])
+def test_triton_deinterleave_conforms(interp: torch.device, method: str, ordered: bool) -> None:
+    from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
+
+    def fn(ids, req, table, g):  # type: ignore[no-untyped-def]
+        return deinterleave_compact(ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered,
+                                    method=method)
+
+    check_deinterleave(fn, ordered=ordered, device=interp, max_examples=FAST)
+
+
+def test_triton_conversion_kernel_conforms_to_the_masked_layout(interp: torch.device) -> None:
+    from dcp_ref.kernels.deinterleave_triton import global_ids_to_local_slots_triton
+
+    def fn(ids, req, table, g, compact=True):  # type: ignore[no-untyped-def]
+        assert compact is False
+        s = global_ids_to_local_slots_triton(ids, req, table, g.block_size, g.world_size, g.rank, g.interleave)
+        return s, (s >= 0).sum(1, dtype=torch.int32)
+
+    check_deinterleave(fn, compact=False, device=interp, max_examples=FAST)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("base,dtype", [("e", torch.float32), ("2", torch.float32), ("e", torch.bfloat16)])
+def test_triton_lse_correct_conforms(interp: torch.device, base: str, dtype: torch.dtype) -> None:
+    from dcp_ref.kernels.lse_merge_triton import lse_correct
+
+    def fn(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+        merged = torch.empty(partial.shape[:2], dtype=torch.float32, device=partial.device)
+        return lse_correct(partial, all_lse, rank, base=base, merged_lse=merged)
+
+    check_merge(fn, lse_base=base, dtype=dtype, device=interp, max_examples=FAST)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_triton_lse_merge_conforms(interp: torch.device) -> None:
+    from dcp_ref.kernels.lse_merge_triton import lse_merge
+
+    def fn(outs, lses):  # type: ignore[no-untyped-def]
+        return lse_merge(outs, lses, merged_lse=torch.empty(outs.shape[1:3], dtype=torch.float32, device=outs.device))
+
+    check_merge(fn, form="merge", device=interp, max_examples=FAST)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_kernel_stages_conform_on_the_cpu(interp: torch.device) -> None:
+    """The "kernels" Stages of the CPU (Triton interpreted where it runs) — stage by stage and stepped."""
+    from dcp_ref.kernels.stages import kernel_stages
+
+    ks = kernel_stages(interp, torch.float32, 8, 8)
+    check_indexer(ks.indexer, device=interp, noncontig=False, max_examples=FAST)  # see the report on strided lengths
+    check_deinterleave(ks.deinterleave, device=interp, max_examples=FAST)
+    check_merge(ks.merge, device=interp, max_examples=FAST)
+    check_step(ks, device=interp, world_sizes=(1, 2, 3), max_examples=8)
+
+
+# ---- the GPU kernels (the H200) -----------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("sorted_", [False, True])
+def test_cutedsl_select_conforms_on_gpu(cuda_device: torch.device, sorted_: bool) -> None:
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels.topk_cutedsl import stable_topk_cutedsl
+
+    # The kernel reads (score, id) as 8-byte words: contiguous input only (the stage wrapper makes it so).
+    check_select(lambda g, k: stable_topk_cutedsl(g, k, sorted=sorted_), sorted=sorted_, device=cuda_device,
+                 noncontig=False, max_examples=200)
+
+
+@pytest.mark.gpu
+def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
+    from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
+    from dcp_ref.kernels.lse_merge_triton import lse_correct
+    from dcp_ref.kernels.pack_triton import pack_candidates_triton
+
+    check_pack(pack_candidates_triton, device=cuda_device, dtypes=(torch.float32, torch.bfloat16), max_examples=200)
+    for method, ordered in (("rowscan", True), ("twopass", True), ("atomic", False)):
+        check_deinterleave(lambda i, r, t, g: deinterleave_compact(i, r, t, g.block_size, g.world_size, g.rank,
+                                                                   g.interleave, ordered=ordered, method=method),
+                           ordered=ordered, device=cuda_device, max_examples=200)
+    for base in ("e", "2"):
+        check_merge(lambda p, lse, r: lse_correct(p, lse, r, base=base,
+                                                  merged_lse=torch.empty(p.shape[:2], dtype=torch.float32,
+                                                                         device=p.device)),
+                    lse_base=base, dtype=torch.bfloat16, device=cuda_device, max_examples=200)
+
+
+@pytest.mark.gpu
+def test_flashinfer_attention_conforms_on_gpu(cuda_device: torch.device) -> None:
+    pytest.importorskip("flashinfer")
+    from dcp_ref.kernels.flashinfer_mla import sparse_mla_flashinfer
+
+    def fn(q, kv, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
+        return sparse_mla_flashinfer(q, kv, slots, counts, sm_scale, "e")
+
+    check_attention(fn, dtype=torch.bfloat16, head_dim=576, v_dim=512, num_heads=(16, 128), device=cuda_device,
+                    noncontig=False, max_examples=60)
+
+
+@pytest.mark.gpu
+def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
+    """Every GPU stage of the "kernels" Stages at DeepSeek's head geometry, then the step on 2 ranks."""
+    from dcp_ref.kernels.stages import kernel_stages
+
+    ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
+    check_indexer(ks.indexer, device=cuda_device, max_examples=100)
+    check_select(ks.select, device=cuda_device, max_examples=100)
+    check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=100)
+    check_attention(ks.attention, dtype=torch.bfloat16, head_dim=576, v_dim=512, num_heads=128, slots_width=64,
+                    device=cuda_device, noncontig=False, max_examples=40)
+    check_merge(ks.merge, dtype=torch.bfloat16, device=cuda_device, max_examples=100)
+    check_step(ks, device=cuda_device, dtype=torch.bfloat16, world_sizes=(2,), head_dim=576, v_dim=512,
+               heads_per_rank=64, max_examples=10)
+
+
+# ---- seeded bugs are caught, with a small reproducer that reproduces ------------------------------------
+def _run_reproducer(err: ConformanceError, **names: Any) -> dict[str, Any]:
+    ns: dict[str, Any] = dict(names)
+    exec(compile(err.reproducer, "<reproducer>", "exec"), ns)  # noqa: S102 - the point is that it runs
+    return ns
+
+
+def test_select_bug_ties_toward_the_higher_id_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_select(select_ties_to_higher_id)
+    e = info.value
+    assert "LOWER global id" in str(e) and "from test_testing_kit import select_ties_to_higher_id" in e.reproducer
+    g = e.case.values["gathered"]
+    assert g.shape[0] * g.shape[1] * g.shape[2] <= 2  # shrunk to two candidates tied at one score
+    ns = _run_reproducer(e)
+    assert ns["got"].tolist() != ns["expected"]
+
+
+def test_local_topk_bug_off_by_one_bound_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_local_topk(local_topk_off_by_one)
+    e = info.value
+    assert e.case.values["scores"].numel() <= 2
+    ns = _run_reproducer(e)
+    assert ns["got"].tolist() != ns["expected"]
+
+
+def test_indexer_bug_off_by_one_bound_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_indexer(indexer_off_by_one)
+    ns = _run_reproducer(info.value)
+    assert not torch.equal(ns["got"], ns["expected"])
+
+
+def test_pack_bug_ignoring_interleave_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_pack(pack_ignoring_interleave)
+    e = info.value
+    assert e.case.values["interleave"] > 1 and "global id" in str(e)
+    ns = _run_reproducer(e)
+    assert not torch.equal(ns["got"], ns["expected"])
+
+
+def test_deinterleave_bug_dropped_slot_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_deinterleave(deinterleave_dropping_last)
+    e = info.value
+    assert "missing slots" in str(e) and e.case.values["global_ids"].numel() <= 2
+    ns = _run_reproducer(e)
+    assert ns["got"][1].tolist() != ns["expected_counts"]
+
+
+def test_attention_bug_base_2_lse_declared_e_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_attention(attention_base2_as_e)
+    e = info.value
+    assert "declare lse_base='2'" in str(e)
+    assert e.case.values["q"].numel() <= 2
+    ns = _run_reproducer(e)
+    assert not torch.allclose(ns["got"][1].double(), ns["expected_lse"])
+
+
+def test_merge_bug_nan_partial_multiplied_naively_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_merge(merge_multiplying_nan)
+    e = info.value
+    assert "0 * NaN" in str(e) and e.case.values["partial"].numel() == 1
+    ns = _run_reproducer(e)
+    assert torch.isnan(ns["got"][0]).any() and not torch.isnan(ns["expected_out"]).any()
+
+
+def test_merge_bug_base_2_lse_merged_as_base_e_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_merge(merge_base_e_math, lse_base="2")
+    ns = _run_reproducer(info.value)
+    assert not torch.allclose(ns["got"][1].double(), ns["expected_lse"], equal_nan=True)
+
+
+def test_step_with_a_buggy_select_plugged_in_is_caught() -> None:
+    stages = REFERENCE_STAGES.with_(select=_select_with_out)
+    with pytest.raises(ConformanceError) as info:
+        check_step(stages, max_examples=40)
+    e = info.value
+    p = e.case.values["problem"]
+    assert int(p.seq_lens.sum()) <= 3 and "your step's global_ids" in str(e)
+    ns = _run_reproducer(e, stages=stages)
+    assert not torch.allclose(ns["out"].double(), ns["ref"].out, equal_nan=True)
+
+
+def test_whole_step_attending_the_union_of_local_topks_is_caught() -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_step(step_attending_local_topk, max_examples=40)
+    e = info.value
+    assert e.case.values["problem"].world_size > 1
+    ns = _run_reproducer(e)
+    assert not torch.allclose(ns["out"].double(), ns["ref"].out, equal_nan=True)
+
+
+def test_step_reports_an_impl_trace_that_names_the_wrong_implementation() -> None:
+    from dcp_ref.stages import reference_select
+
+    honest = REFERENCE_STAGES.with_(select=reference_select, name="mine")  # same callable: impls() == reference's
+    check_step(honest, max_examples=5)
+
+
+# ---- the kit's own mechanics --------------------------------------------------------------------------
+def test_a_failure_report_is_deterministic() -> None:
+    msgs = []
+    for _ in range(2):
+        with pytest.raises(ConformanceError) as info:
+            check_merge(merge_multiplying_nan)
+        msgs.append(str(info.value))
+    assert msgs[0] == msgs[1]
+
+
+def test_an_ignored_output_buffer_is_caught() -> None:
+    def select_ignoring_out(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return REFERENCE_STAGES.select(gathered, k)
+
+    with pytest.raises(ConformanceError, match="did not write its result"):
+        check_select(select_ignoring_out, max_world=4)
+    check_select(select_ignoring_out, out_buffers=False, max_examples=10)
+
+
+def test_a_modified_input_is_caught() -> None:
+    def select_sorting_in_place(gathered: torch.Tensor, k: int) -> torch.Tensor:
+        gathered[..., 0] = torch.nan_to_num(gathered[..., 0])
+        return REFERENCE_STAGES.select(gathered, k)
+
+    with pytest.raises(ConformanceError, match="modified its input `gathered`"):
+        check_select(select_sorting_in_place, max_world=4)
+
+
+def test_an_exception_on_a_valid_input_is_reported() -> None:
+    def select_without_empty_ranks(gathered: torch.Tensor, k: int) -> torch.Tensor:
+        if bool((gathered[..., 1] < 0).all()):
+            raise IndexError("no candidate")
+        return REFERENCE_STAGES.select(gathered, k)
+
+    with pytest.raises(ConformanceError, match="raised IndexError: no candidate"):
+        check_select(select_without_empty_ranks, max_world=4)
+
+
+def test_non_contiguous_inputs_are_exercised() -> None:
+    def select_contiguous_only(gathered: torch.Tensor, k: int) -> torch.Tensor:
+        if not gathered.is_contiguous():
+            raise ValueError("gathered must be contiguous")
+        return REFERENCE_STAGES.select(gathered, k)
+
+    with pytest.raises(ConformanceError, match="contiguous"):
+        check_select(select_contiguous_only, max_world=4)
+    check_select(select_contiguous_only, noncontig=False, max_world=4, max_examples=10)
+
+
+def test_noncontiguous_keeps_values_and_poisons_the_gaps() -> None:
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    v = noncontiguous(t)
+    assert not v.is_contiguous() and torch.equal(v, t)
+    assert torch.isnan(v.as_strided((2 * 3 * 2,), (1,), v.storage_offset())).sum() == 6
+
+
+def test_bad_conventions_are_rejected() -> None:
+    with pytest.raises(ValueError, match="lse_base"):
+        check_attention(REFERENCE_STAGES.attention, lse_base="10")
+    with pytest.raises(ValueError, match="empty_lse"):
+        check_attention(REFERENCE_STAGES.attention, empty_lse="zero")
+    with pytest.raises(ValueError, match="form"):
+        check_merge(REFERENCE_STAGES.merge, form="sum")
+    with pytest.raises(ValueError, match="max_examples"):
+        check_select(REFERENCE_STAGES.select, max_examples=0)
+    with pytest.raises(TypeError, match="impl"):
+        check_step(42)
+    with pytest.raises(ValueError, match="unknown stage"):
+        check_step({"selekt": REFERENCE_STAGES.select})
+
+
+def test_check_stages_runs_every_checker() -> None:
+    check_stages(REFERENCE_STAGES, max_examples=8)
+    with pytest.raises(ConformanceError, match="select"):
+        check_stages({"select": _select_with_out}, max_examples=20, step=False)
+
+
+def _capture(*args: Any, **kwargs: Any) -> tuple:
+    return args, kwargs
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.is_contiguous() == b.is_contiguous()
+                and bool(((a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else (a == b)).all()))
+    return a == b
+
+
+@pytest.mark.parametrize("strategy", [
+    dst.select_cases(with_out=True), dst.local_topk_cases(), dst.pack_cases(dtypes=(torch.bfloat16, torch.float32)),
+    dst.indexer_cases(with_out=True), dst.deinterleave_cases(with_out=True), dst.deinterleave_cases(compact=False),
+    dst.attention_cases(dtype=torch.bfloat16, with_out=True), dst.attention_cases(layout="masked", head_dim=40),
+    dst.merge_cases(with_out=True), dst.merge_cases(form="merge", dtype=torch.float16),
+], ids=["select", "local_topk", "pack", "indexer", "deinterleave", "masked", "attention", "attention-seeded", "merge",
+        "merge-all"])
+def test_the_reproducer_rebuilds_the_case_exactly(strategy: Any) -> None:
+    @settings(max_examples=15, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def prop(case: dst.Case) -> None:
+        ns = _run_reproducer_code(case.reproducer("_capture"))
+        args, kwargs = ns["got"]
+        want_args, want_kwargs, _ = case.build("cpu")
+        assert len(args) == len(want_args) and all(_equal(a, b) for a, b in zip(args, want_args))
+        assert kwargs.keys() == want_kwargs.keys() and all(_equal(kwargs[k], want_kwargs[k]) for k in kwargs)
+
+    prop()
+
+
+def _run_reproducer_code(code: str) -> dict[str, Any]:
+    ns: dict[str, Any] = {"_capture": _capture}
+    exec(compile(code, "<reproducer>", "exec"), ns)  # noqa: S102
+    return ns
+
+
+def test_the_step_reproducer_rebuilds_the_problem() -> None:
+    @settings(max_examples=5, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(dst.step_cases(max_world=4))
+    def prop(case: dst.Case) -> None:
+        ns = _run_reproducer_code(case.reproducer("_capture"))
+        (a,), _ = ns["got"]
+        b = case.values["problem"]
+        for name in ("q", "seq_lens"):
+            assert _equal(getattr(a, name), getattr(b, name))
+        for name in ("kv_caches", "block_tables", "index_scores"):
+            assert all(_equal(x, y) for x, y in zip(getattr(a, name), getattr(b, name)))
+
+    prop()
+
+
+def test_public_strategies_in_a_users_own_test() -> None:
+    """What the strategies module's docstring shows: a user's own property test over select cases."""
+    seen = []
+
+    @settings(max_examples=10, derandomize=True, database=None, deadline=None)
+    @given(dst.select_cases(max_world=4))
+    def test_my_select(case: dst.Case) -> None:
+        args, kwargs, _ = case.build("cpu")
+        got = REFERENCE_STAGES.select(*args, **kwargs)
+        want = oracle.select(case.values["gathered"], case.values["k"])
+        assert [sorted(r) for r in got.tolist()] == [sorted(r) for r in want.tolist()]
+        seen.append(case.values["gathered"].shape[0])
+
+    test_my_select()
+    assert seen and max(seen) <= 4
+
+
+# ---- the oracle ---------------------------------------------------------------------------------------
+def test_oracle_select_by_hand() -> None:
+    # rank 0: (1.0, id 5), (nan, id 0); rank 1: (1.0, id 2), (-0.0, id 7); one invalid (+inf, -1)
+    g = torch.tensor([[[[1.0, 5.0], [math.nan, 0.0], [INF, -1.0]]],
+                      [[[1.0, 2.0], [-0.0, 7.0], [0.0, 3.0]]]], dtype=torch.float32)
+    assert oracle.select(g, 4).tolist() == [[2, 5, 3, 7]]  # ties: lower id first; -0.0 == +0.0
+    assert oracle.select(g, 6).tolist() == [[2, 5, 3, 7, -1, -1]]
+
+
+def test_oracle_local_topk_and_pack_by_hand() -> None:
+    s = torch.tensor([[9.0, 1.0, 1.0, math.nan, 5.0]])
+    # keys j = 0..3 are columns 1..4: scores 1, 1, NaN (never chosen), 5; column 0 (9.0) is another row's
+    assert oracle.local_topk(s, 3, torch.tensor([4]), torch.tensor([1])).tolist() == [[3, 0, 1]]
+    assert oracle.local_topk(s, 4, torch.tensor([3]), torch.tensor([1])).tolist() == [[0, 1, -1, -1]]
+    packed = oracle.pack(s, torch.tensor([[1, -1]]), rank=1, world_size=2, interleave=2, row_starts=torch.tensor([1]))
+    assert packed.tolist() == [[[1.0, 3.0], [-INF, -1.0]]]  # local 1 on rank 1 with I=2 is global 3
+
+
+@pytest.mark.parametrize("w,i,next_n", [(1, 1, 1), (2, 1, 2), (3, 2, 1), (4, 4, 2)])
+def test_oracle_decode_equals_the_single_device_oracle(w: int, i: int, next_n: int) -> None:
+    from dcp_ref.pipeline import make_dcp_problem, single_device_decode
+
+    p = make_dcp_problem(w, i, seq_lens=[13, 5, 22], next_n=next_n, block_size=2 * i, seed=w)
+    ref_out, ref_lse, ref_ids = single_device_decode(p, 6, 0.3)
+    got = oracle.decode(p.q, [s.kv_cache for s in p.shards], [s.block_table for s in p.shards],
+                        [s.index_scores for s in p.shards], p.seq_lens, p.next_n, 6, 0.3, block_size=p.block_size,
+                        interleave=i)
+    assert torch.equal(got.ids, ref_ids)
+    torch.testing.assert_close(got.out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.lse, ref_lse, rtol=1e-12, atol=1e-12)
+    o, lse = got.head_shard(0, 1)
+    assert torch.equal(o, got.out) and torch.equal(lse, got.lse)
+
+
+def test_oracle_decode_on_a_users_own_tensors_and_the_runner() -> None:
+    """make_step_problem's shards through the oracle agree with the reference step on 3 ranks."""
+    scores = [[0.5, 0.5, -0.0, INF, math.nan, 1.0, 0.0]]
+    p = make_step_problem(3, 1, 2, [7], 1, scores, num_heads=3, head_dim=4, topk=4, seed=1)
+    ref = oracle.decode(p.q, p.kv_caches, p.block_tables, p.index_scores, p.seq_lens, p.next_n, p.topk, p.sm_scale,
+                        block_size=p.block_size, interleave=p.interleave)
+    assert ref.ids.tolist() == [[3, 5, 0, 1]]
+    out, lse = run_step_problem(p, REFERENCE_STAGES)
+    torch.testing.assert_close(out.double(), ref.out)
+    torch.testing.assert_close(lse.double(), ref.lse)
+
+
+def test_oracle_rejects_a_key_without_a_block() -> None:
+    p = make_step_problem(2, 1, 1, [4], 1, [[0.0] * 4], num_heads=2, head_dim=2, topk=2)
+    bad = [t.clone() for t in p.block_tables]
+    bad[1][0, 0] = -1
+    with pytest.raises(ValueError, match="has no block in block_tables"):
+        oracle.decode(p.q, p.kv_caches, bad, p.index_scores, p.seq_lens, 1, 2, 0.5, block_size=1)
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        oracle.decode(p.q, p.kv_caches, p.block_tables[:1], p.index_scores, p.seq_lens, 1, 2, 0.5, block_size=1)
+
+
+# ---- packaging: lazy hypothesis, the plugin, the command line -----------------------------------------
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_import_dcp_ref_does_not_import_hypothesis_and_the_oracle_does_not_need_it() -> None:
+    code = textwrap.dedent("""
+        import sys
+        import dcp_ref, dcp_ref.stages, dcp_ref.step
+        assert "hypothesis" not in sys.modules, "import dcp_ref imported hypothesis"
+        sys.modules["hypothesis"] = None  # as if it were not installed
+        from dcp_ref.testing import oracle
+        assert oracle.select.__module__ == "dcp_ref.testing.oracle"
+        try:
+            from dcp_ref.testing import check_select
+        except ModuleNotFoundError as e:
+            assert "needs hypothesis" in str(e), e
+            print("ok")
+    """)
+    r = _python(code)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_the_pytest_plugin_in_a_users_suite(tmp_path: Path) -> None:
+    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+        import torch
+        from dcp_ref.topk import stable_topk
+
+        def my_topk(gathered, k):
+            return stable_topk(gathered, k)
+
+        def my_wrong_topk(gathered, k):
+            out = stable_topk(gathered, k)
+            return torch.where(out >= 0, out + 1, out).to(torch.int32)
+
+        def test_my_select(dcp_conformance):
+            dcp_conformance.select(my_topk, sorted=False)
+
+        def test_my_wrong_select(dcp_conformance):
+            dcp_conformance.select(my_wrong_topk)
+    """))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "dcp_ref.testing.plugin", "--dcp-max-examples", "10", "-q",
+                        "-p", "no:cacheprovider", str(tmp_path / "test_user.py")],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert "1 failed, 1 passed" in r.stdout, r.stdout + r.stderr
+    assert "Reproducer:" in r.stdout and "got = my_wrong_topk(gathered, k)" in r.stdout
+
+
+def test_the_command_line(tmp_path: Path) -> None:
+    ok = subprocess.run([sys.executable, "-m", "dcp_ref.testing", "dcp_ref.topk:stable_topk", "--stage", "select",
+                         "--sorted", "--max-examples", "10"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert ok.returncode == 0 and ok.stdout.startswith("PASS: dcp_ref.topk:stable_topk conforms"), ok.stdout + ok.stderr
+    (tmp_path / "user_kernels.py").write_text(textwrap.dedent("""
+        import math, torch
+        def attention(q, kv_cache, slots, counts, sm_scale, v_dim):
+            from dcp_ref.attention import sparse_mla_attention
+            o, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, v_dim=v_dim)
+            return o, lse / math.log(2)
+    """))
+    bad = subprocess.run([sys.executable, "-m", "dcp_ref.testing", "user_kernels:attention", "--stage", "attention",
+                          "--max-examples", "10"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert bad.returncode == 1 and "declare lse_base='2'" in bad.stdout, bad.stdout + bad.stderr
+    usage = subprocess.run([sys.executable, "-m", "dcp_ref.testing", "user_kernels:attention", "--stage", "nope"],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert usage.returncode == 2 and "--stage" in usage.stderr
