@@ -74,22 +74,55 @@ import dataclasses
 import itertools
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from ._checks import check_int_scalar
 
 __all__ = [
-    "KV_BYTES_PER_TOKEN", "NCCL_2XH200_T32", "FLASHMLA_SPARSE_T32_H128", "MlaGeometry", "Hardware", "LineCost",
+    "KV_BYTES_PER_TOKEN",
+    "NCCL_2XH200_T32",
+    "FLASHMLA_SPARSE_T32_H128",
+    "MlaGeometry",
+    "Hardware",
+    "LineCost",
     "CostConstants",
-    "CollectiveBytes", "StepCost", "Observation", "StepPoint", "Residual", "Fit", "DEFAULT_CONSTANTS",
-    "kv_bytes_per_rank", "indexer_cache_bytes_per_rank", "tokens_on_busiest_rank", "communication_bytes",
-    "candidate_bytes", "lse_bytes", "output_reduce_scatter_bytes", "output_all_reduce_bytes", "query_allgather_bytes",
-    "attention_flops", "attention_bytes", "collective_time_s", "dcp_step_cost", "tp_step_cost", "max_batch",
-    "throughput_ratio", "crossover_context", "time_crossover_context", "observations_from_results",
-    "step_points_from_json", "fit_lines", "fit_collectives", "fit_step", "fit_constants", "scaling_table",
-    "STEP_STAGES", "LAYER_ONLY_STAGES",
+    "CollectiveBytes",
+    "StepCost",
+    "Observation",
+    "StepPoint",
+    "Residual",
+    "Fit",
+    "DEFAULT_CONSTANTS",
+    "kv_bytes_per_rank",
+    "indexer_cache_bytes_per_rank",
+    "tokens_on_busiest_rank",
+    "communication_bytes",
+    "candidate_bytes",
+    "lse_bytes",
+    "output_reduce_scatter_bytes",
+    "output_all_reduce_bytes",
+    "query_allgather_bytes",
+    "attention_flops",
+    "attention_bytes",
+    "collective_time_s",
+    "dcp_step_cost",
+    "tp_step_cost",
+    "max_batch",
+    "throughput_ratio",
+    "crossover_context",
+    "time_crossover_context",
+    "observations_from_results",
+    "step_points_from_json",
+    "fit_lines",
+    "fit_collectives",
+    "fit_step",
+    "fit_constants",
+    "scaling_table",
+    "STEP_STAGES",
+    "LAYER_ONLY_STAGES",
 ]
 
 #: Bytes per token per layer of the MLA KV cache: ``bf16`` = 576 dims x 2 bytes (512 latent + 64 rope);
@@ -101,8 +134,8 @@ KV_BYTES_PER_TOKEN: dict[str, int] = {"bf16": 576 * 2, "fp8": 512 + 4 * 4 + 64 *
 #: each rank's contribution to an all-gather and each rank's input to a reduce-scatter. Source: the
 #: project's GPU notes (``../shared/gpu/README.md``, "Facts verified on the H200s (2026-11-30)").
 NCCL_2XH200_T32: tuple[tuple[str, int, float, float], ...] = (
-    ("all_gather", 32 * 2048 * 8, 49.6e-6, 13.4e-6),     # candidates: 512 KiB per rank
-    ("all_gather", 32 * 128 * 4, 48.7e-6, 9.4e-6),       # LSEs: 16 KiB per rank
+    ("all_gather", 32 * 2048 * 8, 49.6e-6, 13.4e-6),  # candidates: 512 KiB per rank
+    ("all_gather", 32 * 128 * 4, 48.7e-6, 9.4e-6),  # LSEs: 16 KiB per rank
     ("reduce_scatter", 32 * 128 * 512 * 2, 35.6e-6, 24.6e-6),  # bf16 output: 4 MiB per rank
 )
 
@@ -113,8 +146,17 @@ FLASHMLA_SPARSE_T32_H128: tuple[tuple[int, float], ...] = ((1024, 36.6e-6), (204
 
 #: Stages of the planned step as ``benchmarks/bench_step.py`` times it (``dcp_ref.step``: the indexer
 #: scores are inputs, the query arrives with all heads).
-STEP_STAGES = ("indexer", "candidates_allgather", "select", "deinterleave", "attention", "lse_allgather", "merge",
-               "output_reduce_scatter", "step_overhead")
+STEP_STAGES = (
+    "indexer",
+    "candidates_allgather",
+    "select",
+    "deinterleave",
+    "attention",
+    "lse_allgather",
+    "merge",
+    "output_reduce_scatter",
+    "step_overhead",
+)
 #: Stages a full attention layer adds to the planned step (``scope="layer"``).
 LAYER_ONLY_STAGES = ("query_allgather", "index_scoring")
 
@@ -171,8 +213,18 @@ class MlaGeometry:
     interleave: int = 1
 
     def __post_init__(self) -> None:
-        for f in ("num_heads", "qk_dim", "v_dim", "topk", "local_topk", "indexer_heads", "indexer_dim", "layers",
-                  "min_kernel_heads", "interleave"):
+        for f in (
+            "num_heads",
+            "qk_dim",
+            "v_dim",
+            "topk",
+            "local_topk",
+            "indexer_heads",
+            "indexer_dim",
+            "layers",
+            "min_kernel_heads",
+            "interleave",
+        ):
             _pos_int(getattr(self, f), f)
         _pos_int(self.indexer_bytes_per_token, "indexer_bytes_per_token", 0)
         if self.kv_layout not in KV_BYTES_PER_TOKEN:
@@ -312,8 +364,9 @@ def tokens_on_busiest_rank(context: int, world_size: int, interleave: int = 1) -
     return (c // (w * i)) * i + min(c % (w * i), i)
 
 
-def kv_bytes_per_rank(context: int, world_size: int, mode: str, geometry: MlaGeometry = MlaGeometry(),
-                      requests: int = 1) -> int:
+def kv_bytes_per_rank(
+    context: int, world_size: int, mode: str, geometry: MlaGeometry = MlaGeometry(), requests: int = 1
+) -> int:
     """Bytes of MLA KV cache one rank stores for ``requests`` requests of ``context`` tokens, one layer.
 
     ``mode="tp"``: every rank stores every token (heads are split, the one latent KV "head" is
@@ -325,8 +378,9 @@ def kv_bytes_per_rank(context: int, world_size: int, mode: str, geometry: MlaGeo
     return _pos_int(requests, "requests", 0) * tokens * geometry.kv_bytes_per_token
 
 
-def indexer_cache_bytes_per_rank(context: int, world_size: int, mode: str, geometry: MlaGeometry = MlaGeometry(),
-                                 requests: int = 1) -> int:
+def indexer_cache_bytes_per_rank(
+    context: int, world_size: int, mode: str, geometry: MlaGeometry = MlaGeometry(), requests: int = 1
+) -> int:
     """Bytes of the indexer's key cache one rank stores (same sharding as :func:`kv_bytes_per_rank`)."""
     tokens = _tokens_per_rank(context, world_size, mode, geometry)
     return _pos_int(requests, "requests", 0) * tokens * geometry.indexer_bytes_per_token
@@ -401,8 +455,9 @@ def output_all_reduce_bytes(tokens: int, world_size: int, geometry: MlaGeometry 
     return CollectiveBytes(full, full, 2 * (w - 1) * full // w)
 
 
-def communication_bytes(tokens: int, world_size: int, geometry: MlaGeometry = MlaGeometry(),
-                        scope: str = "layer") -> dict[str, CollectiveBytes]:
+def communication_bytes(
+    tokens: int, world_size: int, geometry: MlaGeometry = MlaGeometry(), scope: str = "layer"
+) -> dict[str, CollectiveBytes]:
     """Every DCP collective of one step on one rank, in step order (all zero-link when ``W = 1``).
 
     ``scope="step"`` leaves out the query all-gather (the planned step receives all heads).
@@ -440,8 +495,15 @@ def _check_scope(scope: str) -> None:
 
 
 # ---- time ----------------------------------------------------------------------------------------
-def collective_time_s(kind: str, bytes_per_rank: int, world_size: int, constants: CostConstants = DEFAULT_CONSTANTS,
-                      hardware: Hardware = Hardware(), *, graph: bool = True) -> float:
+def collective_time_s(
+    kind: str,
+    bytes_per_rank: int,
+    world_size: int,
+    constants: CostConstants = DEFAULT_CONSTANTS,
+    hardware: Hardware = Hardware(),
+    *,
+    graph: bool = True,
+) -> float:
     """Seconds of one ring collective; 0 when ``world_size == 1`` (nothing to exchange).
 
     ``kind``: ``"all_gather"`` (``bytes_per_rank`` = this rank's contribution; ``W-1`` steps of that
@@ -509,8 +571,12 @@ class StepCost:
         return sum(c.link for c in self.comm.values())
 
 
-_COLLECTIVE_KIND = {"query_allgather": "all_gather", "candidates_allgather": "all_gather",
-                    "lse_allgather": "all_gather", "output_reduce_scatter": "reduce_scatter"}
+_COLLECTIVE_KIND = {
+    "query_allgather": "all_gather",
+    "candidates_allgather": "all_gather",
+    "lse_allgather": "all_gather",
+    "output_reduce_scatter": "reduce_scatter",
+}
 
 
 def _index_scoring_s(tokens: int, keys: int, geometry: MlaGeometry, hardware: Hardware) -> float:
@@ -521,8 +587,15 @@ def _index_scoring_s(tokens: int, keys: int, geometry: MlaGeometry, hardware: Ha
     return max(hbm / hardware.copy_Bps, flops / hardware.fp8_flops_per_s)
 
 
-def _common_args(world_size: object, tokens: object, context: object, geometry: object, hardware: object,
-                 constants: object, scope: str) -> tuple[int, int, int]:
+def _common_args(
+    world_size: object,
+    tokens: object,
+    context: object,
+    geometry: object,
+    hardware: object,
+    constants: object,
+    scope: str,
+) -> tuple[int, int, int]:
     w = _pos_int(world_size, "world_size")
     t = _pos_int(tokens, "tokens")
     c = _pos_int(context, "context")
@@ -537,9 +610,17 @@ def _common_args(world_size: object, tokens: object, context: object, geometry: 
     return w, t, c
 
 
-def dcp_step_cost(world_size: int, tokens: int, context: int, geometry: MlaGeometry = MlaGeometry(),
-                  hardware: Hardware = Hardware(), constants: CostConstants = DEFAULT_CONSTANTS, *,
-                  scope: str = "layer", graph: bool = True) -> StepCost:
+def dcp_step_cost(
+    world_size: int,
+    tokens: int,
+    context: int,
+    geometry: MlaGeometry = MlaGeometry(),
+    hardware: Hardware = Hardware(),
+    constants: CostConstants = DEFAULT_CONSTANTS,
+    *,
+    scope: str = "layer",
+    graph: bool = True,
+) -> StepCost:
     """Per-layer, per-rank cost of a DCP decode step over ``world_size`` ranks.
 
     Args:
@@ -562,14 +643,16 @@ def dcp_step_cost(world_size: int, tokens: int, context: int, geometry: MlaGeome
     comm = communication_bytes(t, w, g, scope)
     if scope == "layer":
         if w > 1:
-            stages["query_allgather"] = collective_time_s("all_gather", comm["query_allgather"].sent, w, k, hardware,
-                                                          graph=graph)
+            stages["query_allgather"] = collective_time_s(
+                "all_gather", comm["query_allgather"].sent, w, k, hardware, graph=graph
+            )
         stages["index_scoring"] = _index_scoring_s(t, c_loc, g, hardware)
     # local top-K over this rank's c/W scores (float32), then (W > 1) pack K (score, id) pairs per token
     stages["indexer"] = k.local_topk.time_s(t * c_loc * 4) + (k.pack.time_s(t * K * 14) if w > 1 else 0.0)
     if w > 1:
-        stages["candidates_allgather"] = collective_time_s("all_gather", comm["candidates_allgather"].sent, w, k,
-                                                           hardware, graph=graph)
+        stages["candidates_allgather"] = collective_time_s(
+            "all_gather", comm["candidates_allgather"].sent, w, k, hardware, graph=graph
+        )
         stages["select"] = k.select.time_s(t * (w * K * 8 + g.topk * 4))
     stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
     keys = min(g.topk, c) / w
@@ -577,21 +660,32 @@ def dcp_step_cost(world_size: int, tokens: int, context: int, geometry: MlaGeome
     flops = attention_flops(t, heads, keys, g)
     stages["attention"] = k.attention.time_s(flops)
     if w > 1:
-        stages["lse_allgather"] = collective_time_s("all_gather", comm["lse_allgather"].sent, w, k, hardware,
-                                                    graph=graph)
+        stages["lse_allgather"] = collective_time_s(
+            "all_gather", comm["lse_allgather"].sent, w, k, hardware, graph=graph
+        )
         stages["merge"] = k.merge.time_s(t * g.num_heads * g.v_dim * 2 * 2 + w * t * g.num_heads * 4)
-        stages["output_reduce_scatter"] = collective_time_s("reduce_scatter", comm["output_reduce_scatter"].sent, w,
-                                                            k, hardware, graph=graph)
+        stages["output_reduce_scatter"] = collective_time_s(
+            "reduce_scatter", comm["output_reduce_scatter"].sent, w, k, hardware, graph=graph
+        )
     else:
         comm = {}
     stages["step_overhead"] = k.step_overhead_s
-    return StepCost("dcp", w, t, c, stages, comm, flops, attention_bytes(t, heads, keys, g),
-                    kv_bytes_per_rank(c, w, "dcp", g))
+    return StepCost(
+        "dcp", w, t, c, stages, comm, flops, attention_bytes(t, heads, keys, g), kv_bytes_per_rank(c, w, "dcp", g)
+    )
 
 
-def tp_step_cost(world_size: int, tokens: int, context: int, geometry: MlaGeometry = MlaGeometry(),
-                 hardware: Hardware = Hardware(), constants: CostConstants = DEFAULT_CONSTANTS, *,
-                 scope: str = "layer", graph: bool = True) -> StepCost:
+def tp_step_cost(
+    world_size: int,
+    tokens: int,
+    context: int,
+    geometry: MlaGeometry = MlaGeometry(),
+    hardware: Hardware = Hardware(),
+    constants: CostConstants = DEFAULT_CONSTANTS,
+    *,
+    scope: str = "layer",
+    graph: bool = True,
+) -> StepCost:
     """Per-layer, per-rank cost of the same step under TP over ``world_size`` ranks.
 
     Every rank holds the whole KV cache and its ``H/W`` heads (padded up to ``min_kernel_heads`` for
@@ -611,24 +705,41 @@ def tp_step_cost(world_size: int, tokens: int, context: int, geometry: MlaGeomet
     flops = attention_flops(t, heads, keys, g)
     stages["attention"] = k.attention.time_s(flops)
     stages["step_overhead"] = k.step_overhead_s
-    return StepCost("tp", w, t, c, stages, {}, flops, attention_bytes(t, heads, keys, g),
-                    kv_bytes_per_rank(c, w, "tp", g))
+    return StepCost(
+        "tp", w, t, c, stages, {}, flops, attention_bytes(t, heads, keys, g), kv_bytes_per_rank(c, w, "tp", g)
+    )
 
 
 # ---- capacity and the crossover ------------------------------------------------------------------
-def max_batch(context: int, world_size: int, mode: str, kv_budget_bytes: float, geometry: MlaGeometry = MlaGeometry(),
-              cap: int = 256) -> int:
+def max_batch(
+    context: int,
+    world_size: int,
+    mode: str,
+    kv_budget_bytes: float,
+    geometry: MlaGeometry = MlaGeometry(),
+    cap: int = 256,
+) -> int:
     """Requests of ``context`` tokens one rank's KV budget holds (all layers, KV + indexer cache), at most ``cap``."""
     budget = _real(kv_budget_bytes, "kv_budget_bytes", strict=True)
     cap = _pos_int(cap, "cap")
-    per = geometry.layers * (kv_bytes_per_rank(context, world_size, mode, geometry)
-                             + indexer_cache_bytes_per_rank(context, world_size, mode, geometry))
+    per = geometry.layers * (
+        kv_bytes_per_rank(context, world_size, mode, geometry)
+        + indexer_cache_bytes_per_rank(context, world_size, mode, geometry)
+    )
     return cap if per == 0 else min(cap, int(budget // per))
 
 
-def throughput_ratio(world_size: int, context: int, geometry: MlaGeometry = MlaGeometry(),
-                     hardware: Hardware = Hardware(), constants: CostConstants = DEFAULT_CONSTANTS, *,
-                     kv_budget_bytes: float = 40e9, batch_cap: int = 256, other_layer_s: float = 0.0) -> float:
+def throughput_ratio(
+    world_size: int,
+    context: int,
+    geometry: MlaGeometry = MlaGeometry(),
+    hardware: Hardware = Hardware(),
+    constants: CostConstants = DEFAULT_CONSTANTS,
+    *,
+    kv_budget_bytes: float = 40e9,
+    batch_cap: int = 256,
+    other_layer_s: float = 0.0,
+) -> float:
     """DCP's decode throughput over TP's, each at the largest batch its KV budget allows (see the module doc).
 
     ``kv_budget_bytes``: HBM per GPU left for the KV and indexer caches after weights and activations
@@ -651,7 +762,7 @@ def throughput_ratio(world_size: int, context: int, geometry: MlaGeometry = MlaG
 def _first_crossing(f: Callable[[int], float], lo: int, hi: int) -> float:
     """Smallest integer ``c`` in ``[lo, hi]`` with ``f(c) >= 0``, scanning a geometric grid and bisecting;
     ``inf`` if none on the grid (``f`` need not be monotonic; the first crossing of the grid is refined)."""
-    grid = sorted({int(round(lo * (hi / lo) ** (i / 256))) for i in range(257)} | {lo, hi})
+    grid = sorted({round(lo * (hi / lo) ** (i / 256)) for i in range(257)} | {lo, hi})
     prev = None
     for c in grid:
         if f(c) >= 0:
@@ -669,10 +780,18 @@ def _first_crossing(f: Callable[[int], float], lo: int, hi: int) -> float:
     return math.inf
 
 
-def crossover_context(world_size: int, geometry: MlaGeometry = MlaGeometry(), hardware: Hardware = Hardware(),
-                      constants: CostConstants = DEFAULT_CONSTANTS, *, kv_budget_bytes: float = 40e9,
-                      batch_cap: int = 256, other_layer_s: float = 0.0, min_context: int = 256,
-                      max_context: int = 1 << 21) -> float:
+def crossover_context(
+    world_size: int,
+    geometry: MlaGeometry = MlaGeometry(),
+    hardware: Hardware = Hardware(),
+    constants: CostConstants = DEFAULT_CONSTANTS,
+    *,
+    kv_budget_bytes: float = 40e9,
+    batch_cap: int = 256,
+    other_layer_s: float = 0.0,
+    min_context: int = 256,
+    max_context: int = 1 << 21,
+) -> float:
     """The context (tokens per request) where DCP's memory saving outweighs its communication.
 
     Precisely: the smallest ``c`` in ``[min_context, max_context]`` with
@@ -689,16 +808,31 @@ def crossover_context(world_size: int, geometry: MlaGeometry = MlaGeometry(), ha
         return 0.0
 
     def gain(c: int) -> float:
-        r = throughput_ratio(w, c, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes,
-                             batch_cap=batch_cap, other_layer_s=other_layer_s)
+        r = throughput_ratio(
+            w,
+            c,
+            geometry,
+            hardware,
+            constants,
+            kv_budget_bytes=kv_budget_bytes,
+            batch_cap=batch_cap,
+            other_layer_s=other_layer_s,
+        )
         return 1.0 if math.isnan(r) or math.isinf(r) else r - 1.0
 
     return _first_crossing(gain, lo, hi)
 
 
-def time_crossover_context(world_size: int, tokens: int, geometry: MlaGeometry = MlaGeometry(),
-                           hardware: Hardware = Hardware(), constants: CostConstants = DEFAULT_CONSTANTS, *,
-                           min_context: int = 256, max_context: int = 1 << 21) -> float:
+def time_crossover_context(
+    world_size: int,
+    tokens: int,
+    geometry: MlaGeometry = MlaGeometry(),
+    hardware: Hardware = Hardware(),
+    constants: CostConstants = DEFAULT_CONSTANTS,
+    *,
+    min_context: int = 256,
+    max_context: int = 1 << 21,
+) -> float:
     """Smallest context at which DCP's per-layer step is no slower than TP's at the same ``tokens``
     (the context-proportional stages, index scoring and top-K, shrink by ``W``; the collectives do not).
     ``inf`` if never in range; ``0.0`` for ``W = 1``."""
@@ -709,8 +843,14 @@ def time_crossover_context(world_size: int, tokens: int, geometry: MlaGeometry =
         raise ValueError(f"max_context must be >= min_context={lo}, got {hi}")
     if w == 1:
         return 0.0
-    return _first_crossing(lambda c: tp_step_cost(w, t, c, geometry, hardware, constants).total_s
-                           - dcp_step_cost(w, t, c, geometry, hardware, constants).total_s, lo, hi)
+    return _first_crossing(
+        lambda c: (
+            tp_step_cost(w, t, c, geometry, hardware, constants).total_s
+            - dcp_step_cost(w, t, c, geometry, hardware, constants).total_s
+        ),
+        lo,
+        hi,
+    )
 
 
 # ---- measurements --------------------------------------------------------------------------------
@@ -816,8 +956,11 @@ def observations_from_results(results_dir: str | Path) -> list[Observation]:
             obs.append(Observation("deinterleave", rows * (8 * k + 4), us * 1e-6, f"rows={rows} W={w} I={i}"))
     if (d / "lse_merge.json").exists():
         for r in _load(d / "lse_merge.json")["rows"]:
-            obs.append(Observation("merge", r["bytes_correct"], r["correct_best"]["median_us"] * 1e-6,
-                                   f"W={r['W']} T={r['T']}"))
+            obs.append(
+                Observation(
+                    "merge", r["bytes_correct"], r["correct_best"]["median_us"] * 1e-6, f"W={r['W']} T={r['T']}"
+                )
+            )
     if (d / "attention_flashinfer.json").exists():
         for r in _load(d / "attention_flashinfer.json")["rows"]:
             flops = 2.0 * r["T"] * r["H"] * r["K_valid"] * (576 + 512)
@@ -841,9 +984,19 @@ def step_points_from_json(path: str | Path) -> list[StepPoint]:
 
     out = []
     for row in summary:
-        out.append(StepPoint(int(row["W"]), int(row["T"]), int(row["ctx"]), str(row.get("attention", "")),
-                             float(row["graph_us"]) * 1e-6, opt(row, "eager_us", 1e-6), opt(row, "launches_per_step"),
-                             opt(row, "host_syncs_per_step"), opt(row, "stages_sum_us", 1e-6)))
+        out.append(
+            StepPoint(
+                int(row["W"]),
+                int(row["T"]),
+                int(row["ctx"]),
+                str(row.get("attention", "")),
+                float(row["graph_us"]) * 1e-6,
+                opt(row, "eager_us", 1e-6),
+                opt(row, "launches_per_step"),
+                opt(row, "host_syncs_per_step"),
+                opt(row, "stages_sum_us", 1e-6),
+            )
+        )
     return out
 
 
@@ -851,7 +1004,7 @@ def step_points_from_json(path: str | Path) -> list[StepPoint]:
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
     """Gaussian elimination with partial pivoting; ``None`` if singular."""
     n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    m = [[*row, b[i]] for i, row in enumerate(a)]
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[piv][col]) < 1e-12:
@@ -873,8 +1026,10 @@ def _nnls(rows: Sequence[Sequence[float]], y: Sequence[float], weights: Sequence
     best, best_err = [0.0] * n, sum((wt * yi) ** 2 for yi, wt in zip(y, weights))
     for size in range(1, n + 1):
         for free in itertools.combinations(range(n), size):
-            a = [[sum(wt * wt * r[i] * r[j] / (scale[i] * scale[j]) for r, wt in zip(rows, weights)) for j in free]
-                 for i in free]
+            a = [
+                [sum(wt * wt * r[i] * r[j] / (scale[i] * scale[j]) for r, wt in zip(rows, weights)) for j in free]
+                for i in free
+            ]
             b = [sum(wt * wt * r[i] * yi / scale[i] for r, yi, wt in zip(rows, y, weights)) for i in free]
             sol = _solve(a, b)
             if sol is None or any(s < 0 for s in sol):
@@ -909,8 +1064,11 @@ def fit_lines(observations: Iterable[Observation]) -> tuple[dict[str, LineCost],
     return lines, res
 
 
-def fit_collectives(measured: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32, world_size: int = 2,
-                    hop_s: float = DEFAULT_CONSTANTS.hop_s) -> tuple[dict[str, float], list[Residual]]:
+def fit_collectives(
+    measured: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32,
+    world_size: int = 2,
+    hop_s: float = DEFAULT_CONSTANTS.hop_s,
+) -> tuple[dict[str, float], list[Residual]]:
     """Fit ``collective_s`` and ``link_Bps`` (graph) and ``eager_collective_s`` to collectives measured at one W.
 
     ``measured``: ``(kind, bytes_per_rank, eager_s, graph_s)``. Graph time = ``collective_s + steps*hop_s +
@@ -931,18 +1089,30 @@ def fit_collectives(measured: Sequence[tuple[str, int, float, float]] = NCCL_2XH
     a, inv_bw = _nnls(rows, y, [1 / v for v in y])
     if inv_bw == 0:
         raise ValueError("measured collectives show no growth with bytes: link bandwidth cannot be fitted")
-    consts = {"collective_s": a, "link_Bps": 1 / inv_bw, "hop_s": hop,
-              "eager_collective_s": max(0.0, sum(e - g for _, _, e, g in measured) / len(measured))}
+    consts = {
+        "collective_s": a,
+        "link_Bps": 1 / inv_bw,
+        "hop_s": hop,
+        "eager_collective_s": max(0.0, sum(e - g for _, _, e, g in measured) / len(measured)),
+    }
     tmp = DEFAULT_CONSTANTS.replace(**consts)
-    res = [Residual("collective", f"{kind} {b} B/rank W={w}", g, collective_time_s(kind, b, w, tmp))
-           for kind, b, _, g in measured]
-    res += [Residual("collective_eager", f"{kind} {b} B/rank W={w}", e, collective_time_s(kind, b, w, tmp, graph=False))
-            for kind, b, e, _ in measured]
+    res = [
+        Residual("collective", f"{kind} {b} B/rank W={w}", g, collective_time_s(kind, b, w, tmp))
+        for kind, b, _, g in measured
+    ]
+    res += [
+        Residual("collective_eager", f"{kind} {b} B/rank W={w}", e, collective_time_s(kind, b, w, tmp, graph=False))
+        for kind, b, e, _ in measured
+    ]
     return consts, res
 
 
-def fit_step(points: Sequence[StepPoint], constants: CostConstants, geometry: MlaGeometry = MlaGeometry(),
-             hardware: Hardware = Hardware()) -> tuple[CostConstants, list[Residual], list[str]]:
+def fit_step(
+    points: Sequence[StepPoint],
+    constants: CostConstants,
+    geometry: MlaGeometry = MlaGeometry(),
+    hardware: Hardware = Hardware(),
+) -> tuple[CostConstants, list[Residual], list[str]]:
     """Fit the whole-step constants to measured steps (``scope="step"``), the kernel lines held fixed.
 
     Unknowns (each only when the points can tell it apart, otherwise kept): ``step_overhead_s``
@@ -957,8 +1127,11 @@ def fit_step(points: Sequence[StepPoint], constants: CostConstants, geometry: Ml
     if not pts:
         return constants, [], ["no step measurements: step constants keep their defaults"]
     names = ["step_overhead_s", "local_topk_per_byte", "hop_s"]
-    use = [True, len({p.context for p in pts}) > 1,
-           len({p.world_size for p in pts}) > 1 and max(p.world_size for p in pts) > 2]
+    use = [
+        True,
+        len({p.context for p in pts}) > 1,
+        len({p.world_size for p in pts}) > 1 and max(p.world_size for p in pts) > 2,
+    ]
     if not use[1]:
         notes.append("one context only: the local top-K keeps its kernel-benchmark rate")
     if not use[2]:
@@ -987,30 +1160,45 @@ def fit_step(points: Sequence[StepPoint], constants: CostConstants, geometry: Ml
         new = new.replace(local_topk=LineCost(constants.local_topk.fixed_s, vals["local_topk_per_byte"]))
     if "hop_s" in vals:
         new = new.replace(hop_s=vals["hop_s"])
-    res = [Residual("step", f"W={p.world_size} T={p.tokens} ctx={p.context} {p.attention}", p.graph_s,
-                    dcp_step_cost(p.world_size, p.tokens, p.context, geometry, hardware, new, scope="step").total_s)
-           for p in pts]
-    eager = [p for p in pts if p.eager_s is not None and p.launches is not None]
+    res = [
+        Residual(
+            "step",
+            f"W={p.world_size} T={p.tokens} ctx={p.context} {p.attention}",
+            p.graph_s,
+            dcp_step_cost(p.world_size, p.tokens, p.context, geometry, hardware, new, scope="step").total_s,
+        )
+        for p in pts
+    ]
+    # (point index, eager seconds, launches, host syncs) of the points with eager measurements
+    eager = [
+        (i, p.eager_s, p.launches, p.host_syncs or 0.0)
+        for i, p in enumerate(pts)
+        if p.eager_s is not None and p.launches is not None
+    ]
     if eager:
-        syncs = [p.host_syncs or 0.0 for p in eager]
-        use_sync = len(set(syncs)) > 1 or any(syncs)
-        xs = [[p.launches] + ([s] if use_sync else []) for p, s in zip(eager, syncs)]
-        ys = [max(p.eager_s - p.graph_s, 0.0) for p in eager]
+        use_sync = any(s for *_, s in eager)
+        xs = [[n] + ([s] if use_sync else []) for _, _, n, s in eager]
+        ys = [max(e - pts[i].graph_s, 0.0) for i, e, _, _ in eager]
         if any(ys):
             coef = _nnls(xs, ys, [1 / max(v, 1e-9) for v in ys])
             new = new.replace(launch_s=coef[0], sync_s=coef[1] if use_sync else 0.0)
-        for p, s in zip(eager, syncs):
-            pred = res[pts.index(p)].predicted_s + new.launch_s * p.launches + new.sync_s * s
-            res.append(Residual("step_eager", f"W={p.world_size} T={p.tokens} ctx={p.context} {p.attention}",
-                                p.eager_s, pred))
+        for i, e, n, s in eager:
+            p = pts[i]
+            pred = res[i].predicted_s + new.launch_s * n + new.sync_s * s
+            res.append(Residual("step_eager", f"W={p.world_size} T={p.tokens} ctx={p.context} {p.attention}", e, pred))
     return new, res, notes
 
 
-def fit_constants(results_dir: str | Path, geometry: MlaGeometry = MlaGeometry(), hardware: Hardware = Hardware(),
-                  *, observations: Sequence[Observation] | None = None,
-                  step_points: Sequence[StepPoint] | None = None,
-                  collectives: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32,
-                  attention: str = "auto") -> Fit:
+def fit_constants(
+    results_dir: str | Path,
+    geometry: MlaGeometry = MlaGeometry(),
+    hardware: Hardware = Hardware(),
+    *,
+    observations: Sequence[Observation] | None = None,
+    step_points: Sequence[StepPoint] | None = None,
+    collectives: Sequence[tuple[str, int, float, float]] = NCCL_2XH200_T32,
+    attention: str = "auto",
+) -> Fit:
     """Fit every constant to the committed measurements in ``results_dir`` (or to the given ones).
 
     Kernel lines from :func:`observations_from_results`, collectives from ``collectives``
@@ -1028,8 +1216,10 @@ def fit_constants(results_dir: str | Path, geometry: MlaGeometry = MlaGeometry()
         attention = "flashmla" if any("flashmla" in p.attention.lower() for p in pts) else "flashinfer"
     if attention == "flashmla":
         obs = [o for o in obs if o.family != "attention"]
-        obs += [Observation("attention", 2.0 * 32 * 128 * keys * (576 + 512), sec, f"FlashMLA T=32 H=128 k={keys}")
-                for keys, sec in FLASHMLA_SPARSE_T32_H128]
+        obs += [
+            Observation("attention", 2.0 * 32 * 128 * keys * (576 + 512), sec, f"FlashMLA T=32 H=128 k={keys}")
+            for keys, sec in FLASHMLA_SPARSE_T32_H128
+        ]
     early_notes = []
     if len({p.attention for p in pts}) > 1:  # one attention line: fit the steps that ran that kernel
         same = [p for p in pts if attention in p.attention.lower()]
@@ -1038,8 +1228,11 @@ def fit_constants(results_dir: str | Path, geometry: MlaGeometry = MlaGeometry()
             pts = same
     lines, res = fit_lines(obs)
     consts = DEFAULT_CONSTANTS.replace(**{k: v for k, v in lines.items()})
-    notes = early_notes + [f"{fam}: not measured, default kept" for fam in
-                           ("select", "deinterleave", "merge", "pack", "local_topk", "attention") if fam not in lines]
+    notes = early_notes + [
+        f"{fam}: not measured, default kept"
+        for fam in ("select", "deinterleave", "merge", "pack", "local_topk", "attention")
+        if fam not in lines
+    ]
     sources = sorted({o.family for o in obs})
     coll, cres = fit_collectives(collectives, hop_s=consts.hop_s)
     consts = consts.replace(**coll)
@@ -1054,10 +1247,16 @@ def fit_constants(results_dir: str | Path, geometry: MlaGeometry = MlaGeometry()
 
 
 # ---- predictions ---------------------------------------------------------------------------------
-def scaling_table(constants: CostConstants, world_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
-                  tokens: Sequence[int] = (32, 128), contexts: Sequence[int] = (8192, 65536, 131072),
-                  geometry: MlaGeometry = MlaGeometry(), hardware: Hardware = Hardware(),
-                  measured: Sequence[StepPoint] = (), scope: str = "layer") -> list[dict[str, Any]]:
+def scaling_table(
+    constants: CostConstants,
+    world_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    tokens: Sequence[int] = (32, 128),
+    contexts: Sequence[int] = (8192, 65536, 131072),
+    geometry: MlaGeometry = MlaGeometry(),
+    hardware: Hardware = Hardware(),
+    measured: Sequence[StepPoint] = (),
+    scope: str = "layer",
+) -> list[dict[str, Any]]:
     """Per-layer DCP and TP step times (µs) and KV bytes per rank at every (W, T, context).
 
     A row is ``predicted`` unless a measured step exists at its (W, T, ctx); ``spans_hosts`` when
@@ -1070,8 +1269,19 @@ def scaling_table(constants: CostConstants, world_sizes: Sequence[int] = (1, 2, 
             for c in contexts:
                 d = dcp_step_cost(w, t, c, geometry, hardware, constants, scope=scope)
                 tp = tp_step_cost(w, t, c, geometry, hardware, constants, scope=scope)
-                rows.append({"W": w, "T": t, "ctx": c, "dcp_us": d.total_s * 1e6, "tp_us": tp.total_s * 1e6,
-                             "dcp_comm_us": d.communication_s * 1e6, "dcp_link_bytes": d.communication_link_bytes,
-                             "kv_bytes_dcp": d.kv_bytes, "kv_bytes_tp": tp.kv_bytes,
-                             "spans_hosts": w > hardware.gpus_per_host, "predicted": (w, t, c) not in seen})
+                rows.append(
+                    {
+                        "W": w,
+                        "T": t,
+                        "ctx": c,
+                        "dcp_us": d.total_s * 1e6,
+                        "tp_us": tp.total_s * 1e6,
+                        "dcp_comm_us": d.communication_s * 1e6,
+                        "dcp_link_bytes": d.communication_link_bytes,
+                        "kv_bytes_dcp": d.kv_bytes,
+                        "kv_bytes_tp": tp.kv_bytes,
+                        "spans_hosts": w > hardware.gpus_per_host,
+                        "predicted": (w, t, c) not in seen,
+                    }
+                )
     return rows

@@ -14,19 +14,35 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from . import costmodel as cm
 
 __all__ = [
-    "results_dir", "load_results", "plotted_series", "plot_topk", "plot_deinterleave", "plot_lse_merge",
-    "plot_attention", "plot_bandwidth", "plot_step_breakdown", "plot_step_growth", "plot_fit", "plot_scaling",
-    "plot_crossover", "deinterleave_best", "DPI",
+    "results_dir",
+    "load_results",
+    "plotted_series",
+    "plot_topk",
+    "plot_deinterleave",
+    "plot_lse_merge",
+    "plot_attention",
+    "plot_bandwidth",
+    "plot_step_breakdown",
+    "plot_step_growth",
+    "plot_fit",
+    "plot_scaling",
+    "plot_crossover",
+    "deinterleave_best",
+    "DPI",
 ]
 
 #: Figure resolution: small files, notebooks stay light.
 DPI = 70
+# Default model parameters (module-level values, not calls in argument defaults).
+_GEOMETRY = cm.MlaGeometry()
+_HARDWARE = cm.Hardware()
 _COMPACTING = ("atomic", "rowscan", "twopass")
 
 
@@ -125,8 +141,12 @@ def plot_topk(topk: Mapping[str, Any], K: int = 2048, dpi: int = DPI) -> Any:
     _need(topk, "topk", ["results"])
     rows = [r for r in topk["results"] if r["K"] == K]
     worlds = sorted({r["W"] for r in rows})
-    fig, axes = _figure(len(worlds), f"Stable top-K of k = K = {K} among W·K candidates per row: ours against "
-                                     "vLLM's CuTeDSL selector and torch (device time, lower is better).", dpi=dpi)
+    fig, axes = _figure(
+        len(worlds),
+        f"Stable top-K of k = K = {K} among W·K candidates per row: ours against "
+        "vLLM's CuTeDSL selector and torch (device time, lower is better).",
+        dpi=dpi,
+    )
     for ax, w in zip(axes, worlds):
         rs = sorted((r for r in rows if r["W"] == w), key=lambda r: r["rows"])
         x = [r["rows"] for r in rs]
@@ -142,8 +162,14 @@ def plot_topk(topk: Mapping[str, Any], K: int = 2048, dpi: int = DPI) -> Any:
 
 def deinterleave_best(de: Mapping[str, Any], rows: int, w: int, i: int = 1) -> dict[str, Any]:
     """The compacting configuration (atomic / rowscan / twopass) with the lowest cold-graph median."""
-    cand = [r for r in de["results"] if (r["rows"], r["W"], r["I"]) == (rows, w, i) and r["method"] in _COMPACTING
-            and r.get("correct") and r.get("graph_cold_us") is not None]
+    cand = [
+        r
+        for r in de["results"]
+        if (r["rows"], r["W"], r["I"]) == (rows, w, i)
+        and r["method"] in _COMPACTING
+        and r.get("correct")
+        and r.get("graph_cold_us") is not None
+    ]
     if not cand:
         raise ValueError(f"no compacting result at rows={rows}, W={w}, I={i}")
     return min(cand, key=lambda r: r["graph_cold_us"])
@@ -154,13 +180,23 @@ def plot_deinterleave(de: Mapping[str, Any], interleave: int = 1, dpi: int = DPI
     L2 flushed) vs the plain torch path (eager). vLLM's times are issue quotes, not in the JSON."""
     _need(de, "deinterleave", ["results"])
     worlds = sorted({r["W"] for r in de["results"]})
-    fig, axes = _figure(len(worlds), "De-interleave + compaction of k = 2048 global ids per row: our Triton kernel "
-                                     "(best method, cold graph) against plain torch (eager).", dpi=dpi)
+    fig, axes = _figure(
+        len(worlds),
+        "De-interleave + compaction of k = 2048 global ids per row: our Triton kernel "
+        "(best method, cold graph) against plain torch (eager).",
+        dpi=dpi,
+    )
     for ax, w in zip(axes, worlds):
         rows = sorted({r["rows"] for r in de["results"] if r["W"] == w and r["I"] == interleave})
         ours = [deinterleave_best(de, n, w, interleave)["graph_cold_us"] for n in rows]
-        torch_t = [next(r["time_us"] for r in de["results"] if (r["rows"], r["W"], r["I"], r["method"])
-                        == (n, w, interleave, "torch")) for n in rows]
+        torch_t = [
+            next(
+                r["time_us"]
+                for r in de["results"]
+                if (r["rows"], r["W"], r["I"], r["method"]) == (n, w, interleave, "torch")
+            )
+            for n in rows
+        ]
         ax.plot(rows, ours, "o-", label="ours (Triton)")
         ax.plot(rows, torch_t, "v:", label="torch (eager)")
         ax.set(xscale="log", yscale="log", title=f"W = {w}, I = {interleave}", xlabel="rows", ylabel="µs")
@@ -173,8 +209,12 @@ def plot_lse_merge(lse: Mapping[str, Any], dpi: int = DPI) -> Any:
     _need(lse, "lse_merge", ["rows", "targets"])
     worlds = sorted({r["W"] for r in lse["rows"]})
     vllm = lse["targets"]["vllm_correct_attn_out_us"]
-    fig, axes = _figure(len(worlds), "Merging W partial attention outputs (H = 128, D = 512, bf16): our Triton "
-                                     "correction and merge against vLLM's correction and torch.", dpi=dpi)
+    fig, axes = _figure(
+        len(worlds),
+        "Merging W partial attention outputs (H = 128, D = 512, bf16): our Triton "
+        "correction and merge against vLLM's correction and torch.",
+        dpi=dpi,
+    )
     for ax, w in zip(axes, worlds):
         rs = sorted((r for r in lse["rows"] if r["W"] == w), key=lambda r: r["T"])
         t = [r["T"] for r in rs]
@@ -184,8 +224,13 @@ def plot_lse_merge(lse: Mapping[str, Any], dpi: int = DPI) -> Any:
         vt = [n for n in t if f"T{n}" in vllm]
         lo_hi = [vllm[f"T{n}"] for n in vt]
         mid = [(a + b) / 2 for a, b in lo_hi]
-        ax.errorbar(vt, mid, yerr=[[m - a for m, (a, _) in zip(mid, lo_hi)], [b - m for m, (_, b) in zip(mid, lo_hi)]],
-                    fmt="s--", label="vLLM correct")
+        ax.errorbar(
+            vt,
+            mid,
+            yerr=[[m - a for m, (a, _) in zip(mid, lo_hi)], [b - m for m, (_, b) in zip(mid, lo_hi)]],
+            fmt="s--",
+            label="vLLM correct",
+        )
         ax.set(xscale="log", yscale="log", title=f"W = {w}", xlabel="T (query tokens)", ylabel="µs")
     return _finish(fig, axes)
 
@@ -196,8 +241,12 @@ def plot_attention(attn: Mapping[str, Any], peak_tflops: float = 989.0, dpi: int
     _need(attn, "attention_flashinfer", ["rows"])
     rs = sorted(attn["rows"], key=lambda r: r["T"])
     t = [r["T"] for r in rs]
-    fig, axes = _figure(2, "Sparse MLA attention (FlashInfer FA3, H = 128, k = 2048): time per call and the "
-                           "fraction of the H200's BF16 tensor-core peak it reaches.", dpi=dpi)
+    fig, axes = _figure(
+        2,
+        "Sparse MLA attention (FlashInfer FA3, H = 128, k = 2048): time per call and the "
+        "fraction of the H200's BF16 tensor-core peak it reaches.",
+        dpi=dpi,
+    )
     axes[0].plot(t, [r["run"]["median_us"] for r in rs], "o-", label="run")
     axes[0].plot(t, [r["plan_plus_run"]["median_us"] for r in rs], "s:", label="plan + run")
     axes[0].set(xscale="log", title="time", xlabel="T (query tokens)", ylabel="µs")
@@ -214,16 +263,30 @@ def plot_bandwidth(results: Mapping[str, Any], w: int = 8, dpi: int = DPI) -> An
     correction (do_bench)."""
     _need(results, "results", ["topk", "deinterleave", "lse_merge"])
     topk, de, lse = results["topk"], results["deinterleave"], results["lse_merge"]
-    fig, axes = _figure(1, f"Effective bandwidth of each memory-bound kernel at W = {w} against the measured "
-                           "copy bandwidth (the ceiling).", width=5.0, height=2.8, dpi=dpi)
+    fig, axes = _figure(
+        1,
+        f"Effective bandwidth of each memory-bound kernel at W = {w} against the measured "
+        "copy bandwidth (the ceiling).",
+        width=5.0,
+        height=2.8,
+        dpi=dpi,
+    )
     ax = axes[0]
     rs = sorted((r for r in topk["results"] if r["W"] == w and r["K"] == 2048), key=lambda r: r["rows"])
-    ax.plot([r["rows"] for r in rs], [r["rows"] * (8 * r["W"] * r["K"] + 4 * r["k"]) / r["cutedsl_graph"]["median_us"]
-                                      / 1e6 for r in rs], "o-", label="top-K")
+    ax.plot(
+        [r["rows"] for r in rs],
+        [r["rows"] * (8 * r["W"] * r["K"] + 4 * r["k"]) / r["cutedsl_graph"]["median_us"] / 1e6 for r in rs],
+        "o-",
+        label="top-K",
+    )
     k = de["shapes"]["topk"]
     rows = sorted({r["rows"] for r in de["results"] if r["W"] == w})
-    ax.plot(rows, [n * (8 * k + 4) / deinterleave_best(de, n, w)["graph_cold_us"] / 1e6 for n in rows], "s-",
-            label="de-interleave")
+    ax.plot(
+        rows,
+        [n * (8 * k + 4) / deinterleave_best(de, n, w)["graph_cold_us"] / 1e6 for n in rows],
+        "s-",
+        label="de-interleave",
+    )
     ls = sorted((r for r in lse["rows"] if r["W"] == w), key=lambda r: r["T"])
     ax.plot([r["T"] for r in ls], [r["merge_best"]["eff_TBps"] for r in ls], "D-", label="merge")
     ax.plot([r["T"] for r in ls], [r["correct_best"]["eff_TBps"] for r in ls], "^-", label="correct")
@@ -260,14 +323,20 @@ def plot_step_breakdown(step: Mapping[str, Any], dpi: int = DPI) -> Any:
     labels = [f"W{r['W']} T{r['T']}\n{_short(r['ctx'])}" + (f"\n{r.get('attention')}" if multi else "") for r in rows]
     staged = [_stage_dict(r) for r in rows]
     n = 2 if any(staged) else 1
-    fig, axes = _figure(n, "One decode step before planning (eager) and after (planned, CUDA graph), against the "
-                           "sum of its stages timed alone.", width=max(3.0, 0.45 * len(rows) + 1.2), height=2.6,
-                        dpi=dpi)
+    fig, axes = _figure(
+        n,
+        "One decode step before planning (eager) and after (planned, CUDA graph), against the "
+        "sum of its stages timed alone.",
+        width=max(3.0, 0.45 * len(rows) + 1.2),
+        height=2.6,
+        dpi=dpi,
+    )
     ax = axes[0]
     x = list(range(len(rows)))
     wd = 0.27
-    for j, (key, lab) in enumerate((("eager_us", "eager"), ("graph_us", "planned (graph)"),
-                                    ("stages_sum_us", "sum of stages"))):
+    for j, (key, lab) in enumerate(
+        (("eager_us", "eager"), ("graph_us", "planned (graph)"), ("stages_sum_us", "sum of stages"))
+    ):
         ax.bar([i + (j - 1) * wd for i in x], [float(r.get(key) or 0.0) for r in rows], wd, label=lab)
     ax.set_xticks(x, labels, fontsize=6)
     ax.set(yscale="log", title="step time", ylabel="µs")
@@ -288,10 +357,14 @@ def plot_step_growth(step: Mapping[str, Any], dpi: int = DPI) -> Any:
     """Planned-step time (graph replay) as rows T, W and context grow: one panel per variable, one line per
     combination of the other two."""
     rows = _step_rows(step)
-    fig, axes = _figure(3, "How the planned step's time grows with query tokens T, world size W and context "
-                           "(CUDA-graph replay).", dpi=dpi)
+    fig, axes = _figure(
+        3,
+        "How the planned step's time grows with query tokens T, world size W and context (CUDA-graph replay).",
+        dpi=dpi,
+    )
     multi = len({r.get("attention") for r in rows}) > 1  # several attention kernels: one line each
-    for ax, var, others in zip(axes, ("T", "W", "ctx"), (("W", "ctx"), ("T", "ctx"), ("W", "T"))):
+    pairs: tuple[tuple[str, ...], ...] = (("W", "ctx"), ("T", "ctx"), ("W", "T"))
+    for ax, var, others in zip(axes, ("T", "W", "ctx"), pairs):
         if multi:
             others = (*others, "attention")
         groups: dict[tuple, list] = {}
@@ -317,15 +390,21 @@ def plot_fit(fit: cm.Fit, dpi: int = DPI) -> Any:
     diagonal = exact), one marker per family."""
     if not isinstance(fit, cm.Fit):
         raise TypeError(f"fit must be a costmodel.Fit, got {type(fit).__name__}")
-    fig, axes = _figure(1, "The cost model's fit: each committed measurement against the model's prediction "
-                           "(on the diagonal = exact).", width=4.6, height=3.0, dpi=dpi)
+    fig, axes = _figure(
+        1,
+        "The cost model's fit: each committed measurement against the model's prediction (on the diagonal = exact).",
+        width=4.6,
+        height=3.0,
+        dpi=dpi,
+    )
     ax = axes[0]
     fams = list(dict.fromkeys(r.family for r in fit.residuals))
     marks = "osD^v<>ph*"
     for i, fam in enumerate(fams):
         rs = [r for r in fit.residuals if r.family == fam]
-        ax.plot([r.measured_s * 1e6 for r in rs], [r.predicted_s * 1e6 for r in rs], marks[i % len(marks)],
-                ms=3, label=fam)
+        ax.plot(
+            [r.measured_s * 1e6 for r in rs], [r.predicted_s * 1e6 for r in rs], marks[i % len(marks)], ms=3, label=fam
+        )
     lo = min(min(r.measured_s, r.predicted_s) for r in fit.residuals) * 1e6 * 0.8
     hi = max(max(r.measured_s, r.predicted_s) for r in fit.residuals) * 1e6 * 1.25
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.6, label="_diagonal")
@@ -333,17 +412,30 @@ def plot_fit(fit: cm.Fit, dpi: int = DPI) -> Any:
     return _finish(fig, axes, outside=True)
 
 
-def plot_scaling(fit: cm.Fit, observations: Sequence[cm.Observation], step_points: Sequence[cm.StepPoint] = (),
-                 tokens: int = 32, context: int = 65536, world_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
-                 geometry: cm.MlaGeometry = cm.MlaGeometry(), hardware: cm.Hardware = cm.Hardware(),
-                 dpi: int = DPI) -> Any:
+def plot_scaling(
+    fit: cm.Fit,
+    observations: Sequence[cm.Observation],
+    step_points: Sequence[cm.StepPoint] = (),
+    tokens: int = 32,
+    context: int = 65536,
+    world_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    geometry: cm.MlaGeometry = _GEOMETRY,
+    hardware: cm.Hardware = _HARDWARE,
+    dpi: int = DPI,
+) -> Any:
     """Measured points and the model's curves against W on one plot (``T`` tokens, ``context``): the DCP and TP
     layer, the planned step, and the W-dependent stages (select, merge, candidates all-gather) with the
     measurements they were fitted to; right of W = gpus_per_host (shaded) everything is a prediction."""
     c = fit.constants
-    fig, axes = _figure(1, f"Per-layer decode time against W at T = {tokens}, context {_short(context)}: "
-                           "model curves (lines) and measurements (filled markers); the shaded part spans hosts "
-                           "and is prediction only.", width=6.4, height=3.2, dpi=dpi)
+    fig, axes = _figure(
+        1,
+        f"Per-layer decode time against W at T = {tokens}, context {_short(context)}: "
+        "model curves (lines) and measurements (filled markers); the shaded part spans hosts "
+        "and is prediction only.",
+        width=6.4,
+        height=3.2,
+        dpi=dpi,
+    )
     ax = axes[0]
     ws = list(world_sizes)
 
@@ -351,25 +443,66 @@ def plot_scaling(fit: cm.Fit, observations: Sequence[cm.Observation], step_point
         return [fn(w) * 1e6 for w in ws]
 
     K = geometry.local_topk
-    ax.plot(ws, curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c).total_s), "-",
-            color="C0", label="model: DCP layer")
-    ax.plot(ws, curve(lambda w: cm.tp_step_cost(w, tokens, context, geometry, hardware, c).total_s), "-",
-            color="C1", label="model: TP layer")
-    ax.plot(ws, curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c, scope="step").total_s),
-            "--", color="C2", label="model: DCP planned step")
-    ax.plot(ws, curve(lambda w: c.select.time_s(tokens * (w * K * 8 + geometry.topk * 4)) if w > 1 else 0.0),
-            ":", color="C3", label="model: select")
-    ax.plot(ws, curve(lambda w: cm.collective_time_s("all_gather", tokens * K * 8, w, c, hardware)), ":",
-            color="C4", label="model: candidates all-gather")
-    ax.plot(ws, curve(lambda w: c.merge.time_s(tokens * geometry.num_heads * geometry.v_dim * 4
-                                               + w * tokens * geometry.num_heads * 4) if w > 1 else 0.0),
-            ":", color="C5", label="model: merge")
-    sel = [(o, int(o.label.split()[1][2:])) for o in observations if o.family == "select"
-           and o.label.startswith(f"rows={tokens} ") and o.label.endswith(f"K={K}")]
+    ax.plot(
+        ws,
+        curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c).total_s),
+        "-",
+        color="C0",
+        label="model: DCP layer",
+    )
+    ax.plot(
+        ws,
+        curve(lambda w: cm.tp_step_cost(w, tokens, context, geometry, hardware, c).total_s),
+        "-",
+        color="C1",
+        label="model: TP layer",
+    )
+    ax.plot(
+        ws,
+        curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c, scope="step").total_s),
+        "--",
+        color="C2",
+        label="model: DCP planned step",
+    )
+    ax.plot(
+        ws,
+        curve(lambda w: c.select.time_s(tokens * (w * K * 8 + geometry.topk * 4)) if w > 1 else 0.0),
+        ":",
+        color="C3",
+        label="model: select",
+    )
+    ax.plot(
+        ws,
+        curve(lambda w: cm.collective_time_s("all_gather", tokens * K * 8, w, c, hardware)),
+        ":",
+        color="C4",
+        label="model: candidates all-gather",
+    )
+    ax.plot(
+        ws,
+        curve(
+            lambda w: (
+                c.merge.time_s(tokens * geometry.num_heads * geometry.v_dim * 4 + w * tokens * geometry.num_heads * 4)
+                if w > 1
+                else 0.0
+            )
+        ),
+        ":",
+        color="C5",
+        label="model: merge",
+    )
+    sel = [
+        (o, int(o.label.split()[1][2:]))
+        for o in observations
+        if o.family == "select" and o.label.startswith(f"rows={tokens} ") and o.label.endswith(f"K={K}")
+    ]
     if sel:
         ax.plot([w for _, w in sel], [o.seconds * 1e6 for o, _ in sel], "o", color="C3", label="measured: select")
-    mer = [(o, int(o.label.split()[0][2:])) for o in observations if o.family == "merge"
-           and o.label.endswith(f"T={tokens}")]
+    mer = [
+        (o, int(o.label.split()[0][2:]))
+        for o in observations
+        if o.family == "merge" and o.label.endswith(f"T={tokens}")
+    ]
     if mer:
         ax.plot([w for _, w in mer], [o.seconds * 1e6 for o, _ in mer], "D", color="C5", label="measured: merge")
     if tokens == 32:
@@ -378,36 +511,65 @@ def plot_scaling(fit: cm.Fit, observations: Sequence[cm.Observation], step_point
             ax.plot([2], [ag[0][3] * 1e6], "s", color="C4", label="measured: candidates all-gather")
     meas = [p for p in step_points if p.tokens == tokens and p.context == context]
     if meas:
-        ax.plot([p.world_size for p in meas], [p.graph_s * 1e6 for p in meas], "*", ms=8, color="C2",
-                label="measured: planned step")
+        ax.plot(
+            [p.world_size for p in meas],
+            [p.graph_s * 1e6 for p in meas],
+            "*",
+            ms=8,
+            color="C2",
+            label="measured: planned step",
+        )
     ax.axvspan(hardware.gpus_per_host * 1.0001, max(ws) * 1.2, color="0.85", alpha=0.5, lw=0)
     ax.set(xscale="log", yscale="log", title="scaling with W", xlabel="W (ranks)", ylabel="µs per layer")
     ax.set_xticks(ws, [str(w) for w in ws])
     return _finish(fig, axes, outside=True)
 
 
-def plot_crossover(constants: cm.CostConstants, world_sizes: Sequence[int] = (2, 4, 8, 16, 32, 64),
-                   contexts: Sequence[int] | None = None, geometry: cm.MlaGeometry = cm.MlaGeometry(),
-                   hardware: cm.Hardware = cm.Hardware(), kv_budget_bytes: float = 40e9, batch_cap: int = 256,
-                   dpi: int = DPI) -> Any:
+def plot_crossover(
+    constants: cm.CostConstants,
+    world_sizes: Sequence[int] = (2, 4, 8, 16, 32, 64),
+    contexts: Sequence[int] | None = None,
+    geometry: cm.MlaGeometry = _GEOMETRY,
+    hardware: cm.Hardware = _HARDWARE,
+    kv_budget_bytes: float = 40e9,
+    batch_cap: int = 256,
+    dpi: int = DPI,
+) -> Any:
     """DCP's decode throughput over TP's (each at the batch its KV budget holds) against context, one line per
     W; above 1 DCP wins, and the marker is the crossover (:func:`dcp_ref.costmodel.crossover_context`)."""
     ctxs = list(contexts) if contexts is not None else [int(1024 * 2 ** (i / 4)) for i in range(0, 41)]
-    fig, axes = _figure(1, "DCP W over TP W decode throughput, each at the batch its KV memory allows: "
-                           "above 1 DCP's memory saving outweighs its communication (model; W > 8 spans hosts).",
-                        width=5.6, height=3.0, dpi=dpi)
+    fig, axes = _figure(
+        1,
+        "DCP W over TP W decode throughput, each at the batch its KV memory allows: "
+        "above 1 DCP's memory saving outweighs its communication (model; W > 8 spans hosts).",
+        width=5.6,
+        height=3.0,
+        dpi=dpi,
+    )
     ax = axes[0]
     for i, w in enumerate(world_sizes):
-        ratio = [cm.throughput_ratio(w, c, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes,
-                                     batch_cap=batch_cap) for c in ctxs]
+        ratio = [
+            cm.throughput_ratio(
+                w, c, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes, batch_cap=batch_cap
+            )
+            for c in ctxs
+        ]
         ax.plot(ctxs, ratio, "-" if w <= hardware.gpus_per_host else "--", color=f"C{i}", label=f"W = {w}")
-        x = cm.crossover_context(w, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes,
-                                 batch_cap=batch_cap)
+        x = cm.crossover_context(w, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes, batch_cap=batch_cap)
         if math.isfinite(x) and ctxs[0] <= x <= ctxs[-1]:
-            ax.plot([x], [cm.throughput_ratio(w, int(x), geometry, hardware, constants,
-                                              kv_budget_bytes=kv_budget_bytes, batch_cap=batch_cap)],
-                    "o", color=f"C{i}", label="_crossover")
+            ax.plot(
+                [x],
+                [
+                    cm.throughput_ratio(
+                        w, int(x), geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes, batch_cap=batch_cap
+                    )
+                ],
+                "o",
+                color=f"C{i}",
+                label="_crossover",
+            )
     ax.plot([ctxs[0], ctxs[-1]], [1, 1], "k-", lw=0.6, label="_parity")
-    ax.set(xscale="log", yscale="log", title="throughput DCP / TP", xlabel="context (tokens per request)",
-           ylabel="ratio")
+    ax.set(
+        xscale="log", yscale="log", title="throughput DCP / TP", xlabel="context (tokens per request)", ylabel="ratio"
+    )
     return _finish(fig, axes, outside=True)

@@ -184,7 +184,7 @@ def test_fit_step_keeps_what_it_cannot_identify() -> None:
     k = cm.DEFAULT_CONSTANTS
     step_s = {t: cm.dcp_step_cost(2, t, 65536, constants=k, scope="step").total_s for t in (1, 32, 128)}
     pts = [cm.StepPoint(2, t, 65536, "flashinfer", s + 5e-6) for t, s in step_s.items()]
-    fit, res, notes = cm.fit_step(pts, k)
+    fit, _res, notes = cm.fit_step(pts, k)
     assert fit.hop_s == k.hop_s and fit.local_topk == k.local_topk
     assert fit.step_overhead_s == pytest.approx(5e-6, rel=1e-6)
     assert len(notes) == 2
@@ -301,7 +301,7 @@ def test_scaling_table_flags_predictions() -> None:
     (lambda: cm.fit_lines([("select", 1.0, 1.0)]), TypeError, "observations"),
     (lambda: cm.fit_step([(2, 32, 100)], cm.DEFAULT_CONSTANTS), TypeError, "points"),
 ])
-def test_bad_input_names_the_argument(call, exc, name) -> None:  # noqa: ANN001
+def test_bad_input_names_the_argument(call, exc, name) -> None:
     with pytest.raises(exc, match=name):
         call()
 

@@ -13,10 +13,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import pytest  # noqa: E402
+import pytest
 
-from dcp_ref import costmodel as cm  # noqa: E402
-from dcp_ref import perf_plots as pp  # noqa: E402
+from dcp_ref import costmodel as cm
+from dcp_ref import perf_plots as pp
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -40,7 +40,7 @@ def _synthetic_step(with_stages: bool = False) -> dict:
     return {"summary": rows}
 
 
-def _check_small(fig) -> None:  # noqa: ANN001
+def _check_small(fig) -> None:
     assert fig.dpi <= 80
     w, h = fig.get_size_inches()
     assert w * fig.dpi <= 1000 and h * fig.dpi <= 400
@@ -168,7 +168,7 @@ def test_model_plots() -> None:
     (lambda: pp.plot_fit("fit"), TypeError, "fit"),
     (lambda: pp.deinterleave_best(_json("deinterleave"), 7, 2), ValueError, "rows=7"),
 ])
-def test_bad_input_names_the_argument(call, exc, name) -> None:  # noqa: ANN001
+def test_bad_input_names_the_argument(call, exc, name) -> None:
     with pytest.raises(exc, match=name):
         call()
 
