@@ -6,7 +6,14 @@ selection (:mod:`dcp_ref.topk`). For the global selection to be exact, the local
 *same total order* restricted to this rank: score descending (as float32, ``-0.0 == +0.0``, NaN
 invalid), then lower index first. Local indices increase with global positions on one rank, so
 "lower local index" and "lower global id" agree — this module reuses
-:func:`dcp_ref.topk.stable_key` to make that true by construction.
+:func:`dcp_ref.topk.stable_key` to make that true by construction. Each rank keeps ``K = k``
+candidates, never ``k / W``: all ``k`` winners may live on one rank (chapter 02 shows both
+counterexamples).
+
+This is the oracle. On a GPU the whole stage — this selection and
+:func:`dcp_ref.topk.pack_candidates` — is one Triton launch,
+``dcp_ref.kernels.indexer_triton.indexer_topk_pack`` (the same ``(score, id)`` pairs per row,
+bit for bit; tested against ``pack_candidates(scores, local_topk(...))``).
 """
 
 from __future__ import annotations

@@ -124,8 +124,9 @@ def digit_histogram(keys, hi_mask, prefix, shift, NBINS: tl.constexpr):
 
 
 @triton.jit
-def row_histogram(row_ptr, n, stride_c, keys, hi_mask, prefix, shift,
-                  NBINS: tl.constexpr, TILE: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def row_histogram(
+    row_ptr, n, stride_c, keys, hi_mask, prefix, shift, NBINS: tl.constexpr, TILE: tl.constexpr, ONE_CHUNK: tl.constexpr
+):
     """:func:`digit_histogram` over the whole row: of the keys held in registers (``ONE_CHUNK``),
     or of the row streamed tile by tile (``keys`` unused), the next tile's load in flight while
     the current one is counted."""
@@ -158,8 +159,9 @@ def choose_bin(hist, need, NBINS: tl.constexpr):
 
 
 @triton.jit
-def select_threshold(row_ptr, n, stride_c, keys, k,
-                     RADIX_BITS: tl.constexpr, TILE: tl.constexpr, ONE_CHUNK: tl.constexpr):
+def select_threshold(
+    row_ptr, n, stride_c, keys, k, RADIX_BITS: tl.constexpr, TILE: tl.constexpr, ONE_CHUNK: tl.constexpr
+):
     """Radix select of the row's ``k``-th largest key, most significant digit first.
 
     Returns ``(hi_mask, prefix, need, count, n_sel)``: the winners are the keys with
@@ -216,8 +218,24 @@ def pack_pair(score, gid_f):
 
 
 @triton.jit
-def commit_tile(row_ptr, out_row_ptr, offs, j0, stride_c, keys, hi_mask, prefix, need, partial, eq_seen, base, rank,
-                WORLD: tl.constexpr, INTERLEAVE: tl.constexpr, PACKED_INPUT: tl.constexpr):
+def commit_tile(
+    row_ptr,
+    out_row_ptr,
+    offs,
+    j0,
+    stride_c,
+    keys,
+    hi_mask,
+    prefix,
+    need,
+    partial,
+    eq_seen,
+    base,
+    rank,
+    WORLD: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    PACKED_INPUT: tl.constexpr,
+):
     """Write the winners among keys ``offs`` of one tile, in index order.
 
     ``base`` winners and ``eq_seen`` threshold-equal keys came before this tile (returned
@@ -266,11 +284,26 @@ def write_padding(out_row_ptr, n_sel, k, PAD_BLOCK: tl.constexpr, NAN_PAD: tl.co
 
 @triton.jit
 def indexer_topk_pack_kernel(
-    scores_ptr, lengths_ptr, starts_ptr, out_ptr,
-    n_cols, seg_len, stride_r, stride_c, k, rank,
-    HAS_LENGTHS: tl.constexpr, HAS_STARTS: tl.constexpr, WORLD: tl.constexpr, INTERLEAVE: tl.constexpr,
-    PACKED_INPUT: tl.constexpr, NAN_PAD: tl.constexpr,
-    RADIX_BITS: tl.constexpr, TILE: tl.constexpr, ONE_CHUNK: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    scores_ptr,
+    lengths_ptr,
+    starts_ptr,
+    out_ptr,
+    n_cols,
+    seg_len,
+    stride_r,
+    stride_c,
+    k,
+    rank,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    WORLD: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    PACKED_INPUT: tl.constexpr,
+    NAN_PAD: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    TILE: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
 ):
     """Grid ``(T, S)``: program ``(r, s)`` selects the top-``k`` of local keys
     ``[s*seg_len, (s+1)*seg_len)`` of row ``r`` (``S = 1``, ``seg_len >= n_cols``: the whole row)
@@ -293,15 +326,47 @@ def indexer_topk_pack_kernel(
     base = tl.zeros([], tl.int32)
     eq_seen = tl.zeros([], tl.int32)
     if ONE_CHUNK:
-        commit_tile(row_ptr, out_row_ptr, offs, j0, stride_c, keys, hi_mask, prefix, need, partial, eq_seen, base,
-                    rank, WORLD, INTERLEAVE, PACKED_INPUT)
+        commit_tile(
+            row_ptr,
+            out_row_ptr,
+            offs,
+            j0,
+            stride_c,
+            keys,
+            hi_mask,
+            prefix,
+            need,
+            partial,
+            eq_seen,
+            base,
+            rank,
+            WORLD,
+            INTERLEAVE,
+            PACKED_INPUT,
+        )
     else:
         nxt = load_keys(row_ptr, offs, n, stride_c)
         for c in range(0, n, TILE):
             cur = nxt
             nxt = load_keys(row_ptr, c + TILE + offs, n, stride_c)
-            base, eq_seen = commit_tile(row_ptr, out_row_ptr, c + offs, j0, stride_c, cur, hi_mask, prefix, need,
-                                        partial, eq_seen, base, rank, WORLD, INTERLEAVE, PACKED_INPUT)
+            base, eq_seen = commit_tile(
+                row_ptr,
+                out_row_ptr,
+                c + offs,
+                j0,
+                stride_c,
+                cur,
+                hi_mask,
+                prefix,
+                need,
+                partial,
+                eq_seen,
+                base,
+                rank,
+                WORLD,
+                INTERLEAVE,
+                PACKED_INPUT,
+            )
     write_padding(out_row_ptr, n_sel, k, PAD_BLOCK, NAN_PAD)
 
 
@@ -334,8 +399,14 @@ def _tile_config(n: int, tile: int | None, num_warps: int | None) -> tuple[int, 
 
 
 def launch_plan(
-    rows: int, n_cols: int, k: int, device: torch.device, *, split: int | None = None,
-    tile: int | None = None, num_warps: int | None = None,
+    rows: int,
+    n_cols: int,
+    k: int,
+    device: torch.device,
+    *,
+    split: int | None = None,
+    tile: int | None = None,
+    num_warps: int | None = None,
 ) -> LaunchPlan:
     """How :func:`indexer_topk_pack` runs ``rows`` rows of ``n_cols`` columns (shapes only, no sync).
 
@@ -406,7 +477,8 @@ def indexer_topk_pack(
     Raises:
         TypeError / ValueError naming the argument (as the reference does for the same input).
     """
-    w, r, i = check_world(world_size, rank, interleave)
+    w, r_checked, i = check_world(world_size, rank, interleave)
+    r = int(r_checked)  # type: ignore[arg-type]  # never None: a rank was given
     k = check_int_scalar(k, "k", min_value=1)
     check_tensor(scores, "scores", dtypes=FLOAT_DTYPES, ndim=2)
     dev = scores.device
@@ -449,27 +521,71 @@ def indexer_topk_pack(
     flags = dict(HAS_LENGTHS=lengths is not None, HAS_STARTS=row_starts is not None)
     if plan.split == 1:
         indexer_topk_pack_kernel[(rows, 1)](
-            scores, lens, starts, out.view(torch.int64), cols, max(cols, 1), scores.stride(0), scores.stride(1), k, r,
-            **flags, PACKED_INPUT=False, NAN_PAD=False, TILE=plan.tile, ONE_CHUNK=plan.one_chunk,
-            num_warps=plan.num_warps, **common,
+            scores,
+            lens,
+            starts,
+            out.view(torch.int64),
+            cols,
+            max(cols, 1),
+            scores.stride(0),
+            scores.stride(1),
+            k,
+            r,
+            **flags,
+            PACKED_INPUT=False,
+            NAN_PAD=False,
+            TILE=plan.tile,
+            ONE_CHUNK=plan.one_chunk,
+            num_warps=plan.num_warps,
+            **common,
         )
         return out
     # Split rows: each segment's top-k into the workspace (NaN padding = invalid), then the top-k
     # of the S*k candidates, whose ids travel with them.
     s = plan.split
     ws = workspace
+    assert ws is not None  # checked (or allocated) above
     seg = triton.cdiv(cols, s)
     indexer_topk_pack_kernel[(rows, s)](
-        scores, lens, starts, ws.view(torch.int64), cols, seg, scores.stride(0), scores.stride(1), k, r,
-        **flags, PACKED_INPUT=False, NAN_PAD=True, TILE=plan.tile, ONE_CHUNK=plan.one_chunk,
-        num_warps=plan.num_warps, **common,
+        scores,
+        lens,
+        starts,
+        ws.view(torch.int64),
+        cols,
+        seg,
+        scores.stride(0),
+        scores.stride(1),
+        k,
+        r,
+        **flags,
+        PACKED_INPUT=False,
+        NAN_PAD=True,
+        TILE=plan.tile,
+        ONE_CHUNK=plan.one_chunk,
+        num_warps=plan.num_warps,
+        **common,
     )
     n2 = s * k
     tile2, one2, warps2 = _tile_config(n2, None, None)
     indexer_topk_pack_kernel[(rows, 1)](
-        ws, dummy, dummy, out.view(torch.int64), n2, n2, n2 * 2, 2, k, r,
-        HAS_LENGTHS=False, HAS_STARTS=False, PACKED_INPUT=True, NAN_PAD=False, TILE=tile2, ONE_CHUNK=one2,
-        num_warps=warps2, **common,
+        ws,
+        dummy,
+        dummy,
+        out.view(torch.int64),
+        n2,
+        n2,
+        n2 * 2,
+        2,
+        k,
+        r,
+        HAS_LENGTHS=False,
+        HAS_STARTS=False,
+        PACKED_INPUT=True,
+        NAN_PAD=False,
+        TILE=tile2,
+        ONE_CHUNK=one2,
+        num_warps=warps2,
+        **common,
     )
     return out
 

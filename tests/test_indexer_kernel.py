@@ -374,3 +374,23 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split):
         graph.replay()
         torch.cuda.synchronize()
         assert bool(same_sets(out, reference(s, lengths, k, 1, 2, 1)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 4])
+def test_gpu_validate_false_makes_no_host_sync(cuda_device, split):
+    """validate=False with out= and workspace=: no synchronising CUDA call (sync debug mode raises)."""
+    rows, cols, k = 8, 40000, 512
+    s, lengths, starts = make_cases(rows, cols, 11, cuda_device, with_starts=True)
+    out = torch.empty((rows, k, 2), device=cuda_device)
+    ws = torch.empty((rows, split, k, 2), device=cuda_device) if split > 1 else None
+    call = lambda: ix.indexer_topk_pack(s, lengths, k, 0, 2, 1, starts, out=out, validate=False,  # noqa: E731
+                                        split=split, workspace=ws)
+    call()  # compile first (compilation itself may synchronise)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(same_sets(out, reference(s, lengths, k, 0, 2, 1, starts)).all())
