@@ -103,14 +103,30 @@ def store_merged_lse(res_lse_ptr, offs_hs, mask_h, m_safe, total, IS_BASE2: tl.c
 
 @triton.jit
 def lse_correct_kernel(
-    out_ptr, lses_ptr, res_ptr, res_lse_ptr,
-    H, D, rank,
-    s_ot, s_oh, s_od,
-    s_lw, s_lt, s_lh,
-    s_rt, s_rh, s_rd,
-    s_qt, s_qh,
-    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_BASE2: tl.constexpr, STORE_LSE: tl.constexpr,
+    out_ptr,
+    lses_ptr,
+    res_ptr,
+    res_lse_ptr,
+    H,
+    D,
+    rank,
+    s_ot,
+    s_oh,
+    s_od,
+    s_lw,
+    s_lt,
+    s_lh,
+    s_rt,
+    s_rh,
+    s_rd,
+    s_qt,
+    s_qh,
+    W: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_BASE2: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     """res[t, h, :] = 2^(lse2[rank, t, h] - merged2[t, h]) * out[t, h, :] (0 if that factor is 0)."""
     t = tl.program_id(0).to(tl.int64)  # int64: T*H*D offsets overflow int32 at large batches
@@ -127,21 +143,39 @@ def lse_correct_kernel(
     factor = mine / tl.where(total == 0, 1.0, total)  # NaN total (a corrupt rank) -> NaN factor
     # where(), not factor * x: an empty rank's output may be NaN and 0 * NaN = NaN.
     y = tl.where(mine_empty[:, None], 0.0, factor[:, None] * x.to(tl.float32))
-    tl.store(res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, y.to(res_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, y.to(res_ptr.dtype.element_ty), mask=mask
+    )
     if STORE_LSE:
         store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
 
 
 @triton.jit
 def lse_merge_kernel(
-    outs_ptr, lses_ptr, res_ptr, res_lse_ptr,
-    H, D,
-    s_ow, s_ot, s_oh, s_od,
-    s_lw, s_lt, s_lh,
-    s_rt, s_rh, s_rd,
-    s_qt, s_qh,
-    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_BASE2: tl.constexpr, STORE_LSE: tl.constexpr,
+    outs_ptr,
+    lses_ptr,
+    res_ptr,
+    res_lse_ptr,
+    H,
+    D,
+    s_ow,
+    s_ot,
+    s_oh,
+    s_od,
+    s_lw,
+    s_lt,
+    s_lh,
+    s_rt,
+    s_rh,
+    s_rd,
+    s_qt,
+    s_qh,
+    W: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_BASE2: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     """res[t, h, :] = sum_w 2^(lse2[w] - merged2) * outs[w, t, h, :], empty ranks selected away."""
     t = tl.program_id(0).to(tl.int64)
@@ -160,7 +194,11 @@ def lse_merge_kernel(
         f = weight_row(e, offs_w, w) * inv_total
         x = tl.load(outs_ptr + w * s_ow + tile, mask=mask, other=0.0).to(tl.float32)
         acc += tl.where((weight_row(empty, offs_w, w) > 0)[:, None], 0.0, f[:, None] * x)
-    tl.store(res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd, acc.to(res_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        res_ptr + t * s_rt + offs_h[:, None] * s_rh + offs_d[None, :] * s_rd,
+        acc.to(res_ptr.dtype.element_ty),
+        mask=mask,
+    )
     if STORE_LSE:
         store_merged_lse(res_lse_ptr + t * s_qt, offs_h * s_qh, mask_h, m_safe, total, IS_BASE2)
 
@@ -170,7 +208,9 @@ def lse_merge_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _check(t: object, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _check(
+    t: object, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -233,7 +273,8 @@ def lse_correct(
     _check(out, "out", _OUT_DTYPES, (T, H, D), dev)
     _check_device(dev, "out")
     if not isinstance(all_lses, torch.Tensor) or all_lses.ndim != 3:
-        raise ValueError(f"all_lses must be a 3-D tensor [W, T={T}, H={H}], got {getattr(all_lses, 'shape', type(all_lses).__name__)}")
+        got = getattr(all_lses, "shape", type(all_lses).__name__)
+        raise ValueError(f"all_lses must be a 3-D tensor [W, T={T}, H={H}], got {got}")
     W = all_lses.shape[0]
     _check(all_lses, "all_lses", _LSE_DTYPES, (W, T, H), dev)
     if W < 1:
@@ -253,14 +294,30 @@ def lse_correct(
     lse_buf = merged_lse if merged_lse is not None else all_lses  # dummy pointer when not stored
     grid = (T, triton.cdiv(H, bh))
     lse_correct_kernel[grid](
-        out, all_lses, corrected, lse_buf,
-        H, D, rank,
-        out.stride(0), out.stride(1), out.stride(2),
-        all_lses.stride(0), all_lses.stride(1), all_lses.stride(2),
-        corrected.stride(0), corrected.stride(1), corrected.stride(2),
-        lse_buf.stride(-2) if merged_lse is not None else 0, lse_buf.stride(-1) if merged_lse is not None else 0,
-        W=W, BLOCK_W=max(2, triton.next_power_of_2(W)), BLOCK_H=bh, BLOCK_D=triton.next_power_of_2(D),
-        IS_BASE2=is_b2, STORE_LSE=merged_lse is not None,
+        out,
+        all_lses,
+        corrected,
+        lse_buf,
+        H,
+        D,
+        rank,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        all_lses.stride(0),
+        all_lses.stride(1),
+        all_lses.stride(2),
+        corrected.stride(0),
+        corrected.stride(1),
+        corrected.stride(2),
+        lse_buf.stride(-2) if merged_lse is not None else 0,
+        lse_buf.stride(-1) if merged_lse is not None else 0,
+        W=W,
+        BLOCK_W=max(2, triton.next_power_of_2(W)),
+        BLOCK_H=bh,
+        BLOCK_D=triton.next_power_of_2(D),
+        IS_BASE2=is_b2,
+        STORE_LSE=merged_lse is not None,
         num_warps=num_warps,
     )
     return corrected, merged_lse
@@ -310,14 +367,30 @@ def lse_merge(
     lse_buf = merged_lse if merged_lse is not None else lses
     grid = (T, triton.cdiv(H, bh))
     lse_merge_kernel[grid](
-        outs, lses, merged, lse_buf,
-        H, D,
-        outs.stride(0), outs.stride(1), outs.stride(2), outs.stride(3),
-        lses.stride(0), lses.stride(1), lses.stride(2),
-        merged.stride(0), merged.stride(1), merged.stride(2),
-        lse_buf.stride(-2) if merged_lse is not None else 0, lse_buf.stride(-1) if merged_lse is not None else 0,
-        W=W, BLOCK_W=max(2, triton.next_power_of_2(W)), BLOCK_H=bh, BLOCK_D=triton.next_power_of_2(D),
-        IS_BASE2=is_b2, STORE_LSE=merged_lse is not None,
+        outs,
+        lses,
+        merged,
+        lse_buf,
+        H,
+        D,
+        outs.stride(0),
+        outs.stride(1),
+        outs.stride(2),
+        outs.stride(3),
+        lses.stride(0),
+        lses.stride(1),
+        lses.stride(2),
+        merged.stride(0),
+        merged.stride(1),
+        merged.stride(2),
+        lse_buf.stride(-2) if merged_lse is not None else 0,
+        lse_buf.stride(-1) if merged_lse is not None else 0,
+        W=W,
+        BLOCK_W=max(2, triton.next_power_of_2(W)),
+        BLOCK_H=bh,
+        BLOCK_D=triton.next_power_of_2(D),
+        IS_BASE2=is_b2,
+        STORE_LSE=merged_lse is not None,
         num_warps=num_warps,
     )
     return merged, merged_lse

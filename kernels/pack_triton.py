@@ -19,7 +19,6 @@ from dcp_ref.topk import _check_pack
 __all__ = ["pack_candidates_kernel", "pack_candidates_triton"]
 
 
-
 @triton.jit
 def pack_candidates_kernel(
     logits_ptr,
@@ -52,7 +51,7 @@ def pack_candidates_kernel(
     # the sum start + idx, which a huge int64 index would overflow).
     valid = in_row & (idx >= 0) & (idx < n_cols - start)
     score = tl.load(logits_ptr + row * stride_lr + col * stride_lc, mask=valid, other=0.0).to(tl.float32)
-    # local -> global: (l // I) * (W*I) + rank*I + l % I   (stage 1's layout)
+    # local -> global: (l // I) * (W*I) + rank*I + l % I   (the ownership layout)
     gid = (idx // INTERLEAVE) * (WORLD * INTERLEAVE) + rank * INTERLEAVE + idx % INTERLEAVE
     score = tl.where(valid, score, float("-inf"))
     gidf = tl.where(valid, gid, -1).to(tl.float32)
@@ -96,8 +95,20 @@ def pack_candidates_triton(
     starts = row_starts if row_starts is not None else local_topk  # dummy pointer when absent
     grid = (rows, triton.cdiv(K, block))
     pack_candidates_kernel[grid](
-        logits, local_topk, starts, out, cols, K,
-        logits.stride(0), logits.stride(1), local_topk.stride(0), local_topk.stride(1), r,
-        WORLD=w, INTERLEAVE=i, HAS_STARTS=row_starts is not None, BLOCK=block,
+        logits,
+        local_topk,
+        starts,
+        out,
+        cols,
+        K,
+        logits.stride(0),
+        logits.stride(1),
+        local_topk.stride(0),
+        local_topk.stride(1),
+        r,
+        WORLD=w,
+        INTERLEAVE=i,
+        HAS_STARTS=row_starts is not None,
+        BLOCK=block,
     )
     return out
