@@ -45,7 +45,9 @@ def _check_against_oracle(problem, topk: int, stages: str, want_nan_out: torch.T
     """``want_nan_out`` [T, H]: which (token, head) must be NaN (all of out[t, h, :] and lse[t, h])."""
     o_ref, l_ref, _ = single_device_decode(problem, topk, SM_SCALE)
     # The oracle itself behaves as the property says (so the expectation is not circular).
-    assert torch.equal(torch.isnan(o_ref).all(-1), want_nan_out) and torch.equal(torch.isnan(o_ref).any(-1), want_nan_out)
+    assert torch.equal(torch.isnan(o_ref).all(-1), want_nan_out) and torch.equal(
+        torch.isnan(o_ref).any(-1), want_nan_out
+    )
     assert torch.equal(torch.isnan(l_ref), want_nan_out)
     out, lse = run_dcp_decode(problem, topk, SM_SCALE, stages=stages)
     out, lse = out.double().cpu(), lse.double().cpu()
@@ -71,8 +73,16 @@ problems = st.fixed_dictionaries(
 
 
 def _make(p: dict):
-    return make_dcp_problem(p["W"], p["I"], seq_lens=p["lens"], next_n=p["next_n"], num_heads=12, head_dim=8,
-                            block_size=p["I"] * p["bs_mult"], seed=p["seed"])
+    return make_dcp_problem(
+        p["W"],
+        p["I"],
+        seq_lens=p["lens"],
+        next_n=p["next_n"],
+        num_heads=12,
+        head_dim=8,
+        block_size=p["I"] * p["bs_mult"],
+        seed=p["seed"],
+    )
 
 
 def _kv_case(p: dict, data, stages: str, atol: float) -> None:
@@ -139,7 +149,9 @@ def test_nan_in_a_row_no_one_selected_changes_nothing(stages: str) -> None:
     _, _, ids = single_device_decode(problem, 3, SM_SCALE)
     unused = next(p for p in range(20) if p not in ids[0].tolist())
     _poison_kv(problem, 0, unused, 0)
-    _check_against_oracle(problem, 3, stages, torch.zeros(1, 2, dtype=torch.bool), 1e-9 if stages == "reference" else 2e-5)
+    _check_against_oracle(
+        problem, 3, stages, torch.zeros(1, 2, dtype=torch.bool), 1e-9 if stages == "reference" else 2e-5
+    )
 
 
 def test_empty_rank_is_still_exactly_zero_with_nan_garbage_elsewhere() -> None:
@@ -151,5 +163,9 @@ def test_empty_rank_is_still_exactly_zero_with_nan_garbage_elsewhere() -> None:
     out, lse = run_dcp_decode(problem, 1, SM_SCALE, traces=traces)
     counts = [int(tr["counts"][0]) for tr in traces]
     assert sorted(counts) == [0, 0, 0, 1]
-    assert all(math.isinf(v) and v < 0 for tr, c in zip(traces, counts) if c == 0 for v in tr["partial_lse"][0].tolist())
-    assert torch.isfinite(out).all() and torch.allclose(out, o_ref, atol=1e-12) and torch.allclose(lse, l_ref, atol=1e-12)
+    assert all(
+        math.isinf(v) and v < 0 for tr, c in zip(traces, counts) if c == 0 for v in tr["partial_lse"][0].tolist()
+    )
+    assert (
+        torch.isfinite(out).all() and torch.allclose(out, o_ref, atol=1e-12) and torch.allclose(lse, l_ref, atol=1e-12)
+    )

@@ -1,0 +1,919 @@
+"""Bad input never gives a silent wrong answer (issue 10).
+
+1. **The table**: several hundred bad inputs across every public function of :mod:`dcp_ref` and the
+   host wrappers of :mod:`dcp_ref.kernels`. Each starts from a *valid* call (checked to succeed
+   by :func:`test_every_base_call_is_valid`) and changes one argument; the test asserts the
+   exception type **and** that the message names the offending argument.
+2. **Reference and kernel agree**: the same bad input raises the same type with the same message
+   on the reference and on its Triton twin (pack, de-interleave), validated or not.
+3. **validate=False** reads nothing on the host (proved with meta tensors, which have no values)
+   and still never reads out of bounds: the reference and the kernels return the same documented
+   answer for out-of-range values.
+4. **Valid edge cases** (empty batch, ``k`` larger than the row, ``W = 1``, int32 near its limit,
+   NumPy ints, ...) compared with brute force written here in plain Python.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dcp_ref import (
+    canonicalize,
+    compact_to_front,
+    correct_partial,
+    dcp_merge_collective,
+    deinterleave_and_compact,
+    expand_decode_bounds,
+    global_ids_to_local_slots,
+    global_to_local,
+    local_seq_lens,
+    local_to_global,
+    local_topk,
+    localize_decode_bounds,
+    localize_prefill_chunk,
+    lse_base2_to_e,
+    lse_e_to_base2,
+    merge_partials,
+    normalize_lse_shape,
+    owner_rank,
+    sparse_mla_attention,
+)
+from dcp_ref import topk_backend as tb
+from dcp_ref.group import SimulatedWorld, SingleGroup
+from dcp_ref.prefill import chunk_scores_from_local
+from dcp_ref.topk import (
+    check_candidate_ids,
+    global_topk_all_logits,
+    local_topk_by_owner,
+    merge_topk_global,
+    pack_candidates,
+    radix_select_trace,
+    stable_key,
+    stable_topk,
+)
+
+NAN, INF = float("nan"), float("inf")
+META = "meta"
+
+
+def i64(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int64)
+
+
+def i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def f32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Valid base calls: every table row changes exactly one argument of one of these.
+# ----------------------------------------------------------------------------------------------
+G = torch.Generator().manual_seed(0)
+LOGITS = torch.randn(3, 8, generator=G)
+LOCAL_IDS = i64([[0, 5, 7, -1], [1, 2, -1, -1], [-1, -1, -1, -1]])
+GATHERED = torch.stack([pack_candidates(LOGITS, LOCAL_IDS, r, 2) for r in range(2)])  # [2, 3, 4, 2]
+TOKEN_IDS = i64([[0, 3, 6, -1], [9, 2, -1, -1], [1, 7, 12, 5]])
+BLOCK_TABLE = i32([[3, 0, 5], [1, 4, -1]])
+REQ = i32([0, 1, 1])
+Q = torch.randn(2, 2, 8, generator=G, dtype=torch.float64)
+KV = torch.randn(10, 8, generator=G, dtype=torch.float64)
+SLOTS = i32([[1, 4, 9], [7, -1, -1]])
+COUNTS = i32([3, 1])
+OUTS = torch.randn(2, 3, 2, 4, generator=G, dtype=torch.float64)
+LSES = torch.randn(2, 3, 2, generator=G, dtype=torch.float64)
+CHUNK = localize_prefill_chunk(i64([3, 0]), i64([2, 1]), 2, 0)
+
+BASES = {
+    "owner_rank": (owner_rank, dict(pos=torch.arange(10), world_size=2, interleave=2)),
+    "global_to_local": (global_to_local, dict(pos=torch.arange(10), world_size=2, interleave=2)),
+    "local_to_global": (local_to_global, dict(local=torch.arange(5), rank=1, world_size=2, interleave=2)),
+    "local_seq_lens": (local_seq_lens, dict(seq_lens=i64([5, 9]), world_size=2, rank=1, interleave=2)),
+    "expand_decode_bounds": (expand_decode_bounds, dict(seq_lens=i64([5, 9]), query_lens=2)),
+    "localize_decode_bounds": (
+        localize_decode_bounds,
+        dict(seq_lens=i64([5, 9]), query_lens=i64([1, 2]), world_size=2, rank=1, interleave=2, num_tokens=3),
+    ),
+    "localize_prefill_chunk": (
+        localize_prefill_chunk,
+        dict(context_lens=i64([3, 0]), query_lens=i64([2, 4]), world_size=2, rank=0, interleave=1),
+    ),
+    "local_topk": (local_topk, dict(logits=LOGITS, k=4, lengths=i64([8, 3, 0]))),
+    "local_topk_rs": (local_topk, dict(logits=LOGITS, k=2, lengths=i64([3, 2, 0]), row_starts=i32([0, 5, 8]))),
+    "pack_candidates": (pack_candidates, dict(logits=LOGITS, local_topk=LOCAL_IDS, rank=1, world_size=2, interleave=1)),
+    "pack_candidates_rs": (
+        pack_candidates,
+        dict(
+            logits=LOGITS,
+            local_topk=i64([[0, 1], [2, -1], [-1, -1]]),
+            rank=0,
+            world_size=2,
+            interleave=1,
+            row_starts=i32([0, 5, 8]),
+        ),
+    ),
+    "stable_key": (stable_key, dict(scores=f32([0.5, -0.0]), ids=i64([3, 1]))),
+    "stable_topk": (stable_topk, dict(gathered=GATHERED, k=3)),
+    "check_candidate_ids": (check_candidate_ids, dict(ids=GATHERED[..., 1])),
+    "merge_topk_global": (merge_topk_global, dict(group=None, logits=LOGITS, local_topk=LOCAL_IDS, k=4)),
+    "global_topk_all_logits": (global_topk_all_logits, dict(scores=LOGITS, k=3)),
+    "local_topk_by_owner": (local_topk_by_owner, dict(scores=LOGITS, K=2, world_size=2, interleave=2)),
+    "radix_select_trace": (radix_select_trace, dict(keys=[5, 0, 9, 3], k=2)),
+    "tb.resolve_backend": (tb.resolve_backend, dict(backend="torch", device=torch.device("cpu"))),
+    "tb.pack_candidates": (
+        tb.pack_candidates,
+        dict(logits=LOGITS, local_topk=LOCAL_IDS, rank=1, world_size=2, backend="torch"),
+    ),
+    "tb.stable_topk": (tb.stable_topk, dict(gathered=GATHERED, k=3, backend="torch")),
+    "tb.merge_topk_global": (
+        tb.merge_topk_global,
+        dict(group=None, logits=LOGITS, local_topk=LOCAL_IDS, k=4, backend="torch"),
+    ),
+    "global_ids_to_local_slots": (
+        global_ids_to_local_slots,
+        dict(
+            token_ids=TOKEN_IDS,
+            req_of_token=REQ,
+            block_table=BLOCK_TABLE,
+            block_size=4,
+            world_size=2,
+            rank=1,
+            interleave=2,
+        ),
+    ),
+    "deinterleave_and_compact": (
+        deinterleave_and_compact,
+        dict(
+            token_ids=TOKEN_IDS,
+            req_of_token=REQ,
+            block_table=BLOCK_TABLE,
+            block_size=4,
+            world_size=2,
+            rank=0,
+            interleave=2,
+        ),
+    ),
+    "compact_to_front": (compact_to_front, dict(slots=SLOTS)),
+    "canonicalize": (canonicalize, dict(slots=SLOTS, counts=i32([2, 1]))),
+    "sparse_mla_attention": (
+        sparse_mla_attention,
+        dict(q=Q, kv_cache=KV, slots=SLOTS, counts=COUNTS, sm_scale=0.5, lse_base="e", v_dim=6),
+    ),
+    "lse_base2_to_e": (lse_base2_to_e, dict(lse=LSES)),
+    "lse_e_to_base2": (lse_e_to_base2, dict(lse=LSES)),
+    "normalize_lse_shape": (normalize_lse_shape, dict(lse=LSES[0], num_tokens=3, num_heads=2)),
+    "merge_partials": (merge_partials, dict(outs=OUTS, lses=LSES, base="e")),
+    "correct_partial": (correct_partial, dict(out=OUTS[0], all_lses=LSES, rank=1, base="e")),
+    "dcp_merge_collective": (dcp_merge_collective, dict(group=SingleGroup(), out=OUTS[0], lse=LSES[0], base="e")),
+    "chunk_scores_from_local": (
+        chunk_scores_from_local,
+        dict(local_scores=torch.randn(3, 4), query_lens=i64([2, 1]), meta=CHUNK),
+    ),
+}
+
+CASES: list = []
+
+
+def bad(which: str, exc: type, names: str | tuple[str, ...], label: str, /, **override) -> None:
+    """One table row: BASES[which] with ``override`` must raise ``exc`` naming one of ``names``."""
+    fn, kwargs = BASES[which]
+    kw = {**kwargs, **override}
+    names = (names,) if isinstance(names, str) else names
+    CASES.append(pytest.param(fn, kw, exc, names, id=f"{which}[{label}]"))
+
+
+# ---- generic mutations -------------------------------------------------------------------------
+def geometry_cases(base: str, *, rank_required: bool, has_rank: bool = True) -> None:
+    for arg in ("world_size", "interleave"):
+        if arg not in BASES[base][1]:
+            continue
+        for label, v, exc in [
+            ("0", 0, ValueError),
+            ("neg", -1, ValueError),
+            ("bool", True, TypeError),
+            ("float", 2.0, TypeError),
+            ("str", "2", TypeError),
+            ("none", None, TypeError),
+            ("list", [2], TypeError),
+            ("1d tensor", i64([2]), TypeError),
+            ("float tensor", torch.tensor(2.0), TypeError),
+        ]:
+            bad(base, exc, arg, f"{arg}={label}", **{arg: v})
+    if has_rank and "rank" in BASES[base][1]:
+        W = BASES[base][1]["world_size"]
+        for label, v, exc in [
+            ("neg", -1, ValueError),
+            ("W", W, ValueError),
+            ("bool", True, TypeError),
+            ("float", 1.0, TypeError),
+            ("str", "1", TypeError),
+            ("list", [1], TypeError),
+            ("1d tensor", i64([1]), TypeError),
+            ("meta 0d", torch.tensor(1, device=META), ValueError),
+        ]:
+            bad(base, exc, "rank", f"rank={label}", rank=v)
+        if rank_required:
+            bad(base, ValueError, "rank", "rank=None", rank=None)
+
+
+def int_tensor_cases(
+    base: str, arg: str, *, ndim: int | None, lists_ok: bool, values_read: bool = True, meta_with: tuple[str, ...] = ()
+) -> None:
+    """A tensor argument that must hold integers: wrong types, dtypes and ranks (``ndim=None``: any
+    shape is valid); meta (values unreadable: ``meta_with`` names tensors that must move along)."""
+    t = BASES[base][1][arg]
+    bad(base, TypeError, arg, f"{arg}=float tensor", **{arg: t.float()})
+    bad(base, TypeError, arg, f"{arg}=bool tensor", **{arg: t != 0})
+    bad(base, TypeError, arg, f"{arg}=str", **{arg: "0"})
+    bad(base, TypeError, arg, f"{arg}=float", **{arg: 1.5})
+    bad(base, TypeError, arg, f"{arg}=list of floats", **{arg: [1.5] * max(1, t.shape[0] if t.ndim else 1)})
+    if not lists_ok:
+        bad(base, TypeError, arg, f"{arg}=list of ints", **{arg: t.tolist()})
+        bad(base, TypeError, arg, f"{arg}=numpy array", **{arg: t.numpy()})
+    if ndim is not None:
+        wrong = t.reshape(-1) if ndim != 1 else t.reshape(1, -1)
+        bad(base, ValueError, arg, f"{arg}=wrong ndim", **{arg: wrong})
+    if values_read:
+        along = {n: BASES[base][1][n].to(META) for n in meta_with}
+        bad(base, ValueError, arg, f"{arg}=meta", **{arg: t.to(META)}, **along)
+
+
+def float_tensor_cases(base: str, arg: str, *, ndim: int | tuple[int, ...]) -> None:
+    t = BASES[base][1][arg]
+    bad(base, TypeError, arg, f"{arg}=int tensor", **{arg: t.long()})
+    bad(base, TypeError, arg, f"{arg}=list", **{arg: t.tolist()})
+    bad(base, TypeError, arg, f"{arg}=numpy", **{arg: t.numpy()})
+    bad(base, TypeError, arg, f"{arg}=None", **{arg: None})
+    if ndim is not None:
+        bad(base, ValueError, arg, f"{arg}=wrong ndim", **{arg: t.reshape(-1)[:1].reshape(*([1] * 5))})
+
+
+def scalar_int_cases(base: str, arg: str, *, min_value: int) -> None:
+    for label, v, exc in [
+        ("bool", True, TypeError),
+        ("float", 2.0, TypeError),
+        ("str", "2", TypeError),
+        ("none", None, TypeError),
+        ("list", [2], TypeError),
+        ("below min", min_value - 1, ValueError),
+    ]:
+        bad(base, exc, arg, f"{arg}={label}", **{arg: v})
+
+
+def flag_cases(base: str, arg: str) -> None:
+    for label, v in [("int", 1), ("str", "yes"), ("none", None)]:
+        bad(base, TypeError, arg, f"{arg}={label}", **{arg: v})
+
+
+# ---- ownership ---------------------------------------------------------------------------------
+for b in ("owner_rank", "global_to_local"):
+    geometry_cases(b, rank_required=False)
+    int_tensor_cases(b, "pos", ndim=None, lists_ok=True)
+    bad(b, ValueError, "pos", "pos negative", pos=i64([3, -1]))
+    bad(b, ValueError, "pos", "pos negative int", pos=-4)
+    bad(b, TypeError, "pos", "pos bool", pos=True)
+    bad(b, TypeError, "pos", "pos list of bools", pos=[True, False])
+    bad(b, TypeError, "pos", "pos nested floats", pos=[[1, 2.5]])
+    bad(b, ValueError, "pos", "pos ragged list", pos=[[1, 2], [3]])
+geometry_cases("local_to_global", rank_required=True)
+int_tensor_cases("local_to_global", "local", ndim=None, lists_ok=True)
+bad("local_to_global", ValueError, "local", "local negative", local=i64([0, -2]))
+bad("local_to_global", ValueError, "local", "int32 global overflows", local=i32([2**30]))
+bad("local_to_global", ValueError, "local", "int64 global overflows", local=i64([2**62]))
+bad("local_to_global", ValueError, "local", "python int overflows int64", local=2**62)
+geometry_cases("local_seq_lens", rank_required=False)
+int_tensor_cases("local_seq_lens", "seq_lens", ndim=None, lists_ok=True)
+bad("local_seq_lens", ValueError, "seq_lens", "negative", seq_lens=i64([4, -1]))
+for b in ("expand_decode_bounds", "localize_decode_bounds"):
+    int_tensor_cases(b, "seq_lens", ndim=1, lists_ok=True)
+    bad(b, TypeError, "seq_lens", "seq_lens int", seq_lens=5)
+    bad(b, ValueError, "seq_lens", "seq_lens negative", seq_lens=i64([-1, 9]))
+    bad(b, ValueError, "query_lens", "seq_lens < query_lens", seq_lens=i64([1, 9]), query_lens=i64([2, 1]))
+    bad(b, ValueError, "query_lens", "query_lens negative", query_lens=i64([-1, 4]))
+    bad(b, ValueError, "query_lens", "query_lens wrong shape", query_lens=i64([1, 2, 3]))
+    bad(b, TypeError, "query_lens", "query_lens float", query_lens=2.0)
+    bad(b, TypeError, "query_lens", "query_lens bool", query_lens=True)
+    bad(b, ValueError, "query_lens", "query_lens int 0", query_lens=0)
+    bad(b, TypeError, "query_lens", "query_lens float tensor", query_lens=f32([1, 2]))
+    bad(
+        b,
+        ValueError,
+        ("query_lens", "num_tokens"),
+        "num_tokens disagrees (tensor)",
+        query_lens=i64([1, 2]),
+        num_tokens=4,
+    )
+    bad(b, ValueError, ("query_lens", "num_tokens"), "num_tokens disagrees (int)", query_lens=2, num_tokens=3)
+    bad(b, ValueError, "num_tokens", "num_tokens negative", num_tokens=-1)
+    bad(b, TypeError, "num_tokens", "num_tokens float", num_tokens=3.0)
+    bad(
+        b,
+        ValueError,
+        "num_tokens",
+        "validate=False needs num_tokens",
+        query_lens=i64([1, 2]),
+        num_tokens=None,
+        validate=False,
+    )
+    flag_cases(b, "validate")
+geometry_cases("localize_decode_bounds", rank_required=False)
+geometry_cases("localize_prefill_chunk", rank_required=True)
+for arg in ("context_lens", "query_lens"):
+    int_tensor_cases("localize_prefill_chunk", arg, ndim=1, lists_ok=True)
+    bad("localize_prefill_chunk", ValueError, arg, f"{arg} negative", **{arg: i64([-1, 2])})
+bad("localize_prefill_chunk", ValueError, "query_lens", "shape mismatch", query_lens=i64([1, 2, 3]))
+
+# ---- indexer -----------------------------------------------------------------------------------
+for b in ("local_topk", "local_topk_rs"):
+    float_tensor_cases(b, "logits", ndim=2)
+    scalar_int_cases(b, "k", min_value=1)
+    int_tensor_cases(b, "lengths", ndim=1, lists_ok=False)
+    bad(b, ValueError, "lengths", "lengths wrong rows", lengths=i64([1, 2]))
+    bad(b, ValueError, "lengths", "lengths negative", lengths=i64([1, -2, 0]))
+    bad(b, ValueError, "lengths", "lengths other device", lengths=BASES[b][1]["lengths"].to(META), validate=False)
+    flag_cases(b, "validate")
+bad("local_topk", ValueError, "lengths", "index scores narrower than the bound (class 2)", lengths=i64([9, 3, 0]))
+int_tensor_cases("local_topk_rs", "row_starts", ndim=1, lists_ok=False)
+bad("local_topk_rs", ValueError, "row_starts", "row_starts negative", row_starts=i32([0, -1, 8]))
+bad("local_topk_rs", ValueError, "row_starts", "row_starts > cols", row_starts=i32([0, 9, 8]))
+bad("local_topk_rs", ValueError, ("row_starts", "lengths"), "window past cols", row_starts=i32([6, 5, 8]))
+bad("local_topk_rs", ValueError, "row_starts", "row_starts wrong rows", row_starts=i32([0, 5]))
+
+# ---- top-K -------------------------------------------------------------------------------------
+for b in ("pack_candidates", "pack_candidates_rs", "tb.pack_candidates"):
+    geometry_cases(b, rank_required=True)
+    float_tensor_cases(b, "logits", ndim=2)
+    int_tensor_cases(b, "local_topk", ndim=2, lists_ok=False)
+    bad(b, ValueError, "local_topk", "local_topk < -1", local_topk=torch.where(BASES[b][1]["local_topk"] < 0, -2, 0))
+    bad(b, ValueError, "local_topk", "local_topk >= cols", local_topk=torch.full_like(BASES[b][1]["local_topk"], 8))
+    bad(b, ValueError, "local_topk", "local_topk rows", local_topk=BASES[b][1]["local_topk"][:2])
+    bad(b, ValueError, "local_topk", "local_topk other device", local_topk=BASES[b][1]["local_topk"].to(META))
+    bad(b, TypeError, "row_starts", "row_starts list", row_starts=[0, 1, 2])
+    bad(b, TypeError, "row_starts", "row_starts float", row_starts=f32([0, 1, 2]))
+    bad(b, ValueError, "row_starts", "row_starts wrong shape", row_starts=i32([0, 1]))
+    bad(b, ValueError, "row_starts", "row_starts negative", row_starts=i32([0, -1, 0]))
+    bad(b, ValueError, "row_starts", "row_starts > cols", row_starts=i32([0, 9, 0]))
+    bad(
+        b,
+        ValueError,
+        "logits",
+        "ids may pass 2**24 with validate=False",
+        logits=torch.empty(1, 2**23 + 8, device=META),
+        local_topk=torch.zeros(1, 2, dtype=torch.int64, device=META),
+        validate=False,
+        **({"row_starts": None}),
+    )
+    flag_cases(b, "validate")
+bad(
+    "pack_candidates",
+    ValueError,
+    ("global id", "2**24"),
+    "id >= 2**24 by value",
+    logits=torch.zeros(1, 2**23 + 8),
+    local_topk=i64([[2**23 + 7, -1]]),
+)
+bad("tb.pack_candidates", ValueError, "backend", "unknown backend", backend="cuda")
+bad("tb.pack_candidates", ValueError, "out", "out wrong shape (no broadcast)", out=torch.empty(1, 4, 2))
+bad("tb.pack_candidates", TypeError, "out", "out wrong dtype", out=torch.empty(3, 4, 2, dtype=torch.float64))
+bad("tb.pack_candidates", ValueError, "out", "out not contiguous", out=torch.empty(3, 2, 4).transpose(1, 2))
+bad("tb.pack_candidates", TypeError, "logits", "logits not a tensor (before the backend)", logits=[[0.0]])
+
+for b in ("stable_topk", "tb.stable_topk"):
+    t = BASES[b][1]["gathered"]
+    bad(b, TypeError, "gathered", "float64", gathered=t.double())
+    bad(b, TypeError, "gathered", "int", gathered=t.long())
+    bad(b, TypeError, "gathered", "list", gathered=t.tolist())
+    bad(b, ValueError, "gathered", "2-D", gathered=t[0, 0])
+    bad(b, ValueError, "gathered", "last dim 3", gathered=torch.zeros(2, 3, 4, 3))
+    bad(b, ValueError, "gathered", "fractional id", gathered=t.clone().index_fill_(-1, i64([1]), 2.5))
+    bad(b, ValueError, "gathered", "id -3", gathered=t.clone().index_fill_(-1, i64([1]), -3.0))
+    bad(b, ValueError, "gathered", "id 2**24", gathered=t.clone().index_fill_(-1, i64([1]), float(2**24)))
+    bad(b, ValueError, "gathered", "id inf", gathered=t.clone().index_fill_(-1, i64([1]), INF))
+    bad(b, ValueError, "gathered", "meta (values unreadable)", gathered=t.to(META))
+    scalar_int_cases(b, "k", min_value=1)
+    flag_cases(b, "sorted")
+    flag_cases(b, "validate")
+bad("tb.stable_topk", ValueError, "out", "out wrong shape (no broadcast)", out=torch.empty(1, 3, dtype=torch.int32))
+bad("tb.stable_topk", TypeError, "out", "out wrong dtype", out=torch.empty(3, 3, dtype=torch.int64))
+bad("tb.stable_topk", ValueError, "backend", "unknown backend", backend="numpy")
+bad("tb.stable_topk", ValueError, "backend", "cutedsl on the CPU", backend="cutedsl")
+bad("stable_key", TypeError, "ids", "ids list", ids=[3, 1])
+bad("stable_key", ValueError, "ids", "ids shape", ids=i64([3, 1, 2]))
+bad("stable_key", TypeError, "scores", "scores int", scores=i64([1, 2]))
+bad("check_candidate_ids", ValueError, "gathered", "fractional", ids=f32([0.5]))
+bad("check_candidate_ids", ValueError, "gathered", "meta", ids=f32([1.0]).to(META))
+
+for b in ("merge_topk_global", "tb.merge_topk_global"):
+    bad(b, TypeError, "group", "group str", group="world")
+    bad(b, TypeError, "group", "group int", group=2)
+    scalar_int_cases(b, "k", min_value=1)
+    bad(b, TypeError, "logits", "logits list", logits=LOGITS.tolist())
+    bad(b, TypeError, "local_topk", "local_topk list", local_topk=LOCAL_IDS.tolist())
+    # Class 4: W = 1 with k == K used to return local_topk unchecked.
+    bad(b, ValueError, "local_topk", "W=1 shortcut: id >= cols", local_topk=LOCAL_IDS.clone().fill_(9))
+    bad(b, ValueError, "local_topk", "W=1 shortcut: id < -1", local_topk=LOCAL_IDS.clone().fill_(-5))
+    bad(b, TypeError, "local_topk", "W=1 shortcut: float ids", local_topk=LOCAL_IDS.float())
+    bad(b, ValueError, "interleave", "interleave 0", interleave=0)
+bad("tb.merge_topk_global", ValueError, "backend", "unknown backend", backend="gpu")
+bad("global_topk_all_logits", TypeError, "scores", "int", scores=LOCAL_IDS)
+bad("global_topk_all_logits", ValueError, "k", "k 0", k=0)
+bad("local_topk_by_owner", ValueError, "K", "K 0", K=0)
+bad("local_topk_by_owner", ValueError, "world_size", "W 0", world_size=0)
+bad("local_topk_by_owner", ValueError, "scores", "1-D", scores=LOGITS[0])
+bad("radix_select_trace", ValueError, "k", "k 0", k=0)
+bad("radix_select_trace", TypeError, "k", "k float", k=2.0)
+bad("tb.resolve_backend", ValueError, "backend", "unknown", backend="fast")
+bad("tb.resolve_backend", ValueError, "backend", "triton without interpreter on cpu? no: cutedsl", backend="cutedsl")
+
+# ---- de-interleave -----------------------------------------------------------------------------
+for b in ("global_ids_to_local_slots", "deinterleave_and_compact"):
+    geometry_cases(b, rank_required=True)
+    int_tensor_cases(b, "token_ids", ndim=2, lists_ok=False, meta_with=("block_table", "req_of_token"))
+    int_tensor_cases(b, "block_table", ndim=2, lists_ok=False)
+    int_tensor_cases(b, "req_of_token", ndim=1, lists_ok=False)
+    scalar_int_cases(b, "block_size", min_value=1)
+    bad(b, ValueError, "block_size", "not a multiple of interleave", block_size=6, interleave=4)
+    bad(b, ValueError, "req_of_token", "req out of range", req_of_token=i32([0, 2, 1]))
+    bad(b, ValueError, "req_of_token", "req negative", req_of_token=i32([0, -1, 1]))
+    bad(b, ValueError, "req_of_token", "req wrong length", req_of_token=i32([0, 1]))
+    bad(b, ValueError, "req_of_token", "req None needs T <= B", req_of_token=None)
+    bad(b, ValueError, "block_table", "block_table other device", block_table=BLOCK_TABLE.to(META), validate=False)
+    bad(b, ValueError, "block_table", "slot overflows int32 (class 6)", block_table=i64([[2**29, 0, 5], [1, 4, -1]]))
+    flag_cases(b, "validate")
+flag_cases("deinterleave_and_compact", "ordered")
+bad("compact_to_front", TypeError, "slots", "float", slots=SLOTS.float())
+bad("compact_to_front", ValueError, "slots", "1-D", slots=SLOTS[0])
+bad("compact_to_front", TypeError, "slots", "list", slots=SLOTS.tolist())
+bad("compact_to_front", ValueError, "slots", "int64 beyond int32", slots=i64([[2**31, -1]]))
+flag_cases("compact_to_front", "ordered")
+flag_cases("compact_to_front", "validate")
+bad("canonicalize", ValueError, "counts", "counts > K", counts=i32([4, 1]))
+bad("canonicalize", ValueError, "counts", "counts negative", counts=i32([-1, 1]))
+bad("canonicalize", ValueError, "counts", "counts rows", counts=i32([1]))
+bad("canonicalize", TypeError, "counts", "counts float", counts=f32([1, 1]))
+bad("canonicalize", TypeError, "slots", "slots float", slots=SLOTS.float())
+
+# ---- attention ---------------------------------------------------------------------------------
+A = "sparse_mla_attention"
+float_tensor_cases(A, "q", ndim=3)
+bad(A, TypeError, "kv_cache", "kv int", kv_cache=KV.long())
+bad(A, ValueError, "kv_cache", "kv 1-D", kv_cache=KV[0])
+bad(A, ValueError, "kv_cache", "kv [N, 2, D]", kv_cache=KV.view(5, 2, 8))
+bad(A, ValueError, "kv_cache", "kv width", kv_cache=KV[:, :7])
+bad(A, TypeError, "kv_cache", "kv list", kv_cache=KV.tolist())
+int_tensor_cases(A, "slots", ndim=2, lists_ok=False)
+int_tensor_cases(A, "counts", ndim=1, lists_ok=False)
+bad(A, ValueError, "slots", "slots rows", slots=SLOTS[:1])
+bad(A, ValueError, "counts", "counts rows", counts=COUNTS[:1])
+bad(A, ValueError, "counts", "counts > K", counts=i32([4, 1]))
+bad(A, ValueError, "counts", "counts negative", counts=i32([-1, 1]))
+bad(A, ValueError, "slots", "slot >= num_slots", slots=i32([[1, 4, 10], [7, -1, -1]]))
+bad(A, ValueError, "slots", "slot -1 inside the prefix", slots=i32([[1, -1, 9], [7, -1, -1]]))
+bad(A, ValueError, "device", "mixed devices", counts=COUNTS.to(META))
+for label, v, exc in [
+    ("0", 0.0, ValueError),
+    ("neg", -0.5, ValueError),
+    ("nan", NAN, ValueError),
+    ("inf", INF, ValueError),
+    ("str", "0.5", TypeError),
+    ("bool", True, TypeError),
+    ("tensor", torch.tensor(0.5), TypeError),
+    ("none", None, TypeError),
+    ("list", [0.5], TypeError),
+]:
+    bad(A, exc, "sm_scale", f"sm_scale={label}", sm_scale=v)
+bad(A, ValueError, "lse_base", "lse_base 10", lse_base="10")
+bad(A, ValueError, "lse_base", "lse_base int", lse_base=2)
+scalar_int_cases(A, "v_dim", min_value=1)
+bad(A, ValueError, "v_dim", "v_dim > Dqk", v_dim=9)
+flag_cases(A, "validate")
+
+# ---- LSE ---------------------------------------------------------------------------------------
+for b in ("lse_base2_to_e", "lse_e_to_base2"):
+    bad(b, TypeError, "lse", "int", lse=i64([1, 2]))
+    bad(b, TypeError, "lse", "list", lse=[1.0])
+    bad(b, TypeError, "lse", "float", lse=1.0)
+bad("normalize_lse_shape", ValueError, "lse", "transposed", lse=LSES[0].t())
+bad("normalize_lse_shape", ValueError, "lse", "wrong size", lse=torch.zeros(7))
+bad("normalize_lse_shape", TypeError, "lse", "int", lse=i64([[1, 2]] * 3))
+bad("normalize_lse_shape", ValueError, "num_heads", "H 0", num_heads=0)
+bad("normalize_lse_shape", ValueError, "num_tokens", "T negative", num_tokens=-1)
+bad("normalize_lse_shape", TypeError, "num_tokens", "T float", num_tokens=3.0)
+M = "merge_partials"
+float_tensor_cases(M, "outs", ndim=4)
+float_tensor_cases(M, "lses", ndim=3)
+bad(M, ValueError, "lses", "lses shape", lses=LSES[:, :2])
+bad(M, ValueError, "outs", "W 0", outs=OUTS[:0], lses=LSES[:0])
+bad(M, ValueError, "base", "base 10", base="10")
+bad(M, ValueError, "device", "mixed devices", lses=LSES.to(META))
+flag_cases(M, "validate")
+C = "correct_partial"
+float_tensor_cases(C, "out", ndim=3)
+float_tensor_cases(C, "all_lses", ndim=3)
+bad(C, ValueError, "all_lses", "all_lses shape", all_lses=LSES[:, :2])
+bad(C, ValueError, "rank", "rank W", rank=2)
+bad(C, ValueError, "rank", "rank neg", rank=-1)
+bad(C, TypeError, "rank", "rank float", rank=1.0)
+bad(C, TypeError, "rank", "rank None", rank=None)
+bad(C, ValueError, "base", "base e2", base="e2")
+bad(C, ValueError, "all_lses", "W 0", all_lses=LSES[:0])
+flag_cases(C, "validate")
+D_ = "dcp_merge_collective"
+bad(D_, TypeError, "out", "out int", out=OUTS[0].long())
+bad(D_, ValueError, "lse", "lse shape", lse=LSES[0, :2])
+bad(D_, ValueError, "lse", "lse 3-D", lse=LSES)
+bad(D_, ValueError, "base", "base", base="ten")
+
+# ---- prefill -----------------------------------------------------------------------------------
+P = "chunk_scores_from_local"
+bad(P, ValueError, "query_lens", "sum != rows", query_lens=i64([2, 2]))
+bad(P, ValueError, "query_lens", "one per request", query_lens=i64([3]))
+bad(P, ValueError, "query_lens", "negative", query_lens=i64([4, -1]))
+bad(P, TypeError, "query_lens", "list", query_lens=[2, 1])
+bad(P, TypeError, "meta", "meta not metadata", meta={"cu_seqlens_k": None})
+bad(P, TypeError, "local_scores", "int scores", local_scores=i64([[1]] * 3))
+bad(P, ValueError, "local_scores", "too narrow", local_scores=torch.randn(3, 1))
+
+
+@pytest.mark.parametrize("fn, kwargs, exc, names", CASES)
+def test_bad_input_raises_naming_the_argument(fn, kwargs, exc, names) -> None:
+    with pytest.raises(exc) as info:
+        fn(**kwargs)
+    msg = str(info.value)
+    assert any(n in msg for n in names), f"{type(info.value).__name__}: {msg!r} names none of {names}"
+
+
+def test_the_table_is_big_enough() -> None:
+    assert len(CASES) >= 300, len(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(BASES))
+def test_every_base_call_is_valid(name: str) -> None:
+    fn, kwargs = BASES[name]
+    fn(**kwargs)  # each table row differs from a call that works in one argument only
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference and kernel: the same bad input, the same exception and the same message.
+# ----------------------------------------------------------------------------------------------
+def _kernel_twin(fn):
+    if fn is pack_candidates:
+        from dcp_ref.kernels.pack_triton import pack_candidates_triton
+
+        return pack_candidates_triton
+    if fn is deinterleave_and_compact:
+        from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
+
+        return deinterleave_compact
+    if fn is global_ids_to_local_slots:
+        from dcp_ref.kernels.deinterleave_triton import global_ids_to_local_slots_triton
+
+        return global_ids_to_local_slots_triton
+    return None
+
+
+TWIN_CASES = [c for c in CASES if c.values[0] in (pack_candidates, deinterleave_and_compact, global_ids_to_local_slots)]
+
+
+@pytest.mark.parametrize("fn, kwargs, exc, names", TWIN_CASES)
+def test_kernel_rejects_like_the_reference(fn, kwargs, exc, names) -> None:
+    pytest.importorskip("triton")
+    twin = _kernel_twin(fn)
+    with pytest.raises(exc) as ref:
+        fn(**kwargs)
+    with pytest.raises(exc) as ker:
+        twin(**kwargs)
+    assert str(ker.value) == str(ref.value)
+
+
+def test_twin_table_is_not_empty() -> None:
+    assert len(TWIN_CASES) >= 150
+
+
+# ----------------------------------------------------------------------------------------------
+# validate=False: no host read (meta tensors have no values to read), never out of bounds.
+# ----------------------------------------------------------------------------------------------
+def _meta(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype, device=META)
+
+
+NO_HOST_READ = {
+    "localize_decode_bounds(int)": lambda: localize_decode_bounds(_meta(3, dtype=torch.int64), 2, 4, 1, validate=False),
+    "localize_decode_bounds(tensor)": lambda: localize_decode_bounds(
+        _meta(3, dtype=torch.int64), _meta(3, dtype=torch.int64), 4, 1, num_tokens=7, validate=False
+    ),
+    "local_topk": lambda: local_topk(
+        _meta(5, 9), 4, _meta(5, dtype=torch.int64), _meta(5, dtype=torch.int32), validate=False
+    ),
+    "pack_candidates": lambda: pack_candidates(
+        _meta(5, 9), _meta(5, 4, dtype=torch.int64), 1, 4, 2, _meta(5, dtype=torch.int32), validate=False
+    ),
+    "stable_topk": lambda: stable_topk(_meta(4, 5, 4, 2), 4, validate=False),
+    "merge_topk_global": lambda: merge_topk_global(
+        None, _meta(5, 9), _meta(5, 4, dtype=torch.int64), 4, validate=False
+    ),
+    "global_ids_to_local_slots": lambda: global_ids_to_local_slots(
+        _meta(5, 4, dtype=torch.int64),
+        _meta(5, dtype=torch.int32),
+        _meta(3, 4, dtype=torch.int32),
+        8,
+        4,
+        1,
+        2,
+        validate=False,
+    ),
+    "deinterleave_and_compact": lambda: deinterleave_and_compact(
+        _meta(5, 4, dtype=torch.int64),
+        _meta(5, dtype=torch.int32),
+        _meta(3, 4, dtype=torch.int32),
+        8,
+        4,
+        1,
+        2,
+        validate=False,
+    ),
+    "compact_to_front": lambda: compact_to_front(_meta(5, 4, dtype=torch.int64), ordered=False, validate=False),
+    "sparse_mla_attention": lambda: sparse_mla_attention(
+        _meta(5, 2, 16),
+        _meta(30, 16),
+        _meta(5, 4, dtype=torch.int64),
+        _meta(5, dtype=torch.int32),
+        0.3,
+        v_dim=8,
+        validate=False,
+    ),
+    "merge_partials": lambda: merge_partials(_meta(3, 5, 2, 8), _meta(3, 5, 2), validate=False),
+    "correct_partial": lambda: correct_partial(_meta(5, 2, 8), _meta(3, 5, 2), 1, validate=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NO_HOST_READ))
+def test_validate_false_reads_nothing_on_the_host(name: str) -> None:
+    """Meta tensors carry shapes but no values: any .item() / bool(tensor) / data-dependent shape fails."""
+    res = NO_HOST_READ[name]()
+    for t in res if isinstance(res, tuple) else (res,):
+        assert t.device.type == "meta"
+
+
+def test_pack_validate_false_clamps_like_the_kernel(kernel_device) -> None:
+    """Out-of-range row starts and indices: packed invalid / clamped, the same on both, never read outside."""
+    pytest.importorskip("triton")
+    from dcp_ref.kernels.pack_triton import pack_candidates_triton
+
+    logits = torch.arange(24, dtype=torch.float32).view(3, 8)
+    ids = i64([[0, 7, -5, 3], [0, 1, 2, 3], [2**40, 0, -1, 8]])
+    starts = i32([-3, 6, 100])  # clamped to [0, 8]: 0, 6, 8
+    want = []
+    for r, s in enumerate([0, 6, 8]):
+        row = []
+        for j in ids[r].tolist():
+            ok = 0 <= j < 8 - s
+            row.append([float(logits[r, s + j]) if ok else -INF, float((j // 1) * 2 + 1) if ok else -1.0])
+        want.append(row)
+    ref = pack_candidates(logits, ids, 1, 2, 1, starts, validate=False)
+    ker = pack_candidates_triton(
+        logits.to(kernel_device), ids.to(kernel_device), 1, 2, 1, starts.to(kernel_device), validate=False
+    )
+    assert ref.tolist() == want and ker.cpu().tolist() == want
+
+
+@pytest.mark.parametrize("method", ["rowscan", "twopass", "atomic"])
+def test_deinterleave_validate_false_same_answer_as_the_kernel(kernel_device, method) -> None:
+    """Bad request ids (row of -1), ids past the table, -1 blocks and block ids whose slot overflows
+    int32 (saturated to 2**31 - 1, never wrapped to a small slot): reference == kernel, both dtypes."""
+    pytest.importorskip("triton")
+    from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
+
+    ids = i64([[0, 1, 4, 3, 40, -1], [0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [6, 7, 8, 9, 10, 11]])
+    req = i32([0, 7, -1, 1])
+    bt = i64([[3, 2**30, -1], [1, 0, 2]])
+    ordered = method != "atomic"
+    for dtype in (torch.int32, torch.int64):
+        ids_d, bt_d = ids.to(dtype), (bt.to(dtype) if dtype == torch.int64 else bt.clamp(max=2**31 - 1).to(dtype))
+        want_s, want_c = deinterleave_and_compact(ids_d, req, bt_d, 4, 1, 0, ordered=ordered, validate=False)
+        with pytest.raises(ValueError, match="req_of_token"):
+            deinterleave_and_compact(ids_d, req, bt_d, 4, 1, 0, ordered=ordered)
+        got_s, got_c = deinterleave_compact(
+            ids_d.to(kernel_device),
+            req.to(kernel_device),
+            bt_d.to(kernel_device),
+            4,
+            1,
+            0,
+            ordered=ordered,
+            method=method,
+            validate=False,
+        )
+        # Row 0: id 4 is on block 2**30, whose slot 2**32 overflows int32: saturated, not wrapped to 0;
+        # id 40 is past the table. Rows 1, 2: bad request ids. Row 3: blocks 0 and 2 of request 1.
+        assert got_c.cpu().tolist() == want_c.tolist() == [4, 0, 0, 6]
+        assert canonicalize(got_s.cpu(), got_c.cpu()).tolist() == canonicalize(want_s, want_c).tolist()
+        assert sorted(want_s[0, :4].tolist()) == [12, 13, 15, 2**31 - 1]
+        assert sorted(want_s[3, :6].tolist()) == [2, 3, 8, 9, 10, 11]
+    with pytest.raises(ValueError, match="exceed int32"):  # validated: the overflow is an error
+        global_ids_to_local_slots(i64([[4]]), None, i64([[0, 2**30]]), 4, 1, 0)
+
+
+def test_attention_validate_false_poisons_bad_rows() -> None:
+    q, kv = Q, KV
+    slots = i32([[1, 4, 12], [7, -1, -1]])  # row 0 reads slot 12 of a 10-slot cache
+    counts = i32([3, 5])  # row 1: count 5 > K=3, clamped to 3: slot -1 inside -> poisoned too
+    out, lse = sparse_mla_attention(q, kv, slots, counts, 0.5, v_dim=6, validate=False)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    out, lse = sparse_mla_attention(q, kv, i32([[1, 4, 12], [7, 2, -1]]), i32([2, 2]), 0.5, v_dim=6, validate=False)
+    want, want_l = sparse_mla_attention(q, kv, i32([[1, 4, -1], [7, 2, -1]]), i32([2, 2]), 0.5, v_dim=6)
+    assert torch.equal(out, want) and torch.equal(lse, want_l)  # padding beyond counts is never read
+
+
+def test_local_topk_validate_false_clamps() -> None:
+    logits = torch.arange(16, dtype=torch.float32).view(2, 8)
+    got = local_topk(logits, 3, i64([-4, 50]), i32([-2, 5]), validate=False)
+    # row 0: start 0, length 0 -> empty; row 1: start 5, length clamped to 3 -> local 2, 1, 0
+    assert got.tolist() == [[-1, -1, -1], [2, 1, 0]]
+
+
+def test_localize_validate_false_clamps_and_matches_when_valid() -> None:
+    lens, q = i64([10, 3, 0]), i64([3, 1, 0])
+    for r in range(2):
+        a = localize_decode_bounds(lens, q, 2, r, num_tokens=4)
+        b = localize_decode_bounds(lens, q, 2, r, num_tokens=4, validate=False)
+        assert torch.equal(a, b)
+    got = localize_decode_bounds(i64([-5, 2]), 2, 1, 0, validate=False)
+    assert got.tolist() == [[0, 0], [1, 2]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Valid edge cases, against brute force written here.
+# ----------------------------------------------------------------------------------------------
+def brute_owner_local(p: int, W: int, I: int) -> tuple[int, int]:
+    owner = (p // I) % W
+    rank_positions = [x for x in range(p + 1) if (x // I) % W == owner]
+    return owner, rank_positions.index(p)
+
+
+def test_ownership_int32_never_wraps() -> None:
+    """Class 6: an int32 tensor with W*I beyond int32 used to divide by a wrapped divisor."""
+    W, I = 3, 2**30
+    pos = i32([5, 2**31 - 1])
+    assert owner_rank(pos, W, I).tolist() == [(5 // I) % W, ((2**31 - 1) // I) % W]
+    assert global_to_local(pos, W, I).tolist() == [
+        (5 // (W * I)) * I + 5 % I,
+        ((2**31 - 1) // (W * I)) * I + (2**31 - 1) % I,
+    ]
+    assert owner_rank(pos, W, I).dtype == torch.int32
+    big = local_to_global(i64([2**31 + 3]), 1, 4, 2)  # int64 in: fine beyond int32
+    assert big.tolist() == [((2**31 + 3) // 2) * 8 + 2 + (2**31 + 3) % 2]
+
+
+@pytest.mark.parametrize("W, I", [(1, 1), (2, 1), (3, 2), (4, 3)])
+def test_ownership_small_brute_force_and_numpy_ints(W: int, I: int) -> None:
+    for p in range(40):
+        o, l = brute_owner_local(p, W, I)
+        assert owner_rank(np.int64(p), np.int32(W), np.int16(I)) == o
+        assert global_to_local(p, W, I) == l
+        assert local_to_global(np.int64(l), np.int64(o), W, I) == p
+    L = np.array([0, 1, 7, 39])
+    got = local_seq_lens(L, W, None, I)
+    for b, n in enumerate(L.tolist()):
+        assert got[b].tolist() == [sum(1 for p in range(n) if (p // I) % W == r) for r in range(W)]
+
+
+def test_empty_batch_is_valid_everywhere() -> None:
+    """Class 7: B = 0 / T = 0 give empty results, never a crash."""
+    e = i64([])
+    assert localize_decode_bounds(e, 2, 2, 1).shape == (0, 2)
+    assert localize_decode_bounds(e, e, 2, 1, num_tokens=0).shape == (0,)
+    assert localize_decode_bounds(e, e, 2, 1, num_tokens=0, validate=False).shape == (0,)
+    meta = localize_prefill_chunk(e, e, 2, 1)
+    assert meta.local_total == 0 and meta.cu_seqlens_q.tolist() == [0]
+    assert local_topk(torch.zeros(0, 5), 3, i64([])).shape == (0, 3)
+    assert pack_candidates(torch.zeros(0, 5), i64([]).view(0, 3), 0, 2).shape == (0, 3, 2)
+    assert stable_topk(torch.zeros(2, 0, 3, 2), 4).shape == (0, 4)
+    s, c = deinterleave_and_compact(i64([]).view(0, 4), i32([]), i32([[1]]), 4, 2, 0)
+    assert s.shape == (0, 4) and c.shape == (0,)
+    o, l = sparse_mla_attention(Q[:0], KV, SLOTS[:0], COUNTS[:0], 0.5, v_dim=6)
+    assert o.shape == (0, 2, 6) and l.shape == (0, 2)
+    o, l = merge_partials(OUTS[:, :0], LSES[:, :0])
+    assert o.shape == (0, 2, 4)
+    with pytest.raises(ValueError, match="num_tokens"):
+        localize_decode_bounds(e, e, 2, 1, num_tokens=3, validate=False)
+
+
+def brute_local_topk(row: list[float], start: int, length: int, k: int) -> list[int]:
+    cand = [j for j in range(length) if not math.isnan(row[start + j])]
+    cand.sort(key=lambda j: (-(row[start + j] + 0.0), j))
+    return (cand[:k] + [-1] * k)[:k]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_local_topk_edge_cases_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    rows, cols = rng.randint(1, 5), rng.randint(0, 9)
+    vals = [[rng.choice([0.0, -0.0, 1.0, -1.0, NAN, INF, -INF, 0.5]) for _ in range(cols)] for _ in range(rows)]
+    logits = torch.tensor(vals, dtype=torch.float32).view(rows, cols)
+    starts = [rng.randint(0, cols) for _ in range(rows)]
+    lens = [rng.randint(0, cols - s) for s in starts]
+    k = rng.randint(1, cols + 3)  # k > cols is valid: -1 padding
+    got = local_topk(logits, np.int64(k), i64(lens), i32(starts))
+    assert got.tolist() == [brute_local_topk(vals[r], starts[r], lens[r], k) for r in range(rows)]
+
+
+def test_merge_topk_global_w1_no_shortcut_brute_force() -> None:
+    """Class 4: W = 1, k == K. A row with -1 first, a NaN-scored id and a tie: the real selection."""
+    logits = f32([[0.5, NAN, 0.5, 0.9, -1.0]])
+    ids = i64([[-1, 1, 2, 0, 3]])  # -1 first; id 1 has a NaN score
+    got = merge_topk_global(None, logits, ids, 5)
+    assert got.tolist() == [[3, 0, 2, -1, -1]]  # 0.9, then the 0.5 tie by lower id; NaN and -1 invalid
+    assert tb.merge_topk_global(None, logits, ids, 5, backend="torch").tolist() == got.tolist()
+    assert global_topk_all_logits(f32([[0.5, NAN, 0.5, 0.9, -1.0]]), 3).tolist() == [[3, 0, 2]]
+
+
+def brute_slots(ids, req, bt, bs, W, r, I):
+    out = []
+    for t, row in enumerate(ids):
+        b = req[t]
+        res = []
+        for g in row:
+            if g < 0 or (g // I) % W != r:
+                res.append(-1)
+                continue
+            loc = (g // (W * I)) * I + g % I
+            j = loc // bs
+            blk = bt[b][j] if j < len(bt[b]) else -1
+            res.append(blk * bs + loc % bs if blk >= 0 else -1)
+        out.append(res)
+    return out
+
+
+@pytest.mark.parametrize(
+    "id_dtype, bt_dtype", [(torch.int32, torch.int64), (torch.int64, torch.int32), (torch.int64, torch.int64)]
+)
+def test_deinterleave_int64_inputs_reference_and_kernel(kernel_device, id_dtype, bt_dtype) -> None:
+    """Class 3: int64 ids / block tables are valid on both (they used to raise on the kernel)."""
+    pytest.importorskip("triton")
+    from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
+
+    rng = random.Random(1)
+    W, r, I, bs = 2, 1, 2, 4
+    ids = [[rng.randint(-1, 30) for _ in range(7)] for _ in range(3)]
+    bt = [[5, 2, 7, -1], [0, 3, 1, 4]]
+    req = [1, 0, 1]
+    want = brute_slots(ids, req, bt, bs, W, r, I)
+    ref = global_ids_to_local_slots(
+        torch.tensor(ids, dtype=id_dtype), i64(req), torch.tensor(bt, dtype=bt_dtype), bs, W, r, I
+    )
+    assert ref.tolist() == want
+    s, c = deinterleave_compact(
+        torch.tensor(ids, dtype=id_dtype).to(kernel_device),
+        i64(req).to(kernel_device),
+        torch.tensor(bt, dtype=bt_dtype).to(kernel_device),
+        bs,
+        W,
+        r,
+        I,
+    )
+    assert c.cpu().tolist() == [sum(v >= 0 for v in row) for row in want]
+    assert s.cpu().tolist() == [[v for v in row if v >= 0] + [-1] * sum(v < 0 for v in row) for row in want]
+
+
+def test_attention_all_empty_and_k0_brute_force() -> None:
+    o, l = sparse_mla_attention(Q, KV, i32([[-1, -1], [-1, -1]]), i32([0, 0]), 0.5, v_dim=6)
+    assert (o == 0).all() and torch.isneginf(l).all()
+    o, l = sparse_mla_attention(Q, KV, i32([[], []]).view(2, 0), i32([0, 0]), 0.5, v_dim=6)
+    assert (o == 0).all() and torch.isneginf(l).all()
+    o, l = sparse_mla_attention(Q, KV[:0], i32([[-1], [-1]]), i32([0, 0]), 0.5, v_dim=6)  # no slots, nothing read
+    assert (o == 0).all() and torch.isneginf(l).all()
+    # one key: softmax weight 1, output = that row's values, lse = its score
+    o, l = sparse_mla_attention(Q, KV, i32([[4], [2]]), i32([1, 1]), np.float32(0.5), v_dim=6)
+    for t, s in enumerate([4, 2]):
+        assert torch.allclose(o[t], KV[s, :6].expand(2, 6))
+        assert torch.allclose(l[t], 0.5 * (Q[t] @ KV[s]))
+
+
+def test_merge_w1_and_numpy_rank() -> None:
+    o, l = merge_partials(OUTS[:1], LSES[:1])
+    assert torch.equal(o, OUTS[0]) and torch.equal(l, LSES[0])
+    c, m = correct_partial(OUTS[0], LSES, np.int64(1))
+    c2, m2 = correct_partial(OUTS[0], LSES, 1)
+    assert torch.equal(c, c2) and torch.equal(m, m2)
+    world = SimulatedWorld(2)
+    res = world.run(lambda g, o_, l_: dcp_merge_collective(g, o_, l_), list(OUTS), list(LSES))
+    want, want_l = merge_partials(OUTS, LSES)
+    assert torch.allclose(torch.cat([r[0] for r in res], 1), want) and torch.allclose(
+        torch.cat([r[1] for r in res], 1), want_l
+    )
+
+
+def test_compact_ordered_is_keyword_only_on_both() -> None:
+    """Class 3: ``ordered`` positional in one and keyword-only in the other."""
+    with pytest.raises(TypeError):
+        compact_to_front(SLOTS, False)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        deinterleave_and_compact(TOKEN_IDS, REQ, BLOCK_TABLE, 4, 2, 1, 2, False)  # type: ignore[misc]
