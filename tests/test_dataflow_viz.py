@@ -1,0 +1,111 @@
+"""dcp_ref.dataflow_viz: chapter 00's picture of one layer's decode across ranks, shapes and bytes.
+
+Byte counts are checked against the arithmetic written out here (float32 (score, id) pairs,
+float32 LSEs, bf16 queries and outputs), not against the cost model the module uses.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+import pytest
+
+from dcp_ref.costmodel import MlaGeometry
+from dcp_ref.dataflow_viz import (
+    dataflow_table,
+    draw_layer_dataflow,
+    format_bytes,
+    kv_cache_per_rank,
+    layer_dataflow,
+)
+
+matplotlib.use("Agg")
+
+ORDER = [
+    "query projection",
+    "query all-gather over heads",
+    "indexer: local top-K",
+    "pack (score, global id)",
+    "candidates all-gather",
+    "stable top-K (select)",
+    "de-interleave + compaction",
+    "attention (all H heads, this rank's keys)",
+    "LSE all-gather",
+    "correct (rescale by its weight)",
+    "output reduce-scatter over heads",
+    "value up-projection + output projection",
+]
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+@pytest.mark.parametrize("geo", [MlaGeometry(), MlaGeometry(num_heads=16, topk=512, local_topk=256)])
+def test_steps_shapes_and_bytes_per_token(w: int, geo: MlaGeometry) -> None:
+    steps = layer_dataflow(w, geo)
+    assert [s.name for s in steps] == ORDER
+    by = {s.name: s for s in steps}
+    H, K, k = geo.num_heads, geo.local_topk, geo.topk
+    assert [s.name for s in steps if s.collective] == [
+        "query all-gather over heads",
+        "candidates all-gather",
+        "LSE all-gather",
+        "output reduce-scatter over heads",
+    ]
+    # (sent, received, on links) per query token
+    q = by["query all-gather over heads"]
+    assert (q.sent, q.received, q.link) == (2 * 576 * H // w, 2 * 576 * H, 2 * 576 * H // w * (w - 1))
+    c = by["candidates all-gather"]
+    assert (c.sent, c.received, c.link) == (8 * K, 8 * w * K, 8 * (w - 1) * K)
+    lse = by["LSE all-gather"]
+    assert (lse.sent, lse.received, lse.link) == (4 * H, 4 * w * H, 4 * (w - 1) * H)
+    rs = by["output reduce-scatter over heads"]
+    full = 2 * H * 512
+    assert (rs.sent, rs.received, rs.link) == (full, full // w, full * (w - 1) // w)
+    # An all-reduce would move twice the reduce-scatter's bytes.
+    assert format_bytes(2 * full * (w - 1) // w) in rs.note
+    # Who holds what: H/W heads before the query gather and after the reduce-scatter, H between.
+    assert by["query projection"].shape == f"q [T, {H // w}, 576] bf16"
+    assert q.shape == f"q [T, {H}, 576] bf16"
+    assert by["attention (all H heads, this rank's keys)"].shape.startswith(f"out [T, {H}, 512] bf16")
+    assert rs.shape == f"out [T, {H // w}, 512] bf16"
+    assert c.shape == f"[{w}, T, {K}, 2] f32" and by["stable top-K (select)"].shape == f"ids [T, {k}] int32"
+
+
+def test_kv_saved_per_rank() -> None:
+    c, w = 131072, 4
+    kv = kv_cache_per_rank(c, w)
+    assert kv["tp"] == c * 576 * 2 * 61
+    assert kv["dcp"] == kv["tp"] // w and kv["saved"] == kv["tp"] - kv["dcp"]
+    fp8 = kv_cache_per_rank(1000, 8, MlaGeometry(kv_layout="fp8"))
+    assert fp8["tp"] == 1000 * 656 * 61 and fp8["dcp"] == 125 * 656 * 61
+
+
+def test_table_and_bad_input() -> None:
+    table = dataflow_table(4)
+    lines = table.splitlines()
+    assert len(lines) == 1 + len(ORDER)
+    cand = next(line for line in lines if "candidates all-gather" in line)
+    assert cand.startswith(">> ") and cand.split()[-6:] == ["16.0", "KiB", "64.0", "KiB", "48.0", "KiB"]
+    with pytest.raises(ValueError, match="world_size must divide num_heads=128"):
+        layer_dataflow(3)
+    with pytest.raises(ValueError, match="world_size"):
+        layer_dataflow(0)
+    with pytest.raises(ValueError, match="dpi must be <= 80"):
+        draw_layer_dataflow(4, dpi=100)
+    assert [format_bytes(x) for x in (512, 1536, 3 * 2**20, 2**31)] == ["512 B", "1.5 KiB", "3.0 MiB", "2.0 GiB"]
+
+
+def test_figure_labels_the_bytes_and_the_kv_saving() -> None:
+    import matplotlib.pyplot as plt
+
+    fig = draw_layer_dataflow(4, context=8192, dpi=60)
+    try:
+        assert fig.dpi <= 80
+        texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+        assert "sends 16.0 KiB, receives 64.0 KiB per token" in texts  # 8·K and 8·W·K, K = 2048
+        assert "sends 512 B, receives 2.0 KiB per token" in texts  # 4·H and 4·W·H, H = 128
+        assert [f"rank {r}" for r in range(4)] == [t for t in texts if t.startswith("rank ")]
+        bars = fig.axes[1].patches
+        tp, dcp = 8192 * 1152 * 61, 8192 * 1152 * 61 // 4
+        assert sorted(b.get_width() for b in bars) == pytest.approx([dcp / 2**30, tp / 2**30])
+        assert f"  saves {format_bytes(tp - dcp)} per rank" in [t.get_text() for t in fig.axes[1].texts]
+    finally:
+        plt.close(fig)
