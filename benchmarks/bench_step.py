@@ -191,7 +191,7 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     torch.cuda.synchronize()
     row["graph_us"] = start.elapsed_time(end) * 1000 / 200
     stage_us = _stage_times(step, q, shard, meta)
-    row["stage_us"] = stage_us
+    row["stages_us"] = stage_us
     row["stages_sum_us"] = sum(stage_us.values())
     row["graph_over_stages_sum"] = row["graph_us"] / row["stages_sum_us"]
     # FlashInfer fa3 (host plan per call) in the same step: eager only (its plan cannot be captured)
@@ -272,7 +272,7 @@ SUMMARY_KEYS = ("W", "T", "ctx", "attention", "graph_us", "eager_us", "host_sync
 def merge(src: Path, out: Path) -> None:
     docs = [json.loads(p.read_text()) for p in sorted(src.glob("step_W*.json"))]
     rows = [r for d in docs for r in d["rows"]]
-    summary = [{k: r[k] for k in SUMMARY_KEYS} for r in rows]
+    summary = [{**{k: r[k] for k in SUMMARY_KEYS}, "stages_us": r["stages_us"]} for r in rows]
     doc = {"benchmark": "benchmarks/bench_step.py", "device": docs[0]["device"], "versions": docs[0]["versions"],
            "date_utc": docs[0]["date_utc"], "shapes": {"H": H, "d_qk": DQK, "d_v": DV, "topk": TOPK, "block_size": BLOCK},
            "targets": {"graph_us_W2_T32_8K": 150, "eager_us_W2_T32_8K_flashmla": 400, "graph_over_stages_sum": 1.3,
@@ -294,9 +294,9 @@ def merge(src: Path, out: Path) -> None:
                      f"{r['stages_sum_us']:.1f} | {r['graph_over_stages_sum']:.2f} | "
                      f"{'—' if fi is None else f'{fi:.1f}'} |")
     lines += ["", "Per-stage isolated device times (graph replay, µs):", "",
-              "| W | T | ctx | " + " | ".join(rows[0]["stage_us"]) + " |", "|" + "---:|" * (3 + len(rows[0]["stage_us"]))]
+              "| W | T | ctx | " + " | ".join(rows[0]["stages_us"]) + " |", "|" + "---:|" * (3 + len(rows[0]["stages_us"]))]
     for r in rows:
-        lines.append(f"| {r['W']} | {r['T']} | {r['ctx']} | " + " | ".join(f"{v:.1f}" for v in r["stage_us"].values()) + " |")
+        lines.append(f"| {r['W']} | {r['T']} | {r['ctx']} | " + " | ".join(f"{v:.1f}" for v in r["stages_us"].values()) + " |")
     v = [r for r in rows if "vllm_composed_graph_us" in r]
     if v:
         lines += ["", "vLLM's kernels composed into the same step (W = 2, T = 32; our attention, NCCL and local top-K, "

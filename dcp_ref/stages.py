@@ -48,6 +48,7 @@ __all__ = [
     "IndexerStage", "SelectStage", "DeinterleaveStage", "AttentionStage", "MergeStage",
     "reference_indexer", "reference_select", "reference_deinterleave", "reference_attention", "reference_merge",
     "compose_indexer", "impl_name", "write_into", "STAGE_PROVIDERS", "register_stages", "resolve_stages",
+    "KV_FORMATS", "kv_format_of", "reference_attention_fp8", "FP8_REFERENCE_STAGES",
 ]
 
 #: The stages a :class:`Stages` value implements, in step order.
@@ -56,6 +57,19 @@ STAGE_NAMES = ("indexer", "select", "deinterleave", "attention", "merge")
 #: ``"masked"``: attention reads every entry of ``slots[t]`` and skips ``-1`` itself (FlashMLA's FP8
 #: decode); the de-interleave stage then need not compact, but must still give ``-1`` for others' keys.
 ATTENTION_LAYOUTS = ("compact", "masked")
+#: KV cache formats a step can run on: ``"native"`` (float rows ``[S, Dqk]``, e.g. bf16) and ``"fp8_ds_mla"``
+#: (DeepSeek V3.2 / FlashMLA's FP8 rows, 656 bytes per token: :mod:`dcp_ref.fp8_cache`).
+KV_FORMATS = ("native", "fp8_ds_mla")
+
+
+def kv_format_of(kv_cache: torch.Tensor) -> str:
+    """``"fp8_ds_mla"`` for a uint8 / float8_e4m3fn cache whose rows are 656 bytes, else ``"native"``."""
+    from .fp8_cache import FP8_DS_MLA
+
+    fp8_dtypes = (torch.uint8, getattr(torch, "float8_e4m3fn", torch.uint8))
+    if kv_cache.dtype in fp8_dtypes and kv_cache.shape[-1] == FP8_DS_MLA.bytes_per_token:
+        return "fp8_ds_mla"
+    return "native"
 
 
 @dataclass(frozen=True)
@@ -228,28 +242,19 @@ def _named(name: str) -> Callable[[Callable], Callable]:
 # The reference stages call the oracle functions without their host-side value checks (validate=False:
 # no .item(), no sync), so that a step on the reference stays capture-safe; the step's own
 # ``validate=True`` checks its inputs' values, and the public functions validate by default.
-def _nosync(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, validate=False, **kwargs)
-    except TypeError as e:
-        if "validate" not in str(e):
-            raise
-        return fn(*args, **kwargs)
-
-
 @_named("torch")
 def reference_indexer(scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
                       row_starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dcp_ref.indexer.local_topk` then :func:`dcp_ref.topk.pack_candidates`."""
     g = geometry
-    ids = _nosync(local_topk, scores, k, lengths, row_starts)
-    return write_into(_nosync(pack_candidates, scores, ids, g.rank, g.world_size, g.interleave, row_starts), out)
+    ids = local_topk(scores, k, lengths, row_starts, validate=False)
+    return write_into(pack_candidates(scores, ids, g.rank, g.world_size, g.interleave, row_starts, validate=False), out)
 
 
 @_named("torch")
 def reference_select(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dcp_ref.topk.stable_topk` (sorted: the reference always is)."""
-    return write_into(_nosync(stable_topk, gathered, k), out)
+    return write_into(stable_topk(gathered, k, validate=False), out)
 
 
 @_named("torch")
@@ -261,11 +266,11 @@ def reference_deinterleave(global_ids: torch.Tensor, req_of_token: torch.Tensor,
 
     g = geometry
     if compact:
-        slots, counts = _nosync(deinterleave_and_compact, global_ids, req_of_token, block_table, g.block_size,
-                                g.world_size, g.rank, g.interleave)
+        slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, g.block_size, g.world_size,
+                                                 g.rank, g.interleave, validate=False)
     else:
-        slots = _nosync(global_ids_to_local_slots, global_ids, req_of_token, block_table, g.block_size, g.world_size,
-                        g.rank, g.interleave).to(torch.int32)
+        slots = global_ids_to_local_slots(global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank,
+                                          g.interleave, validate=False).to(torch.int32)
         counts = (slots >= 0).sum(1, dtype=torch.int32)
     return write_into(slots, out_slots), write_into(counts, out_counts)
 
@@ -275,15 +280,26 @@ def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
                         sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
                         out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.attention.sparse_mla_attention` in float64 (base e)."""
-    o, lse = _nosync(sparse_mla_attention, q, kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim)
+    o, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim, validate=False)
     return write_into(o, out), write_into(lse, out_lse)
+
+
+@_named("torch-fp8")
+def reference_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                            sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
+                            out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8` (masked layout: ``-1`` anywhere in a row), float64."""
+    from .fp8_cache import sparse_mla_attention_fp8
+
+    return sparse_mla_attention_fp8(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse,
+                                    attention_layout="masked", validate=False)
 
 
 @_named("torch")
 def reference_merge(partial: torch.Tensor, all_lse: torch.Tensor, rank: int, *, out: torch.Tensor | None = None,
                     out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.lse.correct_partial` (float64 weights)."""
-    corrected, merged = _nosync(correct_partial, partial, all_lse, rank, "e")
+    corrected, merged = correct_partial(partial, all_lse, rank, "e", validate=False)
     return write_into(corrected, out), write_into(merged, out_lse)
 
 
@@ -359,12 +375,16 @@ class Stages:
         return {stage: impl_name(getattr(self, stage)) for stage in STAGE_NAMES}
 
 
-#: The plain-PyTorch reference of every stage (float64 attention; validates its inputs).
+#: The plain-PyTorch reference of every stage (float64 attention over a native-format cache).
 REFERENCE_STAGES = Stages()
+#: The reference over an FP8 (``fp8_ds_mla``) cache: the attention dequantizes exactly as FlashMLA's FP8
+#: decode and reads the uncompacted slots (``attention_layout="masked"``), so no compaction runs.
+FP8_REFERENCE_STAGES = Stages(attention=reference_attention_fp8, attention_layout="masked", name="reference-fp8")
 
 
 #: Named sets of stages that live outside :mod:`dcp_ref` (it never imports them itself): name ->
-#: ``"module:factory"``, loaded on first use. A factory takes ``(device, dtype, head_dim, v_dim, *, num_heads, topk)`` and
+#: ``"module:factory"``, loaded on first use. A factory takes ``(device, dtype, head_dim, v_dim, *, num_heads, topk,
+#: kv_format)`` and
 #: returns a :class:`Stages`. :mod:`dcp_ref.kernels.stages` provides ``"kernels"``; register your own
 #: with :func:`register_stages`.
 STAGE_PROVIDERS: dict[str, str] = {"kernels": "dcp_ref.kernels.stages:kernel_stages"}
@@ -390,20 +410,24 @@ _FACTORIES: dict[str, Callable[..., Stages]] = {}
 
 
 def resolve_stages(stages: Stages | str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
-                   v_dim: int, *, num_heads: int | None = None, topk: int | None = None) -> Stages:
+                   v_dim: int, *, num_heads: int | None = None, topk: int | None = None,
+                   kv_format: str = "native") -> Stages:
     """The :class:`Stages` that ``stages`` names for these tensors.
 
     ``stages``: a :class:`Stages` (returned as is), ``"reference"``, or a name in :data:`STAGE_PROVIDERS`
     (e.g. ``"kernels"``: each stage on its kernel where it can run on ``device``, the reference otherwise,
     with the reason logged once and kept in ``Stages.notes``). A provider's factory is called as
-    ``factory(device, dtype, head_dim, v_dim, num_heads=..., topk=...)`` (the last two may be ``None``).
+    ``factory(device, dtype, head_dim, v_dim, num_heads=..., topk=..., kv_format=...)`` (the first two
+    hints may be ``None``); ``kv_format`` is one of :data:`KV_FORMATS` (see :func:`kv_format_of`).
     """
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
     if isinstance(stages, Stages):
         return stages
     if not isinstance(stages, str):
         raise TypeError(f"stages must be a Stages value or a name, got {type(stages).__name__}")
     if stages == "reference":
-        return REFERENCE_STAGES
+        return FP8_REFERENCE_STAGES if kv_format == "fp8_ds_mla" else REFERENCE_STAGES
     if stages not in STAGE_PROVIDERS:
         raise ValueError(f"stages must be 'reference', one of {sorted(STAGE_PROVIDERS)} or a Stages value, got {stages!r}")
     factory = _FACTORIES.get(stages)
@@ -413,7 +437,7 @@ def resolve_stages(stages: Stages | str, device: torch.device | str, dtype: torc
         mod, _, fn = STAGE_PROVIDERS[stages].partition(":")
         factory = getattr(importlib.import_module(mod), fn)
         _FACTORIES[stages] = factory
-    result = factory(torch.device(device), dtype, head_dim, v_dim, num_heads=num_heads, topk=topk)
+    result = factory(torch.device(device), dtype, head_dim, v_dim, num_heads=num_heads, topk=topk, kv_format=kv_format)
     if not isinstance(result, Stages):
         raise TypeError(f"the {stages!r} stage provider returned {type(result).__name__}, not Stages")
     return result

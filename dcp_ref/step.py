@@ -43,7 +43,7 @@ from ._checks import INT_DTYPES, check_tensor
 from .geometry import DcpGeometry
 from .group import Group
 from .ownership import localize_decode_bounds, localize_prefill_chunk
-from .stages import REFERENCE_STAGES, Stages, StepSpec, resolve_stages
+from .stages import REFERENCE_STAGES, Stages, StepSpec, kv_format_of, resolve_stages
 
 __all__ = ["PLAN_LOCK", "StepMetadata", "decode_metadata", "prefill_metadata", "PlannedStep", "CapturedStep", "HostSyncCounter", "plan_for"]
 
@@ -250,11 +250,10 @@ class PlannedStep:
             raise ValueError("shard.geometry must be the DcpGeometry the shard was built for (a RankShard field)")
         if sg != g:
             raise ValueError(f"shard.geometry {sg} does not match the planned geometry {g}")
-        check_tensor(shard.kv_cache, "shard.kv_cache", ndim=(2, 3), device=s.device)
+        check_tensor(shard.kv_cache, "shard.kv_cache", ndim=(2, 3, 4), device=s.device)
         check_tensor(shard.block_table, "shard.block_table", dtypes=INT_DTYPES, ndim=2, device=s.device)
         check_tensor(shard.index_scores, "shard.index_scores", dtypes=(torch.float32,), ndim=2, device=s.device)
-        if shard.kv_cache.shape[-1] != s.head_dim:
-            raise ValueError(f"shard.kv_cache rows must be {s.head_dim} wide, got shape {tuple(shard.kv_cache.shape)}")
+        # The cache's row layout (576 values, or FP8's 656 bytes) is the attention stage's to check.
         if shard.index_scores.shape[0] != T:
             raise ValueError(f"shard.index_scores must have one row per query token ({T}), got {tuple(shard.index_scores.shape)}")
         if not isinstance(meta, StepMetadata):
@@ -372,7 +371,8 @@ class CapturedStep:
 def plan_for(group: Group, q: torch.Tensor, shard: Any, topk: int, sm_scale: float, *, v_dim: int | None = None,
              stages: Stages | str = "reference", validate: bool = True, max_tokens: int | None = None) -> PlannedStep:
     """Plan a step sized for these inputs (``q [T, H, D]``, ``shard``) — the convenience path of
-    :func:`dcp_ref.pipeline.dcp_decode_step`; ``max_tokens`` defaults to ``T``."""
+    :func:`dcp_ref.pipeline.dcp_decode_step`; ``max_tokens`` defaults to ``T``. The cache's format
+    (native or FP8, :func:`dcp_ref.stages.kv_format_of`) picks the attention (FP8: ``v_dim`` 512, masked)."""
     check_tensor(q, "q", ndim=3)
     geometry = getattr(shard, "geometry", None)
     if not isinstance(geometry, DcpGeometry):
@@ -381,5 +381,10 @@ def plan_for(group: Group, q: torch.Tensor, shard: Any, topk: int, sm_scale: flo
     v = D if v_dim is None else v_dim
     spec = StepSpec(geometry, max_tokens=max_tokens or max(T, 1), topk=topk, num_heads=H, head_dim=D, v_dim=v,
                     sm_scale=sm_scale, dtype=q.dtype, device=q.device)
-    return PlannedStep(group, spec, resolve_stages(stages, q.device, q.dtype, D, v, num_heads=H, topk=topk),
-                       validate=validate)
+    kv_format = kv_format_of(shard.kv_cache)
+    if kv_format == "fp8_ds_mla" and v_dim is None:
+        v = 512  # the FP8 layout's values are its 512 NoPE dims
+        spec = StepSpec(geometry, max_tokens=max_tokens or max(T, 1), topk=topk, num_heads=H, head_dim=D, v_dim=v,
+                        sm_scale=sm_scale, dtype=q.dtype, device=q.device)
+    st = resolve_stages(stages, q.device, q.dtype, D, v, num_heads=H, topk=topk, kv_format=kv_format)
+    return PlannedStep(group, spec, st, validate=validate)

@@ -38,6 +38,7 @@ from dcp_ref.stages import (
     StepSpec,
     compose_indexer,
     reference_attention,
+    reference_attention_fp8,
     reference_deinterleave,
     reference_indexer,
     reference_merge,
@@ -87,10 +88,7 @@ def _pack_triton(scores: torch.Tensor, ids: torch.Tensor, rank: int, world_size:
 def _local_topk_torch(scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None) -> torch.Tensor:
     from dcp_ref.indexer import local_topk
 
-    try:
-        return local_topk(scores, k, lengths, row_starts, validate=False)  # type: ignore[call-arg]
-    except TypeError:  # an older local_topk without validate=
-        return local_topk(scores, k, lengths, row_starts)
+    return local_topk(scores, k, lengths, row_starts, validate=False)
 
 
 @_named("triton-fused")
@@ -111,7 +109,7 @@ def _select_cutedsl(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None 
     # The compile cache is filled at plan time (prepare, under the step's lock); a lookup is cheap, and the
     # lock makes a first compile from several rank threads safe.
     with KERNEL_LOCK:
-        return stable_topk_cutedsl(gathered, k, out=out)
+        return stable_topk_cutedsl(gathered, k, out=out, validate=False)
 
 
 @_named("triton")
@@ -125,9 +123,9 @@ def _deinterleave_triton(global_ids: torch.Tensor, req_of_token: torch.Tensor, b
     with _launch(global_ids.device):
         if compact:
             return deinterleave_compact(global_ids, req, block_table, g.block_size, g.world_size, g.rank, g.interleave,
-                                        ordered=True, out=out_slots, counts=out_counts)
+                                        ordered=True, out=out_slots, counts=out_counts, validate=False)
         slots = global_ids_to_local_slots_triton(global_ids, req, block_table, g.block_size, g.world_size, g.rank,
-                                                 g.interleave, out=out_slots)
+                                                 g.interleave, out=out_slots, validate=False)
     counts = (slots >= 0).sum(1, dtype=torch.int32)
     return slots, write_into(counts, out_counts)
 
@@ -139,6 +137,36 @@ def _attention_flashmla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
     from .flashmla_sparse import sparse_mla_flashmla
 
     return sparse_mla_flashmla(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
+
+
+_FP8_DECODERS = threading.local()  # one FlashMLA FP8 decoder per thread (rank): it keeps a schedule per shape
+
+
+@_named("flashmla-fp8")
+def _attention_flashmla_fp8(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                            sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
+                            out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from .flashmla_fp8 import FlashMLAFp8Decode
+
+    by_dev = getattr(_FP8_DECODERS, "by_device", None)
+    if by_dev is None:
+        by_dev = _FP8_DECODERS.by_device = {}
+    dec = by_dev.get(q.device)
+    if dec is None:
+        dec = by_dev[q.device] = FlashMLAFp8Decode(q.device, validate=False)
+    return dec.attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
+
+
+def _choose_fp8_attention(device: torch.device, q_dtype: torch.dtype, num_heads: int | None) -> tuple[str, str]:
+    if device.type != "cuda":
+        return "torch-fp8", f"tensors are on {device}, not CUDA"
+    if not has_module("flash_mla"):
+        return "torch-fp8", "sgl-flash-mla is not installed"
+    if q_dtype != torch.bfloat16:
+        return "torch-fp8", f"FlashMLA's FP8 decode takes bf16 queries, got {q_dtype}"
+    if num_heads is not None and num_heads not in (64, 128):
+        return "torch-fp8", f"FlashMLA's FP8 decode takes H in (64, 128), got {num_heads}"
+    return "flashmla-fp8", ""
 
 
 _FI_WRAPPERS = threading.local()  # one FlashInfer wrapper per thread (rank) and shape: plan() is stateful
@@ -184,18 +212,16 @@ def _prepare(spec: StepSpec, impl: dict[str, str]) -> None:
         gathered = torch.zeros((W, T, k, 2), dtype=torch.float32, device=spec.device)
         gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
         with KERNEL_LOCK:
-            stable_topk_cutedsl(gathered, k)
+            stable_topk_cutedsl(gathered, k, validate=False)
 
 
 # ---- selection -------------------------------------------------------------------------------------------
-def kernel_stage_impls(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int,
-                       num_heads: int | None = None, topk: int | None = None) -> dict[str, str]:
-    """What :func:`kernel_stages` runs for each stage: ``{stage: "triton" | "triton-fused" | "cutedsl" |
-    "flashmla" | "flashinfer" | "torch"}``, in step order, with each fallback logged once."""
-    impl, reasons = _choose(torch.device(device), q_dtype, head_dim, v_dim, num_heads, topk)
-    for stage, why in reasons.items():
-        _log_fallback(stage, why)
-    return impl
+def kernel_stage_impls(device: torch.device | str, q_dtype: torch.dtype, head_dim: int, v_dim: int,
+                       num_heads: int | None = None, topk: int | None = None, kv_format: str = "native") -> dict[str, str]:
+    """What :func:`kernel_stages` runs for each stage: ``{stage: "triton" | "triton-fused" | "torch+triton" |
+    "cutedsl" | "flashmla" | "flashinfer" | "flashmla-fp8" | "torch" | "torch-fp8"}``, in step order (each
+    fallback is logged once)."""
+    return kernel_stages(device, q_dtype, head_dim, v_dim, num_heads=num_heads, topk=topk, kv_format=kv_format).impls()
 
 
 def _choose(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int, num_heads: int | None,
@@ -251,15 +277,25 @@ def _choose_attention(device: torch.device, q_dtype: torch.dtype, head_dim: int,
 
 
 def kernel_stages(device: torch.device | str, dtype: torch.dtype, head_dim: int, v_dim: int, *,
-                  num_heads: int | None = None, topk: int | None = None) -> Stages:
+                  num_heads: int | None = None, topk: int | None = None, kv_format: str = "native") -> Stages:
     """The ``"kernels"`` :class:`~dcp_ref.stages.Stages` for tensors of ``dtype`` on ``device``.
 
     ``num_heads`` / ``topk``: when known, let the attention choice check FlashMLA's constraints
     (H in {64, 128}, top-k a multiple of 64); unknown, FlashMLA is assumed to fit and its own checks
-    raise at run time.
+    raise at run time. ``kv_format="fp8_ds_mla"``: an FP8 cache; the attention is FlashMLA's FP8 sparse
+    decode (:mod:`.flashmla_fp8`) on CUDA, the FP8 reference elsewhere, both in the masked layout.
     """
     dev = torch.device(device)
     impl, reasons = _choose(dev, dtype, head_dim, v_dim, num_heads, topk)
+    layout = "compact"
+    if kv_format == "fp8_ds_mla":
+        impl["attention"], why = _choose_fp8_attention(dev, dtype, num_heads)
+        reasons.pop("attention", None)
+        if why:
+            reasons["attention"] = why
+        layout = "masked"
+    elif kv_format != "native":
+        raise ValueError(f"kv_format must be 'native' or 'fp8_ds_mla', got {kv_format!r}")
     for stage, why in reasons.items():
         _log_fallback(stage, why)
     by_name: dict[str, Any] = {
@@ -268,6 +304,7 @@ def kernel_stages(device: torch.device | str, dtype: torch.dtype, head_dim: int,
         "select": _select_cutedsl if impl["select"] == "cutedsl" else reference_select,
         "deinterleave": _deinterleave_triton if impl["deinterleave"] == "triton" else reference_deinterleave,
         "attention": {"flashmla": _attention_flashmla, "flashinfer": _attention_flashinfer,
+                      "flashmla-fp8": _attention_flashmla_fp8, "torch-fp8": reference_attention_fp8,
                       "torch": reference_attention}[impl["attention"]],
         "merge": _merge_triton if impl["merge"] == "triton" else reference_merge,
     }
@@ -276,6 +313,6 @@ def kernel_stages(device: torch.device | str, dtype: torch.dtype, head_dim: int,
         # GPU attention writes q's dtype; the Triton merge takes fp16/bf16/fp32 partials.
         return d if d in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
 
-    return Stages(**by_name, partial_dtype=partial_dtype, prepare=functools.partial(_prepare, impl=impl),
+    return Stages(**by_name, attention_layout=layout, partial_dtype=partial_dtype, prepare=functools.partial(_prepare, impl=impl),
                   name="kernels", notes=tuple(sorted(reasons.items())))
 

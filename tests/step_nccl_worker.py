@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dcp_ref.group import TorchDistributedGroup
 from dcp_ref.kernels.stages import kernel_stages
-from dcp_ref.pipeline import make_dcp_problem
+from dcp_ref.pipeline import RankShard, make_dcp_problem
 from dcp_ref.stages import REFERENCE_STAGES, StepSpec
 from dcp_ref.step import PlannedStep
 
@@ -42,6 +42,14 @@ def main(out_dir: str) -> None:
         ref = PlannedStep(group, spec, REFERENCE_STAGES)
         out, lse = ref.run(p.q, shard, meta)
         torch.save({"out": out.cpu(), "lse": lse.cpu()}, Path(out_dir) / f"rank{rank}_reference.pt")
+        # the same step on an FP8 (fp8_ds_mla) cache: FlashMLA's FP8 decode, masked layout
+        from dcp_ref.fp8_cache import quantize_kv_fp8
+
+        fp8_shard = RankShard(quantize_kv_fp8(shard.kv_cache), shard.block_table, shard.index_scores, shard.geometry)
+        fp8 = PlannedStep(group, spec, kernel_stages(f"cuda:{rank}", torch.bfloat16, 576, 512, num_heads=128, topk=2048,
+                                                     kv_format="fp8_ds_mla"))
+        out, lse = fp8.run(p.q, fp8_shard, meta)
+        torch.save({"out": out.cpu(), "lse": lse.cpu(), "impl": fp8.impls}, Path(out_dir) / f"rank{rank}_fp8.pt")
     finally:
         dist.destroy_process_group()
 

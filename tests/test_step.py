@@ -11,6 +11,7 @@ two GPUs (eager and captured), each against the float64 oracle.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -304,3 +305,11 @@ def test_step_over_nccl_on_two_gpus(cuda_device, tmp_path) -> None:
         out = torch.cat([o["out"] for o in outs], 1)
         lse = torch.cat([o["lse"] for o in outs], 1)
         _check_against_oracle(out, lse, cpu, 2048)
+    # FP8 cache: the oracle reads the dequantized KV
+    from dcp_ref.fp8_cache import dequantize_kv_fp8, quantize_kv_fp8
+
+    deq = dataclasses.replace(cpu, kv_global=[dequantize_kv_fp8(quantize_kv_fp8(k.to(torch.bfloat16))).double()
+                                              for k in cpu.kv_global])
+    outs = [torch.load(tmp_path / f"rank{r}_fp8.pt") for r in range(2)]
+    assert outs[0]["impl"]["attention"] == "flashmla-fp8"
+    _check_against_oracle(torch.cat([o["out"] for o in outs], 1), torch.cat([o["lse"] for o in outs], 1), deq, 2048)
