@@ -917,3 +917,169 @@ def test_compact_ordered_is_keyword_only_on_both() -> None:
         compact_to_front(SLOTS, False)  # type: ignore[misc]
     with pytest.raises(TypeError):
         deinterleave_and_compact(TOKEN_IDS, REQ, BLOCK_TABLE, 4, 2, 1, 2, False)  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU: validate=False makes no host synchronisation (CUDA sync debug mode raises on one),
+# reference stages and kernels alike; the GPU-only kernels reject like the reference.
+# ----------------------------------------------------------------------------------------------
+def _no_sync(fn):
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _gpu_stage_calls(dev):
+    c = lambda t: t.to(dev)  # noqa: E731
+    g = torch.Generator().manual_seed(7)
+    logits = c(torch.randn(6, 40, generator=g))
+    lens, starts = c(i64([40, 3, 0, 17, 60, -2])), c(i32([0, 0, 5, 2, -1, 41]))
+    ids = c(torch.randint(-1, 80, (6, 8), generator=g))
+    bt = c(torch.randint(-1, 30, (3, 6), generator=g).to(torch.int32))
+    req = c(i32([0, 1, 2, 0, 7, -1]))
+    return {
+        "localize": lambda: localize_decode_bounds(c(i64([9, 4])), c(i64([2, 1])), 2, 1, num_tokens=3, validate=False),
+        "local_topk": lambda: local_topk(logits, 8, lens, starts, validate=False),
+        "pack": lambda: pack_candidates(logits, ids, 1, 2, 1, starts, validate=False),
+        "stable_topk": lambda: stable_topk(
+            torch.stack([pack_candidates(logits, ids, r, 2, validate=False) for r in (0, 1)]), 5, validate=False
+        ),
+        "deinterleave": lambda: deinterleave_and_compact(ids, req, bt, 4, 2, 1, 2, validate=False),
+        "attention": lambda: sparse_mla_attention(
+            c(Q.repeat(3, 1, 1)),
+            c(KV),
+            c(i32([[1, 4, 12]] * 6)),
+            c(i32([3, 9, 0, 1, 2, -4])),
+            0.5,
+            v_dim=6,
+            validate=False,
+        ),
+        "merge": lambda: merge_partials(c(OUTS), c(LSES), validate=False),
+        "correct": lambda: correct_partial(c(OUTS[0]), c(LSES), 1, validate=False),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "stage", ["localize", "local_topk", "pack", "stable_topk", "deinterleave", "attention", "merge", "correct"]
+)
+def test_gpu_reference_stages_validate_false_never_sync(cuda_device, stage) -> None:
+    calls = _gpu_stage_calls(cuda_device)
+    got = _no_sync(calls[stage])
+    cpu = _gpu_stage_calls(torch.device("cpu"))[stage]()
+    for a, b in zip(got if isinstance(got, tuple) else (got,), cpu if isinstance(cpu, tuple) else (cpu,)):
+        assert torch.allclose(a.cpu().double(), b.double(), equal_nan=True, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_validate_false_never_sync(cuda_device) -> None:
+    from dcp_ref.kernels.deinterleave_triton import deinterleave_compact, workspace_numel
+    from dcp_ref.kernels.lse_merge_triton import lse_correct
+    from dcp_ref.kernels.pack_triton import pack_candidates_triton
+
+    dev = cuda_device
+    logits, ids = LOGITS.to(dev), LOCAL_IDS.to(dev)
+    pout = torch.empty(3, 4, 2, device=dev)
+    tok, bt, req = TOKEN_IDS.to(dev), BLOCK_TABLE.to(dev), REQ.to(dev)
+    slots, counts = torch.empty(3, 4, dtype=torch.int32, device=dev), torch.empty(3, dtype=torch.int32, device=dev)
+    ws = torch.zeros(max(workspace_numel("atomic", 3, 4), 1), dtype=torch.int64, device=dev)
+    part, lses = OUTS[0].float().to(dev), LSES.float().to(dev)
+    res, mlse = torch.empty_like(part), torch.empty(3, 2, device=dev)
+    for method in ("rowscan", "atomic"):  # warm (compile) first: compilation may sync
+        deinterleave_compact(
+            tok,
+            req,
+            bt,
+            4,
+            2,
+            0,
+            2,
+            ordered=method != "atomic",
+            method=method,
+            out=slots,
+            counts=counts,
+            workspace=ws,
+            validate=False,
+        )
+    pack_candidates_triton(logits, ids, 1, 2, out=pout, validate=False)
+    lse_correct(part, lses, 1, corrected=res, merged_lse=mlse)
+
+    def run():
+        pack_candidates_triton(logits, ids, 1, 2, out=pout, validate=False)
+        for method in ("rowscan", "atomic"):
+            deinterleave_compact(
+                tok,
+                req,
+                bt,
+                4,
+                2,
+                0,
+                2,
+                ordered=method != "atomic",
+                method=method,
+                out=slots,
+                counts=counts,
+                workspace=ws,
+                validate=False,
+            )
+        lse_correct(part, lses, 1, corrected=res, merged_lse=mlse)
+
+    _no_sync(run)
+    assert torch.equal(pout.cpu(), pack_candidates(LOGITS, LOCAL_IDS, 1, 2))
+
+
+@pytest.mark.gpu
+def test_gpu_cutedsl_rejects_like_the_reference_and_never_syncs_unvalidated(cuda_device) -> None:
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels.topk_cutedsl import stable_topk_cutedsl
+
+    g = GATHERED.to(cuda_device).contiguous()
+    bad_ids = GATHERED.clone()
+    bad_ids[0, 0, 0, 1] = 2.5
+    with pytest.raises(ValueError) as ref:
+        stable_topk(bad_ids, 3)
+    with pytest.raises(ValueError) as ker:
+        stable_topk_cutedsl(bad_ids.to(cuda_device), 3)
+    assert str(ker.value) == str(ref.value)
+    out = torch.empty(3, 3, dtype=torch.int32, device=cuda_device)
+    stable_topk_cutedsl(g, 3, out=out, validate=False)  # compile
+    _no_sync(lambda: stable_topk_cutedsl(g, 3, out=out, validate=False))
+    assert sorted(map(sorted, out.cpu().tolist())) == sorted(map(sorted, stable_topk(GATHERED, 3).tolist()))
+
+
+@pytest.mark.gpu
+def test_gpu_flashinfer_rejects_like_the_reference_and_poisons_unvalidated(cuda_device) -> None:
+    pytest.importorskip("flashinfer")
+    from dcp_ref.kernels.flashinfer_mla import sparse_mla_flashinfer
+
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(4, 16, 576, generator=g) / 8).to(torch.bfloat16)
+    kv = (torch.randn(100, 576, generator=g) / 8).to(torch.bfloat16)
+    slots = i32([[1, 2, 3], [4, 5, -1], [-1, -1, -1], [7, 8, 9]])
+    counts = i32([3, 2, 0, 3])
+    d = cuda_device
+    for bad_slots, bad_counts in [
+        (slots, i32([3, 4, 0, 3])),
+        (i32([[1, 2, 300], [4, 5, -1], [-1] * 3, [7, 8, 9]]), counts),
+        (slots, i32([3, -1, 0, 3])),
+    ]:
+        with pytest.raises(ValueError) as ref:
+            sparse_mla_attention(q.double(), kv.double(), bad_slots, bad_counts, 0.1, v_dim=512)
+        with pytest.raises(ValueError) as ker:
+            sparse_mla_flashinfer(q.to(d), kv.to(d), bad_slots.to(d), bad_counts.to(d), 0.1)
+        assert str(ker.value) == str(ref.value)
+    out, lse = sparse_mla_flashinfer(q.to(d), kv.to(d), slots.to(d), counts.to(d), 0.1)
+    want, want_l = sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.1, v_dim=512)
+    assert torch.allclose(out.double().cpu(), want, atol=3e-2)
+    assert torch.allclose(lse.double().cpu()[[0, 1, 3]], want_l[[0, 1, 3]], atol=5e-2)
+    assert torch.isneginf(lse[2]).all() and (out[2] == 0).all() and torch.isfinite(lse[[0, 1, 3]]).all()
+    bad = i32([[1, 2, 300], [4, 5, -1], [-1] * 3, [7, 8, 9]])
+    out, lse = sparse_mla_flashinfer(q.to(d), kv.to(d), bad.to(d), counts.to(d), 0.1, validate=False)
+    assert torch.isnan(lse[0]).all() and torch.isnan(out[0]).all() and torch.isfinite(lse[[1, 3]]).all()
+    q_nan = q.clone()
+    q_nan[1, 3, 0] = NAN
+    out, lse = sparse_mla_flashinfer(q_nan.to(d), kv.to(d), slots.to(d), counts.to(d), 0.1)
+    assert torch.isnan(lse[1, 3]) and torch.isnan(out[1, 3]).all() and torch.isneginf(lse[2]).all()
