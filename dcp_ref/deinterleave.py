@@ -32,6 +32,7 @@ import torch
 from ._checks import INT_DTYPES, check_bool, check_int_scalar, check_tensor, check_values_readable, check_world
 
 __all__ = [
+    "check_block_table",
     "global_ids_to_local_slots",
     "compact_to_front",
     "deinterleave_and_compact",
@@ -261,6 +262,59 @@ def deinterleave_and_compact(
         token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate=validate
     )
     return compact_to_front(slots, ordered=ordered, validate=False)
+
+
+def check_block_table(
+    block_table: torch.Tensor, block_size: int, local_lens: torch.Tensor | None = None, *, max_local_len: int | None = None
+) -> None:
+    """Check that a block table covers every request's local length (what the stages cannot see).
+
+    The de-interleave stage maps an id past the table, or on a ``-1`` block, to ``-1`` ("not
+    here"): with a table that is too short, selected keys would be dropped silently. The step
+    knows the lengths and checks them with this function:
+
+    * ``max_local_len`` (an int, free — a plan-time check): ``block_table.shape[1] * block_size``
+      must be ``>= max_local_len``;
+    * ``local_lens`` (int ``[B]``, this rank's local length of each request; one host read): every
+      block ``j < ceil(local_lens[b] / block_size)`` of request ``b`` must exist (``>= 0``).
+
+    Raises ``ValueError`` naming ``block_table`` (or the argument that is malformed).
+    """
+    check_tensor(block_table, "block_table", dtypes=INT_DTYPES, ndim=2)
+    bs = check_int_scalar(block_size, "block_size", min_value=1)
+    n_req, n_blocks = block_table.shape
+    if max_local_len is not None:
+        need = check_int_scalar(max_local_len, "max_local_len", min_value=0)
+        if n_blocks * bs < need:
+            raise ValueError(
+                f"block_table has {n_blocks} blocks of {bs} per request ({n_blocks * bs} local tokens), too short "
+                f"for the local length {need}: selected keys past it would be dropped"
+            )
+    if local_lens is None:
+        return
+    check_tensor(local_lens, "local_lens", dtypes=INT_DTYPES, ndim=1, device=block_table.device)
+    if local_lens.shape[0] != n_req:
+        raise ValueError(f"local_lens must have one entry per block_table row ({n_req}), got {tuple(local_lens.shape)}")
+    check_values_readable(local_lens, "local_lens")
+    check_values_readable(block_table, "block_table")
+    lens = local_lens.long()
+    if n_req and bool((lens < 0).any()):
+        raise ValueError(f"local_lens must be non-negative, found {int(lens.min())}")
+    needed = (lens + bs - 1) // bs  # blocks request b needs
+    if n_req and int(needed.max()) > n_blocks:
+        b = int(torch.argmax(needed))
+        raise ValueError(
+            f"block_table is too short: request {b} has {int(lens[b])} local tokens ({int(needed[b])} blocks of {bs}), "
+            f"the table has {n_blocks} blocks per request"
+        )
+    used = torch.arange(n_blocks, device=block_table.device).unsqueeze(0) < needed.unsqueeze(1)
+    missing = used & (block_table.long() < 0)
+    if bool(missing.any()):
+        b, j = (int(v) for v in missing.nonzero()[0])
+        raise ValueError(
+            f"block_table[{b}, {j}] is {int(block_table[b, j])} (no block), but request {b} has "
+            f"{int(lens[b])} local tokens: the keys of that block would be dropped"
+        )
 
 
 def canonicalize(slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

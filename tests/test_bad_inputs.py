@@ -1083,3 +1083,26 @@ def test_gpu_flashinfer_rejects_like_the_reference_and_poisons_unvalidated(cuda_
     q_nan[1, 3, 0] = NAN
     out, lse = sparse_mla_flashinfer(q_nan.to(d), kv.to(d), slots.to(d), counts.to(d), 0.1)
     assert torch.isnan(lse[1, 3]) and torch.isnan(out[1, 3]).all() and torch.isneginf(lse[2]).all()
+
+
+def test_check_block_table_catches_a_table_too_short_for_the_local_length() -> None:
+    """Class 2: the de-interleave stage drops keys past the table ("not here"); the step checks
+    coverage with check_block_table (shapes at plan time, values when validating)."""
+    from dcp_ref.deinterleave import check_block_table
+
+    bt = i32([[3, 0, -1], [1, -1, -1]])
+    check_block_table(bt, 4, i64([8, 4]), max_local_len=12)  # exactly covered
+    check_block_table(bt, 4, i64([0, 0]))
+    for kwargs, match in [
+        (dict(max_local_len=13), "block_table has 3 blocks"),
+        (dict(local_lens=i64([8, 5])), r"block_table\[1, 1\] is -1"),
+        (dict(local_lens=i64([13, 0])), "block_table is too short"),
+        (dict(local_lens=i64([-1, 0])), "local_lens must be non-negative"),
+        (dict(local_lens=i64([1])), "local_lens must have one entry"),
+        (dict(local_lens=[8, 4]), "local_lens must be a torch.Tensor"),
+        (dict(max_local_len=-1), "max_local_len"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            check_block_table(bt, 4, **kwargs)
+    # The stage itself: a key past a too-short table is "not here" (-1), exactly what the check prevents.
+    assert global_ids_to_local_slots(i64([[12]]), None, bt, 4, 1, 0).tolist() == [[-1]]
