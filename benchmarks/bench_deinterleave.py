@@ -24,6 +24,8 @@ import datetime as _dt
 import json
 import platform
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -68,14 +70,23 @@ def progress(iterable=None, total: int | None = None, desc: str = ""):  # noqa: 
 
 # (method, block, num_warps). Kept short: every entry is a compile per geometry.
 CONFIGS = [
-    ("atomic", 256, 4), ("atomic", 512, 4), ("atomic", 1024, 4), ("atomic", 1024, 8), ("atomic", 2048, 8),
-    ("rowscan", 512, 4), ("rowscan", 1024, 4), ("rowscan", 1024, 8), ("rowscan", 2048, 4), ("rowscan", 2048, 8),
-    ("twopass", 256, 4), ("twopass", 512, 4),
+    ("atomic", 256, 4),
+    ("atomic", 512, 4),
+    ("atomic", 1024, 4),
+    ("atomic", 1024, 8),
+    ("atomic", 2048, 8),
+    ("rowscan", 512, 4),
+    ("rowscan", 1024, 4),
+    ("rowscan", 1024, 8),
+    ("rowscan", 2048, 4),
+    ("rowscan", 2048, 8),
+    ("twopass", 256, 4),
+    ("twopass", 512, 4),
 ]
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
+    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     for name, mod in (("triton", "triton"), ("cutlass_dsl", "cutlass"), ("flashinfer", "flashinfer")):
         try:
             m = __import__(mod)
@@ -115,7 +126,6 @@ def copy_bandwidth(dev) -> float:
     src = torch.randint(0, 1 << 30, (n,), dtype=torch.int32, device=dev)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    del src, dst
     return 2 * n * 4 / (ms * 1e-3)
 
 
@@ -136,7 +146,9 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
 def check(method, o, c, ids, req, bt, w, r, i):
     from dcp_ref.deinterleave import canonicalize, deinterleave_and_compact
 
-    want, want_n = deinterleave_and_compact(ids.cpu(), req.cpu(), bt.cpu(), BLOCK_SIZE, w, r, i, ordered=method != "atomic")
+    want, want_n = deinterleave_and_compact(
+        ids.cpu(), req.cpu(), bt.cpu(), BLOCK_SIZE, w, r, i, ordered=method != "atomic"
+    )
     o, c = o.cpu(), c.cpu()
     ok = torch.equal(c, want_n)
     if method == "atomic":
@@ -159,17 +171,25 @@ def run(args) -> dict:
         device = {"name": props.name, "sms": props.multi_processor_count, "capability": f"{props.major}.{props.minor}"}
     else:
         device = {"name": "cpu (Triton interpreter)"}
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "deinterleave (stages 4a+4b: global ids -> local physical slots, compacted)",
         "device": device,
         "versions": versions(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "shapes": {"rows": list(ROWS), "topk": TOPK, "world_sizes": list(WORLDS), "interleaves": list(INTERLEAVES),
-                   "block_size": BLOCK_SIZE, "context_tokens": CONTEXT, "rank": 0, "invalid_fraction": 0.02},
+        "shapes": {
+            "rows": list(ROWS),
+            "topk": TOPK,
+            "world_sizes": list(WORLDS),
+            "interleaves": list(INTERLEAVES),
+            "block_size": BLOCK_SIZE,
+            "context_tokens": CONTEXT,
+            "rank": 0,
+            "invalid_fraction": 0.02,
+        },
         "timing": "time_us: triton.testing.do_bench median, warmup 10 ms, rep 100 ms (L2 flushed before each "
-                  "call, Python launch cost included when it exceeds the flush), quantiles [0.2, 0.8]; graph_us: "
-                  "triton.testing.do_bench_cudagraph median (CUDA-graph replays, no launch cost, no L2 flush); "
-                  "graph_cold_us: do_bench median of graph.replay (L2 flushed, launch cost hidden by the flush)",
+        "call, Python launch cost included when it exceeds the flush), quantiles [0.2, 0.8]; graph_us: "
+        "triton.testing.do_bench_cudagraph median (CUDA-graph replays, no launch cost, no L2 flush); "
+        "graph_cold_us: do_bench median of graph.replay (L2 flushed, launch cost hidden by the flush)",
         "bytes_model": "8 bytes per (row, k) entry (int32 id read + int32 slot written) + 4 per row (count)",
     }
     bw = copy_bandwidth(dev) if not args.sanitize else float("nan")
@@ -189,15 +209,31 @@ def run(args) -> dict:
                 counts = torch.empty((rows,), dtype=torch.int32, device=dev)
                 ws = torch.zeros(rows * TOPK, dtype=torch.int64, device=dev)
                 entries = []
-                for method, block, nw in configs + [("convert", 512, 4), ("torch", None, None)]:
+                for method, block, nw in [*configs, ("convert", 512, 4), ("torch", None, None)]:
+                    fn: Callable[[], Any]
                     if method == "torch":
                         fn = lambda: torch_baseline(ids, req, bt, BLOCK_SIZE, w, 0, i)  # noqa: E731
                     elif method == "convert":
-                        fn = lambda: dk.global_ids_to_local_slots_triton(ids, req, bt, BLOCK_SIZE, w, 0, i, out=out, block=block)  # noqa: E731
+                        fn = lambda: dk.global_ids_to_local_slots_triton(  # noqa: E731
+                            ids, req, bt, BLOCK_SIZE, w, 0, i, out=out, block=block
+                        )
                     else:
-                        fn = (lambda m=method, b=block, n=nw: dk.deinterleave_compact(  # noqa: E731
-                            ids, req, bt, BLOCK_SIZE, w, 0, i, ordered=m != "atomic", method=m,
-                            out=out, counts=counts, workspace=ws, block=b, num_warps=n))
+                        fn = lambda m=method, b=block, n=nw: dk.deinterleave_compact(  # type: ignore[misc]  # noqa: E731
+                            ids,
+                            req,
+                            bt,
+                            BLOCK_SIZE,
+                            w,
+                            0,
+                            i,
+                            ordered=m != "atomic",
+                            method=m,
+                            out=out,
+                            counts=counts,
+                            workspace=ws,
+                            block=b,
+                            num_warps=n,
+                        )
                     out.fill_(12345), counts.fill_(777)
                     res = fn()
                     if dev.type == "cuda":
@@ -205,7 +241,9 @@ def run(args) -> dict:
                     if method == "convert":
                         from dcp_ref.deinterleave import global_ids_to_local_slots
 
-                        ok = torch.equal(res.cpu(), global_ids_to_local_slots(ids.cpu(), req.cpu(), bt.cpu(), BLOCK_SIZE, w, 0, i))
+                        ok = torch.equal(
+                            res.cpu(), global_ids_to_local_slots(ids.cpu(), req.cpu(), bt.cpu(), BLOCK_SIZE, w, 0, i)
+                        )
                     else:
                         ok = check(method if method != "torch" else "rowscan", res[0], res[1], ids, req, bt, w, 0, i)
                     if args.sanitize:
@@ -221,10 +259,20 @@ def run(args) -> dict:
                             # the replay's few-µs launch hides behind the flush — cold-cache GPU time.
                             g = graph_of(fn)
                             graph_cold_us = 1e3 * triton.testing.do_bench(g.replay, warmup=10, rep=100)
-                    e = {"rows": rows, "W": w, "I": i, "method": method, "block": block, "num_warps": nw,
-                         "correct": ok, "time_us": t_us, "q20_us": q20, "q80_us": q80,
-                         "graph_us": None if args.sanitize else graph_us,
-                         "graph_cold_us": None if args.sanitize else graph_cold_us}
+                    e: dict[str, Any] = {
+                        "rows": rows,
+                        "W": w,
+                        "I": i,
+                        "method": method,
+                        "block": block,
+                        "num_warps": nw,
+                        "correct": ok,
+                        "time_us": t_us,
+                        "q20_us": q20,
+                        "q80_us": q80,
+                        "graph_us": None if args.sanitize else graph_us,
+                        "graph_cold_us": None if args.sanitize else graph_cold_us,
+                    }
                     if t_us:
                         e["eff_bw_TBps"] = nbytes / (t_us * 1e-6) / 1e12
                         e["frac_of_copy_bw"] = e["eff_bw_TBps"] * 1e12 / bw
@@ -248,10 +296,11 @@ def summarize(res: dict) -> str:
         "graph replay hot (do_bench_cudagraph); per method the tile config with the best cold-graph median. "
         "'% copy BW' = 8 bytes per entry over the best method's cold-graph time.",
         "",
-        "| rows | W | I | atomic (unordered) | rowscan (ordered) | twopass (ordered) | convert only | torch | vLLM (issue, I=1) | best % copy BW (method) |",
+        "| rows | W | I | atomic (unordered) | rowscan (ordered) | twopass (ordered) | convert only | torch "
+        "| vLLM (issue, I=1) | best % copy BW (method) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by = {}
+    by: dict[tuple[int, int, int], dict[str, Any]] = {}
     for e in res["results"]:
         if e["time_us"] is None:
             continue
@@ -262,6 +311,7 @@ def summarize(res: dict) -> str:
         if cur is None or rank(e) < rank(cur):
             by[key][e["method"]] = e
     for (rows, w, i), m in sorted(by.items()):
+
         def f(name):
             e = m.get(name)
             if not e:
@@ -269,14 +319,19 @@ def summarize(res: dict) -> str:
             g = f" / {e['graph_cold_us']:.1f} / {e['graph_us']:.1f}" if e.get("graph_us") else ""
             cfg = f" (b{e['block']}/w{e['num_warps']})" if e["block"] else ""
             return f"{e['time_us']:.1f}{g}{cfg}" + ("" if e["correct"] else " WRONG")
+
         comp = [m[n] for n in ("atomic", "rowscan", "twopass") if n in m and m[n].get("graph_cold_us")]
         if comp:
             b = min(comp, key=lambda x: x["graph_cold_us"])
             nbytes = 8 * rows * res["shapes"]["topk"] + 4 * rows
-            frac = f"{nbytes / (b['graph_cold_us'] * 1e-6) / (res['copy_bandwidth_TBps'] * 1e12) * 100:.0f} % ({b['method']})"
+            pct = nbytes / (b["graph_cold_us"] * 1e-6) / (res["copy_bandwidth_TBps"] * 1e12) * 100
+            frac = f"{pct:.0f} % ({b['method']})"
         else:
             frac = "-"
-        lines.append(f"| {rows} | {w} | {i} | {f('atomic')} | {f('rowscan')} | {f('twopass')} | {f('convert')} | {f('torch')} | {vllm.get(rows, '-') if i == 1 else '-'} | {frac} |")
+        lines.append(
+            f"| {rows} | {w} | {i} | {f('atomic')} | {f('rowscan')} | {f('twopass')} | {f('convert')} | {f('torch')} "
+            f"| {vllm.get(rows, '-') if i == 1 else '-'} | {frac} |"
+        )
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the DCP LSE merge kernels and FlashInfer sparse MLA on the H200.
 
-    python3 benchmarks/bench_lse_merge.py --out DIR          # full benchmark -> DIR/lse_merge.json, DIR/attention_flashinfer.json
+    python3 benchmarks/bench_lse_merge.py --out DIR          # -> DIR/lse_merge.json, DIR/attention_flashinfer.json
     python3 benchmarks/bench_lse_merge.py --sanitize         # small launches for compute-sanitizer
 
 Measured (all bf16 outputs, fp32 LSEs, H = 128, D = 512):
@@ -30,6 +30,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,13 +72,12 @@ def progress(iterable=None, total: int | None = None, desc: str = ""):  # noqa: 
     return _tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 
-
 def versions() -> dict:
     import triton
 
     v = {
         "device": torch.cuda.get_device_name(),
-        "capability": "sm_%d%d" % torch.cuda.get_device_capability(),
+        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": triton.__version__,
@@ -111,9 +111,7 @@ def copy_bandwidth() -> float:
     src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     t = bench(lambda: dst.copy_(src))
-    tbps = 2 * n / (t["median_us"] * 1e-6) / 1e12
-    del src, dst
-    return tbps
+    return 2 * n / (t["median_us"] * 1e-6) / 1e12
 
 
 def torch_merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
@@ -153,8 +151,16 @@ def bench_merge(copy_tbps: float) -> dict:
             ref_c64 = correct_partial(outs[1].double(), lses.double(), 1, "2")[0]
             bytes_corr = 2 * T * H * D * 2 + W * T * H * 4
             bytes_merge = (W + 1) * T * H * D * 2 + W * T * H * 4
-            row = {"W": W, "T": T, "H": H, "D": D, "dtype": "bfloat16", "lse_dtype": "float32",
-                   "bytes_correct": bytes_corr, "bytes_merge": bytes_merge}
+            row: dict[str, Any] = {
+                "W": W,
+                "T": T,
+                "H": H,
+                "D": D,
+                "dtype": "bfloat16",
+                "lse_dtype": "float32",
+                "bytes_correct": bytes_corr,
+                "bytes_merge": bytes_merge,
+            }
             # --- per-rank correction: check, then sweep launch shapes
             sweep = []
             for bh, nw in configs:
@@ -162,7 +168,7 @@ def bench_merge(copy_tbps: float) -> dict:
                 lse_correct(outs[1], lses, 1, base="2", corrected=res, block_h=bh, num_warps=nw)
                 err = rel_err(res, ref_c64)
                 assert err < 1e-2, f"lse_correct wrong: W={W} T={T} bh={bh} nw={nw} rel err {err}"
-                t = bench(lambda: lse_correct(outs[1], lses, 1, base="2", corrected=res, block_h=bh, num_warps=nw))
+                t = bench(lambda: lse_correct(outs[1], lses, 1, base="2", corrected=res, block_h=bh, num_warps=nw))  # noqa: F821
                 sweep.append({"block_h": bh, "num_warps": nw, **t, "rel_err": err})
             best = min(sweep, key=lambda s: s["median_us"])
             default = next(s for s in sweep if s["block_h"] == 4 and s["num_warps"] == 4)
@@ -178,21 +184,28 @@ def bench_merge(copy_tbps: float) -> dict:
                 err = rel_err(res, ref_m64)
                 lerr = (mlse.double() - ref_ml).abs().max().item()
                 assert err < 1e-2 and lerr < 1e-4, f"lse_merge wrong: W={W} T={T} rel err {err} lse err {lerr}"
-                t = bench(lambda: lse_merge(outs, lses, base="2", merged=res, merged_lse=mlse, block_h=bh, num_warps=nw))
+                t = bench(
+                    lambda: lse_merge(outs, lses, base="2", merged=res, merged_lse=mlse, block_h=bh, num_warps=nw)  # noqa: F821
+                )
                 msweep.append({"block_h": bh, "num_warps": nw, **t, "rel_err": err})
             mbest = min(msweep, key=lambda s: s["median_us"])
             row["merge_best"] = {**mbest, "eff_TBps": bytes_merge / (mbest["median_us"] * 1e-6) / 1e12}
             row["merge_best"]["frac_of_copy"] = row["merge_best"]["eff_TBps"] / copy_tbps
             # --- torch baseline
             tm = torch_merge(outs, lses)
-            row["torch_merge"] = {**bench(lambda: torch_merge(outs, lses)), "rel_err": rel_err(tm, ref_m64)}
+            row["torch_merge"] = {**bench(lambda: torch_merge(outs, lses)), "rel_err": rel_err(tm, ref_m64)}  # noqa: F821
             row["correct_sweep"] = sweep
             row["merge_sweep"] = msweep
             rows.append(row)
-            print(f"W={W} T={T:5d}  correct best {best['median_us']:7.2f} us (bh={best['block_h']},nw={best['num_warps']}, "
-                  f"{row['correct_best']['frac_of_copy'] * 100:5.1f}% copy)  default {default['median_us']:7.2f} us  "
-                  f"merge {mbest['median_us']:8.2f} us ({row['merge_best']['frac_of_copy'] * 100:5.1f}%)  "
-                  f"torch {row['torch_merge']['median_us']:8.2f} us", flush=True)
+            print(
+                f"W={W} T={T:5d}  correct best {best['median_us']:7.2f} us "
+                f"(bh={best['block_h']},nw={best['num_warps']}, "
+                f"{row['correct_best']['frac_of_copy'] * 100:5.1f}% copy)  default {default['median_us']:7.2f} us  "
+                f"merge {mbest['median_us']:8.2f} us ({row['merge_best']['frac_of_copy'] * 100:5.1f}%)  "
+                f"torch {row['torch_merge']['median_us']:8.2f} us",
+                flush=True,
+            )
+            # Freed before the next shape (the timed lambdas above are done with them).
             del outs, lses, ref_m, ref_ml, ref_m64, ref_c64
             torch.cuda.empty_cache()
             bar.update()
@@ -204,7 +217,7 @@ def bench_flashinfer() -> dict:
     from dcp_ref.attention import sparse_mla_attention
     from dcp_ref.kernels.flashinfer_mla import FlashInferSparseMLA
 
-    K, N, scale = 2048, 1 << 17, 192 ** -0.5
+    K, N, scale = 2048, 1 << 17, 192**-0.5
     g = torch.Generator(device="cuda").manual_seed(1)
     kv = torch.randn(N, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     rows = []
@@ -240,17 +253,33 @@ def bench_flashinfer() -> dict:
         torch.cuda.synchronize()
         plan_host_us = (time.perf_counter() - t0) / 50 * 1e6
         bytes_kv = T * K * 576 * 2
-        rows.append({
-            "T": T, "H": H, "K_valid": K, "num_slots": N, "page_size": 1, "backend": "fa3", "dtype": "bfloat16",
-            "run": run_t, "run_with_base_e_conversion": run_e_t, "plan": plan_t, "plan_plus_run": both_t,
-            "plan_host_wall_us": plan_host_us, "kv_bytes_gathered": bytes_kv,
-            "kv_gather_TBps": bytes_kv / (run_t["median_us"] * 1e-6) / 1e12,
-            "rel_err_vs_fp64_first8": err, "lse_base2_abs_err_first8": lerr,
-            "accepts_out_buffers": attn.accepts_out_buffers,
-        })
-        print(f"flashinfer T={T:4d}  run {run_t['median_us']:8.2f} us  run+ln2 {run_e_t['median_us']:8.2f} us  "
-              f"plan {plan_t['median_us']:8.2f} us  plan+run {both_t['median_us']:8.2f} us  "
-              f"(plan host wall {plan_host_us:.1f} us; rel err {err:.2e})", flush=True)
+        rows.append(
+            {
+                "T": T,
+                "H": H,
+                "K_valid": K,
+                "num_slots": N,
+                "page_size": 1,
+                "backend": "fa3",
+                "dtype": "bfloat16",
+                "run": run_t,
+                "run_with_base_e_conversion": run_e_t,
+                "plan": plan_t,
+                "plan_plus_run": both_t,
+                "plan_host_wall_us": plan_host_us,
+                "kv_bytes_gathered": bytes_kv,
+                "kv_gather_TBps": bytes_kv / (run_t["median_us"] * 1e-6) / 1e12,
+                "rel_err_vs_fp64_first8": err,
+                "lse_base2_abs_err_first8": lerr,
+                "accepts_out_buffers": attn.accepts_out_buffers,
+            }
+        )
+        print(
+            f"flashinfer T={T:4d}  run {run_t['median_us']:8.2f} us  run+ln2 {run_e_t['median_us']:8.2f} us  "
+            f"plan {plan_t['median_us']:8.2f} us  plan+run {both_t['median_us']:8.2f} us  "
+            f"(plan host wall {plan_host_us:.1f} us; rel err {err:.2e})",
+            flush=True,
+        )
     return {"rows": rows}
 
 
@@ -301,35 +330,52 @@ def floor() -> dict:
         tl.store(p, 1.0)
 
     one = torch.zeros(1, device="cuda")
-    res = {"empty_triton_kernel": bench(lambda: _noop[(1,)](one))}
+    res: dict[str, Any] = {"empty_triton_kernel": bench(lambda: _noop[(1,)](one))}
     T = 32
     src = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     res["torch_copy_T32"] = bench(lambda: dst.copy_(src))
     srcs = [torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(20)]
     dsts = [torch.empty_like(x) for x in srcs]
-    res["torch_copy_T32_graph_us"] = graph_time_us(lambda i: (lambda: dsts[i].copy_(srcs[i])))
+    res["torch_copy_T32_graph_us"] = graph_time_us(lambda i: lambda: dsts[i].copy_(srcs[i]))
     rows = []
     for W in (2, 4, 8):
         outs = [torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(20)]
         lses = torch.randn(W, T, H, device="cuda") * 3
         bufs = [torch.empty_like(x) for x in outs]
-        row = {"W": W, "T": T,
-               "correct_do_bench": [bench(lambda: lse_correct(outs[0], lses, 1, base="2", corrected=bufs[0]))["median_us"] for _ in range(3)],
-               "correct_graph_us": graph_time_us(lambda i: (lambda: lse_correct(outs[i], lses, 1, base="2", corrected=bufs[i])))}
+        row: dict[str, Any] = {
+            "W": W,
+            "T": T,
+            "correct_do_bench": [
+                bench(lambda: lse_correct(outs[0], lses, 1, base="2", corrected=bufs[0]))["median_us"] for _ in range(3)
+            ],
+            "correct_graph_us": graph_time_us(
+                lambda i: lambda: lse_correct(outs[i], lses, 1, base="2", corrected=bufs[i])
+            ),
+        }
         parts = [torch.randn(W, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
         mbufs = [torch.empty(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-        row["merge_graph_us"] = graph_time_us(lambda i: (lambda: lse_merge(parts[i], lses, base="2", merged=mbufs[i])), n=8)
+        row["merge_graph_us"] = graph_time_us(
+            lambda i: lambda: lse_merge(parts[i], lses, base="2", merged=mbufs[i]), n=8
+        )
         rows.append(row)
-        print(f"floor W={W}: correct do_bench {row['correct_do_bench']} us, graph {row['correct_graph_us']:.2f} us; merge graph {row['merge_graph_us']:.2f} us", flush=True)
+        print(
+            f"floor W={W}: correct do_bench {row['correct_do_bench']} us, graph {row['correct_graph_us']:.2f} us; "
+            f"merge graph {row['merge_graph_us']:.2f} us",
+            flush=True,
+        )
     res["rows"] = rows
-    print(f"empty kernel {res['empty_triton_kernel']['median_us']:.2f} us, torch copy T=32 {res['torch_copy_T32']['median_us']:.2f} us, "
-          f"graph {res['torch_copy_T32_graph_us']:.2f} us", flush=True)
+    print(
+        f"empty kernel {res['empty_triton_kernel']['median_us']:.2f} us, "
+        f"torch copy T=32 {res['torch_copy_T32']['median_us']:.2f} us, "
+        f"graph {res['torch_copy_T32_graph_us']:.2f} us",
+        flush=True,
+    )
     # plan() breakdown (host wall, GPU idle), T = 32, K = 2048
     K, N = 2048, 1 << 17
     slots = torch.stack([torch.randperm(N, device="cuda")[:K] for _ in range(T)]).to(torch.int32)
     counts = torch.full((T,), K, dtype=torch.int32, device="cuda")
-    attn = FlashInferSparseMLA(H, 192 ** -0.5, device="cuda")
+    attn = FlashInferSparseMLA(H, 192**-0.5, device="cuda")
     attn.plan(slots, counts)
 
     def host_us(fn, n=50):
@@ -343,14 +389,28 @@ def floor() -> dict:
     csr = build_compact_csr(slots, counts)
     total = int(csr.kv_indptr[-1])
     meta = attn._fmla.MLAPlanMetadata.csr(csr.qo_indptr, csr.kv_indptr, csr.kv_indices[:total], csr.kv_len)
-    kw = dict(metadata=meta, num_heads=H, head_dim_ckv=512, head_dim_kpe=64, page_size=1, causal=False,
-              sm_scale=192 ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, lse_mode="base2")
+    kw = dict(
+        metadata=meta,
+        num_heads=H,
+        head_dim_ckv=512,
+        head_dim_kpe=64,
+        page_size=1,
+        causal=False,
+        sm_scale=192**-0.5,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+        lse_mode="base2",
+    )
     res["plan_breakdown_T32_K2048_host_us"] = {
         "build_compact_csr": host_us(lambda: build_compact_csr(slots, counts)),
         "flashinfer_wrapper_plan_only": host_us(lambda: attn._wrapper.plan(**kw)),
         "FlashInferSparseMLA.plan_total": host_us(lambda: attn.plan(slots, counts)),
     }
-    print("plan breakdown (host us):", {k: round(v, 1) for k, v in res["plan_breakdown_T32_K2048_host_us"].items()}, flush=True)
+    print(
+        "plan breakdown (host us):",
+        {k: round(v, 1) for k, v in res["plan_breakdown_T32_K2048_host_us"].items()},
+        flush=True,
+    )
     return res
 
 
@@ -363,7 +423,15 @@ def sanitize() -> None:
         lses = torch.randn(W, T, h, device="cuda")
         lses[0, 0] = float("nan")
         lse_merge(outs, lses, base="e", merged_lse=torch.empty(T, h, device="cuda"), block_h=bh)
-        lse_correct(outs[W - 1], lses, W - 1, base="2", corrected=outs[W - 1], merged_lse=torch.empty(T, h, device="cuda"), block_h=bh)
+        lse_correct(
+            outs[W - 1],
+            lses,
+            W - 1,
+            base="2",
+            corrected=outs[W - 1],
+            merged_lse=torch.empty(T, h, device="cuda"),
+            block_h=bh,
+        )
     torch.cuda.synchronize()
     print("sanitize launches done")
 
@@ -373,7 +441,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--skip-flashinfer", action="store_true")
-    ap.add_argument("--floor", action="store_true", help="only the T=32 floor study and the plan() breakdown -> lse_floor.json")
+    ap.add_argument(
+        "--floor", action="store_true", help="only the T=32 floor study and the plan() breakdown -> lse_floor.json"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -390,12 +460,22 @@ def main() -> int:
     copy_tbps = copy_bandwidth()
     print(f"{meta['device']}: copy bandwidth {copy_tbps:.2f} TB/s (issue: {ISSUE_COPY_TBPS})", flush=True)
     merge = bench_merge(copy_tbps)
-    common = {**meta, "copy_TBps_measured": copy_tbps, "copy_TBps_issue": ISSUE_COPY_TBPS,
-              "timing": "triton.testing.do_bench median, L2 flushed before each call, warmup 25 ms, rep 200 ms"}
-    res_merge = {**common, "targets": {"T1024_frac_of_copy": 0.8, "T32_us": 5.0,
-                                       "vllm_correct_attn_out_us": {"T32": [7.4, 7.7], "T1024": [98, 104]},
-                                       "torch_merge_us": {"T32": [155, 190], "T1024": [1300, 4400]}},
-                 **merge}
+    common = {
+        **meta,
+        "copy_TBps_measured": copy_tbps,
+        "copy_TBps_issue": ISSUE_COPY_TBPS,
+        "timing": "triton.testing.do_bench median, L2 flushed before each call, warmup 25 ms, rep 200 ms",
+    }
+    res_merge = {
+        **common,
+        "targets": {
+            "T1024_frac_of_copy": 0.8,
+            "T32_us": 5.0,
+            "vllm_correct_attn_out_us": {"T32": [7.4, 7.7], "T1024": [98, 104]},
+            "torch_merge_us": {"T32": [155, 190], "T1024": [1300, 4400]},
+        },
+        **merge,
+    }
     out = args.out or Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     (out / "lse_merge.json").write_text(json.dumps(res_merge, indent=1))

@@ -79,8 +79,17 @@ def progress(iterable=None, total: int | None = None, desc: str = ""):  # noqa: 
 
 SHAPES = [(r, w, k) for r in (1, 32, 128, 1024) for w in (2, 4, 8) for k in (512, 2048)]
 # vLLM's CuTeDSL selector on this H200 (from the issue), K = 2048: {(rows, W): µs}.
-VLLM = {(1, 2): 7.3, (1, 4): 14.0, (1, 8): 20.3, (128, 2): 11.8, (128, 4): 19.3, (128, 8): 28.8,
-        (1024, 2): 31.4, (1024, 4): 66.1, (1024, 8): 157.2}
+VLLM = {
+    (1, 2): 7.3,
+    (1, 4): 14.0,
+    (1, 8): 20.3,
+    (128, 2): 11.8,
+    (128, 4): 19.3,
+    (128, 8): 28.8,
+    (1024, 2): 31.4,
+    (1024, 4): 66.1,
+    (1024, 8): 157.2,
+}
 
 
 def make_input(rows: int, w: int, K: int, seed: int = 0) -> torch.Tensor:
@@ -176,10 +185,18 @@ def variants_main(args: argparse.Namespace, meta: dict) -> None:
                     if not args.no_sorted:
                         stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, **tune)
                         ok_sorted = torch.equal(outs, want)
-                    rec = {"rows": rows, "W": w, "K": K, "k": k, "variant": variant,
-                           "config": list(conf) if conf else list(lean_config(w * K)) if variant != "regs" else None,
-                           "tuning": {k2: v2 for k2, v2 in tune.items() if k2 not in ("variant", "config")},
-                           "correct": ok, "correct_sorted": ok_sorted, "round": rnd}
+                    rec = {
+                        "rows": rows,
+                        "W": w,
+                        "K": K,
+                        "k": k,
+                        "variant": variant,
+                        "config": list(conf) if conf else list(lean_config(w * K)) if variant != "regs" else None,
+                        "tuning": {k2: v2 for k2, v2 in tune.items() if k2 not in ("variant", "config")},
+                        "correct": ok,
+                        "correct_sorted": ok_sorted,
+                        "round": rnd,
+                    }
                     f = lambda: stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False, **tune)  # noqa: E731
                     fs = lambda: stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False, **tune)  # noqa: E731
                     rec["graph"] = graph_time(f)
@@ -187,8 +204,12 @@ def variants_main(args: argparse.Namespace, meta: dict) -> None:
                         rec["sorted_graph"] = graph_time(fs)
                     results.append(rec)
                     sg = rec.get("sorted_graph", {}).get("median_us", float("nan"))
-                    print(f"rows={rows:5d} W={w} K={K} {variant:5s} {str(rec['config']):12s} {str(rec['tuning']):60s} ok={ok}/{ok_sorted} "
-                          f"graph={rec['graph']['median_us']:7.1f} sorted={sg:7.1f}", flush=True)
+                    print(
+                        f"rows={rows:5d} W={w} K={K} {variant:5s} {rec['config']!s:12s} {rec['tuning']!s:60s} "
+                        f"ok={ok}/{ok_sorted} "
+                        f"graph={rec['graph']['median_us']:7.1f} sorted={sg:7.1f}",
+                        flush=True,
+                    )
                     with open(args.out, "w") as fh:  # written after every record: a cut run keeps what it has
                         json.dump({"meta": meta, "variants": results}, fh, indent=1)
                 bar.update()
@@ -242,9 +263,19 @@ def main() -> None:
         stable_topk_cutedsl(gathered, k, sorted=True, out=outs)
         ok_sorted = torch.equal(outs, want)
         ok_torch = torch.equal(torch_stable(gathered, k), want)
-        rec = {"rows": rows, "W": w, "K": K, "k": k, "correct": ok, "correct_sorted": ok_sorted, "torch_stable_correct": ok_torch}
+        rec = {
+            "rows": rows,
+            "W": w,
+            "K": K,
+            "k": k,
+            "correct": ok,
+            "correct_sorted": ok_sorted,
+            "torch_stable_correct": ok_torch,
+        }
         rec["cutedsl_graph"] = graph_time(lambda: stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False))
-        rec["cutedsl_sorted_graph"] = graph_time(lambda: stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False))
+        rec["cutedsl_sorted_graph"] = graph_time(
+            lambda: stable_topk_cutedsl(gathered, k, sorted=True, out=outs, tvm_ffi=False)
+        )
         rec["cutedsl_eager"] = bench(lambda: stable_topk_cutedsl(gathered, k, out=out, tvm_ffi=False))
         try:  # TVM-FFI call path: torch tensors straight in, env stream, no from_dlpack
             from dcp_ref.kernels.topk_cutedsl import compile_stable_topk
@@ -280,7 +311,7 @@ def main() -> None:
             flush=True,
         )
     try:
-        import flashinfer  # noqa: F401
+        import flashinfer
 
         fi = flashinfer.__version__
     except Exception:  # noqa: BLE001 - optional
@@ -307,12 +338,14 @@ def markdown_table(data: dict) -> str:
     """The results as a markdown table (µs medians), with the issue's targets checked."""
     m = data["meta"]
     lines = [
-        f"# Stable top-K on {m['device']} — torch {m['torch']}, triton {m['triton']}, cutlass-dsl {m['cutlass_dsl']}, {m['date']}",
+        f"# Stable top-K on {m['device']} — torch {m['torch']}, triton {m['triton']}, "
+        f"cutlass-dsl {m['cutlass_dsl']}, {m['date']}",
         "",
         "k = K. *graph* = device time per call (CUDA graph of 20 launches); *eager* = launched from Python.",
         "Speed-up = exact stable torch ÷ ours, graph vs graph. Floor = (W·K·8 + k·4)·rows bytes at 4.23 TB/s.",
         "",
-        "| rows | W | K | ours graph | ours sorted graph | ours eager (from_dlpack) | ours TVM-FFI eager | vLLM CuTeDSL | torch.topk eager / graph | stable torch eager / graph | speed-up | floor | Triton pack |",
+        "| rows | W | K | ours graph | ours sorted graph | ours eager (from_dlpack) | ours TVM-FFI eager "
+        "| vLLM CuTeDSL | torch.topk eager / graph | stable torch eager / graph | speed-up | floor | Triton pack |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["results"]:
@@ -322,9 +355,12 @@ def markdown_table(data: dict) -> str:
         sg = r["torch_stable_graph"]["median_us"]
         lines.append(
             f"| {r['rows']} | {r['W']} | {r['K']} | {g:.1f} | {r['cutedsl_sorted_graph']['median_us']:.1f} | "
-            f"{r['cutedsl_eager']['median_us']:.1f} | {'-' if ffi is None else f'{ffi:.1f}'} | {'-' if v is None else v} "
-            f"{'' if v is None else ('✓' if g < v else '✗')} | {r['torch_topk']['median_us']:.1f} / {r['torch_topk_graph']['median_us']:.1f} | "
-            f"{r['torch_stable']['median_us']:.1f} / {sg:.1f} | {sg / g:.1f}× | {r['traffic_floor_us']:.1f} | {r['pack_triton']['median_us']:.1f} |"
+            f"{r['cutedsl_eager']['median_us']:.1f} | {'-' if ffi is None else f'{ffi:.1f}'} | "
+            f"{'-' if v is None else v} "
+            f"{'' if v is None else ('✓' if g < v else '✗')} | "
+            f"{r['torch_topk']['median_us']:.1f} / {r['torch_topk_graph']['median_us']:.1f} | "
+            f"{r['torch_stable']['median_us']:.1f} / {sg:.1f} | {sg / g:.1f}× | {r['traffic_floor_us']:.1f} | "
+            f"{r['pack_triton']['median_us']:.1f} |"
         )
     return "\n".join(lines) + "\n"
 

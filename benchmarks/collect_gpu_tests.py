@@ -26,7 +26,12 @@ def read(path: str) -> dict[str, dict]:
             if el is not None:
                 status = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 break
-        out[name] = {"test": name, "status": status, "seconds": round(float(tc.get("time", 0)), 3), "file": path.split("/")[-1]}
+        out[name] = {
+            "test": name,
+            "status": status,
+            "seconds": round(float(tc.get("time", 0)), 3),
+            "file": path.split("/")[-1],
+        }
     return out
 
 
@@ -43,15 +48,24 @@ def main() -> None:
     superseded = []
     for path in args.xml:
         for name, rec in read(path).items():
-            if name in merged and merged[name]["status"] in ("failed", "error") and rec["status"] != merged[name]["status"]:
+            if (
+                name in merged
+                and merged[name]["status"] in ("failed", "error")
+                and rec["status"] != merged[name]["status"]
+            ):
                 superseded.append(merged[name])
             merged[name] = rec
     tests = sorted(merged.values(), key=lambda r: r["test"])
     summary = {s: sum(r["status"] == s for r in tests) for s in ("passed", "failed", "error", "skipped")}
     doc = {
-        "what": args.what, "command": args.command,
-        "date": datetime.date.today().isoformat(), "device": args.device,
-        "versions": json.loads(args.versions), "summary": summary, "tests": tests, "superseded": superseded,
+        "what": args.what,
+        "command": args.command,
+        "date": datetime.date.today().isoformat(),
+        "device": args.device,
+        "versions": json.loads(args.versions),
+        "summary": summary,
+        "tests": tests,
+        "superseded": superseded,
     }
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=1)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from bench_topk import make_input, parse_tuning
+
 from dcp_ref.kernels.topk_cutedsl import stable_topk_cutedsl
 from dcp_ref.topk import stable_topk
 
