@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import operator
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -36,8 +36,10 @@ def check_int_scalar(value: object, name: str, *, min_value: int | None = None) 
         raise TypeError(f"{name} must be a Python int, got bool")
     if isinstance(value, torch.Tensor):
         if value.ndim != 0 or value.dtype not in INT_DTYPES:
-            raise TypeError(f"{name} must be a Python int (or a 0-d integer tensor), got a tensor of shape "
-                            f"{tuple(value.shape)} and dtype {value.dtype}")
+            raise TypeError(
+                f"{name} must be a Python int (or a 0-d integer tensor), got a tensor of shape "
+                f"{tuple(value.shape)} and dtype {value.dtype}"
+            )
         if value.is_meta:
             raise ValueError(f"{name} is a meta tensor: it has no value to use as an int")
         value = int(value.item())
@@ -140,7 +142,10 @@ def check_out(
     if not isinstance(buf, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != dtype:
-        raise TypeError(f"{name} must be a {str(dtype).replace('torch.', '')} buffer, got dtype {str(buf.dtype).replace('torch.', '')}")
+        raise TypeError(
+            f"{name} must be a {str(dtype).replace('torch.', '')} buffer, "
+            f"got dtype {str(buf.dtype).replace('torch.', '')}"
+        )
     if tuple(buf.shape) != tuple(shape):
         raise ValueError(f"{name} must be a buffer of shape {tuple(shape)}, got {tuple(buf.shape)}")
     if buf.device != device:
@@ -185,12 +190,12 @@ def check_tensor(
 
 def check_lse_base(base: object, name: str = "base") -> str:
     """An LSE base is ``"e"`` (natural log) or ``"2"`` (what exp2-based kernels return)."""
-    if base not in ("e", "2"):
+    if not isinstance(base, str) or base not in ("e", "2"):
         raise ValueError(f"{name} must be 'e' or '2', got {base!r}")
-    return base  # type: ignore[return-value]
+    return base
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_module(name: str) -> bool:
     """Whether ``name`` is importable, without importing it (cached: backends ask on every call)."""
     return importlib.util.find_spec(name) is not None
@@ -207,7 +212,7 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     """All given tensors must live on one device; return it."""
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
-    for name, d in devices.items():
+    for d in devices.values():
         if d != first:
             listing = ", ".join(f"{n}={v}" for n, v in devices.items())
             raise ValueError(f"tensors must be on one device, got {listing}")

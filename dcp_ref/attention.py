@@ -104,7 +104,9 @@ def sparse_mla_attention(
     check_same_device(q=q, kv_cache=kv_cache, slots=slots, counts=counts)
     if kv_cache.ndim == 3:
         if kv_cache.shape[1] != 1:
-            raise ValueError(f"kv_cache must be [num_slots, Dqk] or [num_slots, 1, Dqk], got shape {tuple(kv_cache.shape)}")
+            raise ValueError(
+                f"kv_cache must be [num_slots, Dqk] or [num_slots, 1, Dqk], got shape {tuple(kv_cache.shape)}"
+            )
         kv_cache = kv_cache[:, 0]
     T, H, dqk = q.shape
     if kv_cache.shape[1] != dqk:
@@ -124,7 +126,9 @@ def sparse_mla_attention(
         check_values_readable(counts, "counts")
         check_values_readable(slots, "slots")
         if bool((cnt < 0).any()) or bool((cnt > K).any()):
-            raise ValueError(f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(cnt.min())}, max {int(cnt.max())}")
+            raise ValueError(
+                f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(cnt.min())}, max {int(cnt.max())}"
+            )
     cnt = cnt.clamp(min=0, max=K)  # a no-op for validated counts
     # Only the valid prefix of each row is read, so only it must be in range.
     valid = torch.arange(K, device=slots.device).unsqueeze(0) < cnt.unsqueeze(1)  # [T, K]
@@ -133,7 +137,8 @@ def sparse_mla_attention(
     if validate and T and K and bool(out_of_range.any()):
         used = s64[valid]
         raise ValueError(
-            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {int(used.min())}, max {int(used.max())}"
+            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), "
+            f"got min {int(used.min())}, max {int(used.max())}"
         )
     poisoned = out_of_range.any(dim=1)  # [T]; all False after validation
 

@@ -54,7 +54,9 @@ def _check_block_geometry(block_size: object, interleave: int) -> int:
     return bs
 
 
-def _check_geometry(world_size: object, rank: object, interleave: object, block_size: object) -> tuple[int, int, int, int]:
+def _check_geometry(
+    world_size: object, rank: object, interleave: object, block_size: object
+) -> tuple[int, int, int, int]:
     w, r, i = check_world(world_size, rank, interleave)
     if r is None:
         raise ValueError(f"rank must be an int in [0, world_size={w}), got None")
@@ -121,7 +123,13 @@ def check_deinterleave_inputs(
 
 
 def _slots64(
-    token_ids: torch.Tensor, req_of_token: torch.Tensor | None, block_table: torch.Tensor, bs: int, w: int, r: int, i: int
+    token_ids: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    bs: int,
+    w: int,
+    r: int,
+    i: int,
 ) -> torch.Tensor:
     """int64 slots (``-1`` where not local), no checks and no host read: a request id outside
     ``[0, B)`` gives an all-``-1`` row, exactly as the Triton kernels do."""
@@ -265,7 +273,11 @@ def deinterleave_and_compact(
 
 
 def check_block_table(
-    block_table: torch.Tensor, block_size: int, local_lens: torch.Tensor | None = None, *, max_local_len: int | None = None
+    block_table: torch.Tensor,
+    block_size: int,
+    local_lens: torch.Tensor | None = None,
+    *,
+    max_local_len: int | None = None,
 ) -> None:
     """Check that a block table covers every request's local length (what the stages cannot see).
 

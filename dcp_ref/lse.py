@@ -40,6 +40,7 @@ underflows to 0 — as in the single-device softmax).
 from __future__ import annotations
 
 import math
+
 import torch
 
 from ._checks import FLOAT_DTYPES, check_bool, check_int_scalar, check_lse_base, check_same_device, check_tensor
@@ -97,8 +98,7 @@ def normalize_lse_shape(lse: torch.Tensor, num_tokens: int, num_heads: int) -> t
         if shape[2] == h and shape[0] * shape[1] == t:
             return lse.reshape(t, h)
     raise ValueError(
-        f"lse must have shape [T, H], [T, 1, H], [T, H, 1] or [B, q, H] with B*q == T "
-        f"(T={t}, H={h}), got {shape}"
+        f"lse must have shape [T, H], [T, 1, H], [T, H, 1] or [B, q, H] with B*q == T (T={t}, H={h}), got {shape}"
     )
 
 
@@ -119,7 +119,9 @@ def _check_partials(outs: torch.Tensor, lses: torch.Tensor) -> None:
     check_tensor(lses, "lses", dtypes=FLOAT_DTYPES, ndim=3)
     check_same_device(outs=outs, lses=lses)
     if tuple(lses.shape) != tuple(outs.shape[:3]):
-        raise ValueError(f"lses must be [W, T, H] = {tuple(outs.shape[:3])} to match outs [W, T, H, D], got {tuple(lses.shape)}")
+        raise ValueError(
+            f"lses must be [W, T, H] = {tuple(outs.shape[:3])} to match outs [W, T, H, D], got {tuple(lses.shape)}"
+        )
     if outs.shape[0] < 1:
         raise ValueError("outs must hold at least one rank (W >= 1)")
 
@@ -183,7 +185,9 @@ def merge_partials(
     return _contribution(w, outs, empty).sum(0).to(outs.dtype), merged.to(lses.dtype)
 
 
-def merge_partials_naive_add(outs: torch.Tensor, lses: torch.Tensor, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials_naive_add(
+    outs: torch.Tensor, lses: torch.Tensor, base: str = "e"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """**Deliberately wrong** — kept to demonstrate the bug in notebook 05: adds the partial
     outputs without rescaling them (the LSE returned is the correct merged one).
     Never use it for real outputs.
@@ -218,7 +222,9 @@ def correct_partial(
     check_tensor(all_lses, "all_lses", dtypes=FLOAT_DTYPES, ndim=3)
     check_same_device(out=out, all_lses=all_lses)
     if tuple(all_lses.shape[1:]) != tuple(out.shape[:2]):
-        raise ValueError(f"all_lses must be [W, T, H] with [T, H] = {tuple(out.shape[:2])}, got {tuple(all_lses.shape)}")
+        raise ValueError(
+            f"all_lses must be [W, T, H] with [T, H] = {tuple(out.shape[:2])}, got {tuple(all_lses.shape)}"
+        )
     w_size = all_lses.shape[0]
     if w_size < 1:
         raise ValueError("all_lses must hold at least one rank (W >= 1)")

@@ -37,14 +37,14 @@ bool or list where an int belongs raises ``TypeError``. An empty tensor gives an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union, overload
+from typing import overload
 
 import numpy as np
 import torch
 
 from ._checks import as_int_tensor, check_bool, check_int_scalar, check_non_negative, check_world
 
-IntLike = Union[int, torch.Tensor]
+IntLike = int | torch.Tensor
 
 __all__ = [
     "owner_rank",
@@ -140,7 +140,9 @@ def local_to_global(local, rank, world_size, interleave=1):
 @overload
 def local_seq_lens(seq_lens: int, world_size: int, rank: int, interleave: int = 1) -> int: ...
 @overload
-def local_seq_lens(seq_lens: torch.Tensor, world_size: int, rank: int | None = None, interleave: int = 1) -> torch.Tensor: ...
+def local_seq_lens(
+    seq_lens: torch.Tensor, world_size: int, rank: int | None = None, interleave: int = 1
+) -> torch.Tensor: ...
 def local_seq_lens(seq_lens, world_size, rank=None, interleave=1):
     """Number of positions ``p < L`` with ``(p // I) % W == rank`` — closed form, no loops.
 

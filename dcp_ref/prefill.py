@@ -20,9 +20,9 @@ single-device oracle (``tests/test_prefill.py``).
 
 from __future__ import annotations
 
-import torch
-
 from typing import TYPE_CHECKING
+
+import torch
 
 from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_non_negative, check_tensor
 from .group import Group
@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 __all__ = ["chunk_scores_from_local", "dcp_prefill_step"]
 
 
-def chunk_scores_from_local(local_scores: torch.Tensor, query_lens: torch.Tensor, meta: PrefillChunkMetadata) -> torch.Tensor:
+def chunk_scores_from_local(
+    local_scores: torch.Tensor, query_lens: torch.Tensor, meta: PrefillChunkMetadata
+) -> torch.Tensor:
     """Re-lay per-token scores indexed by local key into the chunk's gathered-keys layout.
 
     Args:

@@ -42,7 +42,7 @@ from ._checks import (
     max_global_id_bound,
 )
 from .group import Group, SingleGroup
-from .ownership import local_to_global, owner_rank, global_to_local
+from .ownership import global_to_local, owner_rank
 
 __all__ = [
     "MAX_EXACT_ID",
@@ -123,8 +123,13 @@ def pack_candidates(
 
 
 def _check_pack(
-    logits: object, local_topk: object, rank: object, world_size: object, interleave: object,
-    row_starts: object, validate: object,
+    logits: object,
+    local_topk: object,
+    rank: object,
+    world_size: object,
+    interleave: object,
+    row_starts: object,
+    validate: object,
 ) -> tuple[int, int, int]:
     """Every check of :func:`pack_candidates` (shared with the Triton kernel: same inputs, same errors).
 
@@ -139,7 +144,9 @@ def _check_pack(
     check_tensor(local_topk, "local_topk", dtypes=INT_DTYPES, ndim=2)
     assert isinstance(logits, torch.Tensor) and isinstance(local_topk, torch.Tensor)
     if local_topk.shape[0] != logits.shape[0]:
-        raise ValueError(f"local_topk must have logits' row count {logits.shape[0]}, got shape {tuple(local_topk.shape)}")
+        raise ValueError(
+            f"local_topk must have logits' row count {logits.shape[0]}, got shape {tuple(local_topk.shape)}"
+        )
     if local_topk.device != logits.device:
         raise ValueError(f"local_topk must be on logits' device {logits.device}, got {local_topk.device}")
     rows, cols = logits.shape
@@ -225,7 +232,9 @@ def _as_rows(gathered: torch.Tensor) -> torch.Tensor:
     """``[rows, N, 2]`` view of ``[rows, N, 2]`` or all-gathered ``[W, rows, K, 2]`` candidates."""
     check_tensor(gathered, "gathered", dtypes=(torch.float32,), ndim=(3, 4))
     if gathered.shape[-1] != 2:
-        raise ValueError(f"gathered must end in a (score, id) pair dimension of size 2, got shape {tuple(gathered.shape)}")
+        raise ValueError(
+            f"gathered must end in a (score, id) pair dimension of size 2, got shape {tuple(gathered.shape)}"
+        )
     if gathered.ndim == 4:
         w, rows, k, _ = gathered.shape
         # Candidate order inside a row: rank 0's K, then rank 1's, ... (the all-gather order).
@@ -309,10 +318,14 @@ def merge_topk_global(
         int32 ``[rows, k]`` global ids, ``-1`` padded.
     """
     group = SingleGroup() if group is None else group
-    if not all(hasattr(group, a) for a in ("rank", "world_size", "all_gather")):
-        raise TypeError(f"group must be a dcp_ref.group.Group (rank, world_size, all_gather) or None, got {type(group).__name__}")
+    if not isinstance(group, Group):
+        raise TypeError(
+            f"group must be a dcp_ref.group.Group (rank, world_size, all_gather) or None, got {type(group).__name__}"
+        )
     k = check_int_scalar(k, "k", min_value=1)
-    packed = pack_candidates(logits, local_topk, group.rank, group.world_size, interleave, row_starts, validate=validate)
+    packed = pack_candidates(
+        logits, local_topk, group.rank, group.world_size, interleave, row_starts, validate=validate
+    )
     gathered = group.all_gather(packed)  # [W, rows, K, 2], rank order
     return stable_topk(gathered, k, sorted=sorted, validate=validate)
 
@@ -464,7 +477,9 @@ def union_counterexample() -> UnionCounterexample:
     )
 
 
-def sparse_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def sparse_attention_reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """float64 softmax attention of ``q`` ``[T, d]`` over the keys ``ids`` (``[T, k]``, -1 skipped).
 
     ``keys`` ``[L, d]``, ``values`` ``[L, dv]``; no scaling (the counterexample's scores are

@@ -27,8 +27,7 @@ logger = logging.getLogger("dcp_ref.topk")
 BACKENDS = ("auto", "cutedsl", "triton", "torch")
 
 
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_fallback(op: str, reason: str) -> None:
     # lru_cache: log each distinct fallback once per process, not once per decode step.
     logger.warning("dcp_ref.topk: %s falls back to the torch reference: %s", op, reason)
@@ -51,7 +50,9 @@ def resolve_backend(backend: str, device: torch.device, op: str = "stable_topk")
         if not has_module("triton"):
             raise ValueError("backend='triton' needs the triton package")
         if not cuda and not triton_interpreting():
-            raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got device {device}")
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU), got device {device}"
+            )
         return "triton", ""
     if backend == "cutedsl":
         if not cuda:
@@ -104,7 +105,9 @@ def pack_candidates(
         return check_out(out, "out", tuple(res.shape), torch.float32, logits.device, contiguous=True).copy_(res)
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
-    return pack_candidates_triton(logits, local_topk, rank, world_size, interleave, row_starts, out=out, validate=validate)
+    return pack_candidates_triton(
+        logits, local_topk, rank, world_size, interleave, row_starts, out=out, validate=validate
+    )
 
 
 def stable_topk(
@@ -164,13 +167,16 @@ def merge_topk_global(
 
     No ``W = 1`` shortcut: one world size, one code path, the same checks.
     """
-    from .group import SingleGroup
+    from .group import Group, SingleGroup
 
     group = SingleGroup() if group is None else group
-    if not all(hasattr(group, a) for a in ("rank", "world_size", "all_gather")):
-        raise TypeError(f"group must be a dcp_ref.group.Group (rank, world_size, all_gather) or None, got {type(group).__name__}")
+    if not isinstance(group, Group):
+        raise TypeError(
+            f"group must be a dcp_ref.group.Group (rank, world_size, all_gather) or None, got {type(group).__name__}"
+        )
     k = check_int_scalar(k, "k", min_value=1)
-    packed = pack_candidates(logits, local_topk, group.rank, group.world_size, interleave, row_starts, backend=backend,
-                             validate=validate)
+    packed = pack_candidates(
+        logits, local_topk, group.rank, group.world_size, interleave, row_starts, backend=backend, validate=validate
+    )
     gathered = group.all_gather(packed)
     return stable_topk(gathered, k, sorted=sorted, backend=backend, validate=validate)

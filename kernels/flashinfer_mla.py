@@ -109,7 +109,8 @@ def _check_values(slots: torch.Tensor, counts: torch.Tensor, num_slots: int | No
     hi = num_slots if num_slots is not None else 2**31 - 1
     if used.numel() and (bool((used < 0).any()) or bool((used >= hi).any())):
         raise ValueError(
-            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {int(used.min())}, max {int(used.max())}"
+            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), "
+            f"got min {int(used.min())}, max {int(used.max())}"
         )
 
 
@@ -274,15 +275,21 @@ class FlashInferSparseMLA:
             raise ValueError(f"lse_base must be 'e' or '2', got {lse_base!r}")
         T, H, dqk = self._planned_T, self.num_heads, self.head_dim_ckv + self.head_dim_kpe
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != (T, H, dqk):
-            raise ValueError(f"q must be a tensor of shape (T={T}, H={H}, {dqk}), got {getattr(q, 'shape', type(q).__name__)}")
+            raise ValueError(
+                f"q must be a tensor of shape (T={T}, H={H}, {dqk}), got {getattr(q, 'shape', type(q).__name__)}"
+            )
         if q.dtype != self.dtype:
             raise TypeError(f"q must have dtype {self.dtype}, got {q.dtype}")
         if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype != self.dtype:
-            raise TypeError(f"kv_cache must be a {self.dtype} tensor, got {getattr(kv_cache, 'dtype', type(kv_cache).__name__)}")
+            raise TypeError(
+                f"kv_cache must be a {self.dtype} tensor, got {getattr(kv_cache, 'dtype', type(kv_cache).__name__)}"
+            )
         if kv_cache.ndim == 2 and kv_cache.shape[1] == dqk:
             kv_cache = kv_cache.unsqueeze(1)  # page_size 1: [num_slots, 1, 576]
         if kv_cache.ndim != 3 or kv_cache.shape[1:] != (1, dqk):
-            raise ValueError(f"kv_cache must be [num_slots, {dqk}] or [num_slots, 1, {dqk}], got {tuple(kv_cache.shape)}")
+            raise ValueError(
+                f"kv_cache must be [num_slots, {dqk}] or [num_slots, 1, {dqk}], got {tuple(kv_cache.shape)}"
+            )
         for name, t in (("q", q), ("kv_cache", kv_cache)):
             if t.device != self.device:
                 raise ValueError(f"{name} must be on {self.device}, got {t.device}")
@@ -385,7 +392,7 @@ def sparse_mla_trtllm_blackwell(
             f"sparse_mla_trtllm_blackwell needs SM100/SM103 (Blackwell), this device is SM{major}{minor}; "
             "use FlashInferSparseMLA (FA3) on Hopper"
         )
-    T, K = _check_slots_counts(slots, counts)
+    _, K = _check_slots_counts(slots, counts)
     _flashinfer()
     from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla
 
