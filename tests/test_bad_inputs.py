@@ -933,6 +933,8 @@ def _no_sync(fn):
 
 
 def _gpu_stage_calls(dev):
+    """Each stage's validate=False call; every tensor is on ``dev`` before the call (a host-to-device
+    copy inside the no-sync region would itself count as a sync)."""
     c = lambda t: t.to(dev)  # noqa: E731
     g = torch.Generator().manual_seed(7)
     logits = c(torch.randn(6, 40, generator=g))
@@ -940,25 +942,20 @@ def _gpu_stage_calls(dev):
     ids = c(torch.randint(-1, 80, (6, 8), generator=g))
     bt = c(torch.randint(-1, 30, (3, 6), generator=g).to(torch.int32))
     req = c(i32([0, 1, 2, 0, 7, -1]))
+    seq, qn = c(i64([9, 4])), c(i64([2, 1]))
+    q, kv, sl, cn = c(Q.repeat(3, 1, 1)), c(KV), c(i32([[1, 4, 12]] * 6)), c(i32([3, 9, 0, 1, 2, -4]))
+    outs, lses, out0 = c(OUTS), c(LSES), c(OUTS[0])
     return {
-        "localize": lambda: localize_decode_bounds(c(i64([9, 4])), c(i64([2, 1])), 2, 1, num_tokens=3, validate=False),
+        "localize": lambda: localize_decode_bounds(seq, qn, 2, 1, num_tokens=3, validate=False),
         "local_topk": lambda: local_topk(logits, 8, lens, starts, validate=False),
         "pack": lambda: pack_candidates(logits, ids, 1, 2, 1, starts, validate=False),
         "stable_topk": lambda: stable_topk(
             torch.stack([pack_candidates(logits, ids, r, 2, validate=False) for r in (0, 1)]), 5, validate=False
         ),
         "deinterleave": lambda: deinterleave_and_compact(ids, req, bt, 4, 2, 1, 2, validate=False),
-        "attention": lambda: sparse_mla_attention(
-            c(Q.repeat(3, 1, 1)),
-            c(KV),
-            c(i32([[1, 4, 12]] * 6)),
-            c(i32([3, 9, 0, 1, 2, -4])),
-            0.5,
-            v_dim=6,
-            validate=False,
-        ),
-        "merge": lambda: merge_partials(c(OUTS), c(LSES), validate=False),
-        "correct": lambda: correct_partial(c(OUTS[0]), c(LSES), 1, validate=False),
+        "attention": lambda: sparse_mla_attention(q, kv, sl, cn, 0.5, v_dim=6, validate=False),
+        "merge": lambda: merge_partials(outs, lses, validate=False),
+        "correct": lambda: correct_partial(out0, lses, 1, validate=False),
     }
 
 
