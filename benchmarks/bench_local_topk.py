@@ -153,7 +153,8 @@ def run_fused(scores, lengths, want, tune: dict) -> dict:
     rec = {"plan": plan._asdict(), "radix_bits": tune.get("radix_bits", 11)}
     try:
         out = torch.full((t, K, 2), float("nan"), device=DEV)
-        ws = torch.empty((t, plan.split, K, 2), device=DEV) if plan.split > 1 else None
+        n_ws = sum(plan.levels)
+        ws = torch.empty((t, n_ws, K, 2), device=DEV) if n_ws else None
         fn = lambda: fused_call(scores, lengths, out, ws, **tune)  # noqa: E731
         fn()
         torch.cuda.synchronize()
@@ -232,6 +233,11 @@ def targets(summary: list[dict]) -> list[dict]:
     return res
 
 
+def fmt_split(plan: dict) -> str:
+    """``1``, or the segments of every level, e.g. ``16→4``."""
+    return "→".join(str(s) for s in plan.get("levels") or [plan["split"]])
+
+
 def markdown(data: dict) -> str:
     m = data
     lines = [
@@ -241,7 +247,8 @@ def markdown(data: dict) -> str:
         f"k = {K}, W = {W}, rank {RANK}, I = {I}; standard normal float32 scores, every key valid. Device time per "
         "call (CUDA-graph replay), µs medians. *torch path* = `torch.topk` + Triton pack (today's; not exact at "
         "ties); *stable torch* = `local_topk`'s int64 key + `torch.topk` + Triton pack. Read floor = T·L·4 bytes "
-        f"at the measured copy bandwidth ({m['copy_bandwidth_TBps']:.2f} TB/s). Plan = tile / warps / split.",
+        f"at the measured copy bandwidth ({m['copy_bandwidth_TBps']:.2f} TB/s). Plan = tile / warps / split "
+        "(segments per row at each level, e.g. 16→4).",
         "",
         "| T | L | fused | plan | same result | torch path | speed-up | stable torch | speed-up | read floor "
         "| fused ÷ floor |",
@@ -251,7 +258,7 @@ def markdown(data: dict) -> str:
         f = r["fused"]
         g = f.get("graph", {}).get("median_us")
         p = f["plan"]
-        plan = f"{p['tile']}{'' if p['one_chunk'] else ' (streamed)'} / {p['num_warps']} / {p['split']}"
+        plan = f"{p['tile']}{'' if p['one_chunk'] else ' (streamed)'} / {p['num_warps']} / {fmt_split(p)}"
         tp, st = r["torch_path"]["median_us"], r["stable_torch"]["median_us"]
         gs = "error" if g is None else f"{g:.1f}"
         ratio = "-" if g is None else f"{g / r['read_floor_us']:.2f}"
@@ -274,7 +281,7 @@ def markdown(data: dict) -> str:
             g = r.get("graph", {}).get("median_us")
             e = r.get("eager", {}).get("median_us")
             lines.append(f"| {r['T']} | {r['L']} | {p['tile']}{'' if p['one_chunk'] else 's'} / {p['num_warps']} / "
-                         f"{p['split']} / {r['radix_bits']} | {'-' if g is None else f'{g:.1f}'} | "
+                         f"{fmt_split(p)} / {r['radix_bits']} | {'-' if g is None else f'{g:.1f}'} | "
                          f"{'-' if e is None else f'{e:.1f}'} | "
                          f"{'✓' if r.get('same_result') else '✗ ' + r.get('error', '')[:60]} |")
     return "\n".join(lines) + "\n"

@@ -6,10 +6,10 @@
 
 Small shapes (the sanitizers slow kernels down ~100x) that still reach every code path of
 ``kernels/indexer_triton.py``: a row held in registers, a streamed row (several tiles), split rows
-(segment launch + packed-candidate launch), prefill ``row_starts``, ``k`` larger than the row, and
-bad windows with ``validate=False`` (the clamps on the device). Adversarial rows (ties, ±0, NaN,
-±inf, short and empty rows) from ``tests/test_indexer_kernel.py``; every output is checked against
-``pack_candidates(local_topk(...))``. Exits non-zero on a mismatch.
+(segment launches, one and two levels, then the packed-candidate launch), prefill ``row_starts``,
+``k`` larger than the row, and bad windows with ``validate=False`` (the clamps on the device).
+Adversarial rows (ties, ±0, NaN, ±inf, short and empty rows) from ``tests/test_indexer_kernel.py``;
+every output is checked against ``pack_candidates(local_topk(...))``. Exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ CONFIGS = [
     (8, 2000, 300, 3, 4, 2, True, {"tile": 512}),              # streamed: 4 tiles per pass
     (8, 4000, 128, 2, 1, 0, False, {"split": 4}),              # split rows: segments + candidates
     (8, 700, 1000, 1, 1, 0, True, {}),                         # k > row
-    (16, 257, 16, 8, 64, 5, False, {"radix_bits": 16}),        # widest digit
+    (16, 257, 16, 8, 64, 5, False, {"radix_bits": 13}),        # widest digit
     (8, 5000, 64, 2, 2, 1, False, {"split": 3, "tile": 1024}),  # split with streamed segments
+    (4, 6000, 16, 2, 1, 0, True, {"split": 24, "tile": 256}),  # two split levels: 24 -> 2 segments
 ]
 
 

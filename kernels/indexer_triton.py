@@ -169,7 +169,7 @@ def select_threshold(
     (all of them when ``need == count``; otherwise they tie on the whole key and the lowest-index
     ``need`` win). ``n_sel = min(k, valid keys)`` winners in all.
     """
-    tl.static_assert(RADIX_BITS >= 10 and RADIX_BITS <= 16)
+    tl.static_assert(RADIX_BITS >= 10 and RADIX_BITS <= 13)
     NBINS: tl.constexpr = 1 << RADIX_BITS
     shift = tl.full([], 32 - RADIX_BITS, tl.uint32)
     zero = tl.zeros([], tl.uint32)
@@ -292,6 +292,7 @@ def indexer_topk_pack_kernel(
     seg_len,
     stride_r,
     stride_c,
+    out_stride_r,
     k,
     rank,
     HAS_LENGTHS: tl.constexpr,
@@ -307,7 +308,8 @@ def indexer_topk_pack_kernel(
 ):
     """Grid ``(T, S)``: program ``(r, s)`` selects the top-``k`` of local keys
     ``[s*seg_len, (s+1)*seg_len)`` of row ``r`` (``S = 1``, ``seg_len >= n_cols``: the whole row)
-    and writes them to row ``r*S + s`` of ``out`` (the int64 view of float32 ``[.., k, 2]`` pairs).
+    and writes them to ``out[r*out_stride_r + s*k : ... + k]`` (``out``: the int64 view of float32
+    ``(score, id)`` pairs).
     """
     row = tl.program_id(0)
     seg = tl.program_id(1)
@@ -315,7 +317,7 @@ def indexer_topk_pack_kernel(
     j0 = seg * seg_len  # first local index of this segment
     n = tl.minimum(tl.maximum(n_row - j0, 0), seg_len)
     row_ptr = scores_ptr + row.to(tl.int64) * stride_r + (start + j0).to(tl.int64) * stride_c
-    out_row_ptr = out_ptr + (row.to(tl.int64) * tl.num_programs(1) + seg) * k
+    out_row_ptr = out_ptr + row.to(tl.int64) * out_stride_r + seg * k
     offs = tl.arange(0, TILE)
     if ONE_CHUNK:
         keys = load_keys(row_ptr, offs, n, stride_c)  # the whole row: read once, kept in registers
@@ -373,10 +375,11 @@ def indexer_topk_pack_kernel(
 class LaunchPlan(NamedTuple):
     """How one call runs (see :func:`launch_plan`)."""
 
-    tile: int  #: keys per tile (a power of two)
-    one_chunk: bool  #: the row (segment) fits one tile: read once, kept in registers
-    num_warps: int  #: warps per program
-    split: int  #: segments per row (1: one program per row, one launch)
+    tile: int  #: keys per tile of the first launch (a power of two)
+    one_chunk: bool  #: a row (segment) of the first launch fits one tile: read once, kept in registers
+    num_warps: int  #: warps per program of the first launch
+    split: int  #: segments per row in the first launch (1: one program per row, one launch)
+    levels: tuple[int, ...] = ()  #: segments per row of every splitting launch (``()`` when split == 1)
 
 
 #: Keys per program that stay in registers: about 8 per thread at 32 warps. More makes the
@@ -394,8 +397,22 @@ def _tile_config(n: int, tile: int | None, num_warps: int | None) -> tuple[int, 
     if tile is None:
         tile = max(triton.next_power_of_2(max(n, 1)), 256) if n <= MAX_TILE else MAX_TILE // 2
     if num_warps is None:
-        num_warps = max(2, min(32, tile // 256))
+        num_warps = max(4, min(32, tile // 256))  # >= 4: the 2048 bins are spread over >= 128 threads
     return tile, n <= tile, num_warps
+
+
+def _split_levels(n_cols: int, k: int, split: int, limit: int) -> tuple[int, ...]:
+    """Segments per row of each splitting launch: ``split`` first, then, while the ``S*k``
+    candidates left exceed ``limit`` keys and a level still shrinks them at least 4-fold, another
+    level of ``ceil(S*k / limit)`` segments."""
+    if split <= 1:
+        return ()
+    levels, n = [split], split * k
+    while n > limit and 4 * k <= limit:
+        s = triton.cdiv(n, limit)
+        levels.append(s)
+        n = s * k
+    return tuple(levels)
 
 
 def launch_plan(
@@ -414,7 +431,9 @@ def launch_plan(
     streamed in tiles of ``MAX_TILE / 2``. Split (``split=None``): on a GPU, long rows
     (``n_cols >= 4 * MAX_TILE``) with ``k <= MAX_TILE / 4`` are cut into segments of
     ``MAX_TILE`` when the rows alone fill less than a quarter of the SMs; never under the
-    interpreter. ``split=1`` forces one program per row.
+    interpreter. ``split=1`` forces one program per row. When the ``split * k`` candidates of
+    the segments are still more than one tile, they are split again (``levels``), each level
+    shrinking them at least 4-fold, before the last launch selects the row's top-``k``.
     """
     if split is None:
         split = 1
@@ -424,7 +443,7 @@ def launch_plan(
     split = max(1, min(split, triton.cdiv(max(n_cols, 1), 16)))
     seg = triton.cdiv(n_cols, split) if split > 1 else n_cols
     t, one, w = _tile_config(seg, tile, num_warps)
-    return LaunchPlan(t, one, w, split)
+    return LaunchPlan(t, one, w, split, _split_levels(n_cols, k, split, tile or MAX_TILE))
 
 
 def indexer_topk_pack(
@@ -468,7 +487,7 @@ def indexer_topk_pack(
         workspace: float32 ``[T, S, k, 2]`` contiguous buffer for a split row (``S`` =
             ``launch_plan(...).split``); allocated when needed and not given.
         split, radix_bits, tile, num_warps: tuning. ``split``: segments per row (``None``: see
-            :func:`launch_plan`); ``radix_bits``: digit width, 10-16; ``tile``: keys per tile, a
+            :func:`launch_plan`); ``radix_bits``: digit width, 10-13; ``tile``: keys per tile, a
             power of two (a row, or segment, of at most ``tile`` keys stays in registers);
             ``num_warps``: warps per program.
     Returns:
@@ -485,14 +504,16 @@ def indexer_topk_pack(
     if dev.type != "cuda" and not triton_interpreting():
         raise ValueError(f"scores must be a CUDA tensor (or set TRITON_INTERPRET=1 for the CPU interpreter), got {dev}")
     rows, cols = scores.shape
-    for name, t in (("lengths", lengths), ("row_starts", row_starts)):
-        if t is not None:
-            check_tensor(t, name, dtypes=INT_DTYPES, ndim=1, device=dev)
-            if t.shape[0] != rows:
-                raise ValueError(f"{name} must have shape [{rows}] (one per scores row), got {tuple(t.shape)}")
+    for name, arg in (("lengths", lengths), ("row_starts", row_starts)):
+        if arg is not None:
+            check_tensor(arg, name, dtypes=INT_DTYPES, ndim=1, device=dev)
+            if arg.shape[0] != rows:
+                raise ValueError(f"{name} must have shape [{rows}] (one per scores row), got {tuple(arg.shape)}")
     radix_bits = check_int_scalar(radix_bits, "radix_bits")
-    if not 10 <= radix_bits <= 16:
-        raise ValueError(f"radix_bits must be in [10, 16] (bin 0 must hold only invalid keys), got {radix_bits}")
+    if not 10 <= radix_bits <= 13:
+        # >= 10: bin 0 of the first digit must hold only invalid keys; <= 13: 2**13 int32 bins are
+        # 32 KiB of shared memory and 8 registers per thread at 32 warps; wider digits spill.
+        raise ValueError(f"radix_bits must be in [10, 13], got {radix_bits}")
     if tile is not None:
         tile = check_int_scalar(tile, "tile", min_value=16)
         if tile & (tile - 1):
@@ -508,85 +529,55 @@ def indexer_topk_pack(
     id_bound = (cols // i + 1) * w * i
     if validate or id_bound > _MAX_EXACT_ID:
         _validate_values(cols, lengths, row_starts, r, w, i)
+    if cols * scores.stride(1) >= 2**31:
+        # The kernel's per-key column offsets are int32 (the row's base offset is int64): a column
+        # stride this large (a column-major view of a huge matrix) would overflow them. Masked-off
+        # lanes never dereference their (possibly wrapped) address.
+        scores = scores.contiguous()
     plan = launch_plan(rows, cols, k, dev, split=split, tile=tile, num_warps=num_warps)
-    if workspace is not None or plan.split > 1:
-        workspace = _check_pairs(workspace, "workspace", (rows, plan.split, k, 2), dev)
+    n_ws = sum(plan.levels)
+    if workspace is not None or n_ws:
+        workspace = _check_pairs(workspace, "workspace", (rows, n_ws, k, 2), dev)
     if rows == 0:
         return out
     pad_block = min(triton.next_power_of_2(k), 1024)
-    common = dict(WORLD=w, INTERLEAVE=i, RADIX_BITS=radix_bits, PAD_BLOCK=pad_block)
+    common = dict(k=k, rank=r, WORLD=w, INTERLEAVE=i, RADIX_BITS=radix_bits, PAD_BLOCK=pad_block)
+    out64 = out.view(torch.int64)
     dummy = out  # never read: HAS_LENGTHS / HAS_STARTS are False
     lens = lengths if lengths is not None else dummy
     starts = row_starts if row_starts is not None else dummy
-    flags = dict(HAS_LENGTHS=lengths is not None, HAS_STARTS=row_starts is not None)
-    if plan.split == 1:
+    if not plan.levels:
         indexer_topk_pack_kernel[(rows, 1)](
-            scores,
-            lens,
-            starts,
-            out.view(torch.int64),
-            cols,
-            max(cols, 1),
-            scores.stride(0),
-            scores.stride(1),
-            k,
-            r,
-            **flags,
-            PACKED_INPUT=False,
-            NAN_PAD=False,
-            TILE=plan.tile,
-            ONE_CHUNK=plan.one_chunk,
-            num_warps=plan.num_warps,
-            **common,
-        )
+            scores, lens, starts, out64, cols, max(cols, 1), scores.stride(0), scores.stride(1), k,
+            HAS_LENGTHS=lengths is not None, HAS_STARTS=row_starts is not None, PACKED_INPUT=False, NAN_PAD=False,
+            TILE=plan.tile, ONE_CHUNK=plan.one_chunk, num_warps=plan.num_warps, **common,
+        )  # fmt: skip
         return out
-    # Split rows: each segment's top-k into the workspace (NaN padding = invalid), then the top-k
-    # of the S*k candidates, whose ids travel with them.
-    s = plan.split
-    ws = workspace
-    assert ws is not None  # checked (or allocated) above
-    seg = triton.cdiv(cols, s)
-    indexer_topk_pack_kernel[(rows, s)](
-        scores,
-        lens,
-        starts,
-        ws.view(torch.int64),
-        cols,
-        seg,
-        scores.stride(0),
-        scores.stride(1),
-        k,
-        r,
-        **flags,
-        PACKED_INPUT=False,
-        NAN_PAD=True,
-        TILE=plan.tile,
-        ONE_CHUNK=plan.one_chunk,
-        num_warps=plan.num_warps,
-        **common,
-    )
-    n2 = s * k
-    tile2, one2, warps2 = _tile_config(n2, None, None)
+    # Split rows. Level 1: each segment's top-k into the workspace, in index order, padded with NaN
+    # scores (= invalid). Every further level does the same over the previous level's candidates,
+    # whose ids travel with them; the last launch selects the row's top-k into `out`.
+    assert workspace is not None  # checked (or allocated) above
+    ws64 = workspace.view(torch.int64)
+    row_pairs = n_ws * k  # (score, id) pairs per workspace row
+    src, src_stride, n, packed, off = scores, (scores.stride(0), scores.stride(1)), cols, False, 0
+    for lvl, s in enumerate(plan.levels):
+        seg = triton.cdiv(n, s)
+        t, one, nw = _tile_config(seg, tile, num_warps)
+        if lvl == 0:
+            t, one, nw = plan.tile, plan.one_chunk, plan.num_warps
+        indexer_topk_pack_kernel[(rows, s)](
+            src, lens, starts, ws64[:, off:], n, seg, *src_stride, row_pairs,
+            HAS_LENGTHS=lengths is not None and not packed, HAS_STARTS=row_starts is not None and not packed,
+            PACKED_INPUT=packed, NAN_PAD=True, TILE=t, ONE_CHUNK=one, num_warps=nw, **common,
+        )  # fmt: skip
+        src, src_stride, n, packed = workspace[:, off : off + s], (2 * row_pairs, 2), s * k, True
+        off += s
+    t, one, nw = _tile_config(n, tile, num_warps)
     indexer_topk_pack_kernel[(rows, 1)](
-        ws,
-        dummy,
-        dummy,
-        out.view(torch.int64),
-        n2,
-        n2,
-        n2 * 2,
-        2,
-        k,
-        r,
-        HAS_LENGTHS=False,
-        HAS_STARTS=False,
-        PACKED_INPUT=True,
-        NAN_PAD=False,
-        TILE=tile2,
-        ONE_CHUNK=one2,
-        num_warps=warps2,
-        **common,
-    )
+        src, dummy, dummy, out64, n, n, *src_stride, k,
+        HAS_LENGTHS=False, HAS_STARTS=False, PACKED_INPUT=True, NAN_PAD=False,
+        TILE=t, ONE_CHUNK=one, num_warps=nw, **common,
+    )  # fmt: skip
     return out
 
 

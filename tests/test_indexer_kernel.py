@@ -230,18 +230,28 @@ def test_property_matches_reference(kernel_device, data, rows, cols, k, w, i, ti
 
 def test_radix_digit_widths(kernel_device):
     s, lengths, _ = make_cases(8, 120, 4, kernel_device)
-    for bits in (10, 16):
+    for bits in (10, 13):
         check(s, lengths, 33, 0, 2, 1, radix_bits=bits)
 
 
 def test_launch_plan_from_shapes_only():
     cpu = torch.device("cpu")
-    assert ix.launch_plan(32, 8192, 2048, cpu) == (8192, True, 32, 1)
-    assert ix.launch_plan(1, 100, 10, cpu) == (256, True, 2, 1)
+    assert ix.launch_plan(32, 8192, 2048, cpu)[:4] == (8192, True, 32, 1)
+    assert ix.launch_plan(1, 100, 10, cpu)[:4] == (256, True, 4, 1)
     p = ix.launch_plan(1, 131072, 2048, cpu)
-    assert not p.one_chunk and p.split == 1  # never split under the interpreter / on the CPU
+    assert not p.one_chunk and p.split == 1 and p.levels == ()  # never split under the interpreter / on the CPU
     p = ix.launch_plan(1, 131072, 2048, cpu, split=16)
-    assert p.split == 16 and p.one_chunk and p.tile == 8192
+    # 16 segments of 8192 keys -> 32768 candidates -> 4 segments -> 8192 candidates -> the last launch
+    assert p.split == 16 and p.one_chunk and p.tile == 8192 and p.levels == (16, 4)
+
+
+def test_multi_level_split(kernel_device):
+    """Candidates of the segments split again (small tiles make the levels appear on small rows)."""
+    s, lengths, starts = make_cases(4, 400, 12, kernel_device, with_starts=True)
+    p = ix.launch_plan(4, 400, 4, kernel_device, split=12, tile=32)
+    assert p.levels == (12, 2)  # 12 segments -> 48 candidates -> 2 segments -> 8 candidates
+    ws = torch.full((4, 14, 4, 2), 7.0, device=kernel_device)
+    check(s, lengths, 4, 1, 2, 2, starts, split=12, tile=32, workspace=ws)
 
 
 BAD_INPUTS = [
@@ -269,6 +279,7 @@ BAD_INPUTS = [
     ("out misaligned", dict(out=torch.empty(17)[1:].view(2, 4, 2)), ValueError, "out"),
     ("workspace shape", dict(split=2, workspace=torch.empty(2, 3, 4, 2)), ValueError, "workspace"),
     ("radix_bits 8", dict(radix_bits=8), ValueError, "radix_bits"),
+    ("radix_bits 16", dict(radix_bits=16), ValueError, "radix_bits"),
     ("tile not a power of two", dict(tile=100), ValueError, "tile"),
     ("num_warps 3", dict(num_warps=3), ValueError, "num_warps"),
     ("split 0", dict(split=0), ValueError, "split"),
@@ -358,7 +369,8 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split):
     rows, k = 32, 2048
     s, lengths, _ = make_cases(rows, cols, 7, cuda_device)
     out = torch.empty((rows, k, 2), device=cuda_device)
-    ws = torch.empty((rows, split, k, 2), device=cuda_device) if split > 1 else None
+    n_ws = sum(ix.launch_plan(rows, cols, k, cuda_device, split=split).levels)
+    ws = torch.empty((rows, n_ws, k, 2), device=cuda_device) if n_ws else None
     call = lambda: ix.indexer_topk_pack(s, lengths, k, 1, 2, 1, out=out, validate=False,  # noqa: E731
                                         split=split, workspace=ws)
     call()  # compile outside the capture
@@ -383,7 +395,8 @@ def test_gpu_validate_false_makes_no_host_sync(cuda_device, split):
     rows, cols, k = 8, 40000, 512
     s, lengths, starts = make_cases(rows, cols, 11, cuda_device, with_starts=True)
     out = torch.empty((rows, k, 2), device=cuda_device)
-    ws = torch.empty((rows, split, k, 2), device=cuda_device) if split > 1 else None
+    n_ws = sum(ix.launch_plan(rows, cols, k, cuda_device, split=split).levels)
+    ws = torch.empty((rows, n_ws, k, 2), device=cuda_device) if n_ws else None
     call = lambda: ix.indexer_topk_pack(s, lengths, k, 0, 2, 1, starts, out=out, validate=False,  # noqa: E731
                                         split=split, workspace=ws)
     call()  # compile first (compilation itself may synchronise)
