@@ -65,8 +65,10 @@ __all__ = [
     "commit_tile",
     "write_padding",
     "indexer_topk_pack_kernel",
+    "MAX_TILE",
     "LaunchPlan",
     "launch_plan",
+    "workspace_for",
     "indexer_topk_pack",
 ]
 
@@ -446,6 +448,21 @@ def launch_plan(
     return LaunchPlan(t, one, w, split, _split_levels(n_cols, k, split, tile or MAX_TILE))
 
 
+def workspace_for(
+    scores: torch.Tensor, k: int, *, split: int | None = None, tile: int | None = None
+) -> torch.Tensor | None:
+    """The ``workspace=`` buffer :func:`indexer_topk_pack` needs for ``scores`` and ``k`` (the same
+    ``split`` / ``tile``), or ``None`` when its plan does not split rows. Allocate it once, outside
+    a CUDA graph, and pass it on every call: the call then allocates nothing.
+
+    Returns:
+        float32 ``[T, sum(levels), k, 2]`` on ``scores``' device, or ``None``.
+    """
+    rows, cols = scores.shape
+    n = sum(launch_plan(rows, cols, k, scores.device, split=split, tile=tile).levels)
+    return torch.empty((rows, n, k, 2), dtype=torch.float32, device=scores.device) if n else None
+
+
 def indexer_topk_pack(
     scores: torch.Tensor,
     lengths: torch.Tensor | None,
@@ -484,8 +501,9 @@ def indexer_topk_pack(
             the kernel clamps each row's window on the device, so bad values never read out of
             bounds. When the shapes alone cannot rule out a global id ``>= 2**24``, the values are
             checked anyway: a lossy id must raise, not be packed silently.
-        workspace: float32 ``[T, S, k, 2]`` contiguous buffer for a split row (``S`` =
-            ``launch_plan(...).split``); allocated when needed and not given.
+        workspace: float32 ``[T, sum(levels), k, 2]`` contiguous buffer for split rows
+            (:func:`workspace_for` makes it; ``levels`` from :func:`launch_plan`); allocated when
+            needed and not given.
         split, radix_bits, tile, num_warps: tuning. ``split``: segments per row (``None``: see
             :func:`launch_plan`); ``radix_bits``: digit width, 10-13; ``tile``: keys per tile, a
             power of two (a row, or segment, of at most ``tile`` keys stays in registers);

@@ -250,8 +250,11 @@ def test_multi_level_split(kernel_device):
     s, lengths, starts = make_cases(4, 400, 12, kernel_device, with_starts=True)
     p = ix.launch_plan(4, 400, 4, kernel_device, split=12, tile=32)
     assert p.levels == (12, 2)  # 12 segments -> 48 candidates -> 2 segments -> 8 candidates
-    ws = torch.full((4, 14, 4, 2), 7.0, device=kernel_device)
+    ws = ix.workspace_for(s, 4, split=12, tile=32)
+    assert ws.shape == (4, 14, 4, 2)
+    ws.fill_(7.0)
     check(s, lengths, 4, 1, 2, 2, starts, split=12, tile=32, workspace=ws)
+    assert ix.workspace_for(s, 4) is None  # no split: no workspace
 
 
 BAD_INPUTS = [
@@ -369,8 +372,7 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split):
     rows, k = 32, 2048
     s, lengths, _ = make_cases(rows, cols, 7, cuda_device)
     out = torch.empty((rows, k, 2), device=cuda_device)
-    n_ws = sum(ix.launch_plan(rows, cols, k, cuda_device, split=split).levels)
-    ws = torch.empty((rows, n_ws, k, 2), device=cuda_device) if n_ws else None
+    ws = ix.workspace_for(s, k, split=split)
     call = lambda: ix.indexer_topk_pack(s, lengths, k, 1, 2, 1, out=out, validate=False,  # noqa: E731
                                         split=split, workspace=ws)
     call()  # compile outside the capture
@@ -395,8 +397,7 @@ def test_gpu_validate_false_makes_no_host_sync(cuda_device, split):
     rows, cols, k = 8, 40000, 512
     s, lengths, starts = make_cases(rows, cols, 11, cuda_device, with_starts=True)
     out = torch.empty((rows, k, 2), device=cuda_device)
-    n_ws = sum(ix.launch_plan(rows, cols, k, cuda_device, split=split).levels)
-    ws = torch.empty((rows, n_ws, k, 2), device=cuda_device) if n_ws else None
+    ws = ix.workspace_for(s, k, split=split)
     call = lambda: ix.indexer_topk_pack(s, lengths, k, 0, 2, 1, starts, out=out, validate=False,  # noqa: E731
                                         split=split, workspace=ws)
     call()  # compile first (compilation itself may synchronise)
