@@ -149,14 +149,15 @@ def row_histogram(
 def choose_bin(hist, need, NBINS: tl.constexpr):
     """The bin holding the ``need``-th largest key: ``(bin, keys in higher bins, keys in bin)``.
 
-    ``at_or_above[b]`` (keys in bins ``>= b``) never grows with ``b``, so the chosen bin is the
-    number of bins with ``at_or_above >= need``, minus one. Requires ``1 <= need <= sum(hist)``.
+    ``at_or_above[b]`` (keys in bins ``>= b``, a suffix sum) never grows with ``b``, so the chosen
+    bin is the number of bins with ``at_or_above >= need``, minus one. Requires
+    ``1 <= need <= sum(hist)``.
     """
-    bins = tl.arange(0, NBINS)
-    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    at_or_above = tl.cumsum(hist, 0, reverse=True)
     b = tl.sum((at_or_above >= need).to(tl.int32), 0) - 1
-    above = tl.sum(tl.where(bins > b, hist, 0), 0)
-    count = tl.sum(tl.where(bins == b, hist, 0), 0)
+    is_b = tl.arange(0, NBINS) == b
+    count = tl.sum(tl.where(is_b, hist, 0), 0)
+    above = tl.sum(tl.where(is_b, at_or_above, 0), 0) - count
     return b, above, count
 
 
