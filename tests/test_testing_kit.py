@@ -57,7 +57,9 @@ def select_ties_to_higher_id(gathered: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(out >= 0, (2**24 - 1) - out, out).to(torch.int32)
 
 
-def local_topk_off_by_one(scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None) -> torch.Tensor:
+def local_topk_off_by_one(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None
+) -> torch.Tensor:
     """Keys j <= lengths[t] instead of j < lengths[t] (bug), clamped to stay inside the tensor."""
     from dcp_ref.indexer import local_topk
 
@@ -65,8 +67,14 @@ def local_topk_off_by_one(scores: torch.Tensor, k: int, lengths: torch.Tensor, r
     return local_topk(scores, k, torch.minimum(lengths + 1, scores.shape[1] - starts), row_starts)
 
 
-def indexer_off_by_one(scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
-                       row_starts: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_off_by_one(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    row_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
     from dcp_ref.topk import pack_candidates
 
     g = geometry
@@ -74,16 +82,23 @@ def indexer_off_by_one(scores: torch.Tensor, lengths: torch.Tensor, geometry: Dc
     return pack_candidates(scores, ids, g.rank, g.world_size, g.interleave, row_starts)
 
 
-def pack_ignoring_interleave(scores: torch.Tensor, local_ids: torch.Tensor, rank: int, world_size: int, interleave: int,
-                             row_starts: torch.Tensor | None) -> torch.Tensor:
+def pack_ignoring_interleave(
+    scores: torch.Tensor,
+    local_ids: torch.Tensor,
+    rank: int,
+    world_size: int,
+    interleave: int,
+    row_starts: torch.Tensor | None,
+) -> torch.Tensor:
     """Global id j*W + rank, right only for I = 1 (bug)."""
     from dcp_ref.topk import pack_candidates
 
     return pack_candidates(scores, local_ids, rank, world_size, 1, row_starts)
 
 
-def deinterleave_dropping_last(global_ids: torch.Tensor, req_of_token: torch.Tensor, block_table: torch.Tensor,
-                               geometry: DcpGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+def deinterleave_dropping_last(
+    global_ids: torch.Tensor, req_of_token: torch.Tensor, block_table: torch.Tensor, geometry: DcpGeometry
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A compaction that loses the last slot of a row whose every id is local (bug)."""
     slots, counts = REFERENCE_STAGES.deinterleave(global_ids, req_of_token, block_table, geometry)
     slots, counts = slots.clone(), counts.clone()
@@ -93,8 +108,9 @@ def deinterleave_dropping_last(global_ids: torch.Tensor, req_of_token: torch.Ten
     return slots, counts
 
 
-def attention_base2_as_e(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                         sm_scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_base2_as_e(
+    q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, sm_scale: float, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns a base-2 LSE where base e is declared (bug)."""
     from dcp_ref.attention import sparse_mla_attention
 
@@ -116,8 +132,17 @@ def merge_base_e_math(partial: torch.Tensor, all_lse: torch.Tensor, rank: int) -
     return correct_partial(partial, all_lse, rank, "e")
 
 
-def step_attending_local_topk(group: Any, q: torch.Tensor, shard: Any, seq_lens: torch.Tensor, next_n: Any, topk: int,
-                              sm_scale: float, *, v_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def step_attending_local_topk(
+    group: Any,
+    q: torch.Tensor,
+    shard: Any,
+    seq_lens: torch.Tensor,
+    next_n: Any,
+    topk: int,
+    sm_scale: float,
+    *,
+    v_dim: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each rank attends to its own local top-k: no global selection (bug; see topk.union_counterexample)."""
     from dcp_ref.indexer import local_topk
     from dcp_ref.lse import dcp_merge_collective
@@ -126,8 +151,9 @@ def step_attending_local_topk(group: Any, q: torch.Tensor, shard: Any, seq_lens:
     g = shard.geometry
     meta = decode_metadata(seq_lens, next_n, g)
     ids = local_topk(shard.index_scores, topk, meta.local_bounds)
-    gid = torch.where(ids >= 0, (ids // g.interleave) * g.world_size * g.interleave + g.rank * g.interleave
-                      + ids % g.interleave, -1).to(torch.int32)
+    gid = torch.where(
+        ids >= 0, (ids // g.interleave) * g.world_size * g.interleave + g.rank * g.interleave + ids % g.interleave, -1
+    ).to(torch.int32)
     slots, counts = REFERENCE_STAGES.deinterleave(gid, meta.req_of_token, shard.block_table, g)
     out, lse = REFERENCE_STAGES.attention(q, shard.kv_cache, slots, counts, sm_scale, v_dim or q.shape[-1])
     return dcp_merge_collective(group, out, lse, "e")
@@ -215,8 +241,9 @@ def interp(kernel_device: torch.device) -> torch.device:
 def test_triton_pack_conforms(interp: torch.device) -> None:
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
-    check_pack(pack_candidates_triton, device=interp, dtypes=(torch.float32, torch.bfloat16, torch.float16),
-               max_examples=FAST)
+    check_pack(
+        pack_candidates_triton, device=interp, dtypes=(torch.float32, torch.bfloat16, torch.float16), max_examples=FAST
+    )
 
 
 @pytest.mark.parametrize("method,ordered", [("rowscan", True), ("twopass", True), ("atomic", False)])
@@ -224,8 +251,9 @@ def test_triton_deinterleave_conforms(interp: torch.device, method: str, ordered
     from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
 
     def fn(ids, req, table, g):  # type: ignore[no-untyped-def]
-        return deinterleave_compact(ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered,
-                                    method=method)
+        return deinterleave_compact(
+            ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered, method=method
+        )
 
     check_deinterleave(fn, ordered=ordered, device=interp, max_examples=FAST)
 
@@ -284,8 +312,13 @@ def test_cutedsl_select_conforms_on_gpu(cuda_device: torch.device, sorted_: bool
     from dcp_ref.kernels.topk_cutedsl import stable_topk_cutedsl
 
     # The kernel reads (score, id) as 8-byte words: contiguous input only (the stage wrapper makes it so).
-    check_select(lambda g, k: stable_topk_cutedsl(g, k, sorted=sorted_), sorted=sorted_, device=cuda_device,
-                 noncontig=False, max_examples=200)
+    check_select(
+        lambda g, k: stable_topk_cutedsl(g, k, sorted=sorted_),
+        sorted=sorted_,
+        device=cuda_device,
+        noncontig=False,
+        max_examples=200,
+    )
 
 
 @pytest.mark.gpu
@@ -296,14 +329,24 @@ def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
 
     check_pack(pack_candidates_triton, device=cuda_device, dtypes=(torch.float32, torch.bfloat16), max_examples=200)
     for method, ordered in (("rowscan", True), ("twopass", True), ("atomic", False)):
-        check_deinterleave(lambda i, r, t, g: deinterleave_compact(i, r, t, g.block_size, g.world_size, g.rank,
-                                                                   g.interleave, ordered=ordered, method=method),
-                           ordered=ordered, device=cuda_device, max_examples=200)
+        check_deinterleave(
+            lambda i, r, t, g, ordered=ordered, method=method: deinterleave_compact(
+                i, r, t, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered, method=method
+            ),
+            ordered=ordered,
+            device=cuda_device,
+            max_examples=200,
+        )
     for base in ("e", "2"):
-        check_merge(lambda p, lse, r: lse_correct(p, lse, r, base=base,
-                                                  merged_lse=torch.empty(p.shape[:2], dtype=torch.float32,
-                                                                         device=p.device)),
-                    lse_base=base, dtype=torch.bfloat16, device=cuda_device, max_examples=200)
+        check_merge(
+            lambda p, lse, r, base=base: lse_correct(
+                p, lse, r, base=base, merged_lse=torch.empty(p.shape[:2], dtype=torch.float32, device=p.device)
+            ),
+            lse_base=base,
+            dtype=torch.bfloat16,
+            device=cuda_device,
+            max_examples=200,
+        )
 
 
 @pytest.mark.gpu
@@ -314,8 +357,16 @@ def test_flashinfer_attention_conforms_on_gpu(cuda_device: torch.device) -> None
     def fn(q, kv, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
         return sparse_mla_flashinfer(q, kv, slots, counts, sm_scale, "e")
 
-    check_attention(fn, dtype=torch.bfloat16, head_dim=576, v_dim=512, num_heads=(16, 128), device=cuda_device,
-                    noncontig=False, max_examples=60)
+    check_attention(
+        fn,
+        dtype=torch.bfloat16,
+        head_dim=576,
+        v_dim=512,
+        num_heads=(16, 128),
+        device=cuda_device,
+        noncontig=False,
+        max_examples=60,
+    )
 
 
 @pytest.mark.gpu
@@ -327,17 +378,34 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     check_indexer(ks.indexer, device=cuda_device, max_examples=100)
     check_select(ks.select, device=cuda_device, max_examples=100)
     check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=100)
-    check_attention(ks.attention, dtype=torch.bfloat16, head_dim=576, v_dim=512, num_heads=128, slots_width=64,
-                    device=cuda_device, noncontig=False, max_examples=40)
+    check_attention(
+        ks.attention,
+        dtype=torch.bfloat16,
+        head_dim=576,
+        v_dim=512,
+        num_heads=128,
+        slots_width=64,
+        device=cuda_device,
+        noncontig=False,
+        max_examples=40,
+    )
     check_merge(ks.merge, dtype=torch.bfloat16, device=cuda_device, max_examples=100)
-    check_step(ks, device=cuda_device, dtype=torch.bfloat16, world_sizes=(2,), head_dim=576, v_dim=512,
-               heads_per_rank=64, max_examples=10)
+    check_step(
+        ks,
+        device=cuda_device,
+        dtype=torch.bfloat16,
+        world_sizes=(2,),
+        head_dim=576,
+        v_dim=512,
+        heads_per_rank=64,
+        max_examples=10,
+    )
 
 
 # ---- seeded bugs are caught, with a small reproducer that reproduces ------------------------------------
 def _run_reproducer(err: ConformanceError, **names: Any) -> dict[str, Any]:
     ns: dict[str, Any] = dict(names)
-    exec(compile(err.reproducer, "<reproducer>", "exec"), ns)  # noqa: S102 - the point is that it runs
+    exec(compile(err.reproducer, "<reproducer>", "exec"), ns)  # the point: the reproducer runs as printed
     return ns
 
 
@@ -522,22 +590,45 @@ def _capture(*args: Any, **kwargs: Any) -> tuple:
 
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and a.is_contiguous() == b.is_contiguous()
-                and bool(((a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else (a == b)).all()))
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.is_contiguous() == b.is_contiguous()
+            and bool(((a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else (a == b)).all())
+        )
     return a == b
 
 
-@pytest.mark.parametrize("strategy", [
-    dst.select_cases(with_out=True), dst.local_topk_cases(), dst.pack_cases(dtypes=(torch.bfloat16, torch.float32)),
-    dst.indexer_cases(with_out=True), dst.deinterleave_cases(with_out=True), dst.deinterleave_cases(compact=False),
-    dst.attention_cases(dtype=torch.bfloat16, with_out=True), dst.attention_cases(layout="masked", head_dim=40),
-    dst.merge_cases(with_out=True), dst.merge_cases(form="merge", dtype=torch.float16),
-], ids=["select", "local_topk", "pack", "indexer", "deinterleave", "masked", "attention", "attention-seeded", "merge",
-        "merge-all"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        dst.select_cases(with_out=True),
+        dst.local_topk_cases(),
+        dst.pack_cases(dtypes=(torch.bfloat16, torch.float32)),
+        dst.indexer_cases(with_out=True),
+        dst.deinterleave_cases(with_out=True),
+        dst.deinterleave_cases(compact=False),
+        dst.attention_cases(dtype=torch.bfloat16, with_out=True),
+        dst.attention_cases(layout="masked", head_dim=40),
+        dst.merge_cases(with_out=True),
+        dst.merge_cases(form="merge", dtype=torch.float16),
+    ],
+    ids=[
+        "select",
+        "local_topk",
+        "pack",
+        "indexer",
+        "deinterleave",
+        "masked",
+        "attention",
+        "attention-seeded",
+        "merge",
+        "merge-all",
+    ],
+)
 def test_the_reproducer_rebuilds_the_case_exactly(strategy: Any) -> None:
-    @settings(max_examples=15, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=15, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
     @given(strategy)
     def prop(case: dst.Case) -> None:
         ns = _run_reproducer_code(case.reproducer("_capture"))
@@ -551,7 +642,7 @@ def test_the_reproducer_rebuilds_the_case_exactly(strategy: Any) -> None:
 
 def _run_reproducer_code(code: str) -> dict[str, Any]:
     ns: dict[str, Any] = {"_capture": _capture}
-    exec(compile(code, "<reproducer>", "exec"), ns)  # noqa: S102
+    exec(compile(code, "<reproducer>", "exec"), ns)
     return ns
 
 
@@ -590,8 +681,9 @@ def test_public_strategies_in_a_users_own_test() -> None:
 # ---- the oracle ---------------------------------------------------------------------------------------
 def test_oracle_select_by_hand() -> None:
     # rank 0: (1.0, id 5), (nan, id 0); rank 1: (1.0, id 2), (-0.0, id 7); one invalid (+inf, -1)
-    g = torch.tensor([[[[1.0, 5.0], [math.nan, 0.0], [INF, -1.0]]],
-                      [[[1.0, 2.0], [-0.0, 7.0], [0.0, 3.0]]]], dtype=torch.float32)
+    g = torch.tensor(
+        [[[[1.0, 5.0], [math.nan, 0.0], [INF, -1.0]]], [[[1.0, 2.0], [-0.0, 7.0], [0.0, 3.0]]]], dtype=torch.float32
+    )
     assert oracle.select(g, 4).tolist() == [[2, 5, 3, 7]]  # ties: lower id first; -0.0 == +0.0
     assert oracle.select(g, 6).tolist() == [[2, 5, 3, 7, -1, -1]]
 
@@ -611,9 +703,18 @@ def test_oracle_decode_equals_the_single_device_oracle(w: int, i: int, next_n: i
 
     p = make_dcp_problem(w, i, seq_lens=[13, 5, 22], next_n=next_n, block_size=2 * i, seed=w)
     ref_out, ref_lse, ref_ids = single_device_decode(p, 6, 0.3)
-    got = oracle.decode(p.q, [s.kv_cache for s in p.shards], [s.block_table for s in p.shards],
-                        [s.index_scores for s in p.shards], p.seq_lens, p.next_n, 6, 0.3, block_size=p.block_size,
-                        interleave=i)
+    got = oracle.decode(
+        p.q,
+        [s.kv_cache for s in p.shards],
+        [s.block_table for s in p.shards],
+        [s.index_scores for s in p.shards],
+        p.seq_lens,
+        p.next_n,
+        6,
+        0.3,
+        block_size=p.block_size,
+        interleave=i,
+    )
     assert torch.equal(got.ids, ref_ids)
     torch.testing.assert_close(got.out, ref_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got.lse, ref_lse, rtol=1e-12, atol=1e-12)
@@ -625,8 +726,18 @@ def test_oracle_decode_on_a_users_own_tensors_and_the_runner() -> None:
     """make_step_problem's shards through the oracle agree with the reference step on 3 ranks."""
     scores = [[0.5, 0.5, -0.0, INF, math.nan, 1.0, 0.0]]
     p = make_step_problem(3, 1, 2, [7], 1, scores, num_heads=3, head_dim=4, topk=4, seed=1)
-    ref = oracle.decode(p.q, p.kv_caches, p.block_tables, p.index_scores, p.seq_lens, p.next_n, p.topk, p.sm_scale,
-                        block_size=p.block_size, interleave=p.interleave)
+    ref = oracle.decode(
+        p.q,
+        p.kv_caches,
+        p.block_tables,
+        p.index_scores,
+        p.seq_lens,
+        p.next_n,
+        p.topk,
+        p.sm_scale,
+        block_size=p.block_size,
+        interleave=p.interleave,
+    )
     assert ref.ids.tolist() == [[3, 5, 0, 1]]
     out, lse = run_step_problem(p, REFERENCE_STAGES)
     torch.testing.assert_close(out.double(), ref.out)
@@ -645,8 +756,9 @@ def test_oracle_rejects_a_key_without_a_block() -> None:
 
 # ---- packaging: lazy hypothesis, the plugin, the command line -----------------------------------------
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, **env}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=300
+    )
 
 
 def test_import_dcp_ref_does_not_import_hypothesis_and_the_oracle_does_not_need_it() -> None:
@@ -668,7 +780,8 @@ def test_import_dcp_ref_does_not_import_hypothesis_and_the_oracle_does_not_need_
 
 
 def test_the_pytest_plugin_in_a_users_suite(tmp_path: Path) -> None:
-    (tmp_path / "test_user.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_user.py").write_text(
+        textwrap.dedent("""
         import torch
         from dcp_ref.topk import stable_topk
 
@@ -684,29 +797,81 @@ def test_the_pytest_plugin_in_a_users_suite(tmp_path: Path) -> None:
 
         def test_my_wrong_select(dcp_conformance):
             dcp_conformance.select(my_wrong_topk)
-    """))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "dcp_ref.testing.plugin", "--dcp-max-examples", "10", "-q",
-                        "-p", "no:cacheprovider", str(tmp_path / "test_user.py")],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    """)
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "dcp_ref.testing.plugin",
+            "--dcp-max-examples",
+            "10",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_user.py"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert "1 failed, 1 passed" in r.stdout, r.stdout + r.stderr
     assert "Reproducer:" in r.stdout and "got = my_wrong_topk(gathered, k)" in r.stdout
 
 
 def test_the_command_line(tmp_path: Path) -> None:
-    ok = subprocess.run([sys.executable, "-m", "dcp_ref.testing", "dcp_ref.topk:stable_topk", "--stage", "select",
-                         "--sorted", "--max-examples", "10"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dcp_ref.testing",
+            "dcp_ref.topk:stable_topk",
+            "--stage",
+            "select",
+            "--sorted",
+            "--max-examples",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("PASS: dcp_ref.topk:stable_topk conforms"), ok.stdout + ok.stderr
-    (tmp_path / "user_kernels.py").write_text(textwrap.dedent("""
+    (tmp_path / "user_kernels.py").write_text(
+        textwrap.dedent("""
         import math, torch
         def attention(q, kv_cache, slots, counts, sm_scale, v_dim):
             from dcp_ref.attention import sparse_mla_attention
             o, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, v_dim=v_dim)
             return o, lse / math.log(2)
-    """))
-    bad = subprocess.run([sys.executable, "-m", "dcp_ref.testing", "user_kernels:attention", "--stage", "attention",
-                          "--max-examples", "10"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    """)
+    )
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dcp_ref.testing",
+            "user_kernels:attention",
+            "--stage",
+            "attention",
+            "--max-examples",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert bad.returncode == 1 and "declare lse_base='2'" in bad.stdout, bad.stdout + bad.stderr
-    usage = subprocess.run([sys.executable, "-m", "dcp_ref.testing", "user_kernels:attention", "--stage", "nope"],
-                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    usage = subprocess.run(
+        [sys.executable, "-m", "dcp_ref.testing", "user_kernels:attention", "--stage", "nope"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert usage.returncode == 2 and "--stage" in usage.stderr

@@ -51,9 +51,23 @@ __all__ = [
 ]
 
 _FROM = {
-    **{n: "checks" for n in ("ConformanceError", "check_indexer", "check_local_topk", "check_pack", "check_select",
-                             "check_deinterleave", "check_attention", "check_merge", "check_step", "check_stages",
-                             "run_step_problem", "tolerance")},
+    **{
+        n: "checks"
+        for n in (
+            "ConformanceError",
+            "check_indexer",
+            "check_local_topk",
+            "check_pack",
+            "check_select",
+            "check_deinterleave",
+            "check_attention",
+            "check_merge",
+            "check_step",
+            "check_stages",
+            "run_step_problem",
+            "tolerance",
+        )
+    },
     **{n: "strategies" for n in ("noncontiguous", "make_step_problem", "StepProblem")},
 }
 

@@ -18,29 +18,42 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 STAGES = ("indexer", "local_topk", "pack", "select", "deinterleave", "attention", "merge", "step", "stages")
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dcp_ref.testing", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dcp_ref.testing",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("target", help="MODULE:NAME of the callable (or Stages value), e.g. my_kernels:topk")
     p.add_argument("--stage", required=True, choices=STAGES, help="which contract to check")
     p.add_argument("--device", default="cpu", help="where the inputs live (default cpu)")
-    p.add_argument("--dtype", choices=_DTYPES, help="input dtype (attention: q/KV; merge: partials; step: q/KV; "
-                                                    "pack: the scores)")
+    p.add_argument(
+        "--dtype", choices=_DTYPES, help="input dtype (attention: q/KV; merge: partials; step: q/KV; pack: the scores)"
+    )
     p.add_argument("--sorted", action="store_true", help="select / indexer / local_topk: require the key order")
     p.add_argument("--presorted", action="store_true", help="select: feed per-rank lists sorted best first")
     p.add_argument("--ordered", action="store_true", help="deinterleave: valid slots in id order")
     p.add_argument("--masked", action="store_true", help="deinterleave / attention: the masked layout (no compaction)")
     p.add_argument("--lse-base", choices=("e", "2"), default="e", help="attention / merge: the LSE's base")
-    p.add_argument("--empty-lse", choices=("-inf", "+inf", "nan", "any"), default="-inf",
-                   help="attention: the LSE of a row with no slot")
-    p.add_argument("--form", choices=("correct", "merge"), default="correct", help="merge: one rank's correction "
-                                                                                   "or all partials at once")
+    p.add_argument(
+        "--empty-lse",
+        choices=("-inf", "+inf", "nan", "any"),
+        default="-inf",
+        help="attention: the LSE of a row with no slot",
+    )
+    p.add_argument(
+        "--form",
+        choices=("correct", "merge"),
+        default="correct",
+        help="merge: one rank's correction or all partials at once",
+    )
     p.add_argument("--head-dim", type=int, help="attention / step: fix Dqk (e.g. 576)")
     p.add_argument("--v-dim", type=int, help="attention / step: fix the value width (e.g. 512)")
     p.add_argument("--num-heads", type=int, help="attention: fix H")
@@ -82,8 +95,15 @@ def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
     if s == "deinterleave":
         kw.update(ordered=a.ordered, compact=not a.masked, **nc)
     if s == "attention":
-        kw.update(lse_base=a.lse_base, empty_lse=a.empty_lse, layout="masked" if a.masked else "compact",
-                  head_dim=a.head_dim, v_dim=a.v_dim, num_heads=a.num_heads, **nc)
+        kw.update(
+            lse_base=a.lse_base,
+            empty_lse=a.empty_lse,
+            layout="masked" if a.masked else "compact",
+            head_dim=a.head_dim,
+            v_dim=a.v_dim,
+            num_heads=a.num_heads,
+            **nc,
+        )
         if dtype is not None:
             kw["dtype"] = dtype
     if s == "merge":

@@ -37,8 +37,9 @@ import inspect
 import math
 import sys
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
@@ -121,7 +122,12 @@ def _fn_ref(fn: Callable) -> tuple[str, str]:
     if not (isinstance(name, str) and name.isidentifier()):
         return "fn", "# fn = <your implementation>"
     mod = getattr(fn, "__module__", None)
-    if mod and mod != "__main__" and getattr(fn, "__qualname__", None) == name and getattr(sys.modules.get(mod), name, None) is fn:
+    if (
+        mod
+        and mod != "__main__"
+        and getattr(fn, "__qualname__", None) == name
+        and getattr(sys.modules.get(mod), name, None) is fn
+    ):
         return name, f"from {mod} import {name}"
     return name, ""
 
@@ -218,13 +224,15 @@ def _run(
     n_examples = DEFAULT_MAX_EXAMPLES if max_examples is None else int(max_examples)
     if n_examples < 1:
         raise ValueError(f"max_examples must be >= 1, got {max_examples}")
-    state = {"calls": 0, "first_fail": None}
+    calls = 0
+    first_fail: int | None = None
     failing: set[str] = set()
 
     def prop(case: Case) -> None:
-        state["calls"] += 1
+        nonlocal calls, first_fail
+        calls += 1
         key = None
-        if state["first_fail"] is not None and state["calls"] - state["first_fail"] > shrink_budget:
+        if first_fail is not None and calls - first_fail > shrink_budget:
             # Shrink budget spent: only replay failures already seen (Hypothesis then keeps the best so far).
             key = repr(case)
             if key not in failing:
@@ -232,8 +240,8 @@ def _run(
         try:
             evaluate(case)
         except _Mismatch:
-            if state["first_fail"] is None:
-                state["first_fail"] = state["calls"]
+            if first_fail is None:
+                first_fail = calls
             failing.add(key or repr(case))
             raise
 
@@ -266,7 +274,7 @@ def _run(
     code = mismatch.case.reproducer(name, device, imp)
     if expected_code is not None:
         code += "\n" + expected_code(mismatch.case)
-    raise ConformanceError(stage, conventions, code, mismatch.message, mismatch.case, state["calls"]) from None
+    raise ConformanceError(stage, conventions, code, mismatch.message, mismatch.case, calls) from None
 
 
 def _conv(**kw: Any) -> str:
@@ -293,8 +301,10 @@ def _row_diff(t: int, got: list[int], exp: list[int], ordered: bool, what: str =
     missing = sorted(set(exp) - set(valid))
     extra = sorted(set(valid) - set(exp))
     dup = sorted({x for x in valid if valid.count(x) > 1})
-    parts = [f"row {t}: got {got}, expected {exp + [-1] * len(tail)}"
-             + ("" if ordered else f" ({'any order of the first ' + str(n) if n else 'no valid ' + what}, -1 after)")]
+    parts = [
+        f"row {t}: got {got}, expected {exp + [-1] * len(tail)}"
+        + ("" if ordered else f" ({'any order of the first ' + str(n) if n else 'no valid ' + what}, -1 after)")
+    ]
     if missing:
         parts.append(f"missing {what} {missing}")
     if extra:
@@ -315,7 +325,9 @@ def _rows_diff(got: torch.Tensor, exp: list[list[int]], ordered: bool, what: str
     return out[:limit]
 
 
-def _check_shape_dtype(got: torch.Tensor, shape: tuple[int, ...], dtypes: Sequence[torch.dtype], what: str, case: Case) -> None:
+def _check_shape_dtype(
+    got: torch.Tensor, shape: tuple[int, ...], dtypes: Sequence[torch.dtype], what: str, case: Case
+) -> None:
     if tuple(got.shape) != tuple(shape):
         raise _Mismatch(case, f"{what} has shape {tuple(got.shape)}, expected {tuple(shape)}")
     if got.dtype not in dtypes:
@@ -342,8 +354,10 @@ def _tie_hint(case: Case, rows: list[str], got: torch.Tensor, exp: list[list[int
             for x in sorted(set(valid) - set(e)):
                 sm, sx = score.get((t, m)), score.get((t, x))
                 if sm is not None and sm == sx:
-                    return (f"\n  hint: ids {m} and {x} tie at score {sm}; the stable order keeps the LOWER global id "
-                            f"({min(m, x)})")
+                    return (
+                        f"\n  hint: ids {m} and {x} tie at score {sm}; the stable order keeps the LOWER global id "
+                        f"({min(m, x)})"
+                    )
     return ""
 
 
@@ -377,8 +391,13 @@ def check_select(
     """
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
-    strategy = S.select_cases(max_world=max_world, max_candidates=max_candidates, presorted=presorted,
-                              noncontig=noncontig, with_out=_with_out(fn, out_buffers))
+    strategy = S.select_cases(
+        max_world=max_world,
+        max_candidates=max_candidates,
+        presorted=presorted,
+        noncontig=noncontig,
+        with_out=_with_out(fn, out_buffers),
+    )
 
     def evaluate(case: Case) -> None:
         call = _invoke(fn, case, dev)
@@ -395,8 +414,18 @@ def check_select(
         exp = oracle.select(case.values["gathered"], case.values["k"]).tolist()
         return f"expected = {exp}  # {'in this order' if sorted else 'valid ids in any order, then -1'}"
 
-    _run("select", _conv(sorted=sorted, presorted=presorted, device=dev), fn, strategy, evaluate, device=dev,
-         max_examples=max_examples, seed=seed, shrink_budget=shrink_budget, expected_code=expected)
+    _run(
+        "select",
+        _conv(sorted=sorted, presorted=presorted, device=dev),
+        fn,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
 
 
 # ---- local top-K / indexer / pack ---------------------------------------------------------------
@@ -436,13 +465,25 @@ def check_local_topk(
         v = case.values
         return f"expected = {oracle.local_topk(v['scores'], v['k'], v['lengths'], v['row_starts']).tolist()}"
 
-    _run("local_topk", _conv(sorted=sorted, device=dev, dtype=str(dtype).replace("torch.", "")), fn, strategy, evaluate, device=dev,
-         max_examples=max_examples, seed=seed, shrink_budget=shrink_budget, expected_code=expected)
+    _run(
+        "local_topk",
+        _conv(sorted=sorted, device=dev, dtype=str(dtype).replace("torch.", "")),
+        fn,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
 
 
 def _pairs(packed: torch.Tensor, t: int) -> list[tuple[float, int]]:
-    return [(float(packed[t, j, 0]), -1 if math.isnan(float(packed[t, j, 1])) else int(packed[t, j, 1]))
-            for j in range(packed.shape[1])]
+    return [
+        (float(packed[t, j, 0]), -1 if math.isnan(float(packed[t, j, 1])) else int(packed[t, j, 1]))
+        for j in range(packed.shape[1])
+    ]
 
 
 def _fmt_pair(p: tuple[float, int]) -> str:
@@ -486,8 +527,10 @@ def check_pack(
             g, e = _pairs(got, t), _pairs(exp, t)
             for j in range(K):
                 if not _pair_eq(g[j], e[j]):
-                    diffs.append(f"[{t}, {j}] (local id {int(v['local_ids'][t, j])}): got {_fmt_pair(g[j])}, "
-                                 f"expected {_fmt_pair(e[j])}")
+                    diffs.append(
+                        f"[{t}, {j}] (local id {int(v['local_ids'][t, j])}): got {_fmt_pair(g[j])}, "
+                        f"expected {_fmt_pair(e[j])}"
+                    )
         if diffs:
             raise _Mismatch(case, "  (score, global id) differs at\n  " + "\n  ".join(diffs[:4]))
 
@@ -496,8 +539,18 @@ def check_pack(
         e = oracle.pack(v["scores"], v["local_ids"], v["rank"], v["world_size"], v["interleave"], v["row_starts"])
         return f"expected = {S.tensor_literal(e)}"
 
-    _run("pack", _conv(device=dev, dtypes=[str(d).replace('torch.', '') for d in dtypes]), fn, strategy, evaluate,
-         device=dev, max_examples=max_examples, seed=seed, shrink_budget=shrink_budget, expected_code=expected)
+    _run(
+        "pack",
+        _conv(device=dev, dtypes=[str(d).replace("torch.", "") for d in dtypes]),
+        fn,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
 
 
 def check_indexer(
@@ -521,12 +574,15 @@ def check_indexer(
     """
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
-    strategy = S.indexer_cases(max_world=max_world, index_dtypes=index_dtypes, noncontig=noncontig,
-                               with_out=_with_out(fn, out_buffers))
+    strategy = S.indexer_cases(
+        max_world=max_world, index_dtypes=index_dtypes, noncontig=noncontig, with_out=_with_out(fn, out_buffers)
+    )
 
     def oracle_of(case: Case) -> torch.Tensor:
         v, g = case.values, case.values["geometry"]
-        return oracle.indexer(v["scores"], v["lengths"], v["k"], g.rank, g.world_size, g.interleave, v.get("row_starts"))
+        return oracle.indexer(
+            v["scores"], v["lengths"], v["k"], g.rank, g.world_size, g.interleave, v.get("row_starts")
+        )
 
     def evaluate(case: Case) -> None:
         call = _invoke(fn, case, dev)
@@ -544,20 +600,35 @@ def check_indexer(
                 ok = all(_pair_eq(a, b) for a, b in zip(g, e))
             else:
                 gv = [p for p in g if not _pair_eq(p, pad)]
-                ok = len(gv) == len(ev) and all(any(_pair_eq(a, b) for b in ev) for a in gv) and \
-                    len({p[1] for p in gv}) == len(gv)
+                ok = (
+                    len(gv) == len(ev)
+                    and all(any(_pair_eq(a, b) for b in ev) for a in gv)
+                    and len({p[1] for p in gv}) == len(gv)
+                )
             if not ok:
-                diffs.append(f"row {t}: got {[_fmt_pair(p) for p in g]}, expected "
-                             f"{[_fmt_pair(p) for p in e]}" + ("" if sorted else " (the valid pairs in any positions, "
-                                                                 "every other entry (-inf, -1))"))
+                diffs.append(
+                    f"row {t}: got {[_fmt_pair(p) for p in g]}, expected "
+                    f"{[_fmt_pair(p) for p in e]}"
+                    + ("" if sorted else " (the valid pairs in any positions, every other entry (-inf, -1))")
+                )
         if diffs:
             raise _Mismatch(case, "  " + "\n  ".join(diffs[:3]))
 
     def expected(case: Case) -> str:
         return f"expected = {S.tensor_literal(oracle_of(case))}"
 
-    _run("indexer", _conv(sorted=sorted, device=dev), fn, strategy, evaluate, device=dev, max_examples=max_examples,
-         seed=seed, shrink_budget=shrink_budget, expected_code=expected)
+    _run(
+        "indexer",
+        _conv(sorted=sorted, device=dev),
+        fn,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
 
 
 # ---- de-interleave ------------------------------------------------------------------------------
@@ -586,13 +657,19 @@ def check_deinterleave(
     """
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
-    strategy = S.deinterleave_cases(max_world=max_world, index_dtype=index_dtype, compact=compact, noncontig=noncontig,
-                                    with_out=_with_out(fn, out_buffers, "out_slots"))
+    strategy = S.deinterleave_cases(
+        max_world=max_world,
+        index_dtype=index_dtype,
+        compact=compact,
+        noncontig=noncontig,
+        with_out=_with_out(fn, out_buffers, "out_slots"),
+    )
 
     def oracle_of(case: Case) -> torch.Tensor:
         v, g = case.values, case.values["geometry"]
-        return oracle.deinterleave(v["global_ids"], v["req_of_token"], v["block_table"], g.block_size, g.world_size,
-                                   g.rank, g.interleave)
+        return oracle.deinterleave(
+            v["global_ids"], v["req_of_token"], v["block_table"], g.block_size, g.world_size, g.rank, g.interleave
+        )
 
     def evaluate(case: Case) -> None:
         call = _invoke(fn, case, dev)
@@ -610,7 +687,9 @@ def check_deinterleave(
         else:
             for t in range(T):
                 if slots[t].tolist() != masked[t].tolist():
-                    diffs.append(f"row {t}: got {slots[t].tolist()}, expected {masked[t].tolist()} (position by position)")
+                    diffs.append(
+                        f"row {t}: got {slots[t].tolist()}, expected {masked[t].tolist()} (position by position)"
+                    )
         for t in range(T):
             n = int((masked[t] >= 0).sum())
             if int(counts[t]) != n:
@@ -621,12 +700,24 @@ def check_deinterleave(
     def expected(case: Case) -> str:
         m = oracle_of(case)
         if compact:
-            return (f"expected_slots = {_valid_rows(m)}  # per row, {'in this order' if ordered else 'any order'}, "
-                    f"then -1\nexpected_counts = {(m >= 0).sum(1).tolist()}")
+            return (
+                f"expected_slots = {_valid_rows(m)}  # per row, {'in this order' if ordered else 'any order'}, "
+                f"then -1\nexpected_counts = {(m >= 0).sum(1).tolist()}"
+            )
         return f"expected_slots = {m.tolist()}\nexpected_counts = {(m >= 0).sum(1).tolist()}"
 
-    _run("deinterleave", _conv(compact=compact, ordered=ordered, device=dev), fn, strategy, evaluate, device=dev,
-         max_examples=max_examples, seed=seed, shrink_budget=shrink_budget, expected_code=expected)
+    _run(
+        "deinterleave",
+        _conv(compact=compact, ordered=ordered, device=dev),
+        fn,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -706,17 +797,25 @@ def check_attention(
     if layout not in ("compact", "masked"):
         raise ValueError(f"layout must be 'compact' or 'masked', got {layout!r}")
     dev = _dev(device)
-    strategy = S.attention_cases(dtype=dtype, num_heads=num_heads, head_dim=head_dim, v_dim=v_dim,
-                                 slots_width=slots_width, layout=layout,
-                                 noncontig=noncontig, with_out=_with_out(fn, out_buffers))
+    strategy = S.attention_cases(
+        dtype=dtype,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        v_dim=v_dim,
+        slots_width=slots_width,
+        layout=layout,
+        noncontig=noncontig,
+        with_out=_with_out(fn, out_buffers),
+    )
 
     def evaluate(case: Case) -> None:
         v = case.values
         call = _invoke(fn, case, dev)
         out, lse = _tuple2(call.result, ("out", "lse"), case)
         T, H, D = v["q"].shape
-        _check_shape_dtype(out, (T, H, v["v_dim"]), (torch.float16, torch.bfloat16, torch.float32, torch.float64),
-                           "out", case)
+        _check_shape_dtype(
+            out, (T, H, v["v_dim"]), (torch.float16, torch.bfloat16, torch.float32, torch.float64), "out", case
+        )
         _check_shape_dtype(lse, (T, H), (torch.float16, torch.bfloat16, torch.float32, torch.float64), "lse", case)
         out = _written(call, "out", out, case)
         lse = _written(call, "out_lse", lse, case)
@@ -735,24 +834,29 @@ def check_attention(
         empty = (v["counts"] == 0) if layout == "compact" else (v["slots"] < 0).all(1)
         diffs = []
         ok_out = _close(out, e_out, vmax * (tol + 8 * eps * smax), tol)
-        lse_tol = (rtol if rtol is not None else tolerance(lse.dtype if lse.dtype != torch.float64 else dtype))
+        lse_tol = rtol if rtol is not None else tolerance(lse.dtype if lse.dtype != torch.float64 else dtype)
         ok_lse = _close(lse_e, e_lse, lse_tol + 8 * eps * smax, lse_tol)
         for t in range(T):
             if bool(empty[t]):
                 ok_lse[t] = True
                 bad = [h for h in range(H) if not _empty_ok(float(lse[t, h]), empty_lse)]
                 if bad:
-                    diffs.append(f"lse[{t}, {bad[0]}] = {S._num(float(lse[t, bad[0]]), True)} for an empty row "
-                                 f"(counts[{t}] == 0), expected {empty_lse}")
+                    diffs.append(
+                        f"lse[{t}, {bad[0]}] = {S._num(float(lse[t, bad[0]]), True)} for an empty row "
+                        f"(counts[{t}] == 0), expected {empty_lse}"
+                    )
                 if empty_out == "any":
                     ok_out[t] = True
                 elif not bool((out[t] == 0).all()):
                     ok_out[t] = True
-                    diffs.append(f"out[{t}] is not exactly 0 for an empty row (got values like "
-                                 f"{S._num(float(out[t][out[t] != 0].reshape(-1)[0]), True)})")
+                    diffs.append(
+                        f"out[{t}] is not exactly 0 for an empty row (got values like "
+                        f"{S._num(float(out[t][out[t] != 0].reshape(-1)[0]), True)})"
+                    )
         diffs += _worst(ok_out, out, e_out, "out")
-        diffs += _worst(ok_lse, lse_e if lse_base == "e" else lse, e_lse if lse_base == "e" else e_lse / math.log(2.0),
-                        "lse")
+        diffs += _worst(
+            ok_lse, lse_e if lse_base == "e" else lse, e_lse if lse_base == "e" else e_lse / math.log(2.0), "lse"
+        )
         if diffs:
             hint = ""
             ne = ~empty
@@ -768,16 +872,35 @@ def check_attention(
 
     def expected(case: Case) -> str:
         c = "counts" if layout == "compact" else "None"
-        lines = ["from dcp_ref.testing import oracle",
-                 f"expected_out, expected_lse = oracle.attention(q, kv_cache, slots, {c}, sm_scale, v_dim)  # float64, base e"]
+        lines = [
+            "from dcp_ref.testing import oracle",
+            f"expected_out, expected_lse = oracle.attention(q, kv_cache, slots, {c}, sm_scale, v_dim)"
+            "  # float64, base e",
+        ]
         if lse_base == "2":
             lines.append("expected_lse = expected_lse / 0.6931471805599453  # in base 2, as declared")
         return "\n".join(lines)
 
-    conv = _conv(lse_base=lse_base, empty_lse=empty_lse, empty_out=empty_out, layout=layout, device=dev,
-                 dtype=str(dtype).replace("torch.", ""))
-    _run("attention", conv, fn, strategy, evaluate, device=dev, max_examples=max_examples, seed=seed,
-         shrink_budget=shrink_budget, expected_code=expected)
+    conv = _conv(
+        lse_base=lse_base,
+        empty_lse=empty_lse,
+        empty_out=empty_out,
+        layout=layout,
+        device=dev,
+        dtype=str(dtype).replace("torch.", ""),
+    )
+    _run(
+        "attention",
+        conv,
+        fn,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
 
 
 # ---- merge --------------------------------------------------------------------------------------
@@ -810,8 +933,9 @@ def check_merge(
     if form not in ("correct", "merge"):
         raise ValueError(f"form must be 'correct' or 'merge', got {form!r}")
     dev = _dev(device)
-    strategy = S.merge_cases(max_world=max_world, dtype=dtype, form=form, noncontig=noncontig,
-                             with_out=_with_out(fn, out_buffers))
+    strategy = S.merge_cases(
+        max_world=max_world, dtype=dtype, form=form, noncontig=noncontig, with_out=_with_out(fn, out_buffers)
+    )
 
     def oracle_of(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         v = case.values
@@ -826,9 +950,12 @@ def check_merge(
         parts = v["outs"] if form == "merge" else v["partial"]
         lses = v["lses"] if form == "merge" else v["all_lse"]
         shape = tuple(parts.shape[-3:])
-        _check_shape_dtype(out, shape, (torch.float16, torch.bfloat16, torch.float32, torch.float64), "the output", case)
-        _check_shape_dtype(lse, shape[:2], (torch.float16, torch.bfloat16, torch.float32, torch.float64), "merged_lse",
-                           case)
+        _check_shape_dtype(
+            out, shape, (torch.float16, torch.bfloat16, torch.float32, torch.float64), "the output", case
+        )
+        _check_shape_dtype(
+            lse, shape[:2], (torch.float16, torch.bfloat16, torch.float32, torch.float64), "merged_lse", case
+        )
         out = _written(call, "out", out, case)
         lse = _written(call, "out_lse", lse, case)
         e_out, e_lse = oracle_of(case)
@@ -841,22 +968,38 @@ def check_merge(
         ok_out = _close(out, e_out, pmax * (tol + 8 * eps * (1 + lmax)), tol)
         lse_tol = rtol if rtol is not None else tolerance(lse.dtype if lse.dtype != torch.float64 else torch.float32)
         ok_lse = _close(lse, e_lse, lse_tol + 8 * eps * (1 + lmax), lse_tol)
-        diffs = _worst(ok_out, out, e_out, "out" if form == "merge" else "corrected") + _worst(ok_lse, lse, e_lse, "merged_lse")
+        diffs = _worst(ok_out, out, e_out, "out" if form == "merge" else "corrected") + _worst(
+            ok_lse, lse, e_lse, "merged_lse"
+        )
         if diffs:
             hint = ""
             nan_leak = torch.isnan(out.double()) & ~torch.isnan(e_out)
             if bool(nan_leak.any()):
-                hint = ("\n  hint: NaN where the expected value is finite: an empty rank's (lse = -inf) partial was "
-                        "multiplied by its zero weight (0 * NaN = NaN); select it away instead")
+                hint = (
+                    "\n  hint: NaN where the expected value is finite: an empty rank's (lse = -inf) partial was "
+                    "multiplied by its zero weight (0 * NaN = NaN); select it away instead"
+                )
             raise _Mismatch(case, "  " + "\n  ".join(diffs[:6]) + hint)
 
     def expected(case: Case) -> str:
-        call = ("oracle.merge(outs, lses, " if form == "merge" else "oracle.correct(partial, all_lse, rank, ") + f"base={lse_base!r})"
+        call = (
+            "oracle.merge(outs, lses, " if form == "merge" else "oracle.correct(partial, all_lse, rank, "
+        ) + f"base={lse_base!r})"
         return f"from dcp_ref.testing import oracle\nexpected_out, expected_lse = {call}  # float64"
 
     conv = _conv(form=form, lse_base=lse_base, device=dev, dtype=str(dtype).replace("torch.", ""))
-    _run("merge", conv, fn, strategy, evaluate, device=dev, max_examples=max_examples, seed=seed,
-         shrink_budget=shrink_budget, expected_code=expected)
+    _run(
+        "merge",
+        conv,
+        fn,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
 
 
 # ---- the whole step -----------------------------------------------------------------------------
@@ -873,8 +1016,9 @@ def _as_stages(impl: Any) -> Any:
     return None
 
 
-def run_step_problem(problem: S.StepProblem, impl: Any, device: torch.device | str = "cpu",
-                     traces: list[dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_step_problem(
+    problem: S.StepProblem, impl: Any, device: torch.device | str = "cpu", traces: list[dict] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a step on every rank of a :class:`~dcp_ref.group.SimulatedWorld` and reassemble the heads.
 
     ``impl``: a :class:`~dcp_ref.stages.Stages` (or a dict ``{stage: callable}`` over the reference),
@@ -892,14 +1036,17 @@ def run_step_problem(problem: S.StepProblem, impl: Any, device: torch.device | s
     q = p.q.to(dev)
     seq_lens = p.seq_lens.to(dev)
     next_n = p.next_n.to(dev) if isinstance(p.next_n, torch.Tensor) else p.next_n
-    shards = [RankShard(p.kv_caches[r].to(dev), p.block_tables[r].to(dev), p.index_scores[r].to(dev), p.geometry(r))
-              for r in range(W)]
+    shards = [
+        RankShard(p.kv_caches[r].to(dev), p.block_tables[r].to(dev), p.index_scores[r].to(dev), p.geometry(r))
+        for r in range(W)
+    ]
     trs = traces if traces is not None else [None] * W
 
     def one(group: Any, shard: Any, trace: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
         if stages is not None:
-            o, l = dcp_decode_step(group, q, shard, seq_lens, next_n, p.topk, p.sm_scale, v_dim=p.v_dim, stages=stages,
-                                   trace=trace)
+            o, l = dcp_decode_step(
+                group, q, shard, seq_lens, next_n, p.topk, p.sm_scale, v_dim=p.v_dim, stages=stages, trace=trace
+            )
         else:
             o, l = impl(group, q, shard, seq_lens, next_n, p.topk, p.sm_scale, v_dim=p.v_dim)
         return o.detach().cpu().clone(), l.detach().cpu().clone()
@@ -942,8 +1089,14 @@ def check_step(
     stages = _as_stages(impl)
     if stages is None and not callable(impl):
         raise TypeError(f"impl must be a Stages value, a dict of stages or a step callable, got {type(impl).__name__}")
-    strategy = S.step_cases(max_world=max_world, world_sizes=world_sizes, head_dim=head_dim, v_dim=v_dim,
-                            heads_per_rank=heads_per_rank, dtype=dtype)
+    strategy = S.step_cases(
+        max_world=max_world,
+        world_sizes=world_sizes,
+        head_dim=head_dim,
+        v_dim=v_dim,
+        heads_per_rank=heads_per_rank,
+        dtype=dtype,
+    )
     label = stages.name if stages is not None else _fn_ref(impl)[0]
 
     def evaluate(case: Case) -> None:
@@ -955,12 +1108,26 @@ def check_step(
             raise
         except Exception as e:  # noqa: BLE001
             raise _Mismatch(case, f"raised {type(e).__name__}: {e} on a valid input") from None
-        ref = oracle.decode(p.q, p.kv_caches, p.block_tables, p.index_scores, p.seq_lens, p.next_n, p.topk, p.sm_scale,
-                            block_size=p.block_size, interleave=p.interleave, v_dim=p.v_dim)
+        ref = oracle.decode(
+            p.q,
+            p.kv_caches,
+            p.block_tables,
+            p.index_scores,
+            p.seq_lens,
+            p.next_n,
+            p.topk,
+            p.sm_scale,
+            block_size=p.block_size,
+            interleave=p.interleave,
+            v_dim=p.v_dim,
+        )
         T, H = p.q.shape[:2]
         if tuple(out.shape) != (T, H, p.v_dim) or tuple(lse.shape) != (T, H):
-            raise _Mismatch(case, f"the reassembled heads have shapes {tuple(out.shape)} / {tuple(lse.shape)}, expected "
-                                  f"{(T, H, p.v_dim)} / {(T, H)}")
+            raise _Mismatch(
+                case,
+                f"the reassembled heads have shapes {tuple(out.shape)} / {tuple(lse.shape)}, expected "
+                f"{(T, H, p.v_dim)} / {(T, H)}",
+            )
         tol = rtol if rtol is not None else tolerance(dtype, out.dtype)
         kv = torch.cat([k.double().reshape(-1) for k in p.kv_caches])
         kv = kv[torch.isfinite(kv)]
@@ -968,8 +1135,12 @@ def check_step(
         smax = p.sm_scale * float(p.q.double().abs().sum(-1).max()) * vmax
         eps = _acc_eps(dtype, out.dtype)
         ok_out = _close(out, ref.out, vmax * (tol + 8 * eps * smax), tol)
-        ok_lse = _close(lse.double(), ref.lse, tolerance(lse.dtype if lse.dtype != torch.float64 else dtype) + 8 * eps * smax,
-                        tolerance(torch.float32))
+        ok_lse = _close(
+            lse.double(),
+            ref.lse,
+            tolerance(lse.dtype if lse.dtype != torch.float64 else dtype) + 8 * eps * smax,
+            tolerance(torch.float32),
+        )
         diffs = _worst(ok_out, out, ref.out, "out") + _worst(ok_lse, lse, ref.lse, "lse")
         if stages is not None and not diffs:
             want = stages.impls()
@@ -984,10 +1155,12 @@ def check_step(
             raise _Mismatch(case, "  " + "\n  ".join(diffs[:6]) + note)
 
     def expected(case: Case) -> str:
-        return ("from dcp_ref.testing import oracle\n"
-                "ref = oracle.decode(problem.q, problem.kv_caches, problem.block_tables, problem.index_scores,\n"
-                "                    problem.seq_lens, problem.next_n, problem.topk, problem.sm_scale,\n"
-                "                    block_size=problem.block_size, interleave=problem.interleave, v_dim=problem.v_dim)")
+        return (
+            "from dcp_ref.testing import oracle\n"
+            "ref = oracle.decode(problem.q, problem.kv_caches, problem.block_tables, problem.index_scores,\n"
+            "                    problem.seq_lens, problem.next_n, problem.topk, problem.sm_scale,\n"
+            "                    block_size=problem.block_size, interleave=problem.interleave, v_dim=problem.v_dim)"
+        )
 
     name, imp = _fn_ref(impl) if stages is None else ("stages", "# stages = <your Stages value>")
     conv = _conv(device=dev, dtype=str(dtype).replace("torch.", ""))
@@ -995,29 +1168,66 @@ def check_step(
     # The reproducer of a step case runs the whole step through the kit's runner.
     def step_code(case: Case) -> str:
         call = f"out, lse = run_step_problem(problem, {name}{'' if dev.type == 'cpu' else f', device={str(dev)!r}'})"
-        return "\n".join(["from dcp_ref.testing import run_step_problem", *(l for l in [imp] if l), call,
-                          expected(case)])
+        return "\n".join(
+            ["from dcp_ref.testing import run_step_problem", *(l for l in [imp] if l), call, expected(case)]
+        )
 
-    _run_step(label, conv, impl, strategy, evaluate, device=dev, max_examples=max_examples, seed=seed,
-              shrink_budget=shrink_budget, code=step_code)
+    _run_step(
+        label,
+        conv,
+        impl,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        code=step_code,
+    )
 
 
-def _run_step(label: str, conv: str, impl: Any, strategy: st.SearchStrategy[Case], evaluate: Callable[[Case], None], *,
-              device: torch.device, max_examples: int | None, seed: int | None, shrink_budget: int,
-              code: Callable[[Case], str]) -> None:
+def _run_step(
+    label: str,
+    conv: str,
+    impl: Any,
+    strategy: st.SearchStrategy[Case],
+    evaluate: Callable[[Case], None],
+    *,
+    device: torch.device,
+    max_examples: int | None,
+    seed: int | None,
+    shrink_budget: int,
+    code: Callable[[Case], str],
+) -> None:
     """:func:`_run` for the step, whose reproducer builds a problem instead of calling ``impl`` directly."""
     __tracebackhide__ = True
     try:
-        _run(f"step ({label})", conv, impl, strategy, evaluate, device=device, max_examples=max_examples, seed=seed,
-             shrink_budget=shrink_budget)
+        _run(
+            f"step ({label})",
+            conv,
+            impl,
+            strategy,
+            evaluate,
+            device=device,
+            max_examples=max_examples,
+            seed=seed,
+            shrink_budget=shrink_budget,
+        )
     except ConformanceError as e:
         lines = [line for line in e.case.reproducer("fn").splitlines() if not line.startswith("got = ")]
         rep = "\n".join(lines) + "\n" + code(e.case)
         raise ConformanceError(e.stage, e.conventions, rep, e.differences, e.case, e.calls) from None
 
 
-def check_stages(stages: Any, *, device: torch.device | str = "cpu", step: bool = True, max_examples: int | None = None,
-                 seed: int | None = None, **step_kwargs: Any) -> None:
+def check_stages(
+    stages: Any,
+    *,
+    device: torch.device | str = "cpu",
+    step: bool = True,
+    max_examples: int | None = None,
+    seed: int | None = None,
+    **step_kwargs: Any,
+) -> None:
     """Every stage of a :class:`~dcp_ref.stages.Stages` value through its checker, then the whole step.
 
     Uses the protocol's conventions (set semantics, base-e LSE, ``-inf`` for empty rows, compaction

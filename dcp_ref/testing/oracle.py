@@ -22,12 +22,14 @@ The total order every selection uses (index top-K, global top-k): score descendi
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 __all__ = [
+    "float32_value",
     "selection_key",
     "select",
     "local_topk",
@@ -56,9 +58,13 @@ def _tensor(x: object, name: str, dtypes: tuple[torch.dtype, ...], ndim: int) ->
     return x.detach().cpu()
 
 
-def _f32(v: float) -> float:
-    """``v`` rounded to float32 (the selection compares float32 scores)."""
-    return float(torch.tensor(v, dtype=torch.float64).to(torch.float32))
+def float32_value(v: float) -> float:
+    """``v`` rounded to float32: the selections compare scores as float32 (``struct`` for speed)."""
+    return (
+        struct.unpack("f", struct.pack("f", v))[0]
+        if math.isfinite(v) and abs(v) < 3.4e38
+        else float(torch.tensor(v, dtype=torch.float64).to(torch.float32))
+    )
 
 
 def selection_key(score: float, ident: int) -> tuple[float, int] | None:
@@ -67,7 +73,7 @@ def selection_key(score: float, ident: int) -> tuple[float, int] | None:
     ``(-score, id)``: a higher float32 score first, then the lower id; ``-0.0`` counts as ``+0.0``;
     a NaN score or a negative id is invalid.
     """
-    s = _f32(score)
+    s = float32_value(score)
     if math.isnan(s) or ident < 0:
         return None
     return (-(s + 0.0), int(ident))
@@ -101,13 +107,13 @@ def select(gathered: torch.Tensor, k: int) -> torch.Tensor:
     g = _tensor(gathered, "gathered", (torch.float32,), 4)
     if g.shape[-1] != 2:
         raise ValueError(f"gathered must end in a (score, id) pair, got shape {tuple(g.shape)}")
-    W, T, K, _ = g.shape
+    W, T = g.shape[:2]
+    vals = g.tolist()
     rows = []
     for t in range(T):
         cands = []
         for w in range(W):
-            for j in range(K):
-                s, i = float(g[w, t, j, 0]), float(g[w, t, j, 1])
+            for s, i in vals[w][t]:
                 cands.append((s, -1 if math.isnan(i) else int(i)))
         rows.append(_top(cands, k))
     return _pad(rows, k)
@@ -279,7 +285,9 @@ def _merge_weights(all_lse: torch.Tensor, base: str) -> tuple[torch.Tensor, torc
     return w, merged
 
 
-def correct(partial: torch.Tensor, all_lse: torch.Tensor, rank: int, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:
+def correct(
+    partial: torch.Tensor, all_lse: torch.Tensor, rank: int, base: str = "e"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's share of the LSE merge: ``partial * base^(lse_rank - merged)`` in float64.
 
     A rank whose weight is 0 (its LSE is ``-inf``: empty) contributes exactly 0, even where its partial
@@ -305,7 +313,9 @@ def merge(outs: torch.Tensor, lses: torch.Tensor, base: str = "e") -> tuple[torc
     return total, merged
 
 
-def decode_bounds(seq_lens: Sequence[int] | torch.Tensor, next_n: int | Sequence[int] | torch.Tensor) -> tuple[list[int], list[int]]:
+def decode_bounds(
+    seq_lens: Sequence[int] | torch.Tensor, next_n: int | Sequence[int] | torch.Tensor
+) -> tuple[list[int], list[int]]:
     """``(request of each query token, exclusive global key bound of each)``, tokens of request 0 first.
 
     Request ``b`` of length ``L_b`` has ``q_b`` query tokens (``next_n``: one int for all, or one per
@@ -421,7 +431,9 @@ def decode(
             if loc >= scs[r].shape[1]:
                 raise ValueError(f"index_scores[{r}] has {scs[r].shape[1]} columns; token {t} sees local key {loc}")
             if loc // bs >= bts[r].shape[1] or int(bts[r][b, loc // bs]) < 0:
-                raise ValueError(f"position {p} of request {b} (rank {r}, local {loc}) has no block in block_tables[{r}]")
+                raise ValueError(
+                    f"position {p} of request {b} (rank {r}, local {loc}) has no block in block_tables[{r}]"
+                )
             slot = int(bts[r][b, loc // bs]) * bs + loc % bs
             if slot >= kvs[r].shape[0]:
                 raise ValueError(f"position {p} of request {b} maps to slot {slot} outside kv_caches[{r}]")

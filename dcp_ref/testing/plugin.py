@@ -18,7 +18,8 @@ as code. Command-line options (when the plugin is loaded with ``-p`` or the entr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -27,12 +28,26 @@ __all__ = ["DcpConformance", "dcp_conformance", "pytest_addoption"]
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("dcp-ref", "dcp-ref conformance kit (dcp_ref.testing)")
-    group.addoption("--dcp-max-examples", type=int, default=None, dest="dcp_max_examples",
-                    help="cases per conformance check (default: dcp_ref.testing.checks.DEFAULT_MAX_EXAMPLES)")
-    group.addoption("--dcp-device", default=None, dest="dcp_device",
-                    help="device of the conformance checks' inputs when a test does not say (default: cpu)")
-    group.addoption("--dcp-seed", type=int, default=None, dest="dcp_seed",
-                    help="a Hypothesis seed instead of the derandomized default")
+    group.addoption(
+        "--dcp-max-examples",
+        type=int,
+        default=None,
+        dest="dcp_max_examples",
+        help="cases per conformance check (default: dcp_ref.testing.checks.DEFAULT_MAX_EXAMPLES)",
+    )
+    group.addoption(
+        "--dcp-device",
+        default=None,
+        dest="dcp_device",
+        help="device of the conformance checks' inputs when a test does not say (default: cpu)",
+    )
+    group.addoption(
+        "--dcp-seed",
+        type=int,
+        default=None,
+        dest="dcp_seed",
+        help="a Hypothesis seed instead of the derandomized default",
+    )
 
 
 class DcpConformance:
@@ -44,9 +59,9 @@ class DcpConformance:
     """
 
     def __init__(self, *, device: str | None = None, max_examples: int | None = None, seed: int | None = None) -> None:
-        self.defaults: dict[str, Any] = {k: v for k, v in
-                                         (("device", device), ("max_examples", max_examples), ("seed", seed))
-                                         if v is not None}
+        self.defaults: dict[str, Any] = {
+            k: v for k, v in (("device", device), ("max_examples", max_examples), ("seed", seed)) if v is not None
+        }
 
     def _check(self, name: str, impl: Any, kwargs: dict[str, Any]) -> None:
         __tracebackhide__ = True
@@ -96,5 +111,8 @@ class DcpConformance:
 def dcp_conformance(request: pytest.FixtureRequest) -> DcpConformance:
     """The conformance checkers (:class:`DcpConformance`), defaults from ``--dcp-*`` options."""
     cfg = request.config
-    return DcpConformance(device=cfg.getoption("dcp_device", None), max_examples=cfg.getoption("dcp_max_examples", None),
-                          seed=cfg.getoption("dcp_seed", None))
+    return DcpConformance(
+        device=cfg.getoption("dcp_device", None),
+        max_examples=cfg.getoption("dcp_max_examples", None),
+        seed=cfg.getoption("dcp_seed", None),
+    )

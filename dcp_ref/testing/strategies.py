@@ -26,9 +26,11 @@ building blocks.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -61,6 +63,7 @@ SCORE_LEVELS = (0.0, 1.0, -1.0, 0.5, -0.0, 2.0, INF, -INF, NAN)
 GARBAGE_LEVELS = (INF, 1e30, 3.0, NAN)
 #: Exact in bf16/fp16/fp32: q / KV / partial-output values whose products are exact too.
 DYADIC = (0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, 1.5, -1.5, 3.0, -0.75)
+_GARBAGE = st.sampled_from(GARBAGE_LEVELS)
 #: Above this many elements a tensor is drawn from a seed (``torch.randn``) instead of elementwise.
 MAX_LITERAL_ELEMS = 384
 
@@ -149,7 +152,10 @@ class Case:
             t = v.to(dev).clone()
             return noncontiguous(t) if name in self.noncontig else t
 
-        buffers = {k: torch.full(shape, poison, dtype=dtype, device=dev) for k, (shape, dtype, poison) in self.out_buffers.items()}
+        buffers = {
+            k: torch.full(shape, poison, dtype=dtype, device=dev)
+            for k, (shape, dtype, poison) in self.out_buffers.items()
+        }
         kwargs = {k: make(k) for k in self.kwargs}
         kwargs.update(buffers)
         return [make(a) for a in self.args], kwargs, buffers
@@ -177,7 +183,9 @@ class Case:
                     lines.append(f"{name} = {moved}")
         dv = ", device=device" if dev.type != "cpu" else ""
         for k, (shape, dtype, poison) in self.out_buffers.items():
-            lines.append(f"{k} = torch.full({tuple(shape)}, {_num(poison, dtype.is_floating_point)}, dtype={dtype}{dv})")
+            lines.append(
+                f"{k} = torch.full({tuple(shape)}, {_num(poison, dtype.is_floating_point)}, dtype={dtype}{dv})"
+            )
         call = [*self.args, *(f"{k}={k}" for k in self.kwargs), *(f"{k}={k}" for k in self.out_buffers)]
         lines.append(f"got = {fn_name}({', '.join(call)})")
         return "\n".join(lines)
@@ -197,6 +205,8 @@ def _scalar(values: dict, code: dict, name: str, v: Any) -> None:
 
 
 # ---- element strategies -------------------------------------------------------------------------
+# Cached: a strategy built once is validated once (building one per drawn element costs more than the draw).
+@functools.cache
 def score_values(*, specials: bool = True) -> st.SearchStrategy[float]:
     """Index scores: a few levels (ties, ``±0``, ``±inf``, NaN when ``specials``) or any float32."""
     levels = SCORE_LEVELS if specials else tuple(v for v in SCORE_LEVELS if math.isfinite(v))
@@ -206,6 +216,7 @@ def score_values(*, specials: bool = True) -> st.SearchStrategy[float]:
     )
 
 
+@functools.cache
 def data_values(*, big: bool = False) -> st.SearchStrategy[float]:
     """q / KV / partial-output values: exact dyadic numbers (``× 16`` when ``big``: scores that overflow
     a float32 ``exp`` unless the softmax subtracts its maximum)."""
@@ -214,7 +225,10 @@ def data_values(*, big: bool = False) -> st.SearchStrategy[float]:
 
 
 def geometries(
-    *, max_world: int = 16, interleaves: Sequence[int] = (1, 2, 3, 4), block_multiples: Sequence[int] = (1, 2, 4),
+    *,
+    max_world: int = 16,
+    interleaves: Sequence[int] = (1, 2, 3, 4),
+    block_multiples: Sequence[int] = (1, 2, 4),
     world_size: int | None = None,
 ) -> st.SearchStrategy[DcpGeometry]:
     """A :class:`~dcp_ref.geometry.DcpGeometry`: ``W <= max_world`` (or exactly ``world_size``), any rank,
@@ -231,8 +245,14 @@ def geometries(
     return build()
 
 
-def _floats_tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype, elements: st.SearchStrategy[float],
-                   name: str, scale_big: bool = False) -> tuple[torch.Tensor, str | None]:
+def _floats_tensor(
+    draw: st.DrawFn,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    elements: st.SearchStrategy[float],
+    name: str,
+    scale_big: bool = False,
+) -> tuple[torch.Tensor, str | None]:
     """Elementwise draw for small tensors; a seeded ``randn`` (dyadic-rounded) recipe for big ones."""
     n = math.prod(shape)
     if n <= MAX_LITERAL_ELEMS:
@@ -242,8 +262,10 @@ def _floats_tensor(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype, 
     scale = 16.0 if scale_big else 1.0
     g = torch.Generator().manual_seed(seed)
     t = (torch.randn(shape, generator=g, dtype=torch.float64) * 4).round() / 4 * scale
-    recipe = (f"((torch.randn({shape}, generator=torch.Generator().manual_seed({seed}), dtype=torch.float64) * 4)"
-              f".round() / 4 * {scale}).to({dtype})")
+    recipe = (
+        f"((torch.randn({shape}, generator=torch.Generator().manual_seed({seed}), dtype=torch.float64) * 4)"
+        f".round() / 4 * {scale}).to({dtype})"
+    )
     return t.to(dtype), recipe
 
 
@@ -322,20 +344,27 @@ def select_cases(
     code: dict[str, str] = {}
     _tensor_case_value(values, code, "gathered", g)
     _scalar(values, code, "k", k)
-    return Case("select", values, code, ("gathered", "k"), noncontig=_noncontig(draw, noncontig, ["gathered"]),
-                out_buffers=_maybe_out(draw, with_out, {"out": ((T, k), torch.int32, -7)}))
+    return Case(
+        "select",
+        values,
+        code,
+        ("gathered", "k"),
+        noncontig=_noncontig(draw, noncontig, ["gathered"]),
+        out_buffers=_maybe_out(draw, with_out, {"out": ((T, k), torch.int32, -7)}),
+    )
 
 
 # ---- local top-K, pack, indexer ----------------------------------------------------------------
-def _score_rows(draw: st.DrawFn, max_tokens: int, C: int, use_starts: bool, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, list[int], list[int]]:
+def _score_rows(
+    draw: st.DrawFn, max_tokens: int, C: int, use_starts: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, list[int], list[int]]:
     """Scores ``[T, C]`` with each row's window ``[start, start + length)`` drawn, garbage outside."""
 
     @st.composite
     def row(draw: st.DrawFn) -> tuple[int, int, list[float]]:
         a = draw(st.integers(0, C)) if use_starts else 0
         n = draw(st.integers(0, C - a))
-        vals = [draw(score_values() if a <= c < a + n else st.sampled_from(GARBAGE_LEVELS)) for c in range(C)]
+        vals = [draw(score_values() if a <= c < a + n else _GARBAGE) for c in range(C)]
         return a, n, vals
 
     rows = draw(st.lists(row(), min_size=1, max_size=max_tokens))
@@ -385,8 +414,13 @@ def local_topk_cases(
         _ints(values, code, "row_starts", starts, idt)
     else:
         _scalar(values, code, "row_starts", None)
-    return Case("local_topk", values, code, ("scores", "k", "lengths", "row_starts"),
-                noncontig=_noncontig(draw, noncontig, ["scores", "lengths"]))
+    return Case(
+        "local_topk",
+        values,
+        code,
+        ("scores", "k", "lengths", "row_starts"),
+        noncontig=_noncontig(draw, noncontig, ["scores", "lengths"]),
+    )
 
 
 @st.composite
@@ -419,9 +453,15 @@ def indexer_cases(
     if use_starts:
         _ints(values, code, "row_starts", starts, idt)
         kwargs = ("row_starts",)
-    return Case("indexer", values, code, ("scores", "lengths", "geometry", "k"), kwargs,
-                noncontig=_noncontig(draw, noncontig, ["scores", "lengths"]),
-                out_buffers=_maybe_out(draw, with_out, {"out": ((T, k, 2), torch.float32, NAN)}))
+    return Case(
+        "indexer",
+        values,
+        code,
+        ("scores", "lengths", "geometry", "k"),
+        kwargs,
+        noncontig=_noncontig(draw, noncontig, ["scores", "lengths"]),
+        out_buffers=_maybe_out(draw, with_out, {"out": ((T, k, 2), torch.float32, NAN)}),
+    )
 
 
 @st.composite
@@ -468,8 +508,13 @@ def pack_cases(
         _ints(values, code, "row_starts", starts, torch.int64)
     else:
         _scalar(values, code, "row_starts", None)
-    return Case("pack", values, code, ("scores", "local_ids", "rank", "world_size", "interleave", "row_starts"),
-                noncontig=_noncontig(draw, noncontig, ["scores", "local_ids"]))
+    return Case(
+        "pack",
+        values,
+        code,
+        ("scores", "local_ids", "rank", "world_size", "interleave", "row_starts"),
+        noncontig=_noncontig(draw, noncontig, ["scores", "local_ids"]),
+    )
 
 
 # ---- de-interleave -----------------------------------------------------------------------------
@@ -539,10 +584,17 @@ def deinterleave_cases(
     if not compact:
         _scalar(values, code, "compact", False)
         kwargs = ("compact",)
-    return Case("deinterleave", values, code, ("global_ids", "req_of_token", "block_table", "geometry"), kwargs,
-                noncontig=_noncontig(draw, noncontig, ["global_ids", "block_table"]),
-                out_buffers=_maybe_out(draw, with_out, {"out_slots": ((T, K), torch.int32, -7),
-                                                        "out_counts": ((T,), torch.int32, -7)}))
+    return Case(
+        "deinterleave",
+        values,
+        code,
+        ("global_ids", "req_of_token", "block_table", "geometry"),
+        kwargs,
+        noncontig=_noncontig(draw, noncontig, ["global_ids", "block_table"]),
+        out_buffers=_maybe_out(
+            draw, with_out, {"out_slots": ((T, K), torch.int32, -7), "out_counts": ((T,), torch.int32, -7)}
+        ),
+    )
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -594,7 +646,8 @@ def attention_cases(
             for p, s_ in zip(pos, chosen):
                 slots_row[p] = s_
         else:
-            pad = [draw(st.one_of(st.just(-1), st.integers(0, S - 1), st.just(S + 1000))) for _ in range(K - c)]
+            pad_st = st.one_of(st.just(-1), st.integers(0, S - 1), st.just(S + 1000))
+            pad = [draw(pad_st) for _ in range(K - c)]
             slots_row = chosen + pad
         qv = draw(st.lists(data_values(big=big), min_size=H * D, max_size=H * D)) if literal else []
         return qv, slots_row, c
@@ -615,7 +668,8 @@ def attention_cases(
     if poisoned:
         kv[poisoned] = NAN
     nan_row = None
-    if used and draw(_RARE) and draw(_RARE):  # real data: a NaN in a row that is read must propagate
+    nan_in_data: bool = draw(_RARE) and draw(_RARE)
+    if used and nan_in_data:  # real data: a NaN in a row that is read must propagate
         nan_row = draw(st.sampled_from(used))
         kv[nan_row, draw(st.integers(0, D - 1))] = NAN
     sm_scale = draw(st.sampled_from((0.5, 1.0, 0.125, 0.25)))
@@ -634,16 +688,24 @@ def attention_cases(
     _ints(values, code, "counts", counts, torch.int32)
     _scalar(values, code, "sm_scale", sm_scale)
     _scalar(values, code, "v_dim", v)
-    return Case("attention", values, code, ("q", "kv_cache", "slots", "counts", "sm_scale", "v_dim"),
-                noncontig=_noncontig(draw, noncontig, ["q", "kv_cache", "slots"]),
-                out_buffers=_maybe_out(draw, with_out, {"out": ((T, H, v), dtype, NAN),
-                                                        "out_lse": ((T, H), torch.float32, NAN)}),
-                meta={"layout": layout})
+    return Case(
+        "attention",
+        values,
+        code,
+        ("q", "kv_cache", "slots", "counts", "sm_scale", "v_dim"),
+        noncontig=_noncontig(draw, noncontig, ["q", "kv_cache", "slots"]),
+        out_buffers=_maybe_out(
+            draw, with_out, {"out": ((T, H, v), dtype, NAN), "out_lse": ((T, H), torch.float32, NAN)}
+        ),
+        meta={"layout": layout},
+    )
 
 
 # ---- merge -------------------------------------------------------------------------------------
 #: LSE levels: equal values, spreads that overflow a naive ``exp``, and ``-inf`` (an empty rank).
 LSE_LEVELS = (0.0, 1.0, -1.0, 2.0, 0.5, 90.0, -90.0, 1000.0, -INF)
+_LSE_VALUES = st.one_of(st.sampled_from(LSE_LEVELS), st.floats(-100, 100, width=32))
+_EMPTY_PARTIAL = st.sampled_from((NAN, INF, 1e30, 0.0))  # what an empty rank's partial may hold
 
 
 @st.composite
@@ -678,8 +740,7 @@ def merge_cases(
         lse = torch.empty((W, H), dtype=torch.float64)
         for w in range(W):
             for h in range(H):
-                lse[w, h] = -INF if w in empty_ranks else draw(st.one_of(st.sampled_from(LSE_LEVELS),
-                                                                         st.floats(-100, 100, width=32)))
+                lse[w, h] = -INF if w in empty_ranks else draw(_LSE_VALUES)
         outs = torch.empty((len(ranks), H, v), dtype=torch.float64)
         for n, w in enumerate(ranks):
             for h in range(H):
@@ -687,7 +748,7 @@ def merge_cases(
                 best = (not empty) and bool(lse[w, h] == lse[:, h].max())  # weight >= 1/W: a NaN shows
                 for d in range(v):
                     if empty:
-                        outs[n, h, d] = draw(st.sampled_from((NAN, INF, 1e30, 0.0)))
+                        outs[n, h, d] = draw(_EMPTY_PARTIAL)
                     elif best and draw(_RARE) and draw(_RARE):
                         outs[n, h, d] = NAN
                     else:
@@ -711,8 +772,15 @@ def merge_cases(
         _scalar(values, code, "rank", rank)
         args = ("partial", "all_lse", "rank")
         bufs = {"out": ((T, H, v), dtype, NAN), "out_lse": ((T, H), torch.float32, NAN)}
-    return Case("merge", values, code, args, noncontig=_noncontig(draw, noncontig, list(args[:2])),
-                out_buffers=_maybe_out(draw, with_out, bufs), meta={"form": form})
+    return Case(
+        "merge",
+        values,
+        code,
+        args,
+        noncontig=_noncontig(draw, noncontig, list(args[:2])),
+        out_buffers=_maybe_out(draw, with_out, bufs),
+        meta={"form": form},
+    )
 
 
 # ---- the whole step ----------------------------------------------------------------------------
@@ -783,7 +851,9 @@ def make_step_problem(
         raise ValueError(f"scores must have one row per query token ({T}), got {len(scores)}")
     g = torch.Generator().manual_seed(seed)
     q = ((torch.randn((T, num_heads, head_dim), generator=g, dtype=torch.float64) * 4).round() / 4).to(dtype)
-    kv_global = [((torch.randn((L, head_dim), generator=g, dtype=torch.float64) * 4).round() / 4).to(dtype) for L in lens]
+    kv_global = [
+        ((torch.randn((L, head_dim), generator=g, dtype=torch.float64) * 4).round() / 4).to(dtype) for L in lens
+    ]
     Lmax = max(lens) if lens else 0
     glob = torch.full((T, max(Lmax, 1)), NAN, dtype=torch.float32)
     for t, row in enumerate(scores):
@@ -815,8 +885,24 @@ def make_step_problem(
         bts.append(table)
         scs.append(sc)
     nn: int | torch.Tensor = int(next_n) if isinstance(next_n, int) else torch.tensor(per, dtype=torch.int64)
-    return StepProblem(q, torch.tensor(lens, dtype=torch.int64), nn, kvs, bts, scs, W, I, bs, int(topk),
-                       float(sm_scale), int(v_dim if v_dim is not None else head_dim))
+    return StepProblem(
+        q,
+        torch.tensor(lens, dtype=torch.int64),
+        nn,
+        kvs,
+        bts,
+        scs,
+        W,
+        I,
+        bs,
+        int(topk),
+        float(sm_scale),
+        int(v_dim if v_dim is not None else head_dim),
+    )
+
+
+#: Index scores of a step: mostly three levels (ties across ranks decide the winners), else any score.
+_STEP_SCORES = st.one_of(st.sampled_from((0.0, 1.0, 0.5, -0.0)), score_values())
 
 
 @st.composite
@@ -851,14 +937,33 @@ def step_cases(
     for b in range(B):
         for j in range(nn):
             n = lens[b] - nn + j + 1
-            rows.append(draw(st.lists(score_values(), min_size=n, max_size=n)))
+            rows.append(draw(st.lists(_STEP_SCORES, min_size=n, max_size=n)))
     seed = draw(st.integers(0, 3))
     sm_scale = draw(st.sampled_from((0.5, 0.25)))
-    problem = make_step_problem(W, I, bs, lens, nn, rows, num_heads=hpr * W, head_dim=D, v_dim=v, topk=topk,
-                                sm_scale=sm_scale, seed=seed, dtype=dtype)
+    problem = make_step_problem(
+        W,
+        I,
+        bs,
+        lens,
+        nn,
+        rows,
+        num_heads=hpr * W,
+        head_dim=D,
+        v_dim=v,
+        topk=topk,
+        sm_scale=sm_scale,
+        seed=seed,
+        dtype=dtype,
+    )
     rows_code = "[" + ", ".join("[" + ", ".join(_num(x, True) for x in r) + "]" for r in rows) + "]"
-    code = (f"problem = make_step_problem(world_size={W}, interleave={I}, block_size={bs}, seq_lens={lens}, "
-            f"next_n={nn},\n    scores={rows_code},\n    num_heads={hpr * W}, head_dim={D}, v_dim={v}, topk={topk}, "
-            f"sm_scale={sm_scale}, seed={seed}, dtype={dtype})")
-    return Case("step", {"problem": problem}, {"problem": "from dcp_ref.testing import make_step_problem\n" + code},
-                ("problem",))
+    code = (
+        f"problem = make_step_problem(world_size={W}, interleave={I}, block_size={bs}, seq_lens={lens}, "
+        f"next_n={nn},\n    scores={rows_code},\n    num_heads={hpr * W}, head_dim={D}, v_dim={v}, topk={topk}, "
+        f"sm_scale={sm_scale}, seed={seed}, dtype={dtype})"
+    )
+    return Case(
+        "step",
+        {"problem": problem},
+        {"problem": "from dcp_ref.testing import make_step_problem\n" + code},
+        ("problem",),
+    )
