@@ -83,7 +83,7 @@ def make_cases(rows: int, cols: int, seed: int, device: torch.device | str = "cp
     """``(scores [rows, cols] float32, lengths [rows] int32, row_starts [rows] int32 or None)``.
 
     Row ``r`` gets flavour ``FLAVOURS[r % 8]``: normal scores; 3 distinct values (heavy ties);
-    ±0.0 only; normal with 5 % NaN, 5 % -inf, 2 % +inf; a short row (length < 64); all NaN;
+    ±0.0 and ±subnormals only; normal with 5 % NaN, 5 % -inf, 2 % +inf; a short row (length < 64); all NaN;
     ascending scores; one constant. Lengths are random in ``[0, cols]`` (``cols`` for half the
     rows); with ``with_starts`` each row's window starts at a random column.
     """
@@ -93,7 +93,9 @@ def make_cases(rows: int, cols: int, seed: int, device: torch.device | str = "cp
     s = torch.randn(rows, cols, generator=gen)
     s = torch.where(col(f == 1), torch.randint(0, 3, (rows, cols), generator=gen).float() - 1.0, s)
     sign = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, -1.0, 1.0)
-    s = torch.where(col(f == 2), torch.zeros_like(s) * sign, s)
+    # ±0.0 and ±subnormals (a compare that flushed subnormals to zero would tie them with 0)
+    tiny = torch.tensor([0.0, 0.0, 1e-45, 1e-40])[torch.randint(0, 4, (rows, cols), generator=gen)]
+    s = torch.where(col(f == 2), tiny * sign, s)
     u = torch.rand(rows, cols, generator=gen)
     s = torch.where(col(f == 3) & (u < 0.05), float("nan"), s)
     s = torch.where(col(f == 3) & (u >= 0.05) & (u < 0.10), float("-inf"), s)
