@@ -39,7 +39,18 @@ from dcp_ref.testing import (
 )
 from dcp_ref.testing import strategies as dst
 
-pytest_plugins = ["dcp_ref.testing.plugin"]  # the dcp_conformance fixture (before the entry point is installed)
+
+def _plugin_entry_point() -> str | None:
+    """The name of an installed ``pytest11`` entry point of the plugin (``pip install -e .``), if any."""
+    from importlib.metadata import entry_points
+
+    return next((ep.name for ep in entry_points(group="pytest11") if ep.value == "dcp_ref.testing.plugin"), None)
+
+
+# The dcp_conformance fixture. Once the entry point is installed pytest has loaded the plugin already, and
+# under another name than the module's, a second registration would be an error: load it only if needed.
+if _plugin_entry_point() is None:
+    pytest_plugins = ["dcp_ref.testing.plugin"]
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = 20  # cases per check for the Triton interpreter: each call is a few ms to tens of ms
@@ -799,13 +810,13 @@ def test_the_pytest_plugin_in_a_users_suite(tmp_path: Path) -> None:
             dcp_conformance.select(my_wrong_topk)
     """)
     )
+    load = [] if _plugin_entry_point() else ["-p", "dcp_ref.testing.plugin"]
     r = subprocess.run(
         [
             sys.executable,
             "-m",
             "pytest",
-            "-p",
-            "dcp_ref.testing.plugin",
+            *load,
             "--dcp-max-examples",
             "10",
             "-q",

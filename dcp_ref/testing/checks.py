@@ -490,6 +490,10 @@ def _fmt_pair(p: tuple[float, int]) -> str:
     return f"({S._num(p[0], True)}, {p[1]})"
 
 
+def _fmt_pairs(pairs: list[tuple[float, int]]) -> str:
+    return "[" + ", ".join(_fmt_pair(p) for p in pairs) + "]"
+
+
 def _pair_eq(a: tuple[float, int], b: tuple[float, int]) -> bool:
     return a[1] == b[1] and (a[0] == b[0] or (math.isnan(a[0]) and math.isnan(b[0])))
 
@@ -607,8 +611,7 @@ def check_indexer(
                 )
             if not ok:
                 diffs.append(
-                    f"row {t}: got {[_fmt_pair(p) for p in g]}, expected "
-                    f"{[_fmt_pair(p) for p in e]}"
+                    f"row {t}: got {_fmt_pairs(g)}, expected {_fmt_pairs(e)}"
                     + ("" if sorted else " (the valid pairs in any positions, every other entry (-inf, -1))")
                 )
         if diffs:

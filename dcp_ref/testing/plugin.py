@@ -1,7 +1,8 @@
 """pytest plugin: the ``dcp_conformance`` fixture, so your test suite can check your kernels.
 
 Enable it with ``-p dcp_ref.testing.plugin`` (or ``pytest_plugins = ["dcp_ref.testing.plugin"]`` in
-your root ``conftest.py``; an installed dcp-ref registers it through the ``pytest11`` entry point)::
+your root ``conftest.py``); an installed dcp-ref registers it through a ``pytest11`` entry point
+named after this module, so that those two spellings stay harmless when it is installed::
 
     def test_my_select(dcp_conformance):
         dcp_conformance.select(my_topk, sorted=False)
