@@ -373,7 +373,25 @@ def test_flashinfer_attention_conforms_on_gpu(cuda_device: torch.device) -> None
         dtype=torch.bfloat16,
         head_dim=576,
         v_dim=512,
-        num_heads=(16, 128),
+        num_heads=(64, 128),
+        device=cuda_device,
+        noncontig=False,
+        max_examples=60,
+    )
+
+
+@pytest.mark.gpu
+def test_flashmla_attention_conforms_on_gpu(cuda_device: torch.device) -> None:
+    pytest.importorskip("flash_mla")
+    from dcp_ref.kernels.flashmla_sparse import sparse_mla_flashmla
+
+    check_attention(
+        sparse_mla_flashmla,
+        dtype=torch.bfloat16,
+        head_dim=576,
+        v_dim=512,
+        num_heads=(64, 128),
+        slots_width=64,
         device=cuda_device,
         noncontig=False,
         max_examples=60,
@@ -386,7 +404,9 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     from dcp_ref.kernels.stages import kernel_stages
 
     ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
-    check_indexer(ks.indexer, device=cuda_device, max_examples=100)
+    check_indexer(
+        ks.indexer, device=cuda_device, noncontig=False, max_examples=100
+    )  # strided lengths: see the CPU test
     check_select(ks.select, device=cuda_device, max_examples=100)
     check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=100)
     check_attention(
@@ -409,6 +429,7 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
         head_dim=576,
         v_dim=512,
         heads_per_rank=64,
+        topk=64,
         max_examples=10,
     )
 

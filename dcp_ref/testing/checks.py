@@ -1068,6 +1068,7 @@ def check_step(
     head_dim: int | None = None,
     v_dim: int | None = None,
     heads_per_rank: int | Sequence[int] = (1, 2),
+    topk: int | None = None,
     rtol: float | None = None,
     max_examples: int | None = None,
     seed: int | None = None,
@@ -1083,6 +1084,7 @@ def check_step(
         device, dtype: where the problem lives and the dtype of ``q`` and the KV cache.
         max_world / world_sizes: how many ranks (``W`` drawn up to ``max_world``, or from ``world_sizes``).
         head_dim, v_dim, heads_per_rank: fix the head geometry (``H = heads_per_rank * W``).
+        topk: fix the top-k (``None``: drawn from 1 to past the longest request).
     The output of every head must match the oracle (the LSE too, base e; a token whose scores are all
     NaN selects nothing: output 0, LSE ``-inf``). With a ``Stages`` value, ``trace["impl"]`` must name
     your implementations (``Stages.impls()``).
@@ -1098,6 +1100,7 @@ def check_step(
         head_dim=head_dim,
         v_dim=v_dim,
         heads_per_rank=heads_per_rank,
+        topk=topk,
         dtype=dtype,
     )
     label = stages.name if stages is not None else _fn_ref(impl)[0]

@@ -917,11 +917,13 @@ def step_cases(
     head_dim: int | None = None,
     v_dim: int | None = None,
     heads_per_rank: int | Sequence[int] = (1, 2),
+    topk: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Case:
     """A whole decode step: ``W`` ranks, ``I``, block size, requests (some shorter than ``W``: empty
     ranks), MTP query tokens, top-k from 1 to past the length, index scores with ties, ``±0``, ``±inf``
-    and NaN. The case's ``values["problem"]`` is a :class:`StepProblem`.
+    and NaN. ``topk`` fixes the top-k (e.g. 64 for a kernel that reads slots in tiles of 64). The case's
+    ``values["problem"]`` is a :class:`StepProblem`.
     """
     W = draw(st.sampled_from(tuple(world_sizes))) if world_sizes else draw(st.integers(1, max_world))
     I = draw(st.sampled_from((1, 2, 4)))
@@ -932,7 +934,7 @@ def step_cases(
     hpr = heads_per_rank if isinstance(heads_per_rank, int) else draw(st.sampled_from(tuple(heads_per_rank)))
     D = head_dim if head_dim is not None else draw(st.integers(1, 6))
     v = v_dim if v_dim is not None else draw(st.integers(1, D))
-    topk = draw(st.integers(1, max(lens) + 1))
+    topk = topk if topk is not None else draw(st.integers(1, max(lens) + 1))
     rows = []
     for b in range(B):
         for j in range(nn):
