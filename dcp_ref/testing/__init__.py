@@ -28,7 +28,25 @@ module works without it.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names load lazily (__getattr__)
+    from . import oracle, strategies
+    from .checks import (
+        ConformanceError,
+        check_attention,
+        check_deinterleave,
+        check_indexer,
+        check_local_topk,
+        check_merge,
+        check_pack,
+        check_select,
+        check_stages,
+        check_step,
+        run_step_problem,
+        tolerance,
+    )
+    from .strategies import StepProblem, make_step_problem, noncontiguous
 
 __all__ = [
     "ConformanceError",
