@@ -98,7 +98,9 @@ class DcpProblem:
         dev = torch.device(device)
 
         def f(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device=dev, dtype=dtype or x.dtype)
+            # float tensors take the new dtype; an FP8 cache (uint8 / float8 bytes) keeps its own
+            return x.to(device=dev, dtype=dtype if dtype is not None and x.dtype.is_floating_point and x.element_size() > 1
+                        else x.dtype)
 
         shards = [RankShard(f(s.kv_cache), s.block_table.to(dev), s.index_scores.to(dev), s.geometry) for s in self.shards]
         return DcpProblem(self.world_size, self.interleave, self.block_size, self.seq_lens.to(dev), self.next_n, f(self.q),

@@ -117,7 +117,10 @@ class StepSpec:
         object.__setattr__(self, "sm_scale", float(sc))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
-        object.__setattr__(self, "device", torch.device(self.device))
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and dev.index is None:  # "cuda" means the current device: pin it (tensors say cuda:N)
+            dev = torch.device("cuda", torch.cuda.current_device())
+        object.__setattr__(self, "device", dev)
 
     @property
     def heads_per_rank(self) -> int:

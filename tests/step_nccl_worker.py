@@ -50,8 +50,13 @@ def main(out_dir: str) -> None:
                                                      kv_format="fp8_ds_mla"))
         out, lse = fp8.run(p.q, fp8_shard, meta)
         torch.save({"out": out.cpu(), "lse": lse.cpu(), "impl": fp8.impls}, Path(out_dir) / f"rank{rank}_fp8.pt")
+        torch.cuda.synchronize()
+        dist.barrier()
     finally:
-        dist.destroy_process_group()
+        # destroy_process_group() hung on the H200s after an NCCL collective had been captured in a CUDA graph
+        # (every result was already written): leave without tearing NCCL down.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

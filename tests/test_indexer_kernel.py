@@ -381,6 +381,7 @@ GPU_CONFIGS = [
     (32, 131072, 2048, 1, 1, 0, False, 16),
     (16, 131072, 4096, 2, 2, 1, True, 8),
     (300, 16384, 512, 2, 1, 0, False, 2),
+    (600, 1024, 128, 4, 2, 3, True, None),  # brings the total past 10 000 rows (it was 9 512)
 ]
 
 

@@ -4,8 +4,8 @@
 # /tmp/dcp-gpu-site, and a call can carry only one bundle):
 #
 #   run(kind="nvidia-h200-x2", carry=[".gpu/cute"],       command="tools/gpu_session.sh install-cute")
-#   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh tests")       # pytest -m gpu + sanitizers
-#   run(command="tools/gpu_session.sh bench")                                  # benchmarks
+#   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh tests")       # pytest -m gpu
+#   run(command="tools/gpu_session.sh bench")                                  # benchmarks + compute-sanitizer
 #
 # Everything lands under $OUT: junit XML, sanitizer logs, benchmark JSON (copy them into
 # benchmarks/results and merge the JUnit files with benchmarks/collect_gpu_tests.py).
@@ -30,8 +30,14 @@ case "$what" in
     # shellcheck disable=SC1091
     source .gpu/flashinfer/env.sh
     python3 -c "import cutlass, flashinfer, flash_mla; print('cutlass, flashinfer, flash_mla: ok')" || exit 3
-    timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -m gpu tests/ -q -p no:cacheprovider -x --junitxml="$out/junit_gpu.xml" \
+    timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -m gpu tests/ -q -p no:cacheprovider --junitxml="$out/junit_gpu.xml" \
       ${PYTEST_ARGS:-} 2>&1 | tail -25
+    ;;
+  bench)
+    use_site
+    python3 benchmarks/bench_step.py --out "$out/step_raw" 2>&1 | tail -8
+    python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$out/step_raw" 2>&1 | tail -8
+    python3 benchmarks/bench_step.py --merge "$out/step_raw" --out "$out"
     for tool in memcheck racecheck; do
       for script in ${SANITIZE_SCRIPTS:-benchmarks/sanitize_all.py}; do
         [ -f "$script" ] || continue
@@ -40,12 +46,6 @@ case "$what" in
         echo "compute-sanitizer $tool $name: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/${tool}_${name}.txt" | tail -1))"
       done
     done
-    ;;
-  bench)
-    use_site
-    python3 benchmarks/bench_step.py --out "$out/step_raw" 2>&1 | tail -8
-    python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$out/step_raw" 2>&1 | tail -8
-    python3 benchmarks/bench_step.py --merge "$out/step_raw" --out "$out"
     for b in ${BENCH_EXTRA:-}; do
       timeout 240 python3 "$b" --out "$out" 2>&1 | tail -12
     done
