@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark stages 4a/4b (global ids → physical slots, compacted) on a GPU.
+"""Benchmark the deinterleave + compaction stages (global ids → physical slots, compacted) on a GPU.
 
     python3 benchmarks/bench_deinterleave.py --out results.json      # full sweep (H200: ~1-2 min)
     python3 benchmarks/bench_deinterleave.py --sanitize               # tiny run for compute-sanitizer
@@ -172,7 +172,7 @@ def run(args) -> dict:
     else:
         device = {"name": "cpu (Triton interpreter)"}
     result: dict[str, Any] = {
-        "benchmark": "deinterleave (stages 4a+4b: global ids -> local physical slots, compacted)",
+        "benchmark": "deinterleave (deinterleave + compaction: global ids -> local physical slots, compacted)",
         "device": device,
         "versions": versions(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

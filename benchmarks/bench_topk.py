@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark stage 3 on the H200: CuTeDSL stable top-K and Triton pack vs torch baselines.
+"""Benchmark the pack + select stages on the H200: CuTeDSL stable top-K and Triton pack vs torch baselines.
 
     python benchmarks/bench_topk.py --out results.json [--quick]
 

@@ -1,4 +1,4 @@
-"""Stage 5a — sparse MLA decode attention over compacted KV slots (the float64 oracle).
+"""The attention stage — sparse MLA decode attention over compacted KV slots (the float64 oracle).
 
 Absorbed MLA decode (DeepSeek V3.2 / DSA)
 -----------------------------------------

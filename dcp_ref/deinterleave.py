@@ -1,6 +1,6 @@
-"""Stages 4a/4b — global token ids to this rank's physical KV slots, then compaction to the front.
+"""The deinterleave and compaction stages — global token ids to this rank's physical KV slots, then compaction to the front.
 
-After the global top-K (stage 3) every rank holds, for each query token, the same ``K`` selected
+After the global top-K (the select stage) every rank holds, for each query token, the same ``K`` selected
 *global* token positions (``-1`` = no selection). Each rank must now find the ones it stores and
 where they live in its paged KV cache:
 
@@ -258,7 +258,7 @@ def deinterleave_and_compact(
     ordered: bool = True,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stages 4a+4b in one call: :func:`global_ids_to_local_slots` then :func:`compact_to_front`.
+    """Deinterleave + compaction in one call: :func:`global_ids_to_local_slots` then :func:`compact_to_front`.
 
     Returns ``(slots, counts)``: int32 ``[T, K]`` (valid slots first, ``-1`` after) and int32
     ``[T]`` — the contract the sparse-attention stage consumes. Arguments (``ordered`` and

@@ -1,4 +1,4 @@
-"""Stage 2 — each rank's *local* top-K over the indexer scores of its own keys.
+"""The indexer stage — each rank's *local* top-K over the indexer scores of its own keys.
 
 DSA's lightning indexer scores every (query token, key) pair; under DCP a rank can only score the
 keys it stores, so it keeps its local top-``K`` and hands those candidates to the global

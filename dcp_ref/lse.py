@@ -1,4 +1,4 @@
-"""Stage 5b — log-sum-exp (LSE) bookkeeping and the DCP merge of partial attention outputs.
+"""The merge stage — log-sum-exp (LSE) bookkeeping and the DCP merge of partial attention outputs.
 
 Why the merge is a *rescale*, never a bare add
 ----------------------------------------------

@@ -1,4 +1,4 @@
-"""Stage 1 — ownership math: which rank holds which token, and global lengths made local.
+"""The ownership stage — ownership math: which rank holds which token, and global lengths made local.
 
 Layout
 ------

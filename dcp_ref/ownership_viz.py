@@ -1,4 +1,4 @@
-"""Drawings for stage 1 (ownership): text grids, matplotlib figures and the notebook widget.
+"""Drawings for the ownership stage: text grids, matplotlib figures and the notebook widget.
 
 The widget in ``notebooks/01_ownership.ipynb`` is a thin shell around :func:`ownership_grid`
 (plain text, tested in ``tests/test_ownership_viz.py``), so what the widget shows is checked

@@ -132,7 +132,7 @@ def make_dcp_problem(
     """
     w, _, i = check_world(world_size, None, interleave)
     bs = check_int_scalar(block_size, "block_size", min_value=1)
-    if bs % i:  # the stage-4 rule (dcp_ref.deinterleave): an interleave stripe stays inside one block
+    if bs % i:  # the deinterleave stage's rule (dcp_ref.deinterleave): an interleave stripe stays inside one block
         raise ValueError(f"block_size must be a multiple of interleave (block_size % interleave == 0), got block_size={bs}, interleave={i}")
     g = torch.Generator().manual_seed(seed)
     lens = torch.as_tensor(seq_lens, dtype=torch.int64)

@@ -1,6 +1,6 @@
-"""Stage 3 — candidate packing and the *stable* global top-K across DCP ranks.
+"""The pack + select stages — candidate packing and the *stable* global top-K across DCP ranks.
 
-Each of the ``W`` ranks scored only its own keys and kept its local top-``K`` (stage 2). To pick
+Each of the ``W`` ranks scored only its own keys and kept its local top-``K`` (the indexer stage). To pick
 the request's global top-``k`` every rank
 
 1. packs its candidates as ``(score, global id)`` pairs (:func:`pack_candidates`),
@@ -85,7 +85,7 @@ def pack_candidates(
         logits: float16/bfloat16/float32/float64 ``[rows, cols]`` — this rank's indexer scores;
             column ``row_starts[r] + j`` holds local key ``j`` of row ``r``.
         local_topk: int32/int64 ``[rows, K]`` local key indices, ``-1`` for an empty slot.
-        rank, world_size, interleave: the DCP geometry (stage 1's layout); ``rank`` is required.
+        rank, world_size, interleave: the DCP geometry (the ownership layout); ``rank`` is required.
         row_starts: optional int32/int64 ``[rows]`` tensor of column offsets (prefill chunks pack
             several requests' keys into one logits row space); ``None`` means 0.
         validate: check index values on the host (one sync). ``False``: no host read; on the
@@ -303,7 +303,7 @@ def merge_topk_global(
     *,
     validate: bool = True,
 ) -> torch.Tensor:
-    """One rank's stage 3: pack → ``all_gather`` over ``group`` → :func:`stable_topk`.
+    """One rank's pack + select: pack → ``all_gather`` over ``group`` → :func:`stable_topk`.
 
     Every rank of the group gets the identical result. ``W = 1`` (``group`` ``None`` or a
     :class:`~dcp_ref.group.SingleGroup`) runs the same pack and selection as any ``W``: there is
@@ -426,7 +426,7 @@ def local_topk_by_owner(
     Returns:
         ``(logits_per_rank, local_topk_per_rank)``: rank ``r`` gets its local logits
         ``[rows, L_r]`` (local index order) and its local top-K indices int64 ``[rows, K]``
-        (``-1`` padded) — exactly what stage 2 would hand to :func:`pack_candidates`.
+        (``-1`` padded) — exactly what the indexer stage would hand to :func:`pack_candidates`.
     """
     w, _, i = check_world(world_size, None, interleave)
     K = check_int_scalar(K, "K", min_value=1)

@@ -1,4 +1,4 @@
-"""Triton kernels for stages 4a/4b: global token ids → this rank's physical KV slots, compacted.
+"""Triton kernels for the deinterleave and compaction stages: global token ids → this rank's physical KV slots, compacted.
 
 Reference (the oracle): :mod:`dcp_ref.deinterleave`. One query token's row of ``K`` selected
 global ids becomes a row of physical slots with the valid ones first, ``-1`` after, plus a count.
@@ -524,7 +524,7 @@ def deinterleave_compact(
     num_warps: int | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused conversion + compaction to the front (stages 4a+4b).
+    """Fused conversion + compaction to the front (deinterleave + compaction).
 
     Args:
         token_ids: int32/int64 ``[T, K]`` selected global ids (``-1`` = none), any strides.

@@ -77,7 +77,8 @@ def sparse_mla_flashmla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
     """
     check_tensor(q, "q", dtypes=(torch.bfloat16,), ndim=3)
     check_tensor(kv_cache, "kv_cache", dtypes=(torch.bfloat16,), ndim=(2, 3), device=q.device)
-    check_tensor(slots, "slots", dtypes=(torch.int32,), ndim=2, device=q.device)
+    check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2, device=q.device)
+    slots = slots.to(torch.int32)  # FlashMLA reads int32 indices (a no-op for int32)
     check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=q.device)
     T, H, D = q.shape
     if (D, v_dim, kv_cache.shape[-1]) != (_DQK, _DV, _DQK):
@@ -87,14 +88,24 @@ def sparse_mla_flashmla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
         raise ValueError(f"q.shape[1] (H) must be one of {FLASHMLA_HEADS}, got {H}")
     if slots.shape[0] != T or counts.shape[0] != T:
         raise ValueError(f"slots and counts must have T={T} rows, got {tuple(slots.shape)} and {tuple(counts.shape)}")
+    # No host check of values (capturable); instead, on the device: counts clamped to [0, K], and a row whose
+    # used slots leave the cache reads only slot 0 there and is poisoned (NaN output and LSE) afterwards, as
+    # the reference does with validate=False — never an out-of-bounds read, never a silently dropped key.
+    K, S = slots.shape[1], kv_cache.reshape(-1, _DQK).shape[0]
+    cnt = counts.clamp(0, K).to(torch.int32)
+    used = torch.arange(K, device=q.device) < cnt.unsqueeze(1)
+    outside = used & ((slots < 0) | (slots >= S))
+    poisoned = outside.any(1)
+    safe = slots.masked_fill(outside, 0)
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
-        q, kv_cache.reshape(-1, 1, _DQK), slots.unsqueeze(1), sm_scale, d_v=_DV,
-        topk_length=counts.to(torch.int32), use_legacy=True,
+        q, kv_cache.reshape(-1, 1, _DQK), safe.unsqueeze(1), sm_scale, d_v=_DV, topk_length=cnt, use_legacy=True,
     )
     lse = lse.reshape(T, H)
     out = o if out is None else out.copy_(o)
     out_lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if out_lse is None else out_lse
     out_lse.copy_(lse if FLASHMLA_LSE_BASE == "e" else lse * math.log(2.0))
     # Emptiness is a count of zero (FlashMLA says +inf there); never inferred from the LSE's value.
-    out_lse.masked_fill_((counts == 0).unsqueeze(1), -math.inf)
+    out_lse.masked_fill_((cnt == 0).unsqueeze(1), -math.inf)
+    out_lse.masked_fill_(poisoned.unsqueeze(1), math.nan)
+    out.masked_fill_(poisoned.view(T, 1, 1), math.nan)
     return out, out_lse

@@ -206,7 +206,7 @@ def select_threshold(
 
 @triton.jit
 def local_to_global_ids(j, rank, WORLD: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """Stage 1's layout: local index ``j >= 0`` on ``rank`` is global position
+    """The ownership layout: local index ``j >= 0`` on ``rank`` is global position
     ``(j // I) * (W*I) + rank*I + j % I``."""
     return (j // INTERLEAVE) * (WORLD * INTERLEAVE) + rank * INTERLEAVE + j % INTERLEAVE
 

@@ -59,7 +59,7 @@ capturable).
 
 Limits (both tested on the H200): ``N = W*K <= 32768`` candidates per row (keys live in
 registers: 32 per thread at most) and, for ``sorted=True``, ``min(k, N) <= 4096`` winners (their
-keys are sorted in 32 KiB of static shared memory). :mod:`dcp_ref.topk_backend` falls back to the
+keys are sorted in 32 KiB of static shared memory). :mod:`dcp_ref.kernels.topk_backend` falls back to the
 reference beyond them, logged.
 """
 

@@ -1,4 +1,4 @@
-"""Stage 5a: sparse MLA reference vs brute force; compact CSR; FlashInfer on the GPU.
+"""The attention stage: sparse MLA reference vs brute force; compact CSR; FlashInfer on the GPU.
 
 CPU: ``sparse_mla_attention`` against a per-(t, h) Python-float softmax loop; the compact CSR
 builder against Python lists. GPU (``-m gpu``, H200 + FlashInfer bundle): FlashInfer FA3 output

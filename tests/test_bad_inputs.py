@@ -43,7 +43,7 @@ from dcp_ref import (
     owner_rank,
     sparse_mla_attention,
 )
-from dcp_ref import topk_backend as tb
+from dcp_ref.kernels import topk_backend as tb
 from dcp_ref.group import SimulatedWorld, SingleGroup
 from dcp_ref.prefill import chunk_scores_from_local
 from dcp_ref.topk import (

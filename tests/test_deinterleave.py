@@ -1,7 +1,7 @@
-"""Stages 4a/4b: global ids → physical slots, and compaction to the front.
+"""The deinterleave and compaction stages: global ids → physical slots, and compaction to the front.
 
 The reference (:mod:`dcp_ref.deinterleave`) is checked against a brute-force Python loop built on
-the stage-1 ownership functions; the Triton kernels (:mod:`dcp_ref.kernels.deinterleave_triton`)
+the ownership stage's functions; the Triton kernels (:mod:`dcp_ref.kernels.deinterleave_triton`)
 are checked against the reference — exactly for the ordered methods, as sets + counts for the
 atomic one. On CPU the kernels run under ``TRITON_INTERPRET=1`` (set by conftest); on a GPU the
 same tests run on CUDA, and the ``gpu`` tests add large shapes and CUDA-graph capture/replay.
@@ -444,7 +444,7 @@ def test_mapping_table_matches_brute_force():
     bt[0, 1] = -1
     table = mapping_table(ids[0].tolist(), bt[0].tolist(), 4, 4, 2, 2)
     assert [e["slot"] for e in table] == brute_slots(ids, None, bt, 4, 4, 2, 2)[0]
-    for e in table:  # owner / local agree with stage 1 wherever they are defined
+    for e in table:  # owner / local agree with the ownership stage wherever they are defined
         if e["id"] >= 0:
             assert e["owner"] == owner_rank(e["id"], 4, 2)
             assert (e["local"] is None) == (e["owner"] != 2)

@@ -1,4 +1,4 @@
-"""Stage 2: dcp_ref.indexer.local_topk against a pure-Python brute force."""
+"""The indexer stage: dcp_ref.indexer.local_topk against a pure-Python brute force."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stage 1 — ownership math against brute-force enumeration.
+"""The ownership stage — ownership math against brute-force enumeration.
 
 The brute-force oracles below walk positions one by one with the *definition* of the layout
 (deal runs of I tokens round-robin to W ranks), never with the closed forms under test.

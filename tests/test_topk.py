@@ -1,4 +1,4 @@
-"""Stage 3 tests: packing, the stable key, stable top-K, the cross-rank merge, kernels.
+"""Pack + select tests: packing, the stable key, stable top-K, the cross-rank merge, kernels.
 
 Every check compares against an independent brute force written here with Python floats and
 ``sorted`` — never against numbers taken from the code under test.
@@ -339,7 +339,7 @@ def test_union_of_local_topk_is_wrong_counterexample():
 
 
 def test_backend_auto_falls_back_on_cpu_and_logs(caplog):
-    from dcp_ref import topk_backend as tb
+    from dcp_ref.kernels import topk_backend as tb
 
     tb._log_fallback.cache_clear()
     g = random_candidates(random.Random(1), 2, 9, ties=True, p_invalid=0.2)
@@ -352,7 +352,7 @@ def test_backend_auto_falls_back_on_cpu_and_logs(caplog):
 
 
 def test_backend_explicit_errors():
-    from dcp_ref import topk_backend as tb
+    from dcp_ref.kernels import topk_backend as tb
 
     g = torch.zeros(1, 2, 2)
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -364,7 +364,7 @@ def test_backend_explicit_errors():
 
 def test_backend_triton_pack_on_cpu(kernel_device):
     pytest.importorskip("triton")
-    from dcp_ref import topk_backend as tb
+    from dcp_ref.kernels import topk_backend as tb
 
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0)).to(kernel_device)
     topk = torch.tensor([[0, 9, -1], [2, 3, 4], [-1, -1, 5]], device=kernel_device)
@@ -570,7 +570,7 @@ def test_cutedsl_cuda_graph_capture_and_replay(cuda_device, tvm_ffi, variant):
 
 @pytest.mark.gpu
 def test_triton_pack_on_gpu_and_backend_auto(cuda_device):
-    from dcp_ref import topk_backend as tb
+    from dcp_ref.kernels import topk_backend as tb
 
     rows, cols, K = 16, 3000, 257
     logits = torch.randn(rows, cols, device=cuda_device, dtype=torch.bfloat16)
@@ -659,7 +659,7 @@ def test_cutedsl_wrapper_rejects_bad_input_without_a_gpu():
 
 
 def test_backend_merge_matches_reference_on_cpu():
-    from dcp_ref import topk_backend as tb
+    from dcp_ref.kernels import topk_backend as tb
 
     scores = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
     logits_r, topk_r = local_topk_by_owner(scores, 5, 3, 2)

@@ -1,4 +1,4 @@
-"""Backend selection for stage 3: ``backend="auto" | "cutedsl" | "triton" | "torch"``.
+"""Backend selection for the pack + select stages: ``backend="auto" | "cutedsl" | "triton" | "torch"``.
 
 * ``"torch"`` — the reference (:mod:`dcp_ref.topk`), any device.
 * ``"triton"`` — the Triton pack kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``); the selection
@@ -18,8 +18,8 @@ import logging
 
 import torch
 
-from . import topk as _ref
-from ._checks import check_bool, check_int_scalar, check_out, check_tensor, has_module, triton_interpreting
+from dcp_ref import topk as _ref
+from dcp_ref._checks import check_bool, check_int_scalar, check_out, check_tensor, has_module, triton_interpreting
 
 __all__ = ["BACKENDS", "resolve_backend", "pack_candidates", "stable_topk", "merge_topk_global"]
 
@@ -103,7 +103,7 @@ def pack_candidates(
         if out is None:
             return res
         return check_out(out, "out", tuple(res.shape), torch.float32, logits.device, contiguous=True).copy_(res)
-    from dcp_ref.kernels.pack_triton import pack_candidates_triton
+    from .pack_triton import pack_candidates_triton
 
     return pack_candidates_triton(
         logits, local_topk, rank, world_size, interleave, row_starts, out=out, validate=validate
@@ -134,7 +134,7 @@ def stable_topk(
         check_out(out, "out", (rows, k), torch.int32, gathered.device, contiguous=True)
     be, _ = resolve_backend(backend, gathered.device, "stable_topk")
     if be == "cutedsl":
-        from dcp_ref.kernels.topk_cutedsl import MAX_CANDIDATES, MAX_SORTED_WINNERS, stable_topk_cutedsl
+        from .topk_cutedsl import MAX_CANDIDATES, MAX_SORTED_WINNERS, stable_topk_cutedsl
 
         n = gathered.shape[-2] * (gathered.shape[0] if gathered.ndim == 4 else 1)
         too_big = ""
@@ -167,7 +167,7 @@ def merge_topk_global(
 
     No ``W = 1`` shortcut: one world size, one code path, the same checks.
     """
-    from .group import Group, SingleGroup
+    from dcp_ref.group import Group, SingleGroup
 
     group = SingleGroup() if group is None else group
     if not isinstance(group, Group):
