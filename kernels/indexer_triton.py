@@ -563,8 +563,10 @@ def indexer_topk_pack(
     common = dict(k=k, rank=r, WORLD=w, INTERLEAVE=i, RADIX_BITS=radix_bits, PAD_BLOCK=pad_block)
     out64 = out.view(torch.int64)
     dummy = out  # never read: HAS_LENGTHS / HAS_STARTS are False
-    lens = lengths if lengths is not None else dummy
-    starts = row_starts if row_starts is not None else dummy
+    # The kernel reads lengths[row] / row_starts[row] at unit stride: a strided view is copied first (the
+    # conformance kit found a strided `lengths` read wrongly).
+    lens = lengths.contiguous() if lengths is not None else dummy
+    starts = row_starts.contiguous() if row_starts is not None else dummy
     if not plan.levels:
         indexer_topk_pack_kernel[(rows, 1)](
             scores, lens, starts, out64, cols, max(cols, 1), scores.stride(0), scores.stride(1), k,
