@@ -41,7 +41,7 @@ def test_dcp_equals_single_device(world_size: int, interleave: int, next_n: int)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
 
 
-def test_union_of_local_topk_would_differ() -> None:
+def test_oracle_is_sensitive_to_the_chosen_keys() -> None:
     """Sanity of the oracle's sensitivity: attending to *more* keys than the global top-k changes
     the answer, so the equality above is not vacuous."""
     problem = make_dcp_problem(2, 1, seq_lens=[40], num_heads=2, head_dim=8, seed=3)
