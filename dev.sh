@@ -46,8 +46,9 @@ case "$cmd" in
       --nbval --nbval-current-env --nbval-sanitize-with tools/nbval_sanitize.cfg "$@" ;;
   lint)
     setup
+    # setup installs them with the test extra; this covers a venv where they went missing since.
     if [ ! -x "$VENV/bin/ruff" ] || [ ! -x "$VENV/bin/mypy" ]; then
-      "$VENV/bin/python" -m pip install -q ruff mypy  # until the test extra lists them
+      "$VENV/bin/python" -m pip install -q "ruff>=0.6" "mypy>=1.10"  # as pinned in pyproject.toml's test extra
     fi
     # Run all three, then fail if any failed: one run shows every finding.
     rc=0

@@ -45,17 +45,31 @@ DEV = "cuda"
 #: (T, L) where alternative plans are timed; (tile, num_warps, split, radix_bits), None = default.
 TUNING_SHAPES = [(32, 8192), (1024, 32768), (128, 32768), (1, 131072), (32, 131072), (1, 32768), (32, 32768)]
 TUNINGS = [
-    (None, None, 1, 11), (None, None, None, 12), (None, None, None, 10),
-    (8192, 16, 1, 11), (4096, 8, 1, 11), (2048, 8, 1, 11), (4096, 16, 1, 11), (8192, 32, 1, 11),
-    (None, None, 2, 11), (None, None, 4, 11), (None, None, 8, 11), (None, None, 16, 11), (4096, 16, 32, 11),
+    (None, None, 1, 11),
+    (None, None, None, 12),
+    (None, None, None, 10),
+    (8192, 16, 1, 11),
+    (4096, 8, 1, 11),
+    (2048, 8, 1, 11),
+    (4096, 16, 1, 11),
+    (8192, 32, 1, 11),
+    (None, None, 2, 11),
+    (None, None, 4, 11),
+    (None, None, 8, 11),
+    (None, None, 16, 11),
+    (4096, 16, 32, 11),
 ]
 
 
 def versions() -> dict:
     import triton
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "cuda": torch.version.cuda}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
     for name, mod in (("cutlass_dsl", "cutlass"), ("flashinfer", "flashinfer")):
         try:
             out[name] = getattr(__import__(mod), "__version__", "unknown")
@@ -148,8 +162,9 @@ def run_fused(scores, lengths, want, tune: dict) -> dict:
     from dcp_ref.kernels.indexer_triton import launch_plan
 
     t, n = scores.shape
-    plan = launch_plan(t, n, K, scores.device, split=tune.get("split"), tile=tune.get("tile"),
-                       num_warps=tune.get("num_warps"))
+    plan = launch_plan(
+        t, n, K, scores.device, split=tune.get("split"), tile=tune.get("tile"), num_warps=tune.get("num_warps")
+    )
     rec = {"plan": plan._asdict(), "radix_bits": tune.get("radix_bits", 11)}
     try:
         out = torch.full((t, K, 2), float("nan"), device=DEV)
@@ -177,14 +192,16 @@ def run_shape(t: int, n: int, bw: float, dist: str = "normal") -> dict:
     rec = {"T": t, "L": n, "k": K, "dist": dist, "read_floor_us": t * n * 4 / bw * 1e6}
     rec["fused"] = run_fused(scores, lengths, want, {})
     pout = torch.empty((t, K, 2), device=DEV)
-    path = lambda: pack_candidates_triton(scores, torch_topk(scores, lengths, K), RANK, W, I,  # noqa: E731
-                                          out=pout, validate=False)
+    path = lambda: pack_candidates_triton(  # noqa: E731
+        scores, torch_topk(scores, lengths, K), RANK, W, I, out=pout, validate=False
+    )
     path()
     rec["torch_path_same_result"] = same_rows(pout, want)  # informative: torch.topk's ties are unordered
     rec["torch_path"] = graph_time(path, reps_for(path))
     sout = torch.empty((t, K, 2), device=DEV)
-    stable = lambda: pack_candidates_triton(scores, stable_torch(scores, lengths, K), RANK, W, I,  # noqa: E731
-                                            out=sout, validate=False)
+    stable = lambda: pack_candidates_triton(  # noqa: E731
+        scores, stable_torch(scores, lengths, K), RANK, W, I, out=sout, validate=False
+    )
     stable()
     rec["stable_torch_same_result"] = same_rows(sout, want)
     rec["stable_torch"] = graph_time(stable, reps_for(stable))
@@ -198,12 +215,18 @@ def summarize(results: list[dict]) -> list[dict]:
         if r.get("dist", "normal") != "normal":
             continue
         f = r["fused"]
-        out.append({"T": r["T"], "L": r["L"], "k": r["k"],
-                    "fused_us": f.get("graph", {}).get("median_us"),
-                    "torch_path_us": r["torch_path"]["median_us"],
-                    "stable_torch_us": r["stable_torch"]["median_us"],
-                    "read_floor_us": r["read_floor_us"],
-                    "same_result": bool(f.get("same_result", False))})
+        out.append(
+            {
+                "T": r["T"],
+                "L": r["L"],
+                "k": r["k"],
+                "fused_us": f.get("graph", {}).get("median_us"),
+                "torch_path_us": r["torch_path"]["median_us"],
+                "stable_torch_us": r["stable_torch"]["median_us"],
+                "read_floor_us": r["read_floor_us"],
+                "same_result": bool(f.get("same_result", False)),
+            }
+        )
     return out
 
 
@@ -213,23 +236,41 @@ def targets(summary: list[dict]) -> list[dict]:
     res = []
     s = by.get((32, 8192))
     if s:
-        res.append({"target": "<= 15 us at T=32, L=8192, k=2048", "measured_us": s["fused_us"],
-                    "met": bool(s["fused_us"]) and s["fused_us"] <= 15})
+        res.append(
+            {
+                "target": "<= 15 us at T=32, L=8192, k=2048",
+                "measured_us": s["fused_us"],
+                "met": bool(s["fused_us"]) and s["fused_us"] <= 15,
+            }
+        )
     s = by.get((1024, 32768))
     if s:
-        res.append({"target": "<= 2x the read floor at T=1024, L=32768", "measured_us": s["fused_us"],
-                    "floor_us": s["read_floor_us"],
-                    "ratio": s["fused_us"] / s["read_floor_us"] if s["fused_us"] else None,
-                    "met": bool(s["fused_us"]) and s["fused_us"] <= 2 * s["read_floor_us"]})
+        res.append(
+            {
+                "target": "<= 2x the read floor at T=1024, L=32768",
+                "measured_us": s["fused_us"],
+                "floor_us": s["read_floor_us"],
+                "ratio": s["fused_us"] / s["read_floor_us"] if s["fused_us"] else None,
+                "met": bool(s["fused_us"]) and s["fused_us"] <= 2 * s["read_floor_us"],
+            }
+        )
     ok = [s for s in summary if s["fused_us"]]
     if summary:
         worst = min(ok, key=lambda s: s["torch_path_us"] / s["fused_us"]) if ok else None
-        res.append({"target": ">= 5x faster than torch.topk + Triton pack everywhere",
-                    "min_speedup": worst["torch_path_us"] / worst["fused_us"] if worst else None,
-                    "at": [worst["T"], worst["L"]] if worst else None,
-                    "met": len(ok) == len(summary) and all(s["torch_path_us"] >= 5 * s["fused_us"] for s in ok)})
-    res.append({"target": "same result as local_topk + pack_candidates everywhere",
-                "met": all(s["same_result"] for s in summary)})
+        res.append(
+            {
+                "target": ">= 5x faster than torch.topk + Triton pack everywhere",
+                "min_speedup": worst["torch_path_us"] / worst["fused_us"] if worst else None,
+                "at": [worst["T"], worst["L"]] if worst else None,
+                "met": len(ok) == len(summary) and all(s["torch_path_us"] >= 5 * s["fused_us"] for s in ok),
+            }
+        )
+    res.append(
+        {
+            "target": "same result as local_topk + pack_candidates everywhere",
+            "met": all(s["same_result"] for s in summary),
+        }
+    )
     return res
 
 
@@ -266,24 +307,32 @@ def markdown(data: dict) -> str:
             f"| {r['T']} | {r['L']}{'' if r['dist'] == 'normal' else ' (' + r['dist'] + ')'} | {gs} | {plan} | "
             f"{'✓' if f.get('same_result') else '✗'} | {tp:.1f} | {'-' if g is None else f'{tp / g:.1f}×'} | "
             f"{st:.1f} | "
-            f"{'-' if g is None else f'{st / g:.1f}×'} | {r['read_floor_us']:.1f} | {ratio} |")
+            f"{'-' if g is None else f'{st / g:.1f}×'} | {r['read_floor_us']:.1f} | {ratio} |"
+        )
     lines += ["", "## Targets (issue 11)", "", "| target | measured | met? |", "|---|---|:---:|"]
     for t in m["targets"]:
-        meas = ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()
-                         if k not in ("target", "met"))
+        meas = ", ".join(
+            f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items() if k not in ("target", "met")
+        )
         lines.append(f"| {t['target']} | {meas} | {'✓' if t['met'] else '✗'} |")
     if m.get("tuning"):
-        lines += ["", "## Launch plans tried (fused, graph µs; ✗ = wrong result or error)", "",
-                  "| T | L | tile / warps / split / digit bits | graph µs | eager µs | same result |",
-                  "|---:|---:|---|---:|---:|:---:|"]
+        lines += [
+            "",
+            "## Launch plans tried (fused, graph µs; ✗ = wrong result or error)",
+            "",
+            "| T | L | tile / warps / split / digit bits | graph µs | eager µs | same result |",
+            "|---:|---:|---|---:|---:|:---:|",
+        ]
         for r in m["tuning"]:
             p = r["plan"]
             g = r.get("graph", {}).get("median_us")
             e = r.get("eager", {}).get("median_us")
-            lines.append(f"| {r['T']} | {r['L']} | {p['tile']}{'' if p['one_chunk'] else 's'} / {p['num_warps']} / "
-                         f"{fmt_split(p)} / {r['radix_bits']} | {'-' if g is None else f'{g:.1f}'} | "
-                         f"{'-' if e is None else f'{e:.1f}'} | "
-                         f"{'✓' if r.get('same_result') else '✗ ' + r.get('error', '')[:60]} |")
+            lines.append(
+                f"| {r['T']} | {r['L']} | {p['tile']}{'' if p['one_chunk'] else 's'} / {p['num_warps']} / "
+                f"{fmt_split(p)} / {r['radix_bits']} | {'-' if g is None else f'{g:.1f}'} | "
+                f"{'-' if e is None else f'{e:.1f}'} | "
+                f"{'✓' if r.get('same_result') else '✗ ' + r.get('error', '')[:60]} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -310,26 +359,37 @@ def main() -> int:
     bw = copy_bandwidth()
     data = {
         "benchmark": "indexer stage: fused local top-K + pack (kernels/indexer_triton.py) vs torch",
-        "device": {"name": props.name, "sms": props.multi_processor_count,
-                   "capability": f"{props.major}.{props.minor}"},
+        "device": {
+            "name": props.name,
+            "sms": props.multi_processor_count,
+            "capability": f"{props.major}.{props.minor}",
+        },
         "versions": versions(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "argv": sys.argv[1:],
         "copy_bandwidth_TBps": bw / 1e12,
         "timing": "device time per call: CUDA graph of `reps` calls replayed under triton.testing.do_bench "
-                  "(median, p20/p80), / reps; eager = do_bench of the Python call",
-        "inputs": {"k": K, "world_size": W, "rank": RANK, "interleave": I, "scores": "standard normal float32",
-                   "lengths": "L (every key valid)"},
+        "(median, p20/p80), / reps; eager = do_bench of the Python call",
+        "inputs": {
+            "k": K,
+            "world_size": W,
+            "rank": RANK,
+            "interleave": I,
+            "scores": "standard normal float32",
+            "lengths": "L (every key valid)",
+        },
     }
     results = []
-    for t, n in (QUICK if args.quick else SHAPES):
+    for t, n in QUICK if args.quick else SHAPES:
         rec = run_shape(t, n, bw)
         results.append(rec)
         f = rec["fused"]
-        print(f"T={t:5d} L={n:6d} fused={f.get('graph', {}).get('median_us', float('nan')):9.1f} "
-              f"plan={tuple(f['plan'].values())} ok={f.get('same_result')} torch={rec['torch_path']['median_us']:9.1f} "
-              f"stable={rec['stable_torch']['median_us']:9.1f} floor={rec['read_floor_us']:7.1f} {f.get('error', '')}",
-              flush=True)
+        print(
+            f"T={t:5d} L={n:6d} fused={f.get('graph', {}).get('median_us', float('nan')):9.1f} "
+            f"plan={tuple(f['plan'].values())} ok={f.get('same_result')} torch={rec['torch_path']['median_us']:9.1f} "
+            f"stable={rec['stable_torch']['median_us']:9.1f} floor={rec['read_floor_us']:7.1f} {f.get('error', '')}",
+            flush=True,
+        )
     if args.ties:
         for t, n in [(32, 8192), (1024, 32768), (1, 131072)]:
             rec = run_shape(t, n, bw, dist="ties")
@@ -357,8 +417,11 @@ def main() -> int:
                 tune = {"tile": tile, "num_warps": warps, "split": split, "radix_bits": bits}
                 rec = {"T": t, "L": n} | run_fused(scores, lengths, want, tune)
                 tuning.append(rec)
-                print(f"tune T={t} L={n} {tune} -> {rec.get('graph', {}).get('median_us')} ok={rec.get('same_result')} "
-                      f"{rec.get('error', '')}", flush=True)
+                print(
+                    f"tune T={t} L={n} {tune} -> {rec.get('graph', {}).get('median_us')} ok={rec.get('same_result')} "
+                    f"{rec.get('error', '')}",
+                    flush=True,
+                )
             data["tuning"] = tuning
             write(args.out, data)
     print(json.dumps(data["targets"], indent=1))

@@ -74,7 +74,12 @@ def _profile_counts(fn) -> dict[str, Any]:
         n = e.name
         if n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
             launches += 1
-        elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense", "cudaEventSynchronize"):
+        elif n in (
+            "cudaStreamSynchronize",
+            "cudaDeviceSynchronize",
+            "aten::_local_scalar_dense",
+            "cudaEventSynchronize",
+        ):
             syncs += 1
         elif n == "cudaMemcpyAsync" and "DtoH" in str(getattr(e, "name", "")):
             syncs += 1
@@ -135,10 +140,12 @@ def _stage_times(step, q, shard, meta) -> dict[str, float]:
     times = {
         "indexer": _graph_time_us(lambda: st.indexer(shard.index_scores, meta.local_bounds, g, k, out=packed)),
         "select": _graph_time_us(lambda: st.select(gathered, k, out=ids_out)),
-        "deinterleave": _graph_time_us(lambda: st.deinterleave(ids, meta.req_of_token, shard.block_table, g,
-                                                               out_slots=s_out, out_counts=c_out)),
-        "attention": _graph_time_us(lambda: st.attention(q, shard.kv_cache, slots, counts, SCALE, DV, out=out,
-                                                         out_lse=lse)),
+        "deinterleave": _graph_time_us(
+            lambda: st.deinterleave(ids, meta.req_of_token, shard.block_table, g, out_slots=s_out, out_counts=c_out)
+        ),
+        "attention": _graph_time_us(
+            lambda: st.attention(q, shard.kv_cache, slots, counts, SCALE, DV, out=out, out_lse=lse)
+        ),
         "merge": _graph_time_us(lambda: st.merge(trace["partial_out"], all_lse, g.rank, out=corrected, out_lse=merged)),
     }
     if g.world_size > 1:
@@ -163,8 +170,14 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     step = PlannedStep(group, spec, stages)
     plan_ms = (time.perf_counter() - t_plan) * 1e3
     run = lambda: step.run(q, shard, meta)  # noqa: E731
-    row: dict[str, Any] = {"W": world, "T": T, "ctx": ctx, "attention": step.impls["attention"], "impl": step.impls,
-                           "plan_ms": plan_ms}
+    row: dict[str, Any] = {
+        "W": world,
+        "T": T,
+        "ctx": ctx,
+        "attention": step.impls["attention"],
+        "impl": step.impls,
+        "plan_ms": plan_ms,
+    }
     mem0 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0)
     run()
     torch.cuda.synchronize()
@@ -251,59 +264,113 @@ def main() -> None:
         torch.cuda.empty_cache()
     if rank == 0:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        doc = {"device": torch.cuda.get_device_name(device), "versions": _versions(),
-               "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "world_size": world, "rows": rows}
+        doc = {
+            "device": torch.cuda.get_device_name(device),
+            "versions": _versions(),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": world,
+            "rows": rows,
+        }
         (Path(args.out) / f"step_W{world}.json").write_text(json.dumps(doc, indent=1))
         for r in rows:
-            print(f"W={r['W']} T={r['T']:4d} ctx={r['ctx']:6d} {r['attention']:10s} graph {r['graph_us']:8.1f} us  "
-                  f"eager {r['eager_us']:8.1f} us  stages {r['stages_sum_us']:7.1f} us  launches {r['launches_per_step']}  "
-                  f"syncs {r['host_syncs_per_step']}  allocs {r['allocations_per_run']}  fi-eager {r['flashinfer_eager_us']}")
+            print(
+                f"W={r['W']} T={r['T']:4d} ctx={r['ctx']:6d} {r['attention']:10s} graph {r['graph_us']:8.1f} us  "
+                f"eager {r['eager_us']:8.1f} us  stages {r['stages_sum_us']:7.1f} us  "
+                f"launches {r['launches_per_step']}  syncs {r['host_syncs_per_step']}  "
+                f"allocs {r['allocations_per_run']}  fi-eager {r['flashinfer_eager_us']}"
+            )
     if world > 1:
         import torch.distributed as dist
 
         dist.destroy_process_group()
 
 
-SUMMARY_KEYS = ("W", "T", "ctx", "attention", "graph_us", "eager_us", "host_syncs_per_step", "launches_per_step",
-                "stages_sum_us")
+SUMMARY_KEYS = (
+    "W",
+    "T",
+    "ctx",
+    "attention",
+    "graph_us",
+    "eager_us",
+    "host_syncs_per_step",
+    "launches_per_step",
+    "stages_sum_us",
+)
 
 
 def merge(src: Path, out: Path) -> None:
     docs = [json.loads(p.read_text()) for p in sorted(src.glob("step_W*.json"))]
     rows = [r for d in docs for r in d["rows"]]
     summary = [{**{k: r[k] for k in SUMMARY_KEYS}, "stages_us": r["stages_us"]} for r in rows]
-    doc = {"benchmark": "benchmarks/bench_step.py", "device": docs[0]["device"], "versions": docs[0]["versions"],
-           "date_utc": docs[0]["date_utc"], "shapes": {"H": H, "d_qk": DQK, "d_v": DV, "topk": TOPK, "block_size": BLOCK},
-           "targets": {"graph_us_W2_T32_8K": 150, "eager_us_W2_T32_8K_flashmla": 400, "graph_over_stages_sum": 1.3,
-                       "graph_us_T1": 80},
-           "baseline_before_planning": {"W": 2, "T": 32, "ctx": 8192, "eager_us": 2960, "launches_per_step": 82,
-                                        "host_syncs_per_step": 15, "source": "issue 9 (dcp_decode_step, NCCL, eager)"},
-           "vllm_quoted_T32_W2_us": VLLM_QUOTED_T32_W2, "summary": summary, "rows": rows}
+    doc = {
+        "benchmark": "benchmarks/bench_step.py",
+        "device": docs[0]["device"],
+        "versions": docs[0]["versions"],
+        "date_utc": docs[0]["date_utc"],
+        "shapes": {"H": H, "d_qk": DQK, "d_v": DV, "topk": TOPK, "block_size": BLOCK},
+        "targets": {
+            "graph_us_W2_T32_8K": 150,
+            "eager_us_W2_T32_8K_flashmla": 400,
+            "graph_over_stages_sum": 1.3,
+            "graph_us_T1": 80,
+        },
+        "baseline_before_planning": {
+            "W": 2,
+            "T": 32,
+            "ctx": 8192,
+            "eager_us": 2960,
+            "launches_per_step": 82,
+            "host_syncs_per_step": 15,
+            "source": "issue 9 (dcp_decode_step, NCCL, eager)",
+        },
+        "vllm_quoted_T32_W2_us": VLLM_QUOTED_T32_W2,
+        "summary": summary,
+        "rows": rows,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "step.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = ["# The planned step on the H200 (`benchmarks/bench_step.py`)", "",
-             f"{doc['device']}; {doc['versions']}; {doc['date_utc']}. H = 128, d = 576/512, top-k 2048, bf16, "
-             "one query token per request. Times in µs per step (per layer).", "",
-             "| W | T | ctx | attention | graph | eager | syncs | launches | allocs | stages sum | graph / sum | "
-             "FlashInfer eager |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# The planned step on the H200 (`benchmarks/bench_step.py`)",
+        "",
+        f"{doc['device']}; {doc['versions']}; {doc['date_utc']}. H = 128, d = 576/512, top-k 2048, bf16, "
+        "one query token per request. Times in µs per step (per layer).",
+        "",
+        "| W | T | ctx | attention | graph | eager | syncs | launches | allocs | stages sum | graph / sum | "
+        "FlashInfer eager |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         fi = r.get("flashinfer_eager_us")
-        lines.append(f"| {r['W']} | {r['T']} | {r['ctx']} | {r['attention']} | {r['graph_us']:.1f} | {r['eager_us']:.1f} | "
-                     f"{r['host_syncs_per_step']} | {r['launches_per_step']} | {r['allocations_per_run']} | "
-                     f"{r['stages_sum_us']:.1f} | {r['graph_over_stages_sum']:.2f} | "
-                     f"{'—' if fi is None else f'{fi:.1f}'} |")
-    lines += ["", "Per-stage isolated device times (graph replay, µs):", "",
-              "| W | T | ctx | " + " | ".join(rows[0]["stages_us"]) + " |", "|" + "---:|" * (3 + len(rows[0]["stages_us"]))]
+        lines.append(
+            f"| {r['W']} | {r['T']} | {r['ctx']} | {r['attention']} | {r['graph_us']:.1f} | {r['eager_us']:.1f} | "
+            f"{r['host_syncs_per_step']} | {r['launches_per_step']} | {r['allocations_per_run']} | "
+            f"{r['stages_sum_us']:.1f} | {r['graph_over_stages_sum']:.2f} | "
+            f"{'—' if fi is None else f'{fi:.1f}'} |"
+        )
+    lines += [
+        "",
+        "Per-stage isolated device times (graph replay, µs):",
+        "",
+        "| W | T | ctx | " + " | ".join(rows[0]["stages_us"]) + " |",
+        "|" + "---:|" * (3 + len(rows[0]["stages_us"])),
+    ]
     for r in rows:
-        lines.append(f"| {r['W']} | {r['T']} | {r['ctx']} | " + " | ".join(f"{v:.1f}" for v in r["stages_us"].values()) + " |")
+        lines.append(
+            f"| {r['W']} | {r['T']} | {r['ctx']} | " + " | ".join(f"{v:.1f}" for v in r["stages_us"].values()) + " |"
+        )
     v = [r for r in rows if "vllm_composed_graph_us" in r]
     if v:
-        lines += ["", "vLLM's kernels composed into the same step (W = 2, T = 32; our attention, NCCL and local top-K, "
-                  f"vLLM's pack / top-K / convert / correct as quoted {VLLM_QUOTED_T32_W2}):", ""]
+        lines += [
+            "",
+            "vLLM's kernels composed into the same step (W = 2, T = 32; our attention, NCCL and local top-K, "
+            f"vLLM's pack / top-K / convert / correct as quoted {VLLM_QUOTED_T32_W2}):",
+            "",
+        ]
         for r in v:
-            lines.append(f"- ctx {r['ctx']}: ours {r['graph_us']:.1f} µs vs vLLM-composed {r['vllm_composed_graph_us']:.1f} µs "
-                         f"({r['vllm_composed_graph_us'] / r['graph_us']:.2f}×)")
+            lines.append(
+                f"- ctx {r['ctx']}: ours {r['graph_us']:.1f} µs vs vLLM-composed {r['vllm_composed_graph_us']:.1f} µs "
+                f"({r['vllm_composed_graph_us'] / r['graph_us']:.2f}×)"
+            )
     (out / "step.md").write_text("\n".join(lines) + "\n")
 
 

@@ -28,11 +28,11 @@ from dcp_ref.kernels.indexer_triton import indexer_topk_pack
 
 # (rows, cols, k, W, I, rank, row_starts, tuning)
 CONFIGS = [
-    (8, 3000, 256, 2, 1, 1, False, {}),                        # one tile in registers
-    (8, 2000, 300, 3, 4, 2, True, {"tile": 512}),              # streamed: 4 tiles per pass
-    (8, 4000, 128, 2, 1, 0, False, {"split": 4}),              # split rows: segments + candidates
-    (8, 700, 1000, 1, 1, 0, True, {}),                         # k > row
-    (16, 257, 16, 8, 64, 5, False, {"radix_bits": 13}),        # widest digit
+    (8, 3000, 256, 2, 1, 1, False, {}),  # one tile in registers
+    (8, 2000, 300, 3, 4, 2, True, {"tile": 512}),  # streamed: 4 tiles per pass
+    (8, 4000, 128, 2, 1, 0, False, {"split": 4}),  # split rows: segments + candidates
+    (8, 700, 1000, 1, 1, 0, True, {}),  # k > row
+    (16, 257, 16, 8, 64, 5, False, {"radix_bits": 13}),  # widest digit
     (8, 5000, 64, 2, 2, 1, False, {"split": 3, "tile": 1024}),  # split with streamed segments
     (4, 6000, 16, 2, 1, 0, True, {"split": 24, "tile": 256}),  # two split levels: 24 -> 2 segments
 ]

@@ -40,7 +40,6 @@ from .ownership import (
     localize_prefill_chunk,
     owner_rank,
 )
-
 from .topk import (
     INVALID_KEY,
     MAX_EXACT_ID,

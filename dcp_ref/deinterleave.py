@@ -1,4 +1,5 @@
-"""The deinterleave and compaction stages — global token ids to this rank's physical KV slots, then compaction to the front.
+"""The deinterleave and compaction stages — global token ids to this rank's physical KV slots, then compaction
+to the front.
 
 After the global top-K (the select stage) every rank holds, for each query token, the same ``K`` selected
 *global* token positions (``-1`` = no selection). Each rank must now find the ones it stores and

@@ -7,7 +7,7 @@ them. Drawing needs matplotlib (a dependency of the package); nothing here needs
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._checks import check_int_scalar, check_world
 
@@ -17,7 +17,12 @@ _RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"
 
 
 def mapping_table(
-    token_ids: Sequence[int], block_table_row: Sequence[int], block_size: int, world_size: int, rank: int, interleave: int = 1
+    token_ids: Sequence[int],
+    block_table_row: Sequence[int],
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
 ) -> list[dict]:
     """Each selected id's path: owner rank → local index → block index → block → slot.
 
@@ -34,22 +39,27 @@ def mapping_table(
     rows = []
     for t in token_ids:
         t = int(t)
-        e = {"id": t, "owner": None, "local": None, "block_idx": None, "block": None, "slot": -1}
+        e: dict[str, int | None] = {"id": t, "owner": None, "local": None, "block_idx": None, "block": None, "slot": -1}
         if t >= 0:
-            e["owner"] = (t // i) % w
-            if e["owner"] == r:
-                e["local"] = (t // (w * i)) * i + t % i
-                e["block_idx"] = e["local"] // bs
-                if e["block_idx"] < len(block_table_row) and block_table_row[e["block_idx"]] >= 0:
-                    e["block"] = int(block_table_row[e["block_idx"]])
-                    e["slot"] = e["block"] * bs + e["local"] % bs
+            owner = e["owner"] = (t // i) % w
+            if owner == r:
+                local = e["local"] = (t // (w * i)) * i + t % i
+                block_idx = e["block_idx"] = local // bs
+                if block_idx < len(block_table_row) and block_table_row[block_idx] >= 0:
+                    block = e["block"] = int(block_table_row[block_idx])
+                    e["slot"] = block * bs + local % bs
         rows.append(e)
     return rows
 
 
 def draw_id_to_slot_map(
-    token_ids: Sequence[int], block_table_row: Sequence[int], block_size: int, world_size: int, rank: int,
-    interleave: int = 1, dpi: int = 70,
+    token_ids: Sequence[int],
+    block_table_row: Sequence[int],
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+    dpi: int = 70,
 ):
     """Figure: selected global ids (coloured by owner rank) → this rank's local index → slot.
 
@@ -68,7 +78,15 @@ def draw_id_to_slot_map(
     for x, e in enumerate(table):
         color = _RANK_COLORS[e["owner"] % len(_RANK_COLORS)] if e["owner"] is not None else "#DDDDDD"
         ax.add_patch(Rectangle((x, 2.0), 0.8, 0.6, color=color))
-        ax.text(x + 0.4, 2.3, str(e["id"]), ha="center", va="center", fontsize=8, color="white" if e["owner"] is not None else "black")
+        ax.text(
+            x + 0.4,
+            2.3,
+            str(e["id"]),
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white" if e["owner"] is not None else "black",
+        )
         if e["local"] is not None:
             ax.add_patch(Rectangle((x, 1.0), 0.8, 0.6, fill=False, ec=color, lw=1.5))
             ax.text(x + 0.4, 1.3, f"{e['local']}", ha="center", va="center", fontsize=8)
@@ -81,7 +99,15 @@ def draw_id_to_slot_map(
             else:
                 ax.text(x + 0.4, 0.3, "×", ha="center", va="center", fontsize=10, color="red")
     handles = [Rectangle((0, 0), 1, 1, color=_RANK_COLORS[k % len(_RANK_COLORS)]) for k in range(world_size)]
-    ax.legend(handles, [f"rank {k}" for k in range(world_size)], fontsize=6, loc="upper right", bbox_to_anchor=(1.0, 1.25), ncol=world_size, frameon=False)
+    ax.legend(
+        handles,
+        [f"rank {k}" for k in range(world_size)],
+        fontsize=6,
+        loc="upper right",
+        bbox_to_anchor=(1.0, 1.25),
+        ncol=world_size,
+        frameon=False,
+    )
     ax.set_xlim(-0.7, n + 0.2)
     ax.set_ylim(-0.2, 2.8)
     ax.axis("off")
@@ -89,7 +115,9 @@ def draw_id_to_slot_map(
     return fig
 
 
-def simulate_tile_race(slots: Sequence[int], block: int, seed: int | None = None, arrival: Sequence[int] | None = None) -> dict:
+def simulate_tile_race(
+    slots: Sequence[int], block: int, seed: int | None = None, arrival: Sequence[int] | None = None
+) -> dict:
     """A Python model of the atomic compaction of one row, with a chosen tile arrival order.
 
     The row is cut into tiles of ``block`` entries. Tiles reach the per-row counter in the order
@@ -111,11 +139,11 @@ def simulate_tile_race(slots: Sequence[int], block: int, seed: int | None = None
     arrival = [int(a) for a in arrival]
     if sorted(arrival) != list(range(n_tiles)):
         raise ValueError(f"arrival must be a permutation of range({n_tiles}), got {arrival}")
-    out = [None] * k
+    out: list[int | None] = [None] * k
     counter_v = counter_i = 0
-    bases = {}
+    bases: dict[int, int] = {}
     for tile in arrival:
-        chunk = row[tile * b:(tile + 1) * b]
+        chunk = row[tile * b : (tile + 1) * b]
         valid = [s for s in chunk if s >= 0]
         bases[tile] = counter_v
         base_i = counter_i
@@ -139,7 +167,7 @@ def draw_tile_race(slots: Sequence[int], block: int, arrivals: Sequence[Sequence
 
     row = [int(s) for s in slots]
     k = len(row)
-    tile_of = {}
+    tile_of: dict[int, int] = {}
     for idx, s in enumerate(row):
         if s >= 0:
             tile_of.setdefault(s, idx // block)
@@ -153,7 +181,9 @@ def draw_tile_race(slots: Sequence[int], block: int, arrivals: Sequence[Sequence
         for x, s in enumerate(vals):
             color = _RANK_COLORS[tile_of[s] % len(_RANK_COLORS)] if s >= 0 else "#EEEEEE"
             ax.add_patch(Rectangle((x, y), 0.9, 0.6, color=color))
-            ax.text(x + 0.45, y + 0.3, str(s), ha="center", va="center", fontsize=6, color="white" if s >= 0 else "gray")
+            ax.text(
+                x + 0.45, y + 0.3, str(s), ha="center", va="center", fontsize=6, color="white" if s >= 0 else "gray"
+            )
     for t in range(0, k, block):  # tile boundaries of the input row
         ax.add_patch(Rectangle((t - 0.05, len(lanes) - 1 - 0.05), min(block, k - t), 0.7, fill=False, ec="black", lw=1))
     ax.set_xlim(-6.5, k + 0.2)  # room on the left for the lane labels

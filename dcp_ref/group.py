@@ -18,7 +18,8 @@ Usage::
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -55,7 +56,9 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Ten
         return
     check_tensor(out, name, dtypes=(like.dtype,), device=like.device)
     if tuple(out.shape) != tuple(shape) or not out.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, got {tuple(out.shape)}")
+        raise ValueError(
+            f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, got {tuple(out.shape)}"
+        )
 
 
 def _chunk_shape(x: torch.Tensor, d: int, world_size: int) -> tuple[int, ...]:

@@ -56,7 +56,9 @@ def ownership_grid(seq_len: int, world_size: int, interleave: int = 1, rank: int
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def ownership_figure(seq_len: int, world_size: int, interleave: int = 1, rank: int | None = None, width: int = 32) -> "Figure":
+def ownership_figure(
+    seq_len: int, world_size: int, interleave: int = 1, rank: int | None = None, width: int = 32
+) -> Figure:
     """Colour-coded grid of the layout: one cell per position, colour = owner, text = local index."""
     import matplotlib.pyplot as plt
 
@@ -79,7 +81,9 @@ def ownership_figure(seq_len: int, world_size: int, interleave: int = 1, rank: i
     title = f"owner rank (colour) and local index (text): W={w}, I={i}, L={n}"
     ax.set_title(title + (f", rank {r} highlighted" if r is not None else ""), fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(k % cmap.N)) for k in range(w)]
-    ax.legend(handles, [f"rank {k}" for k in range(w)], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.legend(
+        handles, [f"rank {k}" for k in range(w)], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False
+    )
     fig.tight_layout()
     return fig
 
@@ -99,10 +103,9 @@ def prefill_bounds_grid(context_len: int, query_len: int, world_size: int, rank:
     return "\n".join(lines) + "\n"
 
 
-def prefill_bounds_figure(context_len: int, query_len: int, world_size: int, interleave: int = 1) -> "Figure":
+def prefill_bounds_figure(context_len: int, query_len: int, world_size: int, interleave: int = 1) -> Figure:
     """One panel per rank: the causal mask of one prefill request in that rank's local keys."""
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     w, _, i = check_world(world_size, None, interleave)

@@ -26,6 +26,7 @@ single-device result exactly (up to float64 rounding).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,12 @@ from .stages import Stages
 from .step import StepMetadata, decode_metadata, plan_for
 
 __all__ = [
-    "RankShard", "DcpProblem", "make_dcp_problem", "dcp_decode_step", "run_step", "single_device_decode",
+    "RankShard",
+    "DcpProblem",
+    "make_dcp_problem",
+    "dcp_decode_step",
+    "run_step",
+    "single_device_decode",
     "run_dcp_decode",
 ]
 
@@ -89,7 +95,7 @@ class DcpProblem:
         """Rank ``rank``'s :class:`~dcp_ref.step.StepMetadata` for this decode step."""
         return decode_metadata(self.seq_lens, self.next_n, self.geometry(rank), device=device)
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "DcpProblem":
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> DcpProblem:
         """The same problem on ``device``, with ``q`` and the KV (global and sharded) in ``dtype``.
 
         Indexer scores stay float32 and the integer tensors keep their dtypes. The oracle
@@ -99,19 +105,32 @@ class DcpProblem:
 
         def f(x: torch.Tensor) -> torch.Tensor:
             # float tensors take the new dtype; an FP8 cache (uint8 / float8 bytes) keeps its own
-            return x.to(device=dev, dtype=dtype if dtype is not None and x.dtype.is_floating_point and x.element_size() > 1
-                        else x.dtype)
+            return x.to(
+                device=dev,
+                dtype=dtype if dtype is not None and x.dtype.is_floating_point and x.element_size() > 1 else x.dtype,
+            )
 
-        shards = [RankShard(f(s.kv_cache), s.block_table.to(dev), s.index_scores.to(dev), s.geometry) for s in self.shards]
-        return DcpProblem(self.world_size, self.interleave, self.block_size, self.seq_lens.to(dev), self.next_n, f(self.q),
-                          [f(k) for k in self.kv_global], self.scores_global.to(dev), shards)
+        shards = [
+            RankShard(f(s.kv_cache), s.block_table.to(dev), s.index_scores.to(dev), s.geometry) for s in self.shards
+        ]
+        return DcpProblem(
+            self.world_size,
+            self.interleave,
+            self.block_size,
+            self.seq_lens.to(dev),
+            self.next_n,
+            f(self.q),
+            [f(k) for k in self.kv_global],
+            self.scores_global.to(dev),
+            shards,
+        )
 
 
 def make_dcp_problem(
     world_size: int,
     interleave: int = 1,
     *,
-    seq_lens: list[int] | torch.Tensor = (37, 5, 64),
+    seq_lens: Sequence[int] | torch.Tensor = (37, 5, 64),
     next_n: int | list[int] | torch.Tensor = 1,
     num_heads: int = 4,
     head_dim: int = 24,
@@ -133,7 +152,10 @@ def make_dcp_problem(
     w, _, i = check_world(world_size, None, interleave)
     bs = check_int_scalar(block_size, "block_size", min_value=1)
     if bs % i:  # the deinterleave stage's rule (dcp_ref.deinterleave): an interleave stripe stays inside one block
-        raise ValueError(f"block_size must be a multiple of interleave (block_size % interleave == 0), got block_size={bs}, interleave={i}")
+        raise ValueError(
+            "block_size must be a multiple of interleave (block_size % interleave == 0), "
+            f"got block_size={bs}, interleave={i}"
+        )
     g = torch.Generator().manual_seed(seed)
     lens = torch.as_tensor(seq_lens, dtype=torch.int64)
     B = lens.numel()
@@ -146,7 +168,10 @@ def make_dcp_problem(
         next_n = check_int_scalar(next_n, "next_n", min_value=1)
         per_req = torch.full((B,), next_n, dtype=torch.int64)
     if bool((per_req < 0).any()) or bool((per_req > lens).any()):
-        raise ValueError(f"next_n must lie in [0, seq_lens] per request (a request holds its own query tokens), got {per_req.tolist()} for {lens.tolist()}")
+        raise ValueError(
+            "next_n must lie in [0, seq_lens] per request (a request holds its own query tokens), "
+            f"got {per_req.tolist()} for {lens.tolist()}"
+        )
     req_of_token = torch.arange(B).repeat_interleave(per_req)
     T = int(per_req.sum())
     max_len = int(lens.max())
@@ -180,8 +205,9 @@ def make_dcp_problem(
             b = int(req_of_token[t])
             mine = pos_all[: int(lens[b])][owners[: int(lens[b])] == r]
             index_scores[t, locs[mine]] = scores_global[t, mine]
-        shards.append(RankShard(kv_cache=kv, block_table=table, index_scores=index_scores,
-                                geometry=DcpGeometry(w, r, i, bs)))
+        shards.append(
+            RankShard(kv_cache=kv, block_table=table, index_scores=index_scores, geometry=DcpGeometry(w, r, i, bs))
+        )
     return DcpProblem(w, i, bs, lens, next_n, q, kv_global, scores_global, shards)
 
 
@@ -252,13 +278,16 @@ def _shard_geometry(shard: RankShard, group: Group) -> DcpGeometry:
         raise ValueError("shard.geometry must be set (a DcpGeometry): the step checks the shard against the group")
     if (shard.geometry.world_size, shard.geometry.rank) != (group.world_size, group.rank):
         raise ValueError(
-            f"shard.geometry (world_size={shard.geometry.world_size}, rank={shard.geometry.rank}) does not match the group "
+            f"shard.geometry (world_size={shard.geometry.world_size}, rank={shard.geometry.rank}) "
+            "does not match the group "
             f"(world_size={group.world_size}, rank={group.rank})"
         )
     return shard.geometry
 
 
-def single_device_decode(problem: DcpProblem, topk: int, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def single_device_decode(
+    problem: DcpProblem, topk: int, sm_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The oracle: no sharding. Global stable top-k of the scores, softmax attention in float64.
 
     Written independently of the stage modules (plain sort + softmax) on purpose.
@@ -286,8 +315,12 @@ def single_device_decode(problem: DcpProblem, topk: int, sm_scale: float) -> tup
 
 
 def run_dcp_decode(
-    problem: DcpProblem, topk: int, sm_scale: float, traces: list[dict] | None = None,
-    stages: Stages | str = "reference", v_dim: int | None = None,
+    problem: DcpProblem,
+    topk: int,
+    sm_scale: float,
+    traces: list[dict] | None = None,
+    stages: Stages | str = "reference",
+    v_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run :func:`dcp_decode_step` on every rank of a :class:`SimulatedWorld`; reassemble heads.
 
@@ -298,13 +331,21 @@ def run_dcp_decode(
     if not isinstance(problem, DcpProblem):
         raise TypeError(f"problem must be a DcpProblem, got {type(problem).__name__}")
     world = SimulatedWorld(problem.world_size)
-    traces = traces if traces is not None else [None] * problem.world_size
+    rank_traces: Sequence[dict | None] = traces if traces is not None else [None] * problem.world_size
     results = world.run(
         lambda grp, shard, tr: dcp_decode_step(
-            grp, problem.q, shard, problem.seq_lens, problem.next_n, topk, sm_scale, v_dim=v_dim, trace=tr,
+            grp,
+            problem.q,
+            shard,
+            problem.seq_lens,
+            problem.next_n,
+            topk,
+            sm_scale,
+            v_dim=v_dim,
+            trace=tr,
             stages=stages,
         ),
         problem.shards,
-        traces,
+        rank_traces,
     )
     return torch.cat([o for o, _ in results], dim=1), torch.cat([l for _, l in results], dim=1)

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -44,11 +45,31 @@ from .lse import correct_partial
 from .topk import pack_candidates, stable_topk
 
 __all__ = [
-    "STAGE_NAMES", "ATTENTION_LAYOUTS", "StepSpec", "Stages", "REFERENCE_STAGES",
-    "IndexerStage", "SelectStage", "DeinterleaveStage", "AttentionStage", "MergeStage",
-    "reference_indexer", "reference_select", "reference_deinterleave", "reference_attention", "reference_merge",
-    "compose_indexer", "impl_name", "write_into", "STAGE_PROVIDERS", "register_stages", "resolve_stages",
-    "KV_FORMATS", "kv_format_of", "reference_attention_fp8", "FP8_REFERENCE_STAGES",
+    "STAGE_NAMES",
+    "ATTENTION_LAYOUTS",
+    "StepSpec",
+    "Stages",
+    "REFERENCE_STAGES",
+    "IndexerStage",
+    "SelectStage",
+    "DeinterleaveStage",
+    "AttentionStage",
+    "MergeStage",
+    "reference_indexer",
+    "reference_select",
+    "reference_deinterleave",
+    "reference_attention",
+    "reference_merge",
+    "compose_indexer",
+    "impl_name",
+    "write_into",
+    "STAGE_PROVIDERS",
+    "register_stages",
+    "resolve_stages",
+    "KV_FORMATS",
+    "kv_format_of",
+    "reference_attention_fp8",
+    "FP8_REFERENCE_STAGES",
 ]
 
 #: The stages a :class:`Stages` value implements, in step order.
@@ -129,8 +150,16 @@ class StepSpec:
 
 # ---- the protocols: one per stage ------------------------------------------------------------------
 class IndexerStage(Protocol):
-    def __call__(self, scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
-                 row_starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        scores: torch.Tensor,
+        lengths: torch.Tensor,
+        geometry: DcpGeometry,
+        k: int,
+        *,
+        row_starts: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Local stable top-``k`` of each row, packed for the all-gather.
 
         Args:
@@ -162,9 +191,17 @@ class SelectStage(Protocol):
 
 
 class DeinterleaveStage(Protocol):
-    def __call__(self, global_ids: torch.Tensor, req_of_token: torch.Tensor, block_table: torch.Tensor,
-                 geometry: DcpGeometry, *, compact: bool = True, out_slots: torch.Tensor | None = None,
-                 out_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        global_ids: torch.Tensor,
+        req_of_token: torch.Tensor,
+        block_table: torch.Tensor,
+        geometry: DcpGeometry,
+        *,
+        compact: bool = True,
+        out_slots: torch.Tensor | None = None,
+        out_counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Global ids -> this rank's physical KV slots through the block table.
 
         Args:
@@ -181,9 +218,18 @@ class DeinterleaveStage(Protocol):
 
 
 class AttentionStage(Protocol):
-    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                 sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
-                 out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor,
+        sm_scale: float,
+        v_dim: int,
+        *,
+        out: torch.Tensor | None = None,
+        out_lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparse MLA of every head over this rank's chosen slots.
 
         Args:
@@ -199,8 +245,15 @@ class AttentionStage(Protocol):
 
 
 class MergeStage(Protocol):
-    def __call__(self, partial: torch.Tensor, all_lse: torch.Tensor, rank: int, *, out: torch.Tensor | None = None,
-                 out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        partial: torch.Tensor,
+        all_lse: torch.Tensor,
+        rank: int,
+        *,
+        out: torch.Tensor | None = None,
+        out_lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the LSE merge (the reduce-scatter over ranks finishes it).
 
         Args:
@@ -246,8 +299,15 @@ def _named(name: str) -> Callable[[Callable], Callable]:
 # no .item(), no sync), so that a step on the reference stays capture-safe; the step's own
 # ``validate=True`` checks its inputs' values, and the public functions validate by default.
 @_named("torch")
-def reference_indexer(scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
-                      row_starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def reference_indexer(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    row_starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`dcp_ref.indexer.local_topk` then :func:`dcp_ref.topk.pack_candidates`."""
     g = geometry
     ids = local_topk(scores, k, lengths, row_starts, validate=False)
@@ -261,53 +321,86 @@ def reference_select(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None
 
 
 @_named("torch")
-def reference_deinterleave(global_ids: torch.Tensor, req_of_token: torch.Tensor, block_table: torch.Tensor,
-                           geometry: DcpGeometry, *, compact: bool = True, out_slots: torch.Tensor | None = None,
-                           out_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_deinterleave(
+    global_ids: torch.Tensor,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    *,
+    compact: bool = True,
+    out_slots: torch.Tensor | None = None,
+    out_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.deinterleave.deinterleave_and_compact` (ordered), or the uncompacted slots."""
     from .deinterleave import global_ids_to_local_slots
 
     g = geometry
     if compact:
-        slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, g.block_size, g.world_size,
-                                                 g.rank, g.interleave, validate=False)
+        slots, counts = deinterleave_and_compact(
+            global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
+        )
     else:
-        slots = global_ids_to_local_slots(global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank,
-                                          g.interleave, validate=False).to(torch.int32)
+        slots = global_ids_to_local_slots(
+            global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
+        ).to(torch.int32)
         counts = (slots >= 0).sum(1, dtype=torch.int32)
     return write_into(slots, out_slots), write_into(counts, out_counts)
 
 
 @_named("torch")
-def reference_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                        sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
-                        out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.attention.sparse_mla_attention` in float64 (base e)."""
     o, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim, validate=False)
     return write_into(o, out), write_into(lse, out_lse)
 
 
 @_named("torch-fp8")
-def reference_attention_fp8(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                            sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
-                            out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_attention_fp8(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8` (masked layout: ``-1`` anywhere in a row), float64."""
     from .fp8_cache import sparse_mla_attention_fp8
 
-    return sparse_mla_attention_fp8(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse,
-                                    attention_layout="masked", validate=False)
+    return sparse_mla_attention_fp8(
+        q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse, attention_layout="masked", validate=False
+    )
 
 
 @_named("torch")
-def reference_merge(partial: torch.Tensor, all_lse: torch.Tensor, rank: int, *, out: torch.Tensor | None = None,
-                    out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_merge(
+    partial: torch.Tensor,
+    all_lse: torch.Tensor,
+    rank: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.lse.correct_partial` (float64 weights)."""
     corrected, merged = correct_partial(partial, all_lse, rank, "e", validate=False)
     return write_into(corrected, out), write_into(merged, out_lse)
 
 
-def compose_indexer(select_local: Callable[..., torch.Tensor], pack: Callable[..., torch.Tensor],
-                    name: str | None = None) -> IndexerStage:
+def compose_indexer(
+    select_local: Callable[..., torch.Tensor], pack: Callable[..., torch.Tensor], name: str | None = None
+) -> IndexerStage:
     """An indexer stage from a local top-K and a pack, each with the reference's signature.
 
     ``select_local(scores, k, lengths, row_starts) -> int [T, k]`` local indices (``-1`` padded), as
@@ -317,8 +410,15 @@ def compose_indexer(select_local: Callable[..., torch.Tensor], pack: Callable[..
     label = name or f"{impl_name(select_local)}+{impl_name(pack)}"
 
     @_named(label)
-    def indexer(scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
-                row_starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def indexer(
+        scores: torch.Tensor,
+        lengths: torch.Tensor,
+        geometry: DcpGeometry,
+        k: int,
+        *,
+        row_starts: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         ids = select_local(scores, k, lengths, row_starts)
         g = geometry
         try:
@@ -412,9 +512,17 @@ def register_stages(name: str, factory: str | Callable[..., Stages]) -> None:
 _FACTORIES: dict[str, Callable[..., Stages]] = {}
 
 
-def resolve_stages(stages: Stages | str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
-                   v_dim: int, *, num_heads: int | None = None, topk: int | None = None,
-                   kv_format: str = "native") -> Stages:
+def resolve_stages(
+    stages: Stages | str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    v_dim: int,
+    *,
+    num_heads: int | None = None,
+    topk: int | None = None,
+    kv_format: str = "native",
+) -> Stages:
     """The :class:`Stages` that ``stages`` names for these tensors.
 
     ``stages``: a :class:`Stages` (returned as is), ``"reference"``, or a name in :data:`STAGE_PROVIDERS`
@@ -432,7 +540,9 @@ def resolve_stages(stages: Stages | str, device: torch.device | str, dtype: torc
     if stages == "reference":
         return FP8_REFERENCE_STAGES if kv_format == "fp8_ds_mla" else REFERENCE_STAGES
     if stages not in STAGE_PROVIDERS:
-        raise ValueError(f"stages must be 'reference', one of {sorted(STAGE_PROVIDERS)} or a Stages value, got {stages!r}")
+        raise ValueError(
+            f"stages must be 'reference', one of {sorted(STAGE_PROVIDERS)} or a Stages value, got {stages!r}"
+        )
     factory = _FACTORIES.get(stages)
     if factory is None:
         import importlib

@@ -45,7 +45,16 @@ from .group import Group
 from .ownership import localize_decode_bounds, localize_prefill_chunk
 from .stages import REFERENCE_STAGES, Stages, StepSpec, kv_format_of, resolve_stages
 
-__all__ = ["PLAN_LOCK", "StepMetadata", "decode_metadata", "prefill_metadata", "PlannedStep", "CapturedStep", "HostSyncCounter", "plan_for"]
+__all__ = [
+    "PLAN_LOCK",
+    "StepMetadata",
+    "decode_metadata",
+    "prefill_metadata",
+    "PlannedStep",
+    "CapturedStep",
+    "HostSyncCounter",
+    "plan_for",
+]
 
 #: Planning (kernel compilation in ``Stages.prepare``) runs under this lock: CuTeDSL compilation is
 #: not thread-safe, and the ranks of a :class:`~dcp_ref.group.SimulatedWorld` are threads.
@@ -94,8 +103,9 @@ def _req_of_token(num_requests: int, query_lens: Any) -> torch.Tensor:
     return torch.arange(num_requests, dtype=torch.int32).repeat_interleave(per)
 
 
-def decode_metadata(seq_lens: Any, next_n: Any, geometry: DcpGeometry, device: torch.device | str | None = None
-                    ) -> StepMetadata:
+def decode_metadata(
+    seq_lens: Any, next_n: Any, geometry: DcpGeometry, device: torch.device | str | None = None
+) -> StepMetadata:
     """The ownership stage of a decode step, for one rank (validates on the host; once per decode step).
 
     Args:
@@ -113,8 +123,9 @@ def decode_metadata(seq_lens: Any, next_n: Any, geometry: DcpGeometry, device: t
     return StepMetadata(bounds.to(dev, torch.int32), req.to(dev))
 
 
-def prefill_metadata(context_lens: Any, query_lens: Any, geometry: DcpGeometry,
-                     device: torch.device | str | None = None) -> StepMetadata:
+def prefill_metadata(
+    context_lens: Any, query_lens: Any, geometry: DcpGeometry, device: torch.device | str | None = None
+) -> StepMetadata:
     """The ownership stage of a prefill chunk, for one rank (see :func:`dcp_ref.ownership.localize_prefill_chunk`).
 
     The chunk's index scores hold this rank's keys of all the chunk's requests side by side; token ``t``
@@ -141,11 +152,23 @@ class HostSyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """
 
     #: ops that need a tensor's values on the host (or produce data-dependent shapes).
-    SYNC_OPS = frozenset({
-        "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::nonzero_static",
-        "aten::masked_select", "aten::unique", "aten::_unique2", "aten::equal", "aten::allclose",
-        "aten::repeat_interleave", "aten::bincount", "aten::histc",
-    })
+    SYNC_OPS = frozenset(
+        {
+            "aten::_local_scalar_dense",
+            "aten::item",
+            "aten::is_nonzero",
+            "aten::nonzero",
+            "aten::nonzero_static",
+            "aten::masked_select",
+            "aten::unique",
+            "aten::_unique2",
+            "aten::equal",
+            "aten::allclose",
+            "aten::repeat_interleave",
+            "aten::bincount",
+            "aten::histc",
+        }
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,14 +193,14 @@ def _view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
 
 def _all_gather_into(group: Group, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     try:
-        return group.all_gather(x, out=out)  # type: ignore[call-arg]
+        return group.all_gather(x, out=out)
     except TypeError:  # a user Group without out=
         return out.copy_(group.all_gather(x))
 
 
 def _reduce_scatter_into(group: Group, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     try:
-        return group.reduce_scatter(x, 0, out=out)  # type: ignore[call-arg]
+        return group.reduce_scatter(x, 0, out=out)
     except TypeError:
         return out.copy_(group.reduce_scatter(x, 0))
 
@@ -197,7 +220,9 @@ class PlannedStep:
     overwrites them (copy them if you need them later).
     """
 
-    def __init__(self, group: Group, spec: StepSpec, stages: Stages = REFERENCE_STAGES, *, validate: bool = False) -> None:
+    def __init__(
+        self, group: Group, spec: StepSpec, stages: Stages = REFERENCE_STAGES, *, validate: bool = False
+    ) -> None:
         if not isinstance(spec, StepSpec):
             raise TypeError(f"spec must be a StepSpec, got {type(spec).__name__}")
         if not isinstance(stages, Stages):
@@ -243,7 +268,8 @@ class PlannedStep:
         T, H, D = q.shape
         if not 1 <= T <= s.max_tokens or (H, D) != (s.num_heads, s.head_dim):
             raise ValueError(
-                f"q must be [T, {s.num_heads}, {s.head_dim}] with 1 <= T <= max_tokens={s.max_tokens}, got {tuple(q.shape)}"
+                f"q must be [T, {s.num_heads}, {s.head_dim}] with 1 <= T <= max_tokens={s.max_tokens}, "
+                f"got {tuple(q.shape)}"
             )
         sg = getattr(shard, "geometry", None)
         if not isinstance(sg, DcpGeometry):
@@ -255,7 +281,9 @@ class PlannedStep:
         check_tensor(shard.index_scores, "shard.index_scores", dtypes=(torch.float32,), ndim=2, device=s.device)
         # The cache's row layout (576 values, or FP8's 656 bytes) is the attention stage's to check.
         if shard.index_scores.shape[0] != T:
-            raise ValueError(f"shard.index_scores must have one row per query token ({T}), got {tuple(shard.index_scores.shape)}")
+            raise ValueError(
+                f"shard.index_scores must have one row per query token ({T}), got {tuple(shard.index_scores.shape)}"
+            )
         if not isinstance(meta, StepMetadata):
             raise TypeError(f"meta must be a StepMetadata (see decode_metadata), got {type(meta).__name__}")
         for name in ("local_bounds", "req_of_token", "row_starts"):
@@ -288,10 +316,13 @@ class PlannedStep:
             blocks_needed = (local + g.block_size - 1) // g.block_size
             have = (shard.block_table >= 0).sum(1)[meta.req_of_token.long()]
             if bool((blocks_needed > have).any()):
-                raise ValueError("shard.block_table is too short for a token's local length (a selected key has no block)")
+                raise ValueError(
+                    "shard.block_table is too short for a token's local length (a selected key has no block)"
+                )
 
-    def run(self, q: torch.Tensor, shard: Any, meta: StepMetadata, *, trace: dict | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, q: torch.Tensor, shard: Any, meta: StepMetadata, *, trace: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the step on this rank (collectives included).
 
         Args:
@@ -309,27 +340,50 @@ class PlannedStep:
         W, k, H, v = g.world_size, s.topk, s.num_heads, s.v_dim
         hs = H // W
         # indexer: the ownership stage (meta) already gave each token its local bound
-        packed = st.indexer(shard.index_scores, meta.local_bounds, g, k, row_starts=meta.row_starts,
-                            out=_view(self._packed, T, k, 2))
+        packed = st.indexer(
+            shard.index_scores, meta.local_bounds, g, k, row_starts=meta.row_starts, out=_view(self._packed, T, k, 2)
+        )
         gathered = _all_gather_into(self.group, packed, _view(self._gathered, W, T, k, 2))
         ids = st.select(gathered, k, out=_view(self._ids, T, k))
-        slots, counts = st.deinterleave(ids, meta.req_of_token, shard.block_table, g,
-                                        compact=st.attention_layout == "compact",
-                                        out_slots=_view(self._slots, T, k), out_counts=_view(self._counts, T))
-        partial, lse = st.attention(q, shard.kv_cache, slots, counts, s.sm_scale, v,
-                                    out=_view(self._partial, T, H, v), out_lse=_view(self._lse, T, H))
+        slots, counts = st.deinterleave(
+            ids,
+            meta.req_of_token,
+            shard.block_table,
+            g,
+            compact=st.attention_layout == "compact",
+            out_slots=_view(self._slots, T, k),
+            out_counts=_view(self._counts, T),
+        )
+        partial, lse = st.attention(
+            q,
+            shard.kv_cache,
+            slots,
+            counts,
+            s.sm_scale,
+            v,
+            out=_view(self._partial, T, H, v),
+            out_lse=_view(self._lse, T, H),
+        )
         all_lse = _all_gather_into(self.group, lse, _view(self._all_lse, W, T, H))
-        corrected, merged = st.merge(partial, all_lse, g.rank, out=_view(self._corrected, T, H, v),
-                                     out_lse=_view(self._merged_lse, T, H))
+        corrected, merged = st.merge(
+            partial, all_lse, g.rank, out=_view(self._corrected, T, H, v), out_lse=_view(self._merged_lse, T, H)
+        )
         # Heads of rank w must be contiguous for the reduce-scatter: [T, H, v] -> [W, T, H/W, v] (one copy).
         send = _view(self._send, W, T, hs, v)
         send.copy_(corrected.view(T, W, hs, v).transpose(0, 1))
         out = _reduce_scatter_into(self.group, send.view(W * T, hs, v), _view(self._out, T, hs, v))
         lse_shard = merged[:, g.rank * hs : (g.rank + 1) * hs]
         if trace is not None:
-            trace.update(local_bounds=meta.local_bounds.clone(), packed=packed.clone(), global_ids=ids.clone(), slots=slots.clone(),
-                         counts=counts.clone(), partial_out=partial.clone(), partial_lse=lse.clone(),
-                         impl=dict(self.impls))
+            trace.update(
+                local_bounds=meta.local_bounds.clone(),
+                packed=packed.clone(),
+                global_ids=ids.clone(),
+                slots=slots.clone(),
+                counts=counts.clone(),
+                partial_out=partial.clone(),
+                partial_lse=lse.clone(),
+                impl=dict(self.impls),
+            )
         return out, lse_shard
 
     def capture(self, q: torch.Tensor, shard: Any, meta: StepMetadata, *, warmup: int = 1) -> CapturedStep:
@@ -339,7 +393,8 @@ class PlannedStep:
         update them in place (``copy_``) and call :meth:`CapturedStep.replay`. NCCL collectives can be
         captured once the process group has run one collective (the warm-up run does that).
         """
-        if self.spec.device.type != "cuda":
+        # StepSpec.__post_init__ stores a torch.device; the field's type also admits the str callers pass.
+        if torch.device(self.spec.device).type != "cuda":
             raise ValueError(f"capture needs a CUDA step, this one is planned for {self.spec.device}")
         if self.validate:
             raise ValueError("capture needs validate=False (value checks read tensors on the host)")
@@ -368,8 +423,18 @@ class CapturedStep:
         return self.out, self.lse
 
 
-def plan_for(group: Group, q: torch.Tensor, shard: Any, topk: int, sm_scale: float, *, v_dim: int | None = None,
-             stages: Stages | str = "reference", validate: bool = True, max_tokens: int | None = None) -> PlannedStep:
+def plan_for(
+    group: Group,
+    q: torch.Tensor,
+    shard: Any,
+    topk: int,
+    sm_scale: float,
+    *,
+    v_dim: int | None = None,
+    stages: Stages | str = "reference",
+    validate: bool = True,
+    max_tokens: int | None = None,
+) -> PlannedStep:
     """Plan a step sized for these inputs (``q [T, H, D]``, ``shard``) — the convenience path of
     :func:`dcp_ref.pipeline.dcp_decode_step`; ``max_tokens`` defaults to ``T``. The cache's format
     (native or FP8, :func:`dcp_ref.stages.kv_format_of`) picks the attention (FP8: ``v_dim`` 512, masked)."""
@@ -379,12 +444,30 @@ def plan_for(group: Group, q: torch.Tensor, shard: Any, topk: int, sm_scale: flo
         raise ValueError("shard.geometry must be a DcpGeometry (the geometry the shard was built for)")
     T, H, D = q.shape
     v = D if v_dim is None else v_dim
-    spec = StepSpec(geometry, max_tokens=max_tokens or max(T, 1), topk=topk, num_heads=H, head_dim=D, v_dim=v,
-                    sm_scale=sm_scale, dtype=q.dtype, device=q.device)
+    spec = StepSpec(
+        geometry,
+        max_tokens=max_tokens or max(T, 1),
+        topk=topk,
+        num_heads=H,
+        head_dim=D,
+        v_dim=v,
+        sm_scale=sm_scale,
+        dtype=q.dtype,
+        device=q.device,
+    )
     kv_format = kv_format_of(shard.kv_cache)
     if kv_format == "fp8_ds_mla" and v_dim is None:
         v = 512  # the FP8 layout's values are its 512 NoPE dims
-        spec = StepSpec(geometry, max_tokens=max_tokens or max(T, 1), topk=topk, num_heads=H, head_dim=D, v_dim=v,
-                        sm_scale=sm_scale, dtype=q.dtype, device=q.device)
+        spec = StepSpec(
+            geometry,
+            max_tokens=max_tokens or max(T, 1),
+            topk=topk,
+            num_heads=H,
+            head_dim=D,
+            v_dim=v,
+            sm_scale=sm_scale,
+            dtype=q.dtype,
+            device=q.device,
+        )
     st = resolve_stages(stages, q.device, q.dtype, D, v, num_heads=H, topk=topk, kv_format=kv_format)
     return PlannedStep(group, spec, st, validate=validate)

@@ -1,4 +1,5 @@
-"""Triton kernels for the deinterleave and compaction stages: global token ids → this rank's physical KV slots, compacted.
+"""Triton kernels for the deinterleave and compaction stages: global token ids → this rank's physical KV slots,
+compacted.
 
 Reference (the oracle): :mod:`dcp_ref.deinterleave`. One query token's row of ``K`` selected
 global ids becomes a row of physical slots with the valid ones first, ``-1`` after, plus a count.

@@ -40,8 +40,9 @@ def _flash_mla() -> Any:
     return flash_mla
 
 
-def flashmla_unsupported(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int, v_dim: int,
-                         topk: int) -> str:
+def flashmla_unsupported(
+    device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int, v_dim: int, topk: int
+) -> str:
     """Why FlashMLA cannot run this attention (``""`` when it can)."""
     from dcp_ref._checks import has_module
 
@@ -60,9 +61,17 @@ def flashmla_unsupported(device: torch.device, dtype: torch.dtype, num_heads: in
     return ""
 
 
-def sparse_mla_flashmla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                        sm_scale: float, v_dim: int = _DV, *, out: torch.Tensor | None = None,
-                        out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_mla_flashmla(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    sm_scale: float,
+    v_dim: int = _DV,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over compacted slots on FlashMLA (the attention stage's contract, :mod:`dcp_ref.stages`).
 
     Args:
@@ -82,8 +91,10 @@ def sparse_mla_flashmla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
     check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=q.device)
     T, H, D = q.shape
     if (D, v_dim, kv_cache.shape[-1]) != (_DQK, _DV, _DQK):
-        raise ValueError(f"q and kv_cache must be {_DQK} wide with v_dim={_DV}, got q {tuple(q.shape)}, "
-                         f"kv_cache {tuple(kv_cache.shape)}, v_dim={v_dim}")
+        raise ValueError(
+            f"q and kv_cache must be {_DQK} wide with v_dim={_DV}, got q {tuple(q.shape)}, "
+            f"kv_cache {tuple(kv_cache.shape)}, v_dim={v_dim}"
+        )
     if H not in FLASHMLA_HEADS:
         raise ValueError(f"q.shape[1] (H) must be one of {FLASHMLA_HEADS}, got {H}")
     if slots.shape[0] != T or counts.shape[0] != T:
@@ -98,7 +109,13 @@ def sparse_mla_flashmla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Te
     poisoned = outside.any(1)
     safe = slots.masked_fill(outside, 0)
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
-        q, kv_cache.reshape(-1, 1, _DQK), safe.unsqueeze(1), sm_scale, d_v=_DV, topk_length=cnt, use_legacy=True,
+        q,
+        kv_cache.reshape(-1, 1, _DQK),
+        safe.unsqueeze(1),
+        sm_scale,
+        d_v=_DV,
+        topk_length=cnt,
+        use_legacy=True,
     )
     lse = lse.reshape(T, H)
     out = o if out is None else out.copy_(o)

@@ -26,7 +26,8 @@ import contextlib
 import functools
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,15 +61,18 @@ def _launch(device: torch.device) -> contextlib.AbstractContextManager:
     return KERNEL_LOCK if device.type != "cuda" and triton_interpreting() else contextlib.nullcontext()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_fallback(stage: str, reason: str) -> None:
-    # lru_cache: each distinct fallback is logged once per process, not once per step.
+    # functools.cache: each distinct fallback is logged once per process, not once per step.
     logger.warning("dcp_ref.kernels.stages: stage %r runs the torch reference: %s", stage, reason)
 
 
-def _named(name: str):  # type: ignore[no-untyped-def]
-    def deco(fn):  # type: ignore[no-untyped-def]
-        fn.impl_name = name
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _named(name: str) -> Callable[[_F], _F]:
+    def deco(fn: _F) -> _F:
+        fn.impl_name = name  # type: ignore[attr-defined]
         return fn
 
     return deco
@@ -76,8 +80,15 @@ def _named(name: str):  # type: ignore[no-untyped-def]
 
 # ---- the kernel implementations of each stage ---------------------------------------------------------
 @_named("triton")
-def _pack_triton(scores: torch.Tensor, ids: torch.Tensor, rank: int, world_size: int, interleave: int,
-                 row_starts: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+def _pack_triton(
+    scores: torch.Tensor,
+    ids: torch.Tensor,
+    rank: int,
+    world_size: int,
+    interleave: int,
+    row_starts: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     from .pack_triton import pack_candidates_triton
 
     with _launch(scores.device):
@@ -85,21 +96,31 @@ def _pack_triton(scores: torch.Tensor, ids: torch.Tensor, rank: int, world_size:
 
 
 @_named("torch")
-def _local_topk_torch(scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None) -> torch.Tensor:
+def _local_topk_torch(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None
+) -> torch.Tensor:
     from dcp_ref.indexer import local_topk
 
     return local_topk(scores, k, lengths, row_starts, validate=False)
 
 
 @_named("triton-fused")
-def _indexer_fused(scores: torch.Tensor, lengths: torch.Tensor, geometry: DcpGeometry, k: int, *,
-                   row_starts: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    from .indexer_triton import indexer_topk_pack  # type: ignore[import-not-found]
+def _indexer_fused(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    row_starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    from .indexer_triton import indexer_topk_pack
 
     g = geometry
     with _launch(scores.device):
-        return indexer_topk_pack(scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out,
-                                 validate=False)
+        return indexer_topk_pack(
+            scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out, validate=False
+        )
 
 
 @_named("cutedsl")
@@ -113,27 +134,62 @@ def _select_cutedsl(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None 
 
 
 @_named("triton")
-def _deinterleave_triton(global_ids: torch.Tensor, req_of_token: torch.Tensor, block_table: torch.Tensor,
-                         geometry: DcpGeometry, *, compact: bool = True, out_slots: torch.Tensor | None = None,
-                         out_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _deinterleave_triton(
+    global_ids: torch.Tensor,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    *,
+    compact: bool = True,
+    out_slots: torch.Tensor | None = None,
+    out_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from .deinterleave_triton import deinterleave_compact, global_ids_to_local_slots_triton
 
     g = geometry
     req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
     with _launch(global_ids.device):
         if compact:
-            return deinterleave_compact(global_ids, req, block_table, g.block_size, g.world_size, g.rank, g.interleave,
-                                        ordered=True, out=out_slots, counts=out_counts, validate=False)
-        slots = global_ids_to_local_slots_triton(global_ids, req, block_table, g.block_size, g.world_size, g.rank,
-                                                 g.interleave, out=out_slots, validate=False)
+            return deinterleave_compact(
+                global_ids,
+                req,
+                block_table,
+                g.block_size,
+                g.world_size,
+                g.rank,
+                g.interleave,
+                ordered=True,
+                out=out_slots,
+                counts=out_counts,
+                validate=False,
+            )
+        slots = global_ids_to_local_slots_triton(
+            global_ids,
+            req,
+            block_table,
+            g.block_size,
+            g.world_size,
+            g.rank,
+            g.interleave,
+            out=out_slots,
+            validate=False,
+        )
     counts = (slots >= 0).sum(1, dtype=torch.int32)
     return slots, write_into(counts, out_counts)
 
 
 @_named("flashmla")
-def _attention_flashmla(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                        sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
-                        out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_flashmla(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from .flashmla_sparse import sparse_mla_flashmla
 
     return sparse_mla_flashmla(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
@@ -143,9 +199,17 @@ _FP8_DECODERS = threading.local()  # one FlashMLA FP8 decoder per thread (rank):
 
 
 @_named("flashmla-fp8")
-def _attention_flashmla_fp8(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                            sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
-                            out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_flashmla_fp8(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from .flashmla_fp8 import FlashMLAFp8Decode
 
     by_dev = getattr(_FP8_DECODERS, "by_device", None)
@@ -173,9 +237,17 @@ _FI_WRAPPERS = threading.local()  # one FlashInfer wrapper per thread (rank) and
 
 
 @_named("flashinfer")
-def _attention_flashinfer(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
-                          sm_scale: float, v_dim: int, *, out: torch.Tensor | None = None,
-                          out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_flashinfer(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from .flashinfer_mla import FlashInferSparseMLA
 
     key = (q.shape[1], float(sm_scale), q.device, q.dtype)
@@ -184,15 +256,22 @@ def _attention_flashinfer(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.
         cache = _FI_WRAPPERS.by_key = {}
     attn = cache.get(key)
     if attn is None:
-        attn = cache[key] = FlashInferSparseMLA(q.shape[1], sm_scale, device=q.device, dtype=q.dtype,
-                                                head_dim_kpe=q.shape[2] - 512)
+        attn = cache[key] = FlashInferSparseMLA(
+            q.shape[1], sm_scale, device=q.device, dtype=q.dtype, head_dim_kpe=q.shape[2] - 512
+        )
     attn.plan(slots, counts)  # host sync: FlashInfer builds its schedule from the lengths
     return attn.run(q, kv_cache, out=out, lse=out_lse, lse_base="e")
 
 
 @_named("triton")
-def _merge_triton(partial: torch.Tensor, all_lse: torch.Tensor, rank: int, *, out: torch.Tensor | None = None,
-                  out_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_triton(
+    partial: torch.Tensor,
+    all_lse: torch.Tensor,
+    rank: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from .lse_merge_triton import lse_correct
 
     if out_lse is None:
@@ -216,16 +295,24 @@ def _prepare(spec: StepSpec, impl: dict[str, str]) -> None:
 
 
 # ---- selection -------------------------------------------------------------------------------------------
-def kernel_stage_impls(device: torch.device | str, q_dtype: torch.dtype, head_dim: int, v_dim: int,
-                       num_heads: int | None = None, topk: int | None = None, kv_format: str = "native") -> dict[str, str]:
+def kernel_stage_impls(
+    device: torch.device | str,
+    q_dtype: torch.dtype,
+    head_dim: int,
+    v_dim: int,
+    num_heads: int | None = None,
+    topk: int | None = None,
+    kv_format: str = "native",
+) -> dict[str, str]:
     """What :func:`kernel_stages` runs for each stage: ``{stage: "triton" | "triton-fused" | "torch+triton" |
     "cutedsl" | "flashmla" | "flashinfer" | "flashmla-fp8" | "torch" | "torch-fp8"}``, in step order (each
     fallback is logged once)."""
     return kernel_stages(device, q_dtype, head_dim, v_dim, num_heads=num_heads, topk=topk, kv_format=kv_format).impls()
 
 
-def _choose(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int, num_heads: int | None,
-            topk: int | None) -> tuple[dict[str, str], dict[str, str]]:
+def _choose(
+    device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int, num_heads: int | None, topk: int | None
+) -> tuple[dict[str, str], dict[str, str]]:
     cuda = device.type == "cuda"
     reasons: dict[str, str] = {}
     if not has_module("triton"):
@@ -258,8 +345,9 @@ def _has_fused_indexer() -> bool:
     return importlib.util.find_spec("dcp_ref.kernels.indexer_triton") is not None
 
 
-def _choose_attention(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int, num_heads: int | None,
-                      topk: int | None) -> tuple[str, str]:
+def _choose_attention(
+    device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int, num_heads: int | None, topk: int | None
+) -> tuple[str, str]:
     from .flashmla_sparse import flashmla_unsupported
 
     if device.type != "cuda":
@@ -276,8 +364,16 @@ def _choose_attention(device: torch.device, q_dtype: torch.dtype, head_dim: int,
     return "flashinfer", ""
 
 
-def kernel_stages(device: torch.device | str, dtype: torch.dtype, head_dim: int, v_dim: int, *,
-                  num_heads: int | None = None, topk: int | None = None, kv_format: str = "native") -> Stages:
+def kernel_stages(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    v_dim: int,
+    *,
+    num_heads: int | None = None,
+    topk: int | None = None,
+    kv_format: str = "native",
+) -> Stages:
     """The ``"kernels"`` :class:`~dcp_ref.stages.Stages` for tensors of ``dtype`` on ``device``.
 
     ``num_heads`` / ``topk``: when known, let the attention choice check FlashMLA's constraints
@@ -299,13 +395,20 @@ def kernel_stages(device: torch.device | str, dtype: torch.dtype, head_dim: int,
     for stage, why in reasons.items():
         _log_fallback(stage, why)
     by_name: dict[str, Any] = {
-        "indexer": {"triton-fused": _indexer_fused, "torch+triton": compose_indexer(_local_topk_torch, _pack_triton),
-                    "torch": reference_indexer}[impl["indexer"]],
+        "indexer": {
+            "triton-fused": _indexer_fused,
+            "torch+triton": compose_indexer(_local_topk_torch, _pack_triton),
+            "torch": reference_indexer,
+        }[impl["indexer"]],
         "select": _select_cutedsl if impl["select"] == "cutedsl" else reference_select,
         "deinterleave": _deinterleave_triton if impl["deinterleave"] == "triton" else reference_deinterleave,
-        "attention": {"flashmla": _attention_flashmla, "flashinfer": _attention_flashinfer,
-                      "flashmla-fp8": _attention_flashmla_fp8, "torch-fp8": reference_attention_fp8,
-                      "torch": reference_attention}[impl["attention"]],
+        "attention": {
+            "flashmla": _attention_flashmla,
+            "flashinfer": _attention_flashinfer,
+            "flashmla-fp8": _attention_flashmla_fp8,
+            "torch-fp8": reference_attention_fp8,
+            "torch": reference_attention,
+        }[impl["attention"]],
         "merge": _merge_triton if impl["merge"] == "triton" else reference_merge,
     }
 
@@ -313,6 +416,11 @@ def kernel_stages(device: torch.device | str, dtype: torch.dtype, head_dim: int,
         # GPU attention writes q's dtype; the Triton merge takes fp16/bf16/fp32 partials.
         return d if d in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
 
-    return Stages(**by_name, attention_layout=layout, partial_dtype=partial_dtype, prepare=functools.partial(_prepare, impl=impl),
-                  name="kernels", notes=tuple(sorted(reasons.items())))
-
+    return Stages(
+        **by_name,
+        attention_layout=layout,
+        partial_dtype=partial_dtype,
+        prepare=functools.partial(_prepare, impl=impl),
+        name="kernels",
+        notes=tuple(sorted(reasons.items())),
+    )
