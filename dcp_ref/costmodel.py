@@ -930,6 +930,8 @@ def observations_from_results(results_dir: str | Path) -> list[Observation]:
       reduce-scatter), ``x = bytes_correct``.
     * ``attention_flashinfer.json`` ``rows``: ``attention`` = FlashInfer FA3 sparse MLA ``run``,
       ``x = 2*T*H*K_valid*(576+512)`` FLOPs.
+    * ``step.json`` ``summary[*].stages_us.indexer`` (when present): ``local_topk`` = the step's own indexer
+      (fused local top-K + pack) in isolation, ``x = 4*T*ceil(ctx/W)``; it replaces the ``torch.topk`` stand-in.
     """
     d = Path(results_dir)
     if not d.is_dir():
@@ -965,6 +967,18 @@ def observations_from_results(results_dir: str | Path) -> list[Observation]:
         for r in _load(d / "attention_flashinfer.json")["rows"]:
             flops = 2.0 * r["T"] * r["H"] * r["K_valid"] * (576 + 512)
             obs.append(Observation("attention", flops, r["run"]["median_us"] * 1e-6, f"T={r['T']} H={r['H']}"))
+    # The planned step's own indexer (step.json rows' isolated stage times): when measured, it replaces the
+    # torch.topk stand-in as the local top-K line, x = 4*T*ceil(ctx/W) bytes of scores read.
+    indexer: list[Observation] = []
+    if (d / "step.json").exists():
+        for r in _load(d / "step.json").get("summary", []):
+            indexer_us = (r.get("stages_us") or {}).get("indexer")
+            if indexer_us is not None:
+                local = -(-int(r["ctx"]) // int(r["W"]))
+                label = f"step indexer W={r['W']} T={r['T']} ctx={r['ctx']}"
+                indexer.append(Observation("local_topk", 4 * int(r["T"]) * local, float(indexer_us) * 1e-6, label))
+    if indexer:
+        obs = [o for o in obs if o.family != "local_topk"] + indexer
     return obs
 
 
