@@ -197,7 +197,8 @@ def global_ids_to_local_slots(
 
     The stage does not know the local lengths: an id past the block table is "not here". That
     the block table covers every request's local length is a plan-time check of the caller
-    (``block_table.shape[1] * block_size >= `` the largest local length).
+    (``block_table.shape[1] * block_size`` at least the largest local length; see
+    :func:`check_block_table`).
     """
     w, r, i, bs = check_deinterleave_inputs(
         token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate

@@ -4,17 +4,14 @@
 device and dtype, and the reference otherwise (the reason is logged once on
 ``logging.getLogger("dcp_ref.kernels.stages")`` and kept in ``Stages.notes``):
 
-============  ==========================================================  =========================
-stage         kernel                                                       needs
-============  ==========================================================  =========================
-indexer       Triton fused local top-K + pack (:mod:`.indexer_triton`),    CUDA, or the CPU with
-              else torch local top-K + the Triton pack (:mod:`.pack_triton`) ``TRITON_INTERPRET=1``
-select        CuTeDSL stable radix top-K (:mod:`.topk_cutedsl`)            CUDA + nvidia-cutlass-dsl
-deinterleave  Triton de-interleave + compaction (:mod:`.deinterleave_triton`)  as the indexer
-attention     FlashMLA sparse (:mod:`.flashmla_sparse`; no host plan),     CUDA, bf16, 576/512,
-              else FlashInfer fa3 (:mod:`.flashinfer_mla`; plans on the host)  H in {64, 128}
-merge         Triton LSE correction (:mod:`.lse_merge_triton`)             as the indexer
-============  ==========================================================  =========================
+- indexer: the fused Triton local top-K + pack (:mod:`.indexer_triton`), else torch's local top-K + the
+  Triton pack (:mod:`.pack_triton`) — needs CUDA, or the CPU with ``TRITON_INTERPRET=1``;
+- select: the CuTeDSL stable radix top-K (:mod:`.topk_cutedsl`) — needs CUDA and nvidia-cutlass-dsl;
+- deinterleave: the Triton de-interleave + compaction (:mod:`.deinterleave_triton`) — as the indexer;
+- attention: FlashMLA's sparse kernel (:mod:`.flashmla_sparse`; no host plan), else FlashInfer fa3
+  (:mod:`.flashinfer_mla`; plans on the host) — needs CUDA, bf16, 576/512, H in {64, 128}; on an FP8
+  cache FlashMLA's FP8 decode (:mod:`.flashmla_fp8`), masked layout;
+- merge: the Triton LSE correction (:mod:`.lse_merge_triton`) — as the indexer.
 
 ``dcp_ref`` never imports this module: :func:`dcp_ref.stages.resolve_stages` loads it by name when a
 caller asks for ``stages="kernels"``.
