@@ -32,7 +32,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -286,8 +286,13 @@ def impl_name(fn: Any) -> str:
     return f"{mod}.{qual}" if mod and not mod.startswith("dcp_ref") else qual
 
 
-def _named(name: str) -> Callable[[Callable], Callable]:
-    def deco(fn: Callable) -> Callable:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def named_impl(name: str) -> Callable[[_F], _F]:
+    """Decorator: the name the trace gives this stage implementation (see :func:`impl_name`)."""
+
+    def deco(fn: _F) -> _F:
         fn.impl_name = name  # type: ignore[attr-defined]
         return fn
 
@@ -298,7 +303,7 @@ def _named(name: str) -> Callable[[Callable], Callable]:
 # The reference stages call the oracle functions without their host-side value checks (validate=False:
 # no .item(), no sync), so that a step on the reference stays capture-safe; the step's own
 # ``validate=True`` checks its inputs' values, and the public functions validate by default.
-@_named("torch")
+@named_impl("torch")
 def reference_indexer(
     scores: torch.Tensor,
     lengths: torch.Tensor,
@@ -314,13 +319,13 @@ def reference_indexer(
     return write_into(pack_candidates(scores, ids, g.rank, g.world_size, g.interleave, row_starts, validate=False), out)
 
 
-@_named("torch")
+@named_impl("torch")
 def reference_select(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dcp_ref.topk.stable_topk` (sorted: the reference always is)."""
     return write_into(stable_topk(gathered, k, validate=False), out)
 
 
-@_named("torch")
+@named_impl("torch")
 def reference_deinterleave(
     global_ids: torch.Tensor,
     req_of_token: torch.Tensor,
@@ -347,7 +352,7 @@ def reference_deinterleave(
     return write_into(slots, out_slots), write_into(counts, out_counts)
 
 
-@_named("torch")
+@named_impl("torch")
 def reference_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -364,7 +369,7 @@ def reference_attention(
     return write_into(o, out), write_into(lse, out_lse)
 
 
-@_named("torch-fp8")
+@named_impl("torch-fp8")
 def reference_attention_fp8(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -384,7 +389,7 @@ def reference_attention_fp8(
     )
 
 
-@_named("torch")
+@named_impl("torch")
 def reference_merge(
     partial: torch.Tensor,
     all_lse: torch.Tensor,
@@ -409,7 +414,7 @@ def compose_indexer(
     """
     label = name or f"{impl_name(select_local)}+{impl_name(pack)}"
 
-    @_named(label)
+    @named_impl(label)
     def indexer(
         scores: torch.Tensor,
         lengths: torch.Tensor,

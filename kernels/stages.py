@@ -24,7 +24,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -35,6 +35,7 @@ from dcp_ref.stages import (
     Stages,
     StepSpec,
     compose_indexer,
+    named_impl,
     reference_attention,
     reference_attention_fp8,
     reference_deinterleave,
@@ -64,19 +65,18 @@ def _log_fallback(stage: str, reason: str) -> None:
     logger.warning("dcp_ref.kernels.stages: stage %r runs the torch reference: %s", stage, reason)
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _named(name: str) -> Callable[[_F], _F]:
-    def deco(fn: _F) -> _F:
-        fn.impl_name = name  # type: ignore[attr-defined]
-        return fn
-
-    return deco
+def _per_thread(store: threading.local, key: Any, make: Callable[[], Any]) -> Any:
+    """One object per thread (rank) and key: FlashInfer's plan() and FlashMLA's schedules are stateful."""
+    cache = getattr(store, "by_key", None)
+    if cache is None:
+        cache = store.by_key = {}
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 # ---- the kernel implementations of each stage ---------------------------------------------------------
-@_named("triton")
+@named_impl("triton")
 def _pack_triton(
     scores: torch.Tensor,
     ids: torch.Tensor,
@@ -92,7 +92,7 @@ def _pack_triton(
         return pack_candidates_triton(scores, ids, rank, world_size, interleave, row_starts, out=out, validate=False)
 
 
-@_named("torch")
+@named_impl("torch")
 def _local_topk_torch(
     scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None
 ) -> torch.Tensor:
@@ -101,7 +101,7 @@ def _local_topk_torch(
     return local_topk(scores, k, lengths, row_starts, validate=False)
 
 
-@_named("triton-fused")
+@named_impl("triton-fused")
 def _indexer_fused(
     scores: torch.Tensor,
     lengths: torch.Tensor,
@@ -120,7 +120,7 @@ def _indexer_fused(
         )
 
 
-@_named("cutedsl")
+@named_impl("cutedsl")
 def _select_cutedsl(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     from .topk_cutedsl import stable_topk_cutedsl
 
@@ -130,7 +130,7 @@ def _select_cutedsl(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None 
         return stable_topk_cutedsl(gathered, k, out=out, validate=False)
 
 
-@_named("triton")
+@named_impl("triton")
 def _deinterleave_triton(
     global_ids: torch.Tensor,
     req_of_token: torch.Tensor,
@@ -175,7 +175,7 @@ def _deinterleave_triton(
     return slots, write_into(counts, out_counts)
 
 
-@_named("flashmla")
+@named_impl("flashmla")
 def _attention_flashmla(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -195,7 +195,7 @@ def _attention_flashmla(
 _FP8_DECODERS = threading.local()  # one FlashMLA FP8 decoder per thread (rank): it keeps a schedule per shape
 
 
-@_named("flashmla-fp8")
+@named_impl("flashmla-fp8")
 def _attention_flashmla_fp8(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -209,12 +209,7 @@ def _attention_flashmla_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from .flashmla_fp8 import FlashMLAFp8Decode
 
-    by_dev = getattr(_FP8_DECODERS, "by_device", None)
-    if by_dev is None:
-        by_dev = _FP8_DECODERS.by_device = {}
-    dec = by_dev.get(q.device)
-    if dec is None:
-        dec = by_dev[q.device] = FlashMLAFp8Decode(q.device, validate=False)
+    dec = _per_thread(_FP8_DECODERS, q.device, lambda: FlashMLAFp8Decode(q.device, validate=False))
     return dec.attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
 
 
@@ -233,7 +228,7 @@ def _choose_fp8_attention(device: torch.device, q_dtype: torch.dtype, num_heads:
 _FI_WRAPPERS = threading.local()  # one FlashInfer wrapper per thread (rank) and shape: plan() is stateful
 
 
-@_named("flashinfer")
+@named_impl("flashinfer")
 def _attention_flashinfer(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -248,19 +243,18 @@ def _attention_flashinfer(
     from .flashinfer_mla import FlashInferSparseMLA
 
     key = (q.shape[1], float(sm_scale), q.device, q.dtype)
-    cache = getattr(_FI_WRAPPERS, "by_key", None)
-    if cache is None:
-        cache = _FI_WRAPPERS.by_key = {}
-    attn = cache.get(key)
-    if attn is None:
-        attn = cache[key] = FlashInferSparseMLA(
+    attn = _per_thread(
+        _FI_WRAPPERS,
+        key,
+        lambda: FlashInferSparseMLA(
             q.shape[1], sm_scale, device=q.device, dtype=q.dtype, head_dim_kpe=q.shape[2] - 512
-        )
+        ),
+    )
     attn.plan(slots, counts)  # host sync: FlashInfer builds its schedule from the lengths
     return attn.run(q, kv_cache, out=out, lse=out_lse, lse_base="e")
 
 
-@_named("triton")
+@named_impl("triton")
 def _merge_triton(
     partial: torch.Tensor,
     all_lse: torch.Tensor,
