@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_int_scalar, check_world
+from ._checks import check_int_scalar, check_tensor, check_world
 from .geometry import DcpGeometry
 from .group import Group, SimulatedWorld
 from .ownership import expand_decode_bounds, global_to_local, owner_rank
@@ -247,6 +247,7 @@ def dcp_decode_step(
     Returns:
         ``(out, lse)`` for this rank's head shard: ``[T, H/W, v_dim]`` and ``[T, H/W]`` (base e).
     """
+    check_tensor(q, "q", ndim=3)
     geometry = _shard_geometry(shard, group)
     meta = decode_metadata(seq_lens, next_n, geometry, device=q.device)
     return run_step(group, q, shard, meta, topk, sm_scale, v_dim=v_dim, trace=trace, stages=stages, validate=validate)

@@ -133,7 +133,9 @@ class StepSpec:
                 "the merge leaves H/W heads on each rank"
             )
         sc = self.sm_scale
-        if isinstance(sc, bool) or not isinstance(sc, (int, float)) or not math.isfinite(sc) or sc <= 0:
+        if isinstance(sc, bool) or not isinstance(sc, (int, float)):  # numpy floats are floats
+            raise TypeError(f"sm_scale must be a float, got {type(sc).__name__}")
+        if not math.isfinite(sc) or sc <= 0:
             raise ValueError(f"sm_scale must be a finite float > 0, got {sc!r}")
         object.__setattr__(self, "sm_scale", float(sc))
         if not isinstance(self.dtype, torch.dtype):

@@ -133,6 +133,14 @@ def test_run_checks_geometry_shapes_and_values() -> None:
         step.capture(one.q, shard, one.metadata(0))
 
 
+def test_decode_step_rejects_a_non_tensor_query() -> None:
+    from dcp_ref.pipeline import dcp_decode_step
+
+    p = make_dcp_problem(1, 1, seq_lens=[6], num_heads=1, head_dim=4)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+        dcp_decode_step(SingleGroup(), [[1.0]], p.shards[0], p.seq_lens, 1, 2, 0.5)  # type: ignore[arg-type]
+
+
 def test_spec_is_validated() -> None:
     g = DcpGeometry(2, 0)
     with pytest.raises(ValueError, match="num_heads .* must be divisible by the world size W=2"):
@@ -143,6 +151,11 @@ def test_spec_is_validated() -> None:
         StepSpec(g, 4, 3, 2, 8, 8, float("nan"), torch.float32, "cpu")
     with pytest.raises(TypeError, match="geometry must be a DcpGeometry"):
         StepSpec((2, 0), 4, 3, 2, 8, 8, 0.5, torch.float32, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sm_scale must be a float, got str"):
+        StepSpec(g, 4, 3, 2, 8, 8, "0.5", torch.float32, "cpu")  # type: ignore[arg-type]
+    import numpy as np
+
+    assert StepSpec(g, 4, 3, 2, 8, 8, np.float64(0.5), torch.float32, "cpu").sm_scale == 0.5
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         StepSpec(g, 0, 3, 2, 8, 8, 0.5, torch.float32, "cpu")
 
