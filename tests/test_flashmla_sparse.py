@@ -1,0 +1,102 @@
+"""The FlashMLA attention stage's own logic (kernels/flashmla_sparse.py) on the CPU, with a stand-in kernel.
+
+The stand-in behaves as FlashMLA's ``flash_mla_sparse_fwd`` was measured to on the H200 (base-e LSE, an
+empty row gives output 0 and LSE ``+inf``, indices read as given) but computes with the float64 reference,
+so these tests check what the wrapper adds: the ``+inf`` → ``-inf`` normalisation decided by ``counts``,
+counts clamped to ``[0, K]``, rows whose used slots leave the cache poisoned with NaN instead of read, and
+its argument checks. The real kernel is compared with the reference by the ``gpu`` tests
+(tests/test_testing_kit.py, tests/test_step.py).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from dcp_ref.attention import sparse_mla_attention
+from dcp_ref.kernels import flashmla_sparse as fm
+
+
+def _fake_flash_mla(calls: list) -> types.SimpleNamespace:
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, topk_length, use_legacy):  # noqa: ANN001, ANN202
+        calls.append({"indices": indices.clone(), "topk_length": topk_length.clone()})
+        assert indices.dtype == torch.int32 and topk_length.dtype == torch.int32
+        slots = indices[:, 0, :]
+        # the kernel may only be handed readable slots for j < topk_length
+        used = torch.arange(slots.shape[1]) < topk_length.long().unsqueeze(1)
+        assert bool(((slots >= 0) & (slots < kv.shape[0]) | ~used).all()), "an unreadable slot reached the kernel"
+        out, lse = sparse_mla_attention(q, kv[:, 0, :], slots, topk_length, sm_scale, "e", v_dim=d_v)
+        lse = torch.where(topk_length.unsqueeze(1) == 0, torch.full_like(lse, math.inf), lse)  # FlashMLA's empty row
+        return out.to(q.dtype), lse.amax(-1), lse.float()
+
+    return types.SimpleNamespace(flash_mla_sparse_fwd=flash_mla_sparse_fwd)
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> list:
+    calls: list = []
+    monkeypatch.setattr(fm, "_flash_mla", lambda: _fake_flash_mla(calls))
+    return calls
+
+
+def _inputs(T: int = 4, H: int = 64, K: int = 64, S: int = 300, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, 576, generator=g).to(torch.bfloat16)
+    kv = torch.randn(S, 576, generator=g).to(torch.bfloat16)
+    slots = torch.randint(0, S, (T, K), generator=g, dtype=torch.int32)
+    counts = torch.tensor([K, 0, 17, 1][:T], dtype=torch.int32)
+    return q, kv, slots, counts
+
+
+def test_matches_the_reference_and_normalises_the_empty_row(fake: list) -> None:
+    q, kv, slots, counts = _inputs()
+    out, lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05)
+    ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.05, "e", v_dim=512)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(lse[1]).all() and bool((out[1] == 0).all())  # +inf from the kernel -> -inf (count 0)
+    assert lse.dtype == torch.float32 and out.dtype == torch.bfloat16
+
+
+def test_writes_into_caller_buffers(fake: list) -> None:
+    q, kv, slots, counts = _inputs()
+    out = torch.full((4, 64, 512), 7.0, dtype=torch.bfloat16)
+    lse = torch.full((4, 64), 7.0)
+    got_out, got_lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=out, out_lse=lse)
+    assert got_out is out and got_lse is lse and not bool((out == 7.0).any())
+
+
+def test_counts_are_clamped_and_bad_slots_poison_their_row(fake: list) -> None:
+    q, kv, slots, counts = _inputs()
+    counts = torch.tensor([999, -5, 17, 1], dtype=torch.int32)  # past K, negative
+    slots = slots.clone()
+    slots[2, 3] = 10_000  # a used slot past the cache (row 2 reads 17 entries)
+    slots[3, 40] = -7  # an unused slot (row 3 reads 1 entry): harmless
+    out, lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05)
+    assert fake[-1]["topk_length"].tolist() == [64, 0, 17, 1]
+    assert torch.isnan(out[2]).all() and torch.isnan(lse[2]).all()  # poisoned, never read
+    assert torch.isneginf(lse[1]).all()  # a negative count is an empty row
+    ref_out, ref_lse = sparse_mla_attention(q[[0, 3]], kv, slots[[0, 3]], torch.tensor([64, 1]), 0.05, "e", v_dim=512)
+    torch.testing.assert_close(lse[[0, 3]].double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_int64_slots_and_argument_checks(fake: list) -> None:
+    q, kv, slots, counts = _inputs()
+    out, _ = fm.sparse_mla_flashmla(q, kv, slots.long(), counts.long(), 0.05)
+    assert fake[-1]["indices"].dtype == torch.int32 and out.shape == (4, 64, 512)
+    with pytest.raises(ValueError, match=r"q.shape\[1\] \(H\) must be one of \(64, 128\)"):
+        fm.sparse_mla_flashmla(q[:, :16], kv, slots, counts, 0.05)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        fm.sparse_mla_flashmla(q.float(), kv, slots, counts, 0.05)
+    with pytest.raises(ValueError, match="must be 576 wide"):
+        fm.sparse_mla_flashmla(q, kv[:, :512], slots, counts, 0.05)
+    with pytest.raises(ValueError, match="slots and counts must have T=4 rows"):
+        fm.sparse_mla_flashmla(q, kv, slots[:2], counts, 0.05)
+
+
+def test_why_flashmla_cannot_run() -> None:
+    cpu = torch.device("cpu")
+    assert "not CUDA" in fm.flashmla_unsupported(cpu, torch.bfloat16, 128, 576, 512, 2048)
