@@ -43,22 +43,15 @@ K = 2048
 W, RANK, I = 2, 0, 1
 DEV = "cuda"
 #: (T, L) where alternative plans are timed; (tile, num_warps, split, radix_bits), None = default.
-TUNING_SHAPES = [(32, 8192), (1024, 32768), (128, 32768), (1, 131072), (32, 131072), (1, 32768), (32, 32768)]
-TUNINGS = [
-    (None, None, 1, 11),
-    (None, None, None, 12),
-    (None, None, None, 10),
-    (8192, 16, 1, 11),
-    (4096, 8, 1, 11),
-    (2048, 8, 1, 11),
-    (4096, 16, 1, 11),
-    (8192, 32, 1, 11),
-    (None, None, 2, 11),
-    (None, None, 4, 11),
-    (None, None, 8, 11),
-    (None, None, 16, 11),
-    (4096, 16, 32, 11),
-]
+TUNING_SHAPES = [(32, 4096), (32, 8192), (1, 8192), (1, 4096), (1024, 32768), (1, 131072), (32, 131072), (128, 32768)]
+TUNINGS = (
+    # digit width (the histogram's cost grows with 2**bits / 32 bins per lane), default tile and warps
+    [(None, None, None, b) for b in (5, 6, 7, 8, 11)]
+    # warps per program at the default width and at 5 bits
+    + [(None, w, None, b) for b in (6, 5) for w in (4, 8, 16, 32)]
+    # a smaller tile (streamed rows) and the split of long rows
+    + [(4096, None, None, 6), (2048, 8, None, 6), (None, None, 1, 6), (None, None, 4, 6), (None, None, 16, 6)]
+)
 
 
 def versions() -> dict:
@@ -159,13 +152,13 @@ def fused_call(scores, lengths, out, ws, **tune):
 
 
 def run_fused(scores, lengths, want, tune: dict) -> dict:
-    from dcp_ref.kernels.indexer_triton import launch_plan
+    from dcp_ref.kernels.indexer_triton import DEFAULT_RADIX_BITS, launch_plan
 
     t, n = scores.shape
     plan = launch_plan(
         t, n, K, scores.device, split=tune.get("split"), tile=tune.get("tile"), num_warps=tune.get("num_warps")
     )
-    rec = {"plan": plan._asdict(), "radix_bits": tune.get("radix_bits", 11)}
+    rec = {"plan": plan._asdict(), "radix_bits": tune.get("radix_bits") or DEFAULT_RADIX_BITS}
     try:
         out = torch.full((t, K, 2), float("nan"), device=DEV)
         n_ws = sum(plan.levels)

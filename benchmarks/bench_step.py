@@ -29,6 +29,8 @@ import torch
 
 H, DQK, DV, TOPK, BLOCK = 128, 576, 512, 2048, 64
 SCALE = 192**-0.5
+CPROFILE_DIR: Path | None = None
+WITH_FLASHINFER = True
 #: vLLM's kernels measured side by side with ours on this H200 at T = 32, W = 2 (graph replay; pack eager).
 VLLM_QUOTED_T32_W2 = {"pack": 6.8, "select": 11.5, "deinterleave": 9.5, "merge": 8.5}
 
@@ -63,28 +65,94 @@ def make_inputs(world: int, rank: int, T: int, ctx: int, device: torch.device, s
     return q, RankShard(kv, table, scores, g), meta, g
 
 
-def _profile_counts(fn) -> dict[str, Any]:
+_LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense", "cudaEventSynchronize")
+
+
+def _count_events(fn) -> tuple[int, int, dict[str, int]]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     launches = syncs = 0
+    names: dict[str, int] = {}
     for e in prof.events():
-        n = e.name
-        if n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+        if e.name in _LAUNCH_EVENTS:
             launches += 1
-        elif n in (
-            "cudaStreamSynchronize",
-            "cudaDeviceSynchronize",
-            "aten::_local_scalar_dense",
-            "cudaEventSynchronize",
-        ):
+        elif e.name in _SYNC_EVENTS:
             syncs += 1
-        elif n == "cudaMemcpyAsync" and "DtoH" in str(getattr(e, "name", "")):
-            syncs += 1
-    # the final torch.cuda.synchronize() above is ours, not the step's
-    return {"launches_per_step": launches, "host_syncs_per_step": max(syncs - 1, 0)}
+            names[e.name] = names.get(e.name, 0) + 1
+    return launches, syncs, names
+
+
+def _profile_counts(fn) -> dict[str, Any]:
+    """Launches and host syncs of one call of ``fn``: the profile of ``fn(); synchronize()`` minus the
+    profile of ``synchronize()`` alone (the closing synchronize, and whatever the profiler itself
+    records around it, are ours, not the step's)."""
+    launches, syncs, names = _count_events(fn)
+    _, base_syncs, base_names = _count_events(lambda: None)
+    extra = {n: c - base_names.get(n, 0) for n, c in names.items() if c - base_names.get(n, 0)}
+    return {"launches_per_step": launches, "host_syncs_per_step": max(syncs - base_syncs, 0), "sync_events": extra}
+
+
+def _host_breakdown(step, q, shard, meta, iters: int = 200) -> dict[str, float]:
+    """Host time (µs per step, no synchronisation inside) of the whole ``run`` and of each stage call:
+    where the eager step spends its CPU time. The GPU is kept from falling behind by a synchronize
+    every 20 runs, outside the timed regions."""
+    import time as _t
+
+    from dcp_ref.stages import STAGE_NAMES
+
+    acc = dict.fromkeys(STAGE_NAMES, 0.0)
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = _t.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[name] += _t.perf_counter() - t0
+
+        return wrapper
+
+    orig = step.stages
+    step.stages = orig.with_(**{n: timed(n, getattr(orig, n)) for n in STAGE_NAMES}, name=orig.name)
+    total = 0.0
+    try:
+        for i in range(iters):
+            if i % 20 == 0:
+                torch.cuda.synchronize()
+            t0 = _t.perf_counter()
+            step.run(q, shard, meta)
+            total += _t.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        step.stages = orig
+    out = {f"{n}_us": acc[n] * 1e6 / iters for n in STAGE_NAMES}
+    out["run_us"] = total * 1e6 / iters
+    out["outside_stages_us"] = out["run_us"] - sum(acc.values()) * 1e6 / iters
+    return out
+
+
+def _cprofile(step, q, shard, meta, path: Path, iters: int = 200) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for i in range(iters):
+        step.run(q, shard, meta)
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(60)
+    path.write_text(f"cProfile of {iters} eager runs\n" + buf.getvalue())
 
 
 def _graph_time_us(fn, iters: int = 200) -> float:
@@ -184,6 +252,9 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     row["allocations_per_run"] = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) - mem0
     row["eager_us"] = _eager_time_us(run)
     row.update(_profile_counts(run))
+    row["host_us"] = _host_breakdown(step, q, shard, meta)
+    if CPROFILE_DIR is not None and (T, ctx) in ((1, 8192), (32, 8192)):
+        _cprofile(step, q, shard, meta, CPROFILE_DIR / f"cprofile_W{world}_r{rank}_T{T}.txt")
     try:
         torch.cuda.set_sync_debug_mode("error")
         run()
@@ -210,6 +281,8 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     # FlashInfer fa3 (host plan per call) in the same step: eager only (its plan cannot be captured)
     fi_ok = True
     try:
+        if not WITH_FLASHINFER:
+            raise RuntimeError("skipped (--no-flashinfer)")
         fi = PlannedStep(group, spec, stages.with_(attention=_attention_flashinfer, name="kernels+flashinfer"))
         fi_run = lambda: fi.run(q, shard, meta)  # noqa: E731
         row["flashinfer_eager_us"] = _eager_time_us(fi_run, iters=20)
@@ -233,7 +306,14 @@ def main() -> None:
     ap.add_argument("--merge", default=None, help="merge step_W*.json of this folder into --out/step.json + step.md")
     ap.add_argument("--T", default="1,32,128")
     ap.add_argument("--ctx", default="8192,65536")
+    ap.add_argument("--cprofile", default=None, help="folder for cProfile reports of eager runs (T = 1, 32 at 8K)")
+    ap.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer (plan) eager column")
     args = ap.parse_args()
+    global CPROFILE_DIR, WITH_FLASHINFER
+    CPROFILE_DIR = Path(args.cprofile) if args.cprofile else None
+    if CPROFILE_DIR is not None:
+        CPROFILE_DIR.mkdir(parents=True, exist_ok=True)
+    WITH_FLASHINFER = not args.no_flashinfer
     if args.merge:
         merge(Path(args.merge), Path(args.out))
         return

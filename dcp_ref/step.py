@@ -191,6 +191,24 @@ def _view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
     return flat[:n].view(*shape)
 
 
+@dataclass(frozen=True)
+class _RunViews:
+    """One run's views of a :class:`PlannedStep`'s flat buffers, for one token count."""
+
+    packed: torch.Tensor
+    gathered: torch.Tensor
+    ids: torch.Tensor
+    slots: torch.Tensor
+    counts: torch.Tensor
+    partial: torch.Tensor
+    lse: torch.Tensor
+    all_lse: torch.Tensor
+    corrected: torch.Tensor
+    merged_lse: torch.Tensor
+    send: torch.Tensor
+    out: torch.Tensor
+
+
 def _all_gather_into(group: Group, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     try:
         return group.all_gather(x, out=out)
@@ -260,6 +278,30 @@ class PlannedStep:
         self._send = buf(T * H * v, pdt)
         self._out = buf(T * (H // W) * v, pdt)
         self.impls = stages.impls()
+        self._views_by_t: dict[int, _RunViews] = {}
+
+    def _views(self, T: int) -> _RunViews:
+        """The ``[T, ...]`` views of the flat buffers, made once per ``T`` (a view costs host time every run)."""
+        got = self._views_by_t.get(T)
+        if got is None:
+            g, s = self.spec.geometry, self.spec
+            W, k, H, v = g.world_size, s.topk, s.num_heads, s.v_dim
+            hs = H // W
+            got = self._views_by_t[T] = _RunViews(
+                packed=_view(self._packed, T, k, 2),
+                gathered=_view(self._gathered, W, T, k, 2),
+                ids=_view(self._ids, T, k),
+                slots=_view(self._slots, T, k),
+                counts=_view(self._counts, T),
+                partial=_view(self._partial, T, H, v),
+                lse=_view(self._lse, T, H),
+                all_lse=_view(self._all_lse, W, T, H),
+                corrected=_view(self._corrected, T, H, v),
+                merged_lse=_view(self._merged_lse, T, H),
+                send=_view(self._send, W, T, hs, v),
+                out=_view(self._out, T, hs, v),
+            )
+        return got
 
     # ------------------------------------------------------------------------------------------
     def _check_run(self, q: torch.Tensor, shard: Any, meta: StepMetadata) -> int:
@@ -339,39 +381,32 @@ class PlannedStep:
         s, g, st = self.spec, self.spec.geometry, self.stages
         W, k, H, v = g.world_size, s.topk, s.num_heads, s.v_dim
         hs = H // W
+        b = self._views(T)
         # indexer: the ownership stage (meta) already gave each token its local bound
-        packed = st.indexer(
-            shard.index_scores, meta.local_bounds, g, k, row_starts=meta.row_starts, out=_view(self._packed, T, k, 2)
-        )
-        gathered = _all_gather_into(self.group, packed, _view(self._gathered, W, T, k, 2))
-        ids = st.select(gathered, k, out=_view(self._ids, T, k))
+        packed = st.indexer(shard.index_scores, meta.local_bounds, g, k, row_starts=meta.row_starts, out=b.packed)
+        gathered = _all_gather_into(self.group, packed, b.gathered)
+        ids = st.select(gathered, k, out=b.ids)
         slots, counts = st.deinterleave(
             ids,
             meta.req_of_token,
             shard.block_table,
             g,
             compact=st.attention_layout == "compact",
-            out_slots=_view(self._slots, T, k),
-            out_counts=_view(self._counts, T),
+            out_slots=b.slots,
+            out_counts=b.counts,
         )
         partial, lse = st.attention(
-            q,
-            shard.kv_cache,
-            slots,
-            counts,
-            s.sm_scale,
-            v,
-            out=_view(self._partial, T, H, v),
-            out_lse=_view(self._lse, T, H),
-        )
-        all_lse = _all_gather_into(self.group, lse, _view(self._all_lse, W, T, H))
-        corrected, merged = st.merge(
-            partial, all_lse, g.rank, out=_view(self._corrected, T, H, v), out_lse=_view(self._merged_lse, T, H)
-        )
-        # Heads of rank w must be contiguous for the reduce-scatter: [T, H, v] -> [W, T, H/W, v] (one copy).
-        send = _view(self._send, W, T, hs, v)
-        send.copy_(corrected.view(T, W, hs, v).transpose(0, 1))
-        out = _reduce_scatter_into(self.group, send.view(W * T, hs, v), _view(self._out, T, hs, v))
+            q, shard.kv_cache, slots, counts, s.sm_scale, v, out=b.partial, out_lse=b.lse
+        )  # fmt: skip
+        all_lse = _all_gather_into(self.group, lse, b.all_lse)
+        corrected, merged = st.merge(partial, all_lse, g.rank, out=b.corrected, out_lse=b.merged_lse)
+        if W == 1:
+            # One rank holds every head: the reduce-scatter is the identity (no copy, no collective).
+            out = corrected.view(T, hs, v)
+        else:
+            # Heads of rank w must be contiguous for the reduce-scatter: [T, H, v] -> [W, T, H/W, v] (one copy).
+            b.send.copy_(corrected.view(T, W, hs, v).transpose(0, 1))
+            out = _reduce_scatter_into(self.group, b.send.view(W * T, hs, v), b.out)
         lse_shard = merged[:, g.rank * hs : (g.rank + 1) * hs]
         if trace is not None:
             trace.update(

@@ -11,11 +11,15 @@ How one program selects (one row; the ids are implicit in the column):
 1. **Keys.** Every score becomes a 32-bit unsigned key whose unsigned order is the score order
    (:func:`order_key`); NaN and columns outside the row's window get key ``0`` (invalid). The
    index is not part of the key: keys that tie on all 32 bits are resolved by position at the end.
-2. **Radix select** (:func:`select_threshold`). MSB-first digits of ``RADIX_BITS`` bits (11: at
-   most 3 passes over 32 bits). Each pass histograms the digit of the keys that still match the
-   prefix chosen so far (:func:`digit_histogram`: ``tl.histogram``, shared-memory atomics), and
+2. **Radix select** (:func:`select_threshold`). MSB-first digits of ``RADIX_BITS`` bits (5 by
+   default: at most 7 passes over 32 bits). Each pass histograms the digit of the valid keys that
+   still match the prefix chosen so far (:func:`digit_histogram`: ``tl.histogram``), and
    :func:`choose_bin` picks the bin holding the k-th largest key. It stops as soon as that bin
-   holds exactly the keys still needed (after 2 passes, typically, on real scores).
+   holds exactly the keys still needed. Why narrow digits: Triton lowers ``tl.histogram`` to one
+   warp ballot per digit bit and, per element, work on each of the ``2**bits / 32`` bins a lane
+   owns, then one shared-memory atomic per bin and lane; a 2048-bin (11-bit) histogram therefore
+   costs ~100x the work per key of a 32-bin one, far more than the extra passes save (measured in
+   ``benchmarks/results/local_topk.json``, ``tuning``).
 3. **Commit** (:func:`commit_tile`). The winners are the keys above the threshold prefix, plus,
    when keys tie with the threshold on all 32 bits, the lowest-index ones (an exclusive prefix
    count). A winner's output slot is its rank among the winners in index order (a prefix sum):
@@ -66,6 +70,7 @@ __all__ = [
     "write_padding",
     "indexer_topk_pack_kernel",
     "MAX_TILE",
+    "DEFAULT_RADIX_BITS",
     "LaunchPlan",
     "launch_plan",
     "workspace_for",
@@ -118,9 +123,10 @@ def load_keys(row_ptr, offs, n, stride_c):
 
 @triton.jit
 def digit_histogram(keys, hi_mask, prefix, shift, NBINS: tl.constexpr):
-    """Histogram of the digit ``(key >> shift) % NBINS`` over keys whose bits under ``hi_mask``
-    equal ``prefix`` (the bits chosen by earlier passes; ``hi_mask = 0`` in the first pass)."""
-    match = (keys & hi_mask) == prefix
+    """Histogram of the digit ``(key >> shift) % NBINS`` over the valid keys (``key != 0``) whose
+    bits under ``hi_mask`` equal ``prefix`` (the bits chosen by earlier passes; ``hi_mask = 0`` in
+    the first pass, so that its histogram counts every valid key)."""
+    match = ((keys & hi_mask) == prefix) & (keys != 0)
     digit = ((keys >> shift) & (NBINS - 1)).to(tl.int32)
     return tl.histogram(digit, NBINS, mask=match)
 
@@ -172,14 +178,14 @@ def select_threshold(
     (all of them when ``need == count``; otherwise they tie on the whole key and the lowest-index
     ``need`` win). ``n_sel = min(k, valid keys)`` winners in all.
     """
-    tl.static_assert(RADIX_BITS >= 10 and RADIX_BITS <= 13)
+    tl.static_assert(RADIX_BITS >= 5 and RADIX_BITS <= 13)
     NBINS: tl.constexpr = 1 << RADIX_BITS
     shift = tl.full([], 32 - RADIX_BITS, tl.uint32)
     zero = tl.zeros([], tl.uint32)
     hist = row_histogram(row_ptr, n, stride_c, keys, zero, zero, shift, NBINS, TILE, ONE_CHUNK)
-    # With >= 10-bit digits every valid key (>= 0x007FFFFF) has a first digit >= 1: bin 0 holds
-    # exactly the invalid keys (NaN, outside the row), and no later prefix is 0.
-    n_valid = tl.sum(tl.where(tl.arange(0, NBINS) > 0, hist, 0), 0)
+    # The histograms count valid keys only (key != 0), so the first one sums to the valid count;
+    # invalid keys (NaN, outside the row) can never be chosen, whatever the digit width.
+    n_valid = tl.sum(hist, 0)
     # At most k valid keys: all of them win (key > 1; no key equals 1).
     hi_mask = tl.full([], 0xFFFFFFFF, tl.uint32)
     prefix = tl.full([], 1, tl.uint32)
@@ -247,7 +253,9 @@ def commit_tile(
     row), the id stored next to the score.
     """
     top = keys & hi_mask
-    eq = top == prefix
+    # A partial prefix (the select stopped early) can be 0 on its masked bits: invalid keys (0)
+    # must never tie with it.
+    eq = (top == prefix) & (keys != 0)
     if partial:  # ties on all 32 bits at the threshold: the lowest-index `need` of them win
         eqi = eq.to(tl.int32)
         eq_rank = eq_seen + tl.cumsum(eqi, 0) - eqi
@@ -385,6 +393,10 @@ class LaunchPlan(NamedTuple):
     levels: tuple[int, ...] = ()  #: segments per row of every splitting launch (``()`` when split == 1)
 
 
+#: Digit width of the radix select (bits per pass; at most 7 passes). See the module docstring for why
+#: narrow digits win: on the H200, T = 32, L = 8192 took 19.9 us at 5 bits, 20.7 at 6, 31 at 8, 188 at 11.
+DEFAULT_RADIX_BITS = 5
+
 #: Keys per program that stay in registers: about 8 per thread at 32 warps. More makes the
 #: per-key temporaries of the histogram and the commit spill (ptxas, sm_90a: 63 registers at
 #: 8192 keys and 32 warps; 118 at 32 keys per thread).
@@ -399,9 +411,13 @@ def _sm_count(index: int) -> int:
 def _tile_config(n: int, tile: int | None, num_warps: int | None) -> tuple[int, bool, int]:
     if tile is None:
         tile = max(triton.next_power_of_2(max(n, 1)), 256) if n <= MAX_TILE else MAX_TILE // 2
+    one_chunk = n <= tile
     if num_warps is None:
-        num_warps = max(4, min(32, tile // 256))  # >= 4: the 2048 bins are spread over >= 128 threads
-    return tile, n <= tile, num_warps
+        # Measured on the H200 (local_topk.json, "tuning"): 16 keys per thread is best for a row held in
+        # registers (8192 keys: 16 warps 19.9 us vs 32 warps 23.0), 8 for a streamed tile (T = 32, L = 131072:
+        # 16 warps 122 us vs 8 warps 124; T = 1024, L = 32768: 790 vs 936).
+        num_warps = max(4, min(32, tile // (512 if one_chunk else 256)))
+    return tile, one_chunk, num_warps
 
 
 def _split_levels(n_cols: int, k: int, split: int, limit: int) -> tuple[int, ...]:
@@ -477,7 +493,7 @@ def indexer_topk_pack(
     validate: bool = True,
     workspace: torch.Tensor | None = None,
     split: int | None = None,
-    radix_bits: int = 11,
+    radix_bits: int = DEFAULT_RADIX_BITS,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
@@ -506,8 +522,9 @@ def indexer_topk_pack(
             (:func:`workspace_for` makes it; ``levels`` from :func:`launch_plan`); allocated when
             needed and not given.
         split, radix_bits, tile, num_warps: tuning. ``split``: segments per row (``None``: see
-            :func:`launch_plan`); ``radix_bits``: digit width, 10-13; ``tile``: keys per tile, a
-            power of two (a row, or segment, of at most ``tile`` keys stays in registers);
+            :func:`launch_plan`); ``radix_bits``: digit width, 5-13 (default :data:`DEFAULT_RADIX_BITS`);
+            ``tile``: keys per tile, a power of two (a row, or segment, of at most ``tile`` keys stays
+            in registers);
             ``num_warps``: warps per program.
     Returns:
         float32 ``[T, k, 2]`` (``out`` when given): ``[..., 0]`` score, ``[..., 1]`` global id;
@@ -529,10 +546,10 @@ def indexer_topk_pack(
             if arg.shape[0] != rows:
                 raise ValueError(f"{name} must have shape [{rows}] (one per scores row), got {tuple(arg.shape)}")
     radix_bits = check_int_scalar(radix_bits, "radix_bits")
-    if not 10 <= radix_bits <= 13:
-        # >= 10: bin 0 of the first digit must hold only invalid keys; <= 13: 2**13 int32 bins are
+    if not 5 <= radix_bits <= 13:
+        # >= 5: tl.histogram gives every lane of a warp at least one bin; <= 13: 2**13 int32 bins are
         # 32 KiB of shared memory and 8 registers per thread at 32 warps; wider digits spill.
-        raise ValueError(f"radix_bits must be in [10, 13], got {radix_bits}")
+        raise ValueError(f"radix_bits must be in [5, 13], got {radix_bits}")
     if tile is not None:
         tile = check_int_scalar(tile, "tile", min_value=16)
         if tile & (tile - 1):

@@ -35,10 +35,16 @@ def _fake_flash_mla(calls: list) -> types.SimpleNamespace:
     return types.SimpleNamespace(flash_mla_sparse_fwd=flash_mla_sparse_fwd)
 
 
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> list:
+@pytest.fixture(params=["triton", "torch"])
+def fake(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> list:
+    """The stand-in kernel, with the wrapper's prologue / epilogue as the fused Triton kernels (interpreted on
+    the CPU) or as the torch ops they replace (the path of a CPU without the interpreter)."""
     calls: list = []
     monkeypatch.setattr(fm, "_flash_mla", lambda: _fake_flash_mla(calls))
+    if request.param == "torch":
+        monkeypatch.setattr(fm, "_use_triton", lambda device: False)
+    elif not fm._use_triton(torch.device("cpu")):
+        pytest.skip("the Triton prologue / epilogue need TRITON_INTERPRET=1 on the CPU")
     return calls
 
 
@@ -96,6 +102,33 @@ def test_int64_slots_and_argument_checks(fake: list) -> None:
         fm.sparse_mla_flashmla(q, kv[:, :512], slots, counts, 0.05)
     with pytest.raises(ValueError, match="slots and counts must have T=4 rows"):
         fm.sparse_mla_flashmla(q, kv, slots[:2], counts, 0.05)
+
+
+def test_wide_int64_slots_never_wrap_into_valid_ones(fake: list) -> None:
+    """An int64 slot 2**32 + 5 is past the cache: narrowed first it would read slot 5. It must poison its row."""
+    q, kv, slots, counts = _inputs()
+    wide = slots.long().clone()
+    wide[0, 2] = 2**32 + 5
+    out, lse = fm.sparse_mla_flashmla(q, kv, wide, counts, 0.05)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
+    assert not torch.isnan(lse[2:]).any() and torch.isneginf(lse[1]).all()
+
+
+def test_strided_out_and_empty_batch(fake: list) -> None:
+    q, kv, slots, counts = _inputs()
+    base = torch.full((4, 512, 64), 7.0, dtype=torch.bfloat16)
+    out = base.transpose(1, 2)  # [T, H, V] with the values strided
+    lse = torch.full((64, 4), 7.0).t()
+    fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=out, out_lse=lse)
+    ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.05, "e", v_dim=512)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    o0, l0 = fm.sparse_mla_flashmla(q[:0], kv, slots[:0], counts[:0], 0.05)
+    assert o0.shape == (0, 64, 512) and l0.shape == (0, 64)
+    with pytest.raises(ValueError, match="out must have shape"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=torch.empty(4, 64, 256, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="out_lse must have dtype"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out_lse=torch.empty(4, 64, dtype=torch.float64))
 
 
 def test_why_flashmla_cannot_run() -> None:

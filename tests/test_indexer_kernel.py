@@ -232,13 +232,30 @@ def test_property_matches_reference(kernel_device, data, rows, cols, k, w, i, ti
 
 def test_radix_digit_widths(kernel_device):
     s, lengths, _ = make_cases(8, 120, 4, kernel_device)
-    for bits in (10, 13):
+    for bits in (5, 6, 7, 8, 10, 13):
         check(s, lengths, 33, 0, 2, 1, radix_bits=bits)
+
+
+@pytest.mark.parametrize("bits", [5, 6, 8, 11])
+def test_radix_keys_with_zero_top_digits(kernel_device, bits):
+    """-inf and huge negative scores have keys below 2**24 (a first digit of 0 at <= 8 bits), the same
+    first digit as an invalid key (NaN, outside the row): the select must still count and choose them
+    apart from the invalid ones, tie-break the -inf run by index and never emit a NaN."""
+    ninf, huge = float("-inf"), -3.0e38
+    rows = [
+        [ninf] * 6 + [float("nan")] * 4 + [huge, -2.0e38, 1.0, ninf],
+        [float("nan"), ninf, huge, ninf, float("nan"), huge, ninf, ninf, -1.0e38, ninf, ninf, ninf, ninf, ninf],
+        [huge] * 14,
+    ]
+    s = torch.tensor(rows, dtype=torch.float32, device=kernel_device)
+    for k in (1, 3, 5, 9, 13):
+        check(s, None, k, 1, 2, 1, radix_bits=bits)
+        check(s, torch.tensor([12, 9, 7], device=kernel_device), k, 0, 3, 2, radix_bits=bits)
 
 
 def test_launch_plan_from_shapes_only():
     cpu = torch.device("cpu")
-    assert ix.launch_plan(32, 8192, 2048, cpu)[:4] == (8192, True, 32, 1)
+    assert ix.launch_plan(32, 8192, 2048, cpu)[:4] == (8192, True, 16, 1)
     assert ix.launch_plan(1, 100, 10, cpu)[:4] == (256, True, 4, 1)
     p = ix.launch_plan(1, 131072, 2048, cpu)
     assert not p.one_chunk and p.split == 1 and p.levels == ()  # never split under the interpreter / on the CPU
@@ -283,7 +300,7 @@ BAD_INPUTS = [
     ("out not contiguous", dict(out=torch.empty(2, 2, 4).transpose(1, 2)), ValueError, "out"),
     ("out misaligned", dict(out=torch.empty(17)[1:].view(2, 4, 2)), ValueError, "out"),
     ("workspace shape", dict(split=2, workspace=torch.empty(2, 3, 4, 2)), ValueError, "workspace"),
-    ("radix_bits 8", dict(radix_bits=8), ValueError, "radix_bits"),
+    ("radix_bits 4", dict(radix_bits=4), ValueError, "radix_bits"),
     ("radix_bits 16", dict(radix_bits=16), ValueError, "radix_bits"),
     ("tile not a power of two", dict(tile=100), ValueError, "tile"),
     ("num_warps 3", dict(num_warps=3), ValueError, "num_warps"),
@@ -316,6 +333,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from dcp_ref.kernels.indexer_triton import DEFAULT_RADIX_BITS
 from dcp_ref.kernels.indexer_triton import indexer_topk_pack_kernel as kern
 
 report = []
@@ -324,7 +342,8 @@ for tile, one, warps, packed, k1 in json.loads(sys.argv[1]):
            "seg_len": "i32", "stride_r": "i32", "stride_c": "i32" if packed else "constexpr",
            "out_stride_r": "constexpr" if k1 else "i32", "k": "constexpr" if k1 else "i32", "rank": "i32"}
     cst = {"HAS_LENGTHS": not packed, "HAS_STARTS": not packed, "WORLD": 2, "INTERLEAVE": 4, "PACKED_INPUT": packed,
-           "NAN_PAD": packed, "RADIX_BITS": 11, "TILE": tile, "ONE_CHUNK": one, "PAD_BLOCK": 1 if k1 else 1024}
+           "NAN_PAD": packed, "RADIX_BITS": DEFAULT_RADIX_BITS, "TILE": tile, "ONE_CHUNK": one,
+           "PAD_BLOCK": 1 if k1 else 1024}
     cst.update({} if packed else {"stride_c": 1})
     cst.update({"k": 1, "out_stride_r": 1} if k1 else {})
     sig.update({name: "constexpr" for name in cst})

@@ -316,6 +316,11 @@ def test_kernel_stages_conform_on_the_cpu(interp: torch.device) -> None:
 
 
 # ---- the GPU kernels (the H200) -----------------------------------------------------------------------
+#: Examples per conformance check on the GPU: every new shape the strategies draw is a new Triton
+#: specialization to compile (~1 s each), so 200 examples per check ran past 10 minutes on the H200.
+GPU_EXAMPLES = 40
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("sorted_", [False, True])
 def test_cutedsl_select_conforms_on_gpu(cuda_device: torch.device, sorted_: bool) -> None:
@@ -338,7 +343,7 @@ def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
     from dcp_ref.kernels.lse_merge_triton import lse_correct
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
-    check_pack(pack_candidates_triton, device=cuda_device, dtypes=(torch.float32, torch.bfloat16), max_examples=200)
+    check_pack(pack_candidates_triton, device=cuda_device, dtypes=(torch.float32, torch.bfloat16), max_examples=GPU_EXAMPLES)
     for method, ordered in (("rowscan", True), ("twopass", True), ("atomic", False)):
         check_deinterleave(
             lambda i, r, t, g, ordered=ordered, method=method: deinterleave_compact(
@@ -346,7 +351,7 @@ def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
             ),
             ordered=ordered,
             device=cuda_device,
-            max_examples=200,
+            max_examples=GPU_EXAMPLES,
         )
     for base in ("e", "2"):
         check_merge(
@@ -356,7 +361,7 @@ def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
             lse_base=base,
             dtype=torch.bfloat16,
             device=cuda_device,
-            max_examples=200,
+            max_examples=GPU_EXAMPLES,
         )
 
 
@@ -405,10 +410,10 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
 
     ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
     check_indexer(
-        ks.indexer, device=cuda_device, max_examples=100
+        ks.indexer, device=cuda_device, max_examples=GPU_EXAMPLES
     )  # strided lengths: see the CPU test
-    check_select(ks.select, device=cuda_device, max_examples=100)
-    check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=100)
+    check_select(ks.select, device=cuda_device, max_examples=GPU_EXAMPLES)
+    check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_attention(
         ks.attention,
         dtype=torch.bfloat16,
@@ -420,7 +425,7 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
         noncontig=False,
         max_examples=40,
     )
-    check_merge(ks.merge, dtype=torch.bfloat16, device=cuda_device, max_examples=100)
+    check_merge(ks.merge, dtype=torch.bfloat16, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_step(
         ks,
         device=cuda_device,
