@@ -58,29 +58,32 @@ def flashmla_unsupported(
         return f"FlashMLA takes head_dim={_DQK}, v_dim={_DV}, got {head_dim}, {v_dim}"
     if num_heads not in FLASHMLA_HEADS:
         return f"FlashMLA's SM90 sparse kernel takes H in {FLASHMLA_HEADS}, got {num_heads}"
-    if topk % 64:
-        return f"FlashMLA's sparse kernel walks the top-k in tiles of 64, got topk={topk}"
     return ""
+
+
+#: FlashMLA's SM90 sparse kernel walks a row's indices two tiles of 64 at a time and asserts
+#: ``topk % 128 == 0`` (measured: a width of 64 fails ``params.topk % (2*B_TOPK) == 0``). Narrower or
+#: ragged widths are padded with ``-1`` past every row's count (never read: ``topk_length`` stops first).
+INDEX_WIDTH_MULTIPLE = 128
 
 
 @triton.jit
 def _prologue_kernel(
-    slots_ptr, counts_ptr, safe_ptr, cnt_ptr, poison_ptr, K, S, stride_t, stride_k, BLOCK: tl.constexpr
+    slots_ptr, counts_ptr, safe_ptr, cnt_ptr, poison_ptr, K, KP, S, stride_t, stride_k, BLOCK: tl.constexpr
 ):
-    """Row ``t``: ``cnt = clamp(counts[t], 0, K)``; ``safe[t] = slots[t]`` as int32, except that a used entry
-    (``j < cnt``) outside ``[0, S)`` becomes slot 0 and marks the row poisoned. The range test runs on the
-    slot as given (int64 included), *before* the narrowing to int32, so a wide slot can never wrap into a
-    valid one."""
+    """Row ``t``: ``cnt = clamp(counts[t], 0, K)``; ``safe[t, :K] = slots[t]`` as int32, except that a used
+    entry (``j < cnt``) outside ``[0, S)`` becomes slot 0 and marks the row poisoned; ``safe[t, K:KP] = -1``
+    (the padding to FlashMLA's width multiple). The range test runs on the slot as given (int64 included),
+    *before* the narrowing to int32, so a wide slot can never wrap into a valid one."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.minimum(tl.maximum(tl.load(counts_ptr + t).to(tl.int64), 0), K)
     bad = tl.zeros([BLOCK], tl.int32)
-    for j0 in range(0, K, BLOCK):
+    for j0 in range(0, KP, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        inside_row = j < K
-        s = tl.load(slots_ptr + t * stride_t + j * stride_k, mask=inside_row, other=0).to(tl.int64)
+        s = tl.load(slots_ptr + t * stride_t + j * stride_k, mask=j < K, other=-1).to(tl.int64)
         outside = (j < c) & ((s < 0) | (s >= S))
         bad = bad | outside.to(tl.int32)
-        tl.store(safe_ptr + t * K + j, tl.where(outside, 0, s).to(tl.int32), mask=inside_row)
+        tl.store(safe_ptr + t * KP + j, tl.where(outside, 0, s).to(tl.int32), mask=j < KP)
     tl.store(cnt_ptr + t, c.to(tl.int32))
     tl.store(poison_ptr + t, tl.max(bad, 0))
 
@@ -129,14 +132,15 @@ def _use_triton(device: torch.device) -> bool:
 
 
 def _prologue_torch(
-    slots: torch.Tensor, counts: torch.Tensor, S: int
+    slots: torch.Tensor, counts: torch.Tensor, S: int, KP: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_prologue_kernel` in torch ops (CPU without the Triton interpreter)."""
     K = slots.shape[1]
     cnt = counts.clamp(0, K).to(torch.int32)
     used = torch.arange(K, device=slots.device) < cnt.unsqueeze(1)
     outside = used & ((slots < 0) | (slots >= S))  # on the slots as given, before narrowing
-    return slots.masked_fill(outside, 0).to(torch.int32), cnt, outside.any(1).to(torch.int32)
+    safe = torch.nn.functional.pad(slots.masked_fill(outside, 0), (0, KP - K), value=-1).to(torch.int32)
+    return safe, cnt, outside.any(1).to(torch.int32)
 
 
 def sparse_mla_flashmla(
@@ -155,7 +159,8 @@ def sparse_mla_flashmla(
     Args:
         q: bf16 CUDA ``[T, H, 576]``, ``H`` in :data:`FLASHMLA_HEADS`.
         kv_cache: bf16 ``[S, 576]`` (or ``[S, 1, 576]``).
-        slots: int32 ``[T, K]``: row ``t`` attends to ``slots[t, :counts[t]]`` (the rest is ignored).
+        slots: int32/int64 ``[T, K]``, any ``K >= 1`` (padded to a multiple of 128 for the kernel): row ``t``
+            attends to ``slots[t, :counts[t]]`` (the rest is ignored).
         counts: int32 ``[T]``, ``0 <= counts[t] <= K``.
         sm_scale: softmax scale.  v_dim: must be 512.
         out: optional bf16 ``[T, H, 512]``.  out_lse: optional float32 ``[T, H]``.
@@ -180,6 +185,7 @@ def sparse_mla_flashmla(
     # used slots leave the cache reads only slot 0 there and is poisoned (NaN output and LSE) afterwards, as
     # the reference does with validate=False — never an out-of-bounds read, never a silently dropped key.
     K, S = slots.shape[1], kv_cache.reshape(-1, _DQK).shape[0]
+    KP = max(-(-K // INDEX_WIDTH_MULTIPLE), 1) * INDEX_WIDTH_MULTIPLE
     fused = _use_triton(q.device)
     if out is not None:
         check_tensor(out, "out", dtypes=(q.dtype,), ndim=3, device=q.device)
@@ -190,16 +196,16 @@ def sparse_mla_flashmla(
         if tuple(out_lse.shape) != (T, H):
             raise ValueError(f"out_lse must have shape {(T, H)}, got {tuple(out_lse.shape)}")
     if fused:
-        safe = torch.empty((T, K), dtype=torch.int32, device=q.device)
+        safe = torch.empty((T, KP), dtype=torch.int32, device=q.device)
         cnt = torch.empty((T,), dtype=torch.int32, device=q.device)
         poisoned = torch.empty((T,), dtype=torch.int32, device=q.device)
         if T:
             _prologue_kernel[(T,)](
-                slots, counts, safe, cnt, poisoned, K, S, slots.stride(0), slots.stride(1),
-                BLOCK=min(max(triton.next_power_of_2(K), 16), 1024),
+                slots, counts, safe, cnt, poisoned, K, KP, S, slots.stride(0), slots.stride(1),
+                BLOCK=min(max(triton.next_power_of_2(KP), 16), 1024),
             )  # fmt: skip
     else:
-        safe, cnt, poisoned = _prologue_torch(slots, counts, S)
+        safe, cnt, poisoned = _prologue_torch(slots, counts, S, KP)
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
         q,
         kv_cache.reshape(-1, 1, _DQK),

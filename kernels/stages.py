@@ -126,6 +126,10 @@ def _select_cutedsl(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None 
 
     # The compile cache is filled at plan time (prepare, under the step's lock); a lookup is cheap, and the
     # lock makes a first compile from several rank threads safe.
+    # The kernel reads (score, id) pairs as aligned 8-byte words: a strided view (a caller's, not the step's,
+    # whose buffers are contiguous) is copied first rather than refused.
+    if not gathered.is_contiguous() or gathered.data_ptr() % 8:
+        gathered = gathered.contiguous() if not gathered.is_contiguous() else gathered.clone()
     with KERNEL_LOCK:
         return stable_topk_cutedsl(gathered, k, out=out, validate=False)
 

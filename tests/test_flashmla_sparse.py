@@ -65,6 +65,20 @@ def test_matches_the_reference_and_normalises_the_empty_row(fake: list) -> None:
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
     assert torch.isneginf(lse[1]).all() and bool((out[1] == 0).all())  # +inf from the kernel -> -inf (count 0)
     assert lse.dtype == torch.float32 and out.dtype == torch.bfloat16
+    # FlashMLA's SM90 kernel asserts a width that is a multiple of 128: K = 64 is padded with -1 (never read)
+    idx = fake[-1]["indices"][:, 0, :]
+    assert idx.shape == (4, 128) and torch.equal(idx[:, :64], slots) and bool((idx[:, 64:] == -1).all())
+
+
+def test_ragged_widths_are_padded_to_the_kernels_multiple(fake: list) -> None:
+    for K in (1, 130):
+        q, kv, slots, _ = _inputs(K=K)
+        counts = torch.tensor([K, 0, min(17, K), 1], dtype=torch.int32)
+        out, lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05)
+        assert fake[-1]["indices"].shape[-1] == (128 if K == 1 else 256)
+        ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.05, "e", v_dim=512)
+        torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)
 
 
 def test_writes_into_caller_buffers(fake: list) -> None:

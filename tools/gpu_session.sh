@@ -15,7 +15,7 @@
 # JUnit XML per test file, logs, sanitizer reports, benchmark JSON. Unpack it here, copy the results into
 # benchmarks/results and merge the JUnit files with benchmarks/collect_gpu_tests.py.
 set -uo pipefail
-what=${1:?usage: tools/gpu_session.sh cute-tests|tests|bench|sanitize|probe|probe-step}
+what=${1:?usage: tools/gpu_session.sh cute-tests|tests|bench|sanitize|install-cute|retest|probe|probe-step}
 out=${OUT:-/tmp/gpu-session}
 work=/tmp/gpu-work/$what
 mkdir -p "$out" "$work"
@@ -81,6 +81,18 @@ case "$what" in
     wait
     # the step's tests with both GPUs visible: the NCCL test runs on two
     gpu_files 0,1 200 tests/test_step.py
+    ;;
+  install-cute)  # only the CuTeDSL bundle (the next call carries FlashInfer)
+    install_bundle .gpu/cute
+    python3 -c "import cutlass; print('cutlass ok')"
+    ;;
+  retest)  # the test files touched by a fix, after install-cute (FlashInfer bundle carried)
+    install_bundle .gpu/flashinfer
+    python3 -c "import cutlass, flashinfer, flash_mla; print('cutlass, flashinfer, flash_mla: ok')" || exit 3
+    gpu_files 0 300 tests/test_testing_kit.py &
+    gpu_files 1 200 tests/test_attention.py tests/test_pipeline.py tests/test_step_fp8.py &
+    wait
+    gpu_files 0,1 150 tests/test_step.py
     ;;
   bench)
     install_bundle .gpu/flashinfer
