@@ -31,6 +31,7 @@ H, DQK, DV, TOPK, BLOCK = 128, 576, 512, 2048, 64
 SCALE = 192**-0.5
 CPROFILE_DIR: Path | None = None
 WITH_FLASHINFER = True
+FP8 = False
 #: vLLM's kernels measured side by side with ours on this H200 at T = 32, W = 2 (graph replay; pack eager).
 VLLM_QUOTED_T32_W2 = {"pack": 6.8, "select": 11.5, "deinterleave": 9.5, "merge": 8.5}
 
@@ -47,8 +48,9 @@ def _versions() -> dict[str, Any]:
     return v
 
 
-def make_inputs(world: int, rank: int, T: int, ctx: int, device: torch.device, seed: int = 0):
-    """A decode batch of T requests (one query token each) with ``ctx`` tokens of context, sharded."""
+def make_inputs(world: int, rank: int, T: int, ctx: int, device: torch.device, seed: int = 0, fp8: bool = False):
+    """A decode batch of T requests (one query token each) with ``ctx`` tokens of context, sharded
+    (``fp8``: the rank's cache quantized to the 656-byte ``fp8_ds_mla`` layout)."""
     from dcp_ref.geometry import DcpGeometry
     from dcp_ref.pipeline import RankShard
     from dcp_ref.step import decode_metadata
@@ -62,6 +64,10 @@ def make_inputs(world: int, rank: int, T: int, ctx: int, device: torch.device, s
     scores = torch.randn(T, local, device=device, generator=gen)
     q = (torch.randn(T, H, DQK, device=device, generator=gen)).to(torch.bfloat16)
     meta = decode_metadata(torch.full((T,), ctx, dtype=torch.int64), 1, g, device=device)
+    if fp8:
+        from dcp_ref.fp8_cache import quantize_kv_fp8
+
+        kv = quantize_kv_fp8(kv)
     return q, RankShard(kv, table, scores, g), meta, g
 
 
@@ -209,7 +215,15 @@ def _stage_times(step, q, shard, meta) -> dict[str, float]:
         "indexer": _graph_time_us(lambda: st.indexer(shard.index_scores, meta.local_bounds, g, k, out=packed)),
         "select": _graph_time_us(lambda: st.select(gathered, k, out=ids_out)),
         "deinterleave": _graph_time_us(
-            lambda: st.deinterleave(ids, meta.req_of_token, shard.block_table, g, out_slots=s_out, out_counts=c_out)
+            lambda: st.deinterleave(
+                ids,
+                meta.req_of_token,
+                shard.block_table,
+                g,
+                compact=st.attention_layout == "compact",
+                out_slots=s_out,
+                out_counts=c_out,
+            )
         ),
         "attention": _graph_time_us(
             lambda: st.attention(q, shard.kv_cache, slots, counts, SCALE, DV, out=out, out_lse=lse)
@@ -231,8 +245,9 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     from dcp_ref.stages import StepSpec
     from dcp_ref.step import PlannedStep
 
-    q, shard, meta, g = make_inputs(world, rank, T, ctx, device)
-    stages = kernel_stages(device, torch.bfloat16, DQK, DV, num_heads=H, topk=TOPK)
+    q, shard, meta, g = make_inputs(world, rank, T, ctx, device, fp8=FP8)
+    kv_format = "fp8_ds_mla" if FP8 else "native"
+    stages = kernel_stages(device, torch.bfloat16, DQK, DV, num_heads=H, topk=TOPK, kv_format=kv_format)
     spec = StepSpec(g, T, TOPK, H, DQK, DV, SCALE, torch.bfloat16, device)
     t_plan = time.perf_counter()
     step = PlannedStep(group, spec, stages)
@@ -243,6 +258,7 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
         "T": T,
         "ctx": ctx,
         "attention": step.impls["attention"],
+        "kv_format": kv_format,
         "impl": step.impls,
         "plan_ms": plan_ms,
     }
@@ -281,8 +297,8 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     # FlashInfer fa3 (host plan per call) in the same step: eager only (its plan cannot be captured)
     fi_ok = True
     try:
-        if not WITH_FLASHINFER:
-            raise RuntimeError("skipped (--no-flashinfer)")
+        if not WITH_FLASHINFER or FP8:
+            raise RuntimeError("skipped (--no-flashinfer, or an FP8 cache, which FlashInfer's MLA cannot read)")
         fi = PlannedStep(group, spec, stages.with_(attention=_attention_flashinfer, name="kernels+flashinfer"))
         fi_run = lambda: fi.run(q, shard, meta)  # noqa: E731
         row["flashinfer_eager_us"] = _eager_time_us(fi_run, iters=20)
@@ -291,7 +307,7 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
         fi_ok = False
         row["flashinfer_eager_us"] = None
         row["flashinfer_error"] = repr(e)[:300]
-    if world == 2 and T == 32:
+    if world == 2 and T == 32 and not FP8:
         ours = sum(stage_us.get(s, 0.0) for s in ("select", "deinterleave", "merge"))
         vllm = sum(VLLM_QUOTED_T32_W2[s] for s in ("select", "deinterleave", "merge")) + VLLM_QUOTED_T32_W2["pack"]
         # vLLM's composition: same attention, NCCL and our local top-K, with vLLM's pack/top-K/convert/correct
@@ -308,8 +324,10 @@ def main() -> None:
     ap.add_argument("--ctx", default="8192,65536")
     ap.add_argument("--cprofile", default=None, help="folder for cProfile reports of eager runs (T = 1, 32 at 8K)")
     ap.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer (plan) eager column")
+    ap.add_argument("--fp8", action="store_true", help="the caches in the FP8 fp8_ds_mla layout (FlashMLA FP8 decode)")
     args = ap.parse_args()
-    global CPROFILE_DIR, WITH_FLASHINFER
+    global CPROFILE_DIR, WITH_FLASHINFER, FP8
+    FP8 = args.fp8
     CPROFILE_DIR = Path(args.cprofile) if args.cprofile else None
     if CPROFILE_DIR is not None:
         CPROFILE_DIR.mkdir(parents=True, exist_ok=True)
@@ -351,7 +369,7 @@ def main() -> None:
             "world_size": world,
             "rows": rows,
         }
-        (Path(args.out) / f"step_W{world}.json").write_text(json.dumps(doc, indent=1))
+        (Path(args.out) / f"step_W{world}{'_fp8' if FP8 else ''}.json").write_text(json.dumps(doc, indent=1))
         for r in rows:
             print(
                 f"W={r['W']} T={r['T']:4d} ctx={r['ctx']:6d} {r['attention']:10s} graph {r['graph_us']:8.1f} us  "
@@ -451,8 +469,29 @@ def merge(src: Path, out: Path) -> None:
                 f"- ctx {r['ctx']}: ours {r['graph_us']:.1f} µs vs vLLM-composed {r['vllm_composed_graph_us']:.1f} µs "
                 f"({r['vllm_composed_graph_us'] / r['graph_us']:.2f}×)"
             )
+    hosted = [r for r in rows if "host_us" in r]
+    if hosted:
+        names = [n for n in hosted[0]["host_us"] if n not in ("run_us", "outside_stages_us")]
+        lines += [
+            "",
+            "Where the eager step's time goes: host (CPU) time per step, µs, with no synchronisation inside "
+            "(`host_us`: each stage call timed on the host; `outside` = checks, collectives, the head copy). "
+            "The eager step is host-bound wherever `run` exceeds the graph time.",
+            "",
+            "| W | T | ctx | run | " + " | ".join(n.removesuffix("_us") for n in names) + " | outside |",
+            "|" + "---:|" * (5 + len(names)),
+        ]
+        for r in hosted:
+            h = r["host_us"]
+            lines.append(
+                f"| {r['W']} | {r['T']} | {r['ctx']} | {h['run_us']:.0f} | "
+                + " | ".join(f"{h[n]:.0f}" for n in names)
+                + f" | {h['outside_stages_us']:.0f} |"
+            )
     lines += ["", "Targets (issue 9; graph replay unless said):", ""]
     for r in rows:
+        if r.get("kv_format", "native") != "native":
+            continue  # the targets are the bf16 cache's; FP8 rows are reported beside them
         if (r["W"], r["T"], r["ctx"]) == (2, 32, 8192):
             lines.append(
                 f"- W=2, T=32, 8K graph replay {r['graph_us']:.1f} µs (target <= 150), eager {r['eager_us']:.1f} µs "

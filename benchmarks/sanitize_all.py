@@ -293,6 +293,45 @@ def fam_flashmla(f: Family) -> None:
         torch.allclose(out.double().cpu(), want, atol=3e-2)
         and torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(want_l)),
     )
+    # K = 64: padded to FlashMLA's width multiple of 128 by the stage's prologue kernel
+    q, kv, slots, counts = _attention_inputs(g, 4, 64, 64, 300)
+    out, lse = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), slots.to(DEV), counts.to(DEV), 0.1)
+    want, want_l = sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.1, v_dim=512)
+    f.check("K = 64 (padded to 128) vs reference", torch.allclose(out.double().cpu(), want, atol=3e-2))
+    # the hot path's bad values: a used slot past the cache or negative poisons its row; counts past K clamp
+    bad_slots, bad_counts = slots.clone().long(), counts.clone()
+    bad_counts[1:] = 64
+    bad_slots[1, 0] = 2**32 + 3  # int64, past the cache: must not wrap into slot 3
+    bad_slots[3, 5] = -5
+    bad_counts[2] = 500
+    out, lse = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), bad_slots.to(DEV), bad_counts.to(DEV), 0.1)
+    poisoned = [r for r in range(4) if bool(torch.isnan(lse[r].cpu()).all())]
+    f.check("validate=False: bad slots poison their rows", {1, 3} <= set(poisoned))
+
+
+def fam_flashmla_fp8(f: Family) -> None:
+    from dcp_ref.fp8_cache import quantize_kv_fp8, sparse_mla_attention_fp8
+    from dcp_ref.kernels.flashmla_fp8 import FlashMLAFp8Decode
+
+    g = gen(8)
+    q, kv, slots, _ = _attention_inputs(g, 5, 64, 128, 500)
+    cache = quantize_kv_fp8(kv)
+    masked = slots.clone()
+    masked[:, 1::3] = -1  # the masked layout: -1 anywhere in a row
+    attn = FlashMLAFp8Decode(DEV, validate=False)
+    out, lse = attn.attention(q.to(DEV), cache.to(DEV), masked.to(DEV), None, 0.1)
+    want, want_l = sparse_mla_attention_fp8(q.double(), cache, masked, None, 0.1)
+    f.check(
+        "masked rows vs the dequantizing reference",
+        torch.allclose(out.double().cpu(), want, atol=3e-2)
+        and torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(want_l)),
+    )
+    bad = masked.clone().long()
+    bad[2, 0] = 10**6  # past the cache
+    bad[4, 2] = 2**32 + 1  # int64 past the cache: must not wrap
+    out, lse = attn.attention(q.to(DEV), cache.to(DEV), bad.to(DEV), None, 0.1)
+    poisoned = [r for r in range(5) if bool(torch.isnan(lse[r].cpu()).all())]
+    f.check("validate=False: unreadable slots poison their rows, never read", {2, 4} <= set(poisoned))
 
 
 FAMILIES: dict[str, tuple[Callable[[Family], None], str, str]] = {
@@ -304,6 +343,7 @@ FAMILIES: dict[str, tuple[Callable[[Family], None], str, str]] = {
     "topk_cutedsl": (fam_topk, "cutlass", "cuda"),
     "flashinfer": (fam_flashinfer, "flashinfer", "cuda"),
     "flashmla": (fam_flashmla, "flash_mla", "cuda"),
+    "flashmla_fp8": (fam_flashmla_fp8, "flash_mla", "cuda"),
 }
 _FILES = {"indexer": "kernels/indexer_triton.py", "flashmla": "kernels/flashmla_sparse.py"}
 

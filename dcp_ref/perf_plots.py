@@ -28,6 +28,8 @@ __all__ = [
     "plot_deinterleave",
     "plot_lse_merge",
     "plot_attention",
+    "plot_local_topk",
+    "plot_fp8_attention",
     "plot_bandwidth",
     "plot_step_breakdown",
     "plot_step_growth",
@@ -254,6 +256,54 @@ def plot_attention(attn: Mapping[str, Any], peak_tflops: float = 989.0, dpi: int
     axes[1].plot(t, tf, "o-", label="achieved")
     axes[1].plot(t, [peak_tflops] * len(t), "k--", label="BF16 dense peak")
     axes[1].set(xscale="log", title="TFLOP/s", xlabel="T (query tokens)", ylabel="TFLOP/s", ylim=(0, peak_tflops * 1.1))
+    return _finish(fig, axes)
+
+
+def plot_local_topk(local: Mapping[str, Any], dpi: int = DPI) -> Any:
+    """The indexer stage (local top-K + pack, k = 2048) against query tokens T, one panel per local row length
+    L: the fused Triton kernel against today's torch path (``torch.topk`` + the Triton pack, not exact at ties)
+    and the exact stable torch version (all CUDA-graph replays, from ``local_topk.json``'s ``summary``)."""
+    _need(local, "local_topk", ["summary"])
+    lengths = sorted({r["L"] for r in local["summary"]})
+    fig, axes = _figure(
+        len(lengths),
+        "The indexer stage (each rank's top-2048 of its own keys, packed for the all-gather): the fused "
+        "kernel against torch (device time, lower is better).",
+        dpi=dpi,
+    )
+    for ax, n in zip(axes, lengths):
+        rs = sorted((r for r in local["summary"] if r["L"] == n), key=lambda r: r["T"])
+        x = [r["T"] for r in rs]
+        ax.plot(x, [r["fused_us"] for r in rs], "o-", label="ours (fused Triton)")
+        ax.plot(x, [r["torch_path_us"] for r in rs], "^:", label="torch.topk + pack (not exact)")
+        ax.plot(x, [r["stable_torch_us"] for r in rs], "v:", label="torch stable (exact)")
+        ax.set(xscale="log", yscale="log", title=f"L = {_short(n)}", xlabel="T (rows)", ylabel="µs")
+    return _finish(fig, axes)
+
+
+def plot_fp8_attention(fp8: Mapping[str, Any], dpi: int = DPI) -> Any:
+    """One rank's sparse MLA decode against query tokens T, one panel per top-k K: FlashMLA's FP8 decode over
+    the 656-byte cache (masked layout: it walks all K entries) against FlashMLA's bf16 kernel over compacted
+    slots (work over the valid ones), at W = 1 and on one rank's share at W = 2 (CUDA-graph replays, from
+    ``fp8_attention.json``'s ``summary``; FlashInfer's plan cannot be captured, so it has no point here)."""
+    _need(fp8, "fp8_attention", ["summary"])
+    rows = [r for r in fp8["summary"] if r.get("graph_us") is not None]
+    ks = sorted({r["K"] for r in rows})
+    fig, axes = _figure(
+        len(ks),
+        "Sparse MLA decode of one rank: FP8 cache, masked, against bf16 cache, compacted "
+        "(device time, lower is better; W = 2: one rank's share of the keys).",
+        dpi=dpi,
+    )
+    styles = {"flashmla_fp8_masked": "o-", "flashmla_bf16_compact": "s--"}
+    for ax, k in zip(axes, ks):
+        for impl in sorted({r["impl"] for r in rows}):
+            for w in sorted({r["W"] for r in rows}):
+                rs = sorted((r for r in rows if (r["impl"], r["K"], r["W"]) == (impl, k, w)), key=lambda r: r["T"])
+                if rs:
+                    lab = f"{impl.replace('flashmla_', '')}, W = {w}"
+                    ax.plot([r["T"] for r in rs], [r["graph_us"] for r in rs], styles.get(impl, "x:"), label=lab)
+        ax.set(xscale="log", yscale="log", title=f"K = {k}", xlabel="T (query tokens)", ylabel="µs")
     return _finish(fig, axes)
 
 

@@ -101,6 +101,9 @@ def _local_topk_torch(
     return local_topk(scores, k, lengths, row_starts, validate=False)
 
 
+_INDEXER_WORKSPACES = threading.local()  # split-row workspaces of the fused indexer, per thread (rank) and shape
+
+
 @named_impl("triton-fused")
 def _indexer_fused(
     scores: torch.Tensor,
@@ -111,12 +114,16 @@ def _indexer_fused(
     row_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    from .indexer_triton import indexer_topk_pack
+    from .indexer_triton import indexer_topk_pack, workspace_for
 
     g = geometry
+    # Long rows are split over programs through a workspace: made once per thread (rank) and shape, on the first
+    # (warm-up) run, so that later runs — and a captured graph — allocate nothing.
+    key = (tuple(scores.shape), k, scores.device)
+    ws = _per_thread(_INDEXER_WORKSPACES, key, lambda: workspace_for(scores, k))
     with _launch(scores.device):
         return indexer_topk_pack(
-            scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out, validate=False
+            scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out, validate=False, workspace=ws
         )
 
 

@@ -182,3 +182,38 @@ def test_step_growth_keeps_attention_kernels_apart() -> None:
     assert g["against T | W=2, ctx=8K, attention=flashinfer"] == ([1, 32], [101.0, 132.0])
     b = pp.plotted_series(pp.plot_step_breakdown({"summary": rows}))
     assert b["step time | sum of stages"][1] == [0.0] * 4  # absent values plot as zero-height bars
+
+
+def test_indexer_and_fp8_attention_series() -> None:
+    """Synthetic files: every series is exactly its rows' values, one panel per L (indexer) / K (FP8)."""
+    local = {"summary": [{"T": t, "L": n, "k": 2048, "fused_us": t + n / 1024, "torch_path_us": 3.0 * t + n,
+                          "stable_torch_us": 7.0 * t, "same_result": True}
+                         for t in (32, 1) for n in (4096, 32768)]}
+    fig = pp.plot_local_topk(local)
+    _check_small(fig)
+    s = pp.plotted_series(fig)
+    assert s["L = 4K | ours (fused Triton)"] == ([1.0, 32.0], [5.0, 36.0])
+    assert s["L = 32K | torch.topk + pack (not exact)"] == ([1.0, 32.0], [32771.0, 32864.0])
+    assert s["L = 32K | torch stable (exact)"][1] == [7.0, 224.0]
+    fp8 = {"summary": [{"impl": impl, "T": t, "K": k, "W": w, "graph_us": (None if impl == "flashinfer_fa3" else
+                                                                           t * w + k / 1024 + len(impl)),
+                        "rel_err": 1e-3}
+                       for impl in ("flashmla_fp8_masked", "flashmla_bf16_compact", "flashinfer_fa3")
+                       for t in (32, 1) for k in (1024, 2048) for w in (1, 2)]}
+    g = pp.plotted_series(pp.plot_fp8_attention(fp8))
+    assert g["K = 2048 | fp8_masked, W = 2"] == ([1.0, 32.0], [2 + 2 + 19.0, 64 + 2 + 19.0])
+    assert g["K = 1024 | bf16_compact, W = 1"] == ([1.0, 32.0], [1 + 1 + 21.0, 32 + 1 + 21.0])
+    assert not any("fa3" in key for key in g)  # FlashInfer's plan cannot be captured: no graph time, no line
+    with pytest.raises(ValueError, match="summary"):
+        pp.plot_local_topk({"results": []})
+    with pytest.raises(TypeError, match="fp8_attention"):
+        pp.plot_fp8_attention([])
+
+
+def test_committed_indexer_and_fp8_files_plot() -> None:
+    local, fp8 = _json("local_topk"), _json("fp8_attention")
+    s = pp.plotted_series(pp.plot_local_topk(local))
+    rows = sorted((r for r in local["summary"] if r["L"] == 4096), key=lambda r: r["T"])
+    assert s["L = 4K | ours (fused Triton)"][1] == [r["fused_us"] for r in rows]
+    g = pp.plotted_series(pp.plot_fp8_attention(fp8))
+    assert len(g) == 2 * 2 * 2  # (fp8, bf16) x (W = 1, 2) x (K = 1024, 2048)

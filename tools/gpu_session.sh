@@ -59,7 +59,7 @@ case "$what" in
     gpu_files 0 200 tests/test_indexer_kernel.py tests/test_ownership.py tests/test_testing_kit.py
     gpu_files 0 240 tests/test_topk.py tests/test_deinterleave.py
     wait
-    tail -30 "$work/bench_local_topk.txt"
+    tail -n 30 "$work/bench_local_topk.txt"
     ;;
   probe-step)  # the eager step's host time, per stage and by cProfile; the FP8 attention benchmark beside it
     install_bundle .gpu/flashinfer
@@ -71,7 +71,7 @@ case "$what" in
     wait
     timeout 240 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$work/step_raw" \
       --T 1,32 --ctx 8192 --cprofile "$work" --no-flashinfer > "$work/bench_step_W2.txt" 2>&1
-    tail -4 "$work/bench_fp8_attention.txt" "$work/bench_step_W1.txt" "$work/bench_step_W2.txt"
+    for f in "$work"/bench_*.txt; do echo "== $f"; tail -n 4 "$f"; done
     ;;
   tests)
     install_bundle .gpu/flashinfer
@@ -102,8 +102,12 @@ case "$what" in
     wait
     timeout 240 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$work/step_raw" \
       > "$work/bench_step_W2.txt" 2>&1
+    # the whole step on the FP8 (fp8_ds_mla) cache: FlashMLA's FP8 decode, masked layout
+    timeout 150 python3 benchmarks/bench_step.py --fp8 --out "$work/step_raw" > "$work/bench_step_W1_fp8.txt" 2>&1
+    timeout 150 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --fp8 \
+      --out "$work/step_raw" > "$work/bench_step_W2_fp8.txt" 2>&1
     python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work"
-    tail -3 "$work/bench_local_topk.txt" "$work/bench_step_W1.txt" "$work/bench_step_W2.txt"
+    for f in "$work"/bench_*.txt; do echo "== $f"; tail -n 4 "$f"; done
     ;;
   sanitize)  # compute-sanitizer over every kernel family (hot-path validate=False calls included), chapters beside
     install_bundle .gpu/flashinfer
@@ -116,7 +120,7 @@ case "$what" in
     }
     (san 0 memcheck triton benchmarks/sanitize_all.py --only pack,deinterleave,lse_merge,indexer --out "$work/mt"
      san 0 racecheck triton benchmarks/sanitize_all.py --only pack,deinterleave,lse_merge,indexer) &
-    (san 1 memcheck libs benchmarks/sanitize_all.py --only topk_cutedsl,flashinfer,flashmla --out "$work/ml"
+    (san 1 memcheck libs benchmarks/sanitize_all.py --only topk_cutedsl,flashinfer,flashmla,flashmla_fp8 --out "$work/ml"
      san 1 racecheck topk benchmarks/sanitize_all.py --only topk_cutedsl) &
     CUDA_VISIBLE_DEVICES=0 timeout 330 python3 tools/run_notebooks_gpu.py --out "$work" notebooks/*.ipynb \
       > "$work/notebooks.txt" 2>&1
