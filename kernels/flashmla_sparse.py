@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import INT_DTYPES, check_tensor, triton_interpreting
+from dcp_ref._checks import INT_DTYPES, check_out, check_tensor, triton_interpreting
 
 __all__ = ["FLASHMLA_LSE_BASE", "FLASHMLA_HEADS", "flashmla_unsupported", "sparse_mla_flashmla"]
 
@@ -188,13 +188,9 @@ def sparse_mla_flashmla(
     KP = max(-(-K // INDEX_WIDTH_MULTIPLE), 1) * INDEX_WIDTH_MULTIPLE
     fused = _use_triton(q.device)
     if out is not None:
-        check_tensor(out, "out", dtypes=(q.dtype,), ndim=3, device=q.device)
-        if tuple(out.shape) != (T, H, _DV):
-            raise ValueError(f"out must have shape {(T, H, _DV)}, got {tuple(out.shape)}")
+        check_out(out, "out", (T, H, _DV), q.dtype, q.device)
     if out_lse is not None:
-        check_tensor(out_lse, "out_lse", dtypes=(torch.float32,), ndim=2, device=q.device)
-        if tuple(out_lse.shape) != (T, H):
-            raise ValueError(f"out_lse must have shape {(T, H)}, got {tuple(out_lse.shape)}")
+        check_out(out_lse, "out_lse", (T, H), torch.float32, q.device)
     if fused:
         safe = torch.empty((T, KP), dtype=torch.int32, device=q.device)
         cnt = torch.empty((T,), dtype=torch.int32, device=q.device)

@@ -139,9 +139,9 @@ def test_strided_out_and_empty_batch(fake: list) -> None:
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
     o0, l0 = fm.sparse_mla_flashmla(q[:0], kv, slots[:0], counts[:0], 0.05)
     assert o0.shape == (0, 64, 512) and l0.shape == (0, 64)
-    with pytest.raises(ValueError, match="out must have shape"):
+    with pytest.raises(ValueError, match=r"out must be a buffer of shape \(4, 64, 512\)"):
         fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=torch.empty(4, 64, 256, dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="out_lse must have dtype"):
+    with pytest.raises(TypeError, match="out_lse must be a float32 buffer"):
         fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out_lse=torch.empty(4, 64, dtype=torch.float64))
 
 
