@@ -295,12 +295,12 @@ def markdown(data: dict) -> str:
         plan = f"{p['tile']}{'' if p['one_chunk'] else ' (streamed)'} / {p['num_warps']} / {fmt_split(p)}"
         tp, st = r["torch_path"]["median_us"], r["stable_torch"]["median_us"]
         gs = "error" if g is None else f"{g:.1f}"
-        ratio = "-" if g is None else f"{g / r['read_floor_us']:.2f}"
+        ratio = "-" if g is None else f"{g / r['read_floor_us']:.0f}×"
         lines.append(
             f"| {r['T']} | {r['L']}{'' if r['dist'] == 'normal' else ' (' + r['dist'] + ')'} | {gs} | {plan} | "
             f"{'✓' if f.get('same_result') else '✗'} | {tp:.1f} | {'-' if g is None else f'{tp / g:.1f}×'} | "
             f"{st:.1f} | "
-            f"{'-' if g is None else f'{st / g:.1f}×'} | {r['read_floor_us']:.1f} | {ratio} |"
+            f"{'-' if g is None else f'{st / g:.1f}×'} | {r['read_floor_us']:.3g} | {ratio} |"
         )
     lines += ["", "## Targets (issue 11)", "", "| target | measured | met? |", "|---|---|:---:|"]
     for t in m["targets"]:
