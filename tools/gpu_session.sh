@@ -11,6 +11,11 @@
 #   run(command="tools/gpu_session.sh sanitize")       # compute-sanitizer + every chapter executed
 #   (profile: tools/gpu_session.sh probe — indexer sweep + host profile of the eager step)
 #
+# Only the two runs issues 10 and 14 still need (the FP8 decode under memcheck; the step on the FP8 cache):
+#   run(kind="nvidia-h200-x2", carry=[".gpu/cute"], command="tools/gpu_session.sh install-cute")
+#   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh sanitize")
+#   run(command="tools/gpu_session.sh bench")          # includes bench_step.py --fp8 at W = 1 and 2
+#
 # Everything a call writes is packed into $OUT/<mode>.tgz (one file: the device returns at most 8):
 # JUnit XML per test file, logs, sanitizer reports, benchmark JSON. Unpack it here, copy the results into
 # benchmarks/results and merge the JUnit files with benchmarks/collect_gpu_tests.py.
