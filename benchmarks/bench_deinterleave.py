@@ -36,6 +36,7 @@ INTERLEAVES = (1, 64)
 BLOCK_SIZE = 64
 CONTEXT = 65536
 
+from _graphs import capture  # noqa: E402
 from _progress import progress  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 # (method, block, num_warps). Kept short: every entry is a compile per geometry.
@@ -101,16 +102,7 @@ def copy_bandwidth(dev) -> float:
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
     """Capture ``fn`` (already warmed up / compiled) in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
+    return capture(fn)
 
 
 def check(method, o, c, ids, req, bt, w, r, i):

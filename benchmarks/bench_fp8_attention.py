@@ -50,6 +50,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _graphs import capture  # noqa: E402  (the benchmarks' folder is on sys.path)
+
 from dcp_ref.attention import sparse_mla_attention  # noqa: E402
 from dcp_ref.fp8_cache import FP8_DS_MLA, quantize_kv_fp8, sparse_mla_attention_fp8  # noqa: E402
 
@@ -77,15 +79,7 @@ def versions() -> dict:
 
 def graph_us(fn: Callable[[], object], replays: int = 100, reps: int = 5) -> float:
     """Median µs per call of ``fn`` captured in a CUDA graph and replayed back to back."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture(fn, warmup=3)
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
@@ -160,6 +154,14 @@ def bench_config(T: int, K: int, W: int, data: dict, gen: torch.Generator, quick
             entry.update(extra)
         summary.append(entry)
 
+    def setup_failed(impl: str, e: Exception) -> None:
+        """An implementation that could not even be set up (missing library, unsupported shape): recorded."""
+        summary.append(
+            {"impl": impl, "T": T, "K": K, "W": W, "graph_us": None, "rel_err": None,
+             "error": f"{type(e).__name__}: {e}"[:300]}
+        )  # fmt: skip
+        traceback.print_exc()
+
     # -- FP8, masked layout (FlashMLA sparse decode) --
     ref_fp8 = sparse_mla_attention_fp8(q, fp8, rows["masked"], None, SM_SCALE)
     ref_bf16 = sparse_mla_attention(q, kv, rows["compact"], rows["counts"], SM_SCALE)
@@ -172,18 +174,7 @@ def bench_config(T: int, K: int, W: int, data: dict, gen: torch.Generator, quick
 
         attn = FlashMLAFp8Decode(dev, validate=False)
     except Exception as e:
-        summary.append(
-            {
-                "impl": "flashmla_fp8_masked",
-                "T": T,
-                "K": K,
-                "W": W,
-                "graph_us": None,
-                "rel_err": None,
-                "error": f"{type(e).__name__}: {e}"[:300],
-            }
-        )
-        traceback.print_exc()
+        setup_failed("flashmla_fp8_masked", e)
     else:
         record(
             "flashmla_fp8_masked",
@@ -241,18 +232,7 @@ def bench_config(T: int, K: int, W: int, data: dict, gen: torch.Generator, quick
 
         record("flashmla_bf16_compact", bf16_run, ref_bf16, ob)
     except Exception as e:
-        summary.append(
-            {
-                "impl": "flashmla_bf16_compact",
-                "T": T,
-                "K": K,
-                "W": W,
-                "graph_us": None,
-                "rel_err": None,
-                "error": f"{type(e).__name__}: {e}"[:300],
-            }
-        )
-        traceback.print_exc()
+        setup_failed("flashmla_bf16_compact", e)
 
     # -- FlashInfer FA3, compact CSR (plan outside the graph) --
     try:
@@ -264,18 +244,7 @@ def bench_config(T: int, K: int, W: int, data: dict, gen: torch.Generator, quick
         fi.plan(rows["compact"], rows["counts"])
         record("flashinfer_fa3", lambda: fi.run(q, kv, out=ob, lse=lb), ref_bf16, ob)
     except Exception as e:
-        summary.append(
-            {
-                "impl": "flashinfer_fa3",
-                "T": T,
-                "K": K,
-                "W": W,
-                "graph_us": None,
-                "rel_err": None,
-                "error": f"{type(e).__name__}: {e}"[:300],
-            }
-        )
-        traceback.print_exc()
+        setup_failed("flashinfer_fa3", e)
 
     # -- the slot stage for this rank (W = 2): conversion only vs conversion + compaction --
     if W > 1:

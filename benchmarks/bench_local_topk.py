@@ -36,6 +36,7 @@ import sys
 import time
 
 import torch
+from _graphs import capture  # the benchmarks' folder is on sys.path
 
 SHAPES = [(t, n) for t in (1, 32, 128, 1024) for n in (4096, 32768, 131072)] + [(32, 8192)]
 QUICK = [(32, 8192), (1, 131072), (1024, 32768)]
@@ -80,16 +81,7 @@ def bench(fn) -> dict:
 
 def graph_time(fn, reps: int) -> dict:
     """Device time per call: a CUDA graph of ``reps`` calls, replayed under do_bench."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+    g = capture(fn, calls=reps)
     r = bench(g.replay)
     del g
     return {k: v / reps for k, v in r.items()} | {"reps": reps}

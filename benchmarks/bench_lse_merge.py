@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 H, D = 128, 512
 ISSUE_COPY_TBPS = 4.23
 
+from _graphs import capture  # noqa: E402
 from _progress import progress  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 
@@ -261,16 +262,7 @@ def graph_time_us(make_call, n: int = 20, reps: int = 20) -> float:
     calls together exceed the 50 MB L2 (the data comes from HBM, as after attention).
     """
     calls = [make_call(i) for i in range(n)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm-up / compile outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
+    g = capture(lambda: [c() for c in calls])  # each call warmed up (compiled) once, then captured once
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -42,6 +42,7 @@ import sys
 import torch
 import triton
 import triton.testing
+from _graphs import capture
 from _progress import progress
 
 from dcp_ref.topk import stable_topk as ref_topk
@@ -88,16 +89,7 @@ def bench(fn, **kw) -> dict:
 
 def graph_time(fn, reps: int = 20) -> dict:
     """Per-call device time: a CUDA graph of ``reps`` launches, replayed under do_bench."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+    g = capture(fn, calls=reps)
     r = bench(g.replay)
     return {k: v / reps for k, v in r.items()}
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ._checks import INT_DTYPES, check_tensor
+from .fp8_cache import FP8_DS_MLA
 from .geometry import DcpGeometry
 from .group import Group
 from .ownership import localize_decode_bounds, localize_prefill_chunk
@@ -478,7 +479,13 @@ def plan_for(
     if not isinstance(geometry, DcpGeometry):
         raise ValueError("shard.geometry must be a DcpGeometry (the geometry the shard was built for)")
     T, H, D = q.shape
-    v = D if v_dim is None else v_dim
+    kv_format = kv_format_of(shard.kv_cache)
+    if v_dim is not None:
+        v = v_dim
+    elif kv_format == "fp8_ds_mla":
+        v = FP8_DS_MLA.nope_dim  # the FP8 layout's values are its NoPE dims (512)
+    else:
+        v = D
     spec = StepSpec(
         geometry,
         max_tokens=max_tokens or max(T, 1),
@@ -490,19 +497,5 @@ def plan_for(
         dtype=q.dtype,
         device=q.device,
     )
-    kv_format = kv_format_of(shard.kv_cache)
-    if kv_format == "fp8_ds_mla" and v_dim is None:
-        v = 512  # the FP8 layout's values are its 512 NoPE dims
-        spec = StepSpec(
-            geometry,
-            max_tokens=max_tokens or max(T, 1),
-            topk=topk,
-            num_heads=H,
-            head_dim=D,
-            v_dim=v,
-            sm_scale=sm_scale,
-            dtype=q.dtype,
-            device=q.device,
-        )
     st = resolve_stages(stages, q.device, q.dtype, D, v, num_heads=H, topk=topk, kv_format=kv_format)
     return PlannedStep(group, spec, st, validate=validate)
