@@ -136,7 +136,7 @@ def _select_cutedsl(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None 
     # The kernel reads (score, id) pairs as aligned 8-byte words: a strided view (a caller's, not the step's,
     # whose buffers are contiguous) is copied first rather than refused.
     if not gathered.is_contiguous() or gathered.data_ptr() % 8:
-        gathered = gathered.contiguous() if not gathered.is_contiguous() else gathered.clone()
+        gathered = gathered.clone(memory_format=torch.contiguous_format)  # a fresh, aligned, contiguous copy
     with KERNEL_LOCK:
         return stable_topk_cutedsl(gathered, k, out=out, validate=False)
 
