@@ -260,53 +260,55 @@ def _attention_inputs(g: torch.Generator, T: int, H: int, K: int, S: int):
     return q, kv, slots, counts
 
 
+def _same_attention(got: tuple, want: tuple) -> bool:
+    """A GPU attention's (out, lse) against the float64 reference: outputs close, the same empty rows."""
+    return torch.allclose(got[0].double().cpu(), want[0], atol=3e-2) and torch.equal(
+        torch.isneginf(got[1].cpu()), torch.isneginf(want[1])
+    )
+
+
+def _reference(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor) -> tuple:
+    """The float64 sparse MLA (values: the first 512 dims) the attention families are checked against."""
+    return sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.1, v_dim=512)
+
+
+def _poisoned_rows(lse: torch.Tensor) -> set[int]:
+    """Rows whose every LSE is NaN (the hot path's answer to a value it may not read)."""
+    return {r for r in range(lse.shape[0]) if bool(torch.isnan(lse[r].cpu()).all())}
+
+
 def fam_flashinfer(f: Family) -> None:
     from dcp_ref.kernels.flashinfer_mla import sparse_mla_flashinfer
 
     g = gen(6)
     q, kv, slots, counts = _attention_inputs(g, 5, 16, 64, 300)
-    out, lse = sparse_mla_flashinfer(q.to(DEV), kv.to(DEV), slots.to(DEV), counts.to(DEV), 0.1)
-    want, want_l = sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.1, v_dim=512)
-    f.check(
-        "valid rows vs reference",
-        torch.allclose(out.double().cpu(), want, atol=3e-2)
-        and torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(want_l)),
-    )
+    got = sparse_mla_flashinfer(q.to(DEV), kv.to(DEV), slots.to(DEV), counts.to(DEV), 0.1)
+    f.check("valid rows vs reference", _same_attention(got, _reference(q, kv, slots, counts)))
     bad_slots, bad_counts = slots.clone(), counts.clone()
     bad_slots[1, 0] = 10**6  # past the cache
     bad_counts[2] = 500  # more than K
     bad_slots[3, 0] = -5
-    out, lse = sparse_mla_flashinfer(q.to(DEV), kv.to(DEV), bad_slots.to(DEV), bad_counts.to(DEV), 0.1, validate=False)
-    poisoned = [r for r in range(5) if bool(torch.isnan(lse[r].cpu()).all())]
-    f.check("validate=False: bad slots / counts poison their rows", {1, 3} <= set(poisoned))
+    _, lse = sparse_mla_flashinfer(q.to(DEV), kv.to(DEV), bad_slots.to(DEV), bad_counts.to(DEV), 0.1, validate=False)
+    f.check("validate=False: bad slots / counts poison their rows", {1, 3} <= _poisoned_rows(lse))
 
 
 def fam_flashmla(f: Family) -> None:
     from dcp_ref.kernels.flashmla_sparse import sparse_mla_flashmla
 
     g = gen(7)
-    q, kv, slots, counts = _attention_inputs(g, 4, 64, 128, 400)
-    out, lse = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), slots.to(DEV), counts.to(DEV), 0.1)
-    want, want_l = sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.1, v_dim=512)
-    f.check(
-        "valid rows vs reference",
-        torch.allclose(out.double().cpu(), want, atol=3e-2)
-        and torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(want_l)),
-    )
-    # K = 64: padded to FlashMLA's width multiple of 128 by the stage's prologue kernel
-    q, kv, slots, counts = _attention_inputs(g, 4, 64, 64, 300)
-    out, lse = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), slots.to(DEV), counts.to(DEV), 0.1)
-    want, want_l = sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.1, v_dim=512)
-    f.check("K = 64 (padded to 128) vs reference", torch.allclose(out.double().cpu(), want, atol=3e-2))
+    # K = 128, and K = 64 (padded to FlashMLA's width multiple of 128 by the stage's prologue kernel)
+    for K, S in ((128, 400), (64, 300)):
+        q, kv, slots, counts = _attention_inputs(g, 4, 64, K, S)
+        got = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), slots.to(DEV), counts.to(DEV), 0.1)
+        f.check(f"K = {K}: valid rows vs reference", _same_attention(got, _reference(q, kv, slots, counts)))
     # the hot path's bad values: a used slot past the cache or negative poisons its row; counts past K clamp
     bad_slots, bad_counts = slots.clone().long(), counts.clone()
     bad_counts[1:] = 64
     bad_slots[1, 0] = 2**32 + 3  # int64, past the cache: must not wrap into slot 3
     bad_slots[3, 5] = -5
     bad_counts[2] = 500
-    out, lse = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), bad_slots.to(DEV), bad_counts.to(DEV), 0.1)
-    poisoned = [r for r in range(4) if bool(torch.isnan(lse[r].cpu()).all())]
-    f.check("validate=False: bad slots poison their rows", {1, 3} <= set(poisoned))
+    _, lse = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), bad_slots.to(DEV), bad_counts.to(DEV), 0.1)
+    f.check("validate=False: bad slots poison their rows", {1, 3} <= _poisoned_rows(lse))
 
 
 def fam_flashmla_fp8(f: Family) -> None:
@@ -319,19 +321,14 @@ def fam_flashmla_fp8(f: Family) -> None:
     masked = slots.clone()
     masked[:, 1::3] = -1  # the masked layout: -1 anywhere in a row
     attn = FlashMLAFp8Decode(DEV, validate=False)
-    out, lse = attn.attention(q.to(DEV), cache.to(DEV), masked.to(DEV), None, 0.1)
-    want, want_l = sparse_mla_attention_fp8(q.double(), cache, masked, None, 0.1)
-    f.check(
-        "masked rows vs the dequantizing reference",
-        torch.allclose(out.double().cpu(), want, atol=3e-2)
-        and torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(want_l)),
-    )
+    got = attn.attention(q.to(DEV), cache.to(DEV), masked.to(DEV), None, 0.1)
+    want = sparse_mla_attention_fp8(q.double(), cache, masked, None, 0.1)
+    f.check("masked rows vs the dequantizing reference", _same_attention(got, want))
     bad = masked.clone().long()
     bad[2, 0] = 10**6  # past the cache
     bad[4, 2] = 2**32 + 1  # int64 past the cache: must not wrap
-    out, lse = attn.attention(q.to(DEV), cache.to(DEV), bad.to(DEV), None, 0.1)
-    poisoned = [r for r in range(5) if bool(torch.isnan(lse[r].cpu()).all())]
-    f.check("validate=False: unreadable slots poison their rows, never read", {2, 4} <= set(poisoned))
+    _, lse = attn.attention(q.to(DEV), cache.to(DEV), bad.to(DEV), None, 0.1)
+    f.check("validate=False: unreadable slots poison their rows, never read", {2, 4} <= _poisoned_rows(lse))
 
 
 FAMILIES: dict[str, tuple[Callable[[Family], None], str, str]] = {
