@@ -912,3 +912,41 @@ def test_the_command_line(tmp_path: Path) -> None:
         timeout=300,
     )
     assert usage.returncode == 2 and "--stage" in usage.stderr
+
+
+def select_ties_by_position(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """Chapter 08's planted bug: ties broken by candidate position (rank order), not by the lower id. Found
+    only after ~150 cases, so the search path, and what perturbs it, matter."""
+    W, T, K, _ = gathered.shape
+    cand = gathered.permute(1, 0, 2, 3).reshape(T, W * K, 2)
+    score, ids = cand[..., 0], cand[..., 1]
+    valid = (ids >= 0) & ~torch.isnan(score)
+    score = torch.where(valid, score + 0.0, 0.0)
+    order = torch.arange(W * K).expand(T, W * K)
+    for key in (score, valid.to(torch.int8)):  # stable sorts: by score, then valid first
+        order = order.gather(1, torch.sort(key.gather(1, order), dim=1, descending=True, stable=True).indices)
+    n = min(k, W * K)
+    out = torch.full((T, k), -1, dtype=torch.int32)
+    top = order[:, :n]
+    out[:, :n] = torch.where(valid.gather(1, top), ids.gather(1, top), -1).to(torch.int32)
+    return out
+
+
+def test_a_check_does_not_depend_on_which_local_modules_are_loaded(tmp_path, monkeypatch) -> None:
+    """Hypothesis mixes literals of loaded local modules into its draws; the kit pins that pool empty, so the
+    same check finds the same counterexample after a new local module full of constants is imported.
+    (Without the pin this bug's search went from 232 to 174 cases when the module below was imported.)"""
+
+    def counterexample() -> tuple[str, int]:
+        with pytest.raises(ConformanceError) as info:
+            check_select(select_ties_by_position)
+        return info.value.reproducer, info.value.calls
+
+    before = counterexample()
+    consts = [*range(-5, 300), 0.5, -0.0, 1.5, 2.25, 3e38, -3e38, 1e-45]
+    (tmp_path / "kit_consts_mod.py").write_text("".join(f"C{i} = {v!r}\n" for i, v in enumerate(consts)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    importlib.import_module("kit_consts_mod")
+    assert counterexample() == before

@@ -33,11 +33,12 @@ them (``out_buffers="auto"``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,7 +260,8 @@ def _run(
     if seed is not None:
         test = hyp_seed(seed)(test)
     try:
-        test()
+        with _no_local_constants():
+            test()
     except _Mismatch as e:
         mismatch = e
     except Flaky as e:  # the shrunk case passed when replayed: a non-deterministic implementation
@@ -275,6 +277,37 @@ def _run(
     if expected_code is not None:
         code += "\n" + expected_code(mismatch.case)
     raise ConformanceError(stage, conventions, code, mismatch.message, mismatch.case, calls) from None
+
+
+@contextlib.contextmanager
+def _no_local_constants() -> Iterator[None]:
+    """Keep Hypothesis from mixing literals of the loaded local modules into its draws.
+
+    Hypothesis (6.13x and later) now and then draws a constant found in the source of any non-installed
+    module in ``sys.modules``. dcp_ref is such a module in an editable install, so without this a check's
+    cases (and the shrunk counterexample a notebook prints) would change whenever a project module is
+    edited or merely imported first. The pool is emptied for the run through Hypothesis' internal hook
+    (``providers._get_local_constants``); a Hypothesis without that hook has no such pool to empty.
+    """
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:  # pragma: no cover - an older Hypothesis
+        yield
+        return
+    original = getattr(providers, "_get_local_constants", None)
+    cache = getattr(providers, "CONSTANTS_CACHE", None)
+    if original is None or cache is None:  # pragma: no cover - another Hypothesis layout
+        yield
+        return
+    empty = Constants()
+    cache.cache.clear()  # it memoises the allowed constants, local ones included
+    providers._get_local_constants = lambda: empty
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+        cache.cache.clear()
 
 
 def _conv(**kw: Any) -> str:
