@@ -382,6 +382,7 @@ SUMMARY_KEYS = (
     "T",
     "ctx",
     "attention",
+    "kv_format",
     "graph_us",
     "eager_us",
     "host_syncs_per_step",
@@ -393,6 +394,8 @@ SUMMARY_KEYS = (
 def merge(src: Path, out: Path) -> None:
     docs = [json.loads(p.read_text()) for p in sorted(src.glob("step_W*.json"))]
     rows = [r for d in docs for r in d["rows"]]
+    for r in rows:
+        r.setdefault("kv_format", "native")  # rows measured before the FP8 cache existed
     summary = [{**{k: r[k] for k in SUMMARY_KEYS}, "stages_us": r["stages_us"]} for r in rows]
     doc = {
         "benchmark": "benchmarks/bench_step.py",
@@ -425,16 +428,19 @@ def merge(src: Path, out: Path) -> None:
         "# The planned step on the H200 (`benchmarks/bench_step.py`)",
         "",
         f"{doc['device']}; {doc['versions']}; {doc['date_utc']}. H = 128, d = 576/512, top-k 2048, bf16, "
-        "one query token per request. Times in µs per step (per layer).",
+        "one query token per request; the KV cache bf16 (`native`, 1152 bytes per token) or FP8 "
+        "(`fp8_ds_mla`, 656 bytes per token, FlashMLA's FP8 decode over the uncompacted slots). "
+        "Times in µs per step (per layer).",
         "",
-        "| W | T | ctx | attention | graph | eager | syncs | launches | allocs | stages sum | graph / sum | "
+        "| W | T | ctx | cache | attention | graph | eager | syncs | launches | allocs | stages sum | graph / sum | "
         "FlashInfer eager |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fi = r.get("flashinfer_eager_us")
         lines.append(
-            f"| {r['W']} | {r['T']} | {r['ctx']} | {r['attention']} | {r['graph_us']:.1f} | {r['eager_us']:.1f} | "
+            f"| {r['W']} | {r['T']} | {r['ctx']} | {r['kv_format']} | {r['attention']} | {r['graph_us']:.1f} | "
+            f"{r['eager_us']:.1f} | "
             f"{r['host_syncs_per_step']} | {r['launches_per_step']} | {r['allocations_per_run']} | "
             f"{r['stages_sum_us']:.1f} | {r['graph_over_stages_sum']:.2f} | "
             f"{'—' if fi is None else f'{fi:.1f}'} |"
@@ -444,12 +450,12 @@ def merge(src: Path, out: Path) -> None:
         "",
         "Per-stage isolated device times (graph replay, µs):",
         "",
-        "| W | T | ctx | " + " | ".join(stage_names) + " |",
-        "|" + "---:|" * (3 + len(stage_names)),
+        "| W | T | ctx | cache | " + " | ".join(stage_names) + " |",
+        "|---:|---:|---:|---|" + "---:|" * len(stage_names),
     ]
     for r in rows:
         cells = (f"{r['stages_us'][n]:.1f}" if n in r["stages_us"] else "—" for n in stage_names)
-        lines.append(f"| {r['W']} | {r['T']} | {r['ctx']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['W']} | {r['T']} | {r['ctx']} | {r['kv_format']} | " + " | ".join(cells) + " |")
     v = [r for r in rows if "vllm_composed_graph_us" in r]
     if v:
         lines += [
@@ -472,15 +478,37 @@ def merge(src: Path, out: Path) -> None:
             "(`host_us`: each stage call timed on the host; `outside` = checks, collectives, the head copy). "
             "The eager step is host-bound wherever `run` exceeds the graph time.",
             "",
-            "| W | T | ctx | run | " + " | ".join(n.removesuffix("_us") for n in names) + " | outside |",
-            "|" + "---:|" * (5 + len(names)),
+            "| W | T | ctx | cache | run | " + " | ".join(n.removesuffix("_us") for n in names) + " | outside |",
+            "|---:|---:|---:|---|" + "---:|" * (2 + len(names)),
         ]
         for r in hosted:
             h = r["host_us"]
             lines.append(
-                f"| {r['W']} | {r['T']} | {r['ctx']} | {h['run_us']:.0f} | "
+                f"| {r['W']} | {r['T']} | {r['ctx']} | {r['kv_format']} | {h['run_us']:.0f} | "
                 + " | ".join(f"{h[n]:.0f}" for n in names)
                 + f" | {h['outside_stages_us']:.0f} |"
+            )
+    by_key = {(r["W"], r["T"], r["ctx"], r["kv_format"]): r for r in rows}
+    pairs = [
+        (r, by_key[(r["W"], r["T"], r["ctx"], "fp8_ds_mla")])
+        for r in rows
+        if r["kv_format"] == "native" and (r["W"], r["T"], r["ctx"], "fp8_ds_mla") in by_key
+    ]
+    if pairs:
+        lines += [
+            "",
+            "The whole step on the FP8 cache against the bf16 cache (graph replay, µs; attention = the isolated "
+            "attention stage). FP8 reads 656 bytes per token but its decode walks all K entries of a row "
+            "(masked `-1`s); the bf16 path walks only this rank's compacted count:",
+            "",
+            "| W | T | ctx | bf16 step | FP8 step | FP8 / bf16 | bf16 attention | FP8 attention | faster |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for n, f in pairs:
+            lines.append(
+                f"| {n['W']} | {n['T']} | {n['ctx']} | {n['graph_us']:.1f} | {f['graph_us']:.1f} | "
+                f"{f['graph_us'] / n['graph_us']:.2f} | {n['stages_us']['attention']:.1f} | "
+                f"{f['stages_us']['attention']:.1f} | {'FP8' if f['graph_us'] < n['graph_us'] else 'bf16'} |"
             )
     lines += ["", "Targets (issue 9; graph replay unless said):", ""]
     for r in rows:

@@ -1227,7 +1227,7 @@ def fit_constants(
     obs = list(observations) if observations is not None else observations_from_results(results_dir)
     pts = list(step_points) if step_points is not None else step_points_from_json(Path(results_dir) / "step.json")
     if attention == "auto":
-        attention = "flashmla" if any("flashmla" in p.attention.lower() for p in pts) else "flashinfer"
+        attention = "flashmla" if any(p.attention.lower() == "flashmla" for p in pts) else "flashinfer"
     if attention == "flashmla":
         obs = [o for o in obs if o.family != "attention"]
         obs += [
@@ -1236,7 +1236,8 @@ def fit_constants(
         ]
     early_notes = []
     if len({p.attention for p in pts}) > 1:  # one attention line: fit the steps that ran that kernel
-        same = [p for p in pts if attention in p.attention.lower()]
+        # By exact name: "flashmla-fp8" (the FP8 cache's decode) is another kernel than "flashmla".
+        same = [p for p in pts if p.attention.lower() == attention]
         if same:
             early_notes.append(f"step.json: {len(same)} of {len(pts)} steps ran {attention}; only those are fitted")
             pts = same

@@ -216,9 +216,12 @@ def test_observations_match_the_committed_json() -> None:
 
 def test_fit_to_committed_results(fitted: cm.Fit) -> None:
     n_obs = len(cm.observations_from_results(RESULTS))
-    n_step = len(cm.step_points_from_json(RESULTS / "step.json"))
+    steps = cm.step_points_from_json(RESULTS / "step.json")
+    # the steps that ran the fit's attention kernel, named exactly (FP8 rows run "flashmla-fp8")
+    n_step = sum(p.attention.lower() == fitted.attention for p in steps)
     kernel_families = ("collective", "collective_eager", "step", "step_eager")
     assert len([r for r in fitted.residuals if r.family not in kernel_families]) == n_obs
+    assert 0 < n_step == len(fitted.step_points)
     assert len([r for r in fitted.residuals if r.family == "step"]) == n_step
     c = fitted.constants
     for f in ("select", "deinterleave", "merge", "pack", "local_topk", "attention"):
@@ -320,6 +323,18 @@ def test_steps_of_another_attention_kernel_are_not_fitted() -> None:
     fit = cm.fit_constants(RESULTS, step_points=pts, attention="flashinfer")
     assert any("2 of 4 steps" in n for n in fit.notes)
     assert len([r for r in fit.residuals if r.family == "step"]) == 2
+
+
+def test_fp8_steps_are_not_fitted_as_flashmla() -> None:
+    """``flashmla-fp8`` (the FP8 cache's decode, masked over all K) is another kernel than ``flashmla``."""
+    k = cm.DEFAULT_CONSTANTS
+    pts = [cm.StepPoint(2, t, 65536, name, cm.dcp_step_cost(2, t, 65536, constants=k, scope="step").total_s + extra)
+           for t in (1, 32) for name, extra in (("flashmla", 0.0), ("flashmla-fp8", 80e-6))]
+    fit = cm.fit_constants(RESULTS, step_points=pts, attention="flashmla")
+    assert any("2 of 4 steps" in n for n in fit.notes)
+    assert [p.attention for p in fit.step_points] == ["flashmla", "flashmla"]
+    only_fp8 = [p for p in pts if p.attention == "flashmla-fp8"]
+    assert cm.fit_constants(RESULTS, step_points=only_fp8).attention == "flashinfer"
 
 
 def test_auto_attention_follows_the_measured_step() -> None:
