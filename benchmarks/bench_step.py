@@ -256,9 +256,12 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
         "impl": step.impls,
         "plan_ms": plan_ms,
     }
+    run()  # the first run makes what is cached per shape (kernel compilations, workspaces)
+    torch.cuda.synchronize()
     mem0 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0)
     run()
     torch.cuda.synchronize()
+    # steady state: what every later run allocates (the caching allocator's count, not cudaMalloc)
     row["allocations_per_run"] = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) - mem0
     row["eager_us"] = _eager_time_us(run)
     row.update(_profile_counts(run))

@@ -44,7 +44,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcp_ref import canonicalize, deinterleave_and_compact, global_ids_to_local_slots, local_topk
+from dcp_ref import canonicalize, deinterleave_and_compact, deinterleave_masked, global_ids_to_local_slots, local_topk
 from dcp_ref.attention import sparse_mla_attention
 from dcp_ref.lse import correct_partial, merge_partials
 from dcp_ref.topk import pack_candidates, stable_topk
@@ -114,6 +114,14 @@ def fam_deinterleave(f: Family) -> None:
                 ids_d.to(DEV), req.to(DEV), bt_d.to(DEV), bs, W, W - 1, I, validate=False
             )
             f.check(f"convert T={T} K={K} W={W} {dt}", torch.equal(got_s.cpu(), want_s))
+            # the masked layout: conversion + counts in one row-scan launch, poisoned buffers
+            want_m, want_mn = deinterleave_masked(ids_d, req, bt_d, bs, W, W - 1, I, validate=False)
+            out = torch.full((T, K), 12345, dtype=torch.int32, device=DEV)
+            cnt = torch.full((T,), 777, dtype=torch.int32, device=DEV)
+            o, c = dk.deinterleave_masked_triton(
+                ids_d.to(DEV), req.to(DEV), bt_d.to(DEV), bs, W, W - 1, I, out=out, counts=cnt, block=16, validate=False
+            )
+            f.check(f"masked T={T} K={K} W={W} {dt}", torch.equal(o.cpu(), want_m) and torch.equal(c.cpu(), want_mn))
             for method in dk.METHODS:
                 ordered = method != "atomic"
                 want, want_n = deinterleave_and_compact(

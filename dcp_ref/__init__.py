@@ -17,7 +17,13 @@ Fast kernels live in :mod:`dcp_ref.kernels` (Triton, CuTeDSL, FlashInfer); impor
 """
 
 from .attention import sparse_mla_attention
-from .deinterleave import canonicalize, compact_to_front, deinterleave_and_compact, global_ids_to_local_slots
+from .deinterleave import (
+    canonicalize,
+    compact_to_front,
+    deinterleave_and_compact,
+    deinterleave_masked,
+    global_ids_to_local_slots,
+)
 from .group import Group, SimulatedWorld, SingleGroup, TorchDistributedGroup
 from .indexer import local_topk
 from .lse import (
@@ -67,6 +73,7 @@ __all__ = [
     "correct_partial",
     "dcp_merge_collective",
     "deinterleave_and_compact",
+    "deinterleave_masked",
     "global_ids_to_local_slots",
     "global_topk_all_logits",
     "local_topk",

@@ -14,6 +14,10 @@ Everything that is not a valid local slot becomes ``-1``. The sparse-attention k
 stage reads only the first ``count`` entries of each row, so the valid slots are then *compacted*
 to the front of the row (``-1`` after them) and a per-row count is returned.
 
+An attention kernel that masks ``-1`` entries anywhere in a row itself (FlashMLA's FP8 decode: the
+*masked* layout) needs no compaction: :func:`deinterleave_masked` gives the uncompacted slots and
+the per-row counts in one pass.
+
 Two compaction modes:
 
 * **ordered** — valid slots keep their top-K order (deterministic, what a stable partition gives).
@@ -37,6 +41,7 @@ __all__ = [
     "global_ids_to_local_slots",
     "compact_to_front",
     "deinterleave_and_compact",
+    "deinterleave_masked",
     "canonicalize",
 ]
 
@@ -272,6 +277,34 @@ def deinterleave_and_compact(
         token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate=validate
     )
     return compact_to_front(slots, ordered=ordered, validate=False)
+
+
+def deinterleave_masked(
+    token_ids: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+    *,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deinterleave without compaction (the masked layout), with per-row counts.
+
+    For an attention kernel that skips ``-1`` entries anywhere in a row (FlashMLA's FP8 decode):
+    compaction would buy it nothing, but the step still wants to know how many keys each row has
+    here (emptiness is a count of zero).
+
+    Returns ``(slots, counts)``: int32 ``[T, K]`` exactly as :func:`global_ids_to_local_slots`
+    (entries keep their positions, ``-1`` where not here) and int32 ``[T]``, the number of
+    entries ``>= 0`` in each row. Arguments (``validate`` keyword-only) and errors as in
+    :func:`global_ids_to_local_slots`.
+    """
+    slots = global_ids_to_local_slots(
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate=validate
+    )
+    return slots, (slots >= 0).sum(dim=1, dtype=torch.int32)
 
 
 def check_block_table(

@@ -338,8 +338,9 @@ def reference_deinterleave(
     out_slots: torch.Tensor | None = None,
     out_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`dcp_ref.deinterleave.deinterleave_and_compact` (ordered), or the uncompacted slots."""
-    from .deinterleave import global_ids_to_local_slots
+    """:func:`dcp_ref.deinterleave.deinterleave_and_compact` (ordered), or
+    :func:`dcp_ref.deinterleave.deinterleave_masked` (the uncompacted slots)."""
+    from .deinterleave import deinterleave_masked
 
     g = geometry
     if compact:
@@ -347,10 +348,9 @@ def reference_deinterleave(
             global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
         )
     else:
-        slots = global_ids_to_local_slots(
+        slots, counts = deinterleave_masked(
             global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
-        ).to(torch.int32)
-        counts = (slots >= 0).sum(1, dtype=torch.int32)
+        )
     return write_into(slots, out_slots), write_into(counts, out_counts)
 
 

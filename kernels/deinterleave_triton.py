@@ -53,6 +53,7 @@ from dcp_ref.kernels._util import next_pow2
 __all__ = [
     "deinterleave_compact",
     "global_ids_to_local_slots_triton",
+    "deinterleave_masked_triton",
     "workspace_numel",
     "METHODS",
     "DEFAULT_ORDERED_METHOD",
@@ -240,8 +241,12 @@ def rowscan_kernel(
     DCP_INTERLEAVE: tl.constexpr,
     KV_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
-    """Grid ``(T,)``: ordered compaction of one row by a sequential scan over its tiles."""
+    """Grid ``(T,)``: ordered compaction of one row by a sequential scan over its tiles, and its count.
+
+    ``COMPACT=False`` (the masked layout): every entry stays at its position (``-1`` where not
+    here) and only the count is carried: conversion and count in one launch."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
@@ -267,13 +272,16 @@ def rowscan_kernel(
         )
         in_row = offs < K
         v = valid.to(tl.int32)
-        inv = (in_row & (valid == 0)).to(tl.int32)
-        pos_v = carry_v + tl.cumsum(v, axis=0) - v
-        pos_i = K - 1 - (carry_i + tl.cumsum(inv, axis=0) - inv)
-        dest = tl.where(valid, pos_v, pos_i)
+        if COMPACT:
+            inv = (in_row & (valid == 0)).to(tl.int32)
+            pos_v = carry_v + tl.cumsum(v, axis=0) - v
+            pos_i = K - 1 - (carry_i + tl.cumsum(inv, axis=0) - inv)
+            dest = tl.where(valid, pos_v, pos_i)
+            carry_i += tl.sum(inv, axis=0)
+        else:
+            dest = offs
         tl.store(out_row_ptr + dest * stride_ok, tl.where(valid, slot, -1), mask=in_row)
         carry_v += tl.sum(v, axis=0)
-        carry_i += tl.sum(inv, axis=0)
     tl.store(counts_ptr + row, carry_v)
 
 
@@ -507,6 +515,83 @@ def global_ids_to_local_slots_triton(
     return out
 
 
+def deinterleave_masked_triton(
+    token_ids: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    block_size: int,
+    world_size: int,
+    rank: int,
+    interleave: int = 1,
+    *,
+    out: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    block: int | None = None,
+    num_warps: int | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conversion without compaction (the masked layout) and per-row counts, in one launch.
+
+    Same contract as :func:`dcp_ref.deinterleave.deinterleave_masked` (``validate`` too):
+    ``(slots int32 [T, K], counts int32 [T])``, entries at their positions, ``-1`` where not
+    here. The row-scan kernel with its compaction switched off: one program per row converts it
+    tile by tile and carries the count, so no atomics, no workspace and no second pass (a
+    separate ``(slots >= 0).sum`` would cost three more launches and two allocations).
+    ``out`` / ``counts`` (int32 ``[T, K]`` / ``[T]``) are written and returned when given: then
+    nothing is allocated and, with ``validate=False``, nothing is read on the host.
+    """
+    w, r, i, bs, dev = _check_common(
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
+    )
+    t_rows, k = token_ids.shape
+    def_block, def_warps = _default_config("rowscan", t_rows, k)
+    b = def_block if block is None else check_int_scalar(block, "block", min_value=16)
+    if b & (b - 1):
+        raise ValueError(f"block must be a power of two, got {b}")
+    nw = def_warps if num_warps is None else check_int_scalar(num_warps, "num_warps", min_value=1)
+    out = (
+        torch.empty((t_rows, k), dtype=torch.int32, device=dev)
+        if out is None
+        else _check_out(out, "out", (t_rows, k), torch.int32, dev)
+    )
+    counts = (
+        torch.empty((t_rows,), dtype=torch.int32, device=dev)
+        if counts is None
+        else _check_out(counts, "counts", (t_rows,), torch.int32, dev)
+    )
+    if t_rows == 0:
+        return out, counts
+    if k == 0:
+        counts.zero_()
+        return out, counts
+    req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
+    rowscan_kernel[(t_rows,)](
+        token_ids,
+        req,
+        block_table,
+        out,
+        counts,
+        k,
+        block_table.shape[0],
+        block_table.shape[1],
+        token_ids.stride(0),
+        token_ids.stride(1),
+        block_table.stride(0),
+        block_table.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HAS_REQ=req_of_token is not None,
+        DCP_SIZE=w,
+        DCP_RANK=r,
+        DCP_INTERLEAVE=i,
+        KV_BLOCK=bs,
+        BLOCK=b,
+        COMPACT=False,
+        num_warps=nw,
+    )
+    return out, counts
+
+
 def deinterleave_compact(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
@@ -579,7 +664,8 @@ def deinterleave_compact(
     )
     need = workspace_numel(method, t_rows, k, b)
     if workspace is None:
-        workspace = torch.zeros(max(need, 1), dtype=torch.int64, device=dev)
+        # rowscan needs none (only atomic / twopass read it): no allocation, no zero-fill launch
+        workspace = torch.zeros(need, dtype=torch.int64, device=dev) if need else None
     else:
         check_tensor(workspace, "workspace", dtypes=(torch.int64,), ndim=1, device=dev)
         if workspace.numel() < need:
@@ -630,6 +716,7 @@ def deinterleave_compact(
             *in_strides,
             out.stride(0),
             out.stride(1),
+            COMPACT=True,
             **geo,
         )
     else:

@@ -42,7 +42,6 @@ from dcp_ref.stages import (
     reference_indexer,
     reference_merge,
     reference_select,
-    write_into,
 )
 
 __all__ = ["kernel_stages", "kernel_stage_impls", "KERNEL_LOCK"]
@@ -152,7 +151,7 @@ def _deinterleave_triton(
     out_slots: torch.Tensor | None = None,
     out_counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .deinterleave_triton import deinterleave_compact, global_ids_to_local_slots_triton
+    from .deinterleave_triton import deinterleave_compact, deinterleave_masked_triton
 
     g = geometry
     req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
@@ -171,7 +170,7 @@ def _deinterleave_triton(
                 counts=out_counts,
                 validate=False,
             )
-        slots = global_ids_to_local_slots_triton(
+        return deinterleave_masked_triton(
             global_ids,
             req,
             block_table,
@@ -180,10 +179,9 @@ def _deinterleave_triton(
             g.rank,
             g.interleave,
             out=out_slots,
+            counts=out_counts,
             validate=False,
         )
-    counts = (slots >= 0).sum(1, dtype=torch.int32)
-    return slots, write_into(counts, out_counts)
 
 
 @named_impl("flashmla")

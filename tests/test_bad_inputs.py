@@ -28,6 +28,7 @@ from dcp_ref import (
     correct_partial,
     dcp_merge_collective,
     deinterleave_and_compact,
+    deinterleave_masked,
     expand_decode_bounds,
     global_ids_to_local_slots,
     global_to_local,
@@ -157,6 +158,18 @@ BASES = {
             block_size=4,
             world_size=2,
             rank=0,
+            interleave=2,
+        ),
+    ),
+    "deinterleave_masked": (
+        deinterleave_masked,
+        dict(
+            token_ids=TOKEN_IDS,
+            req_of_token=REQ,
+            block_table=BLOCK_TABLE,
+            block_size=4,
+            world_size=2,
+            rank=1,
             interleave=2,
         ),
     ),
@@ -433,7 +446,7 @@ bad("tb.resolve_backend", ValueError, "backend", "unknown", backend="fast")
 bad("tb.resolve_backend", ValueError, "backend", "triton without interpreter on cpu? no: cutedsl", backend="cutedsl")
 
 # ---- de-interleave -----------------------------------------------------------------------------
-for b in ("global_ids_to_local_slots", "deinterleave_and_compact"):
+for b in ("global_ids_to_local_slots", "deinterleave_and_compact", "deinterleave_masked"):
     geometry_cases(b, rank_required=True)
     int_tensor_cases(b, "token_ids", ndim=2, lists_ok=False, meta_with=("block_table", "req_of_token"))
     int_tensor_cases(b, "block_table", ndim=2, lists_ok=False)
@@ -576,10 +589,15 @@ def _kernel_twin(fn):
         from dcp_ref.kernels.deinterleave_triton import global_ids_to_local_slots_triton
 
         return global_ids_to_local_slots_triton
+    if fn is deinterleave_masked:
+        from dcp_ref.kernels.deinterleave_triton import deinterleave_masked_triton
+
+        return deinterleave_masked_triton
     return None
 
 
-TWIN_CASES = [c for c in CASES if c.values[0] in (pack_candidates, deinterleave_and_compact, global_ids_to_local_slots)]
+TWINNED = (pack_candidates, deinterleave_and_compact, global_ids_to_local_slots, deinterleave_masked)
+TWIN_CASES = [c for c in CASES if c.values[0] in TWINNED]
 
 
 @pytest.mark.parametrize("fn, kwargs, exc, names", TWIN_CASES)
@@ -630,6 +648,16 @@ NO_HOST_READ = {
         validate=False,
     ),
     "deinterleave_and_compact": lambda: deinterleave_and_compact(
+        _meta(5, 4, dtype=torch.int64),
+        _meta(5, dtype=torch.int32),
+        _meta(3, 4, dtype=torch.int32),
+        8,
+        4,
+        1,
+        2,
+        validate=False,
+    ),
+    "deinterleave_masked": lambda: deinterleave_masked(
         _meta(5, 4, dtype=torch.int64),
         _meta(5, dtype=torch.int32),
         _meta(3, 4, dtype=torch.int32),

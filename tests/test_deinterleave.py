@@ -18,6 +18,7 @@ from dcp_ref.deinterleave import (
     canonicalize,
     compact_to_front,
     deinterleave_and_compact,
+    deinterleave_masked,
     global_ids_to_local_slots,
 )
 from dcp_ref.ownership import global_to_local, owner_rank
@@ -96,6 +97,9 @@ def test_reference_matches_brute_force(t_rows, k, w, i, bs_mult, n_blocks, seed,
     out_u, counts_u = deinterleave_and_compact(ids, req, bt, bs, w, r, i, ordered=False)
     assert counts_u.tolist() == want_n
     assert out_u.tolist() == [sorted(row[:n]) + row[n:] for row, n in zip(want_c, want_n)]
+    masked, counts_m = deinterleave_masked(ids, req, bt, bs, w, r, i)
+    assert masked.dtype == counts_m.dtype == torch.int32
+    assert masked.tolist() == want and counts_m.tolist() == want_n
 
 
 def test_reference_small_example_by_hand():
@@ -285,6 +289,62 @@ def test_conversion_kernel_matches_reference(kernel_device):
         assert got.cpu().tolist() == brute_slots(ids, req, bt, bs, w, r, i)
 
 
+# ---- the masked layout: conversion + counts, no compaction --------------------------------------
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    t_rows=st.integers(1, 4), k=st.integers(1, 130), w=st.integers(1, 4), i=st.sampled_from([1, 2, 4]),
+    bs_mult=st.integers(1, 2), n_blocks=st.integers(1, 6), block=st.sampled_from([16, 32, None]),
+    use_req=st.booleans(), seed=st.integers(0, 2**31 - 1), data=st.data(),
+)
+def test_masked_kernel_matches_brute_force(kernel_device, t_rows, k, w, i, bs_mult, n_blocks, block, use_req, seed, data):
+    r = data.draw(st.integers(0, w - 1))
+    bs = i * bs_mult
+    gen = torch.Generator().manual_seed(seed)
+    ids, req, bt = make_case(gen, t_rows, k, w, i, bs, 4, n_blocks, p_invalid=0.2, beyond=0.3)
+    bt[torch.rand(bt.shape, generator=gen) < 0.1] = -1  # some unallocated blocks
+    if not use_req:
+        req = None
+    dev = kernel_device
+    out = torch.full((t_rows, k), 12345, dtype=torch.int32, device=dev)  # poison: every entry must be written
+    counts = torch.full((t_rows,), 777, dtype=torch.int32, device=dev)
+    o, c = dk.deinterleave_masked_triton(
+        ids.to(dev), None if req is None else req.to(dev), bt.to(dev), bs, w, r, i, out=out, counts=counts, block=block
+    )
+    assert o.data_ptr() == out.data_ptr() and c.data_ptr() == counts.data_ptr()
+    want = brute_slots(ids, req, bt, bs, w, r, i)
+    assert o.cpu().tolist() == want
+    assert c.cpu().tolist() == [sum(x >= 0 for x in row) for row in want]
+
+
+def test_masked_kernel_edges(kernel_device):
+    dev = kernel_device
+    bt = torch.tensor([[2, -1, 6]], dtype=torch.int32, device=dev)
+    # strided ids (every other column) and a strided output (a column slice of a wider buffer)
+    ids_full = torch.tensor([[0, 9, 4, 9, 11, 9, 12, 9, -1, 9, 2**30, 9, 3, 9]], dtype=torch.int32, device=dev)
+    out_full = torch.full((1, 12), 99, dtype=torch.int32, device=dev)
+    o, c = dk.deinterleave_masked_triton(ids_full[:, ::2], None, bt, 4, 1, 0, out=out_full[:, 2:9], block=16)
+    assert o.cpu().tolist() == [[8, -1, 27, -1, -1, -1, 11]] and c.cpu().tolist() == [3]
+    assert out_full[:, :2].eq(99).all() and out_full[:, 9:].eq(99).all()  # nothing written outside
+    # no rows; rows of width 0 (count 0, written even into a poisoned buffer)
+    o, c = dk.deinterleave_masked_triton(torch.zeros(0, 5, dtype=torch.int32, device=dev), None, bt, 4, 1, 0)
+    assert o.shape == (0, 5) and c.shape == (0,)
+    cnt = torch.full((2,), 5, dtype=torch.int32, device=dev)
+    o, c = dk.deinterleave_masked_triton(torch.zeros(2, 0, dtype=torch.int32, device=dev), None, bt.expand(2, 3), 4, 1, 0, counts=cnt)
+    assert o.shape == (2, 0) and c.cpu().tolist() == [0, 0]
+    # validate=False: a bad request id gives an empty row (no host read), as the reference
+    ids = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]], dtype=torch.int32)
+    req = torch.tensor([0, 9], dtype=torch.int32)
+    bt2 = torch.tensor([[4, 5]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="req_of_token values must be in"):
+        dk.deinterleave_masked_triton(ids.to(dev), req.to(dev), bt2.to(dev), 2, 1, 0)
+    want = deinterleave_masked(ids, req, bt2, 2, 1, 0, validate=False)
+    got = dk.deinterleave_masked_triton(ids.to(dev), req.to(dev), bt2.to(dev), 2, 1, 0, validate=False)
+    assert [g.cpu().tolist() for g in got] == [w.tolist() for w in want]
+    assert want[0].tolist() == [[8, 9, 10, 11], [-1] * 4] and want[1].tolist() == [4, 0]
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        dk.deinterleave_masked_triton(ids.to(dev), None, bt.expand(2, 3), 4, 1, 0, block=24)
+
+
 @pytest.mark.parametrize("method", dk.METHODS)
 def test_kernel_bad_request_id_gives_empty_row(kernel_device, method):
     # The hot path (validate=False) cannot read values back to raise (no host sync); it must stay in
@@ -430,6 +490,43 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, method):
         check_kernel_result(out, counts, ids, req, bt, bs, w, r, i, ordered=ordered)
     if method == "atomic":
         assert int(ws.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_masked_benchmark_shape_and_graph(cuda_device):
+    """The masked layout at the step's shape (K = 2048, W = 2, 64K context), eager and replayed."""
+    dev = cuda_device
+    gen = torch.Generator().manual_seed(5)
+    w, i, bs, k, t_rows = 2, 1, 64, 2048, 33
+    ids0, req0, bt0 = make_case(gen, t_rows, k, w, i, bs, 8, 65536 // (w * bs), p_invalid=0.05, beyond=0.05)
+    for rnk in range(w):
+        o, c = dk.deinterleave_masked_triton(ids0.to(dev), req0.to(dev), bt0.to(dev), bs, w, rnk, i)
+        want = brute_slots(ids0, req0, bt0, bs, w, rnk, i)
+        assert o.cpu().tolist() == want and c.cpu().tolist() == [sum(x >= 0 for x in row) for row in want]
+    s_ids, s_req, s_bt = ids0.to(dev), req0.to(dev), bt0.to(dev)
+    out = torch.empty((t_rows, k), dtype=torch.int32, device=dev)
+    counts = torch.empty((t_rows,), dtype=torch.int32, device=dev)
+
+    def step():  # validate=False: no host read inside the capture
+        dk.deinterleave_masked_triton(s_ids, s_req, s_bt, bs, w, 1, i, out=out, counts=counts, validate=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        ids, req, bt = make_case(gen, t_rows, k, w, i, bs, 8, 65536 // (w * bs))
+        s_ids.copy_(ids), s_req.copy_(req), s_bt.copy_(bt)
+        out.fill_(12345), counts.fill_(777)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = brute_slots(ids, req, bt, bs, w, 1, i)
+        assert out.cpu().tolist() == want and counts.cpu().tolist() == [sum(x >= 0 for x in row) for row in want]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -280,6 +280,17 @@ def test_triton_conversion_kernel_conforms_to_the_masked_layout(interp: torch.de
     check_deinterleave(fn, compact=False, device=interp, max_examples=FAST)
 
 
+def test_triton_masked_kernel_conforms_to_the_masked_layout(interp: torch.device) -> None:
+    """The kernel the step runs for the masked layout: conversion and counts in one launch."""
+    from dcp_ref.kernels.deinterleave_triton import deinterleave_masked_triton
+
+    def fn(ids, req, table, g, compact=True):  # type: ignore[no-untyped-def]
+        assert compact is False
+        return deinterleave_masked_triton(ids, req, table, g.block_size, g.world_size, g.rank, g.interleave)
+
+    check_deinterleave(fn, compact=False, device=interp, max_examples=FAST)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("base,dtype", [("e", torch.float32), ("2", torch.float32), ("e", torch.bfloat16)])
 def test_triton_lse_correct_conforms(interp: torch.device, base: str, dtype: torch.dtype) -> None:
@@ -414,6 +425,7 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     )  # strided lengths: see the CPU test
     check_select(ks.select, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=GPU_EXAMPLES)
+    check_deinterleave(ks.deinterleave, compact=False, device=cuda_device, max_examples=GPU_EXAMPLES)  # masked
     check_attention(
         ks.attention,
         dtype=torch.bfloat16,

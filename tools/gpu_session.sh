@@ -16,11 +16,15 @@
 #   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh sanitize")
 #   run(command="tools/gpu_session.sh bench")          # includes bench_step.py --fp8 at W = 1 and 2
 #
+# After the masked de-interleave kernel (slots + counts in one launch) and the rowscan workspace change:
+#   run(kind="nvidia-h200-x2", carry=[".gpu/cute"], command="tools/gpu_session.sh install-cute")
+#   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh masked")   # sanitizer, tests, step bf16 + FP8
+#
 # Everything a call writes is packed into $OUT/<mode>.tgz (one file: the device returns at most 8):
 # JUnit XML per test file, logs, sanitizer reports, benchmark JSON. Unpack it here, copy the results into
 # benchmarks/results and merge the JUnit files with benchmarks/collect_gpu_tests.py.
 set -uo pipefail
-what=${1:?usage: tools/gpu_session.sh cute-tests|tests|bench|sanitize|install-cute|retest|probe|probe-step}
+what=${1:?usage: tools/gpu_session.sh cute-tests|tests|bench|sanitize|install-cute|retest|masked|probe|probe-step}
 out=${OUT:-/tmp/gpu-session}
 work=/tmp/gpu-work/$what
 mkdir -p "$out" "$work"
@@ -45,6 +49,13 @@ gpu_files() {
       --junitxml="$work/junit_$name.xml" > "$work/pytest_$name.txt" 2>&1
     echo "[gpu $gpu] $f: exit $? — $(tail -1 "$work/pytest_$name.txt")"
   done
+}
+san() {  # compute-sanitizer on one GPU: san GPU TOOL NAME SCRIPT ARGS...
+  local gpu=$1 tool=$2 name=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES=$gpu timeout 170 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 "$@" \
+    > "$work/${tool}_${name}.txt" 2>&1
+  echo "compute-sanitizer $tool $name: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/${tool}_${name}.txt" | tail -1))"
 }
 case "$what" in
   cute-tests)  # CuTeDSL installed; the tests that need no FlashInfer / FlashMLA
@@ -116,13 +127,6 @@ case "$what" in
     ;;
   sanitize)  # compute-sanitizer over every kernel family (hot-path validate=False calls included), chapters beside
     install_bundle .gpu/flashinfer
-    san() {  # san GPU TOOL NAME SCRIPT ARGS...
-      local gpu=$1 tool=$2 name=$3
-      shift 3
-      CUDA_VISIBLE_DEVICES=$gpu timeout 170 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 "$@" \
-        > "$work/${tool}_${name}.txt" 2>&1
-      echo "compute-sanitizer $tool $name: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/${tool}_${name}.txt" | tail -1))"
-    }
     (san 0 memcheck triton benchmarks/sanitize_all.py --only pack,deinterleave,lse_merge,indexer --out "$work/mt"
      san 0 racecheck triton benchmarks/sanitize_all.py --only pack,deinterleave,lse_merge,indexer) &
     (san 1 memcheck libs benchmarks/sanitize_all.py --only topk_cutedsl,flashinfer,flashmla,flashmla_fp8 --out "$work/ml"
@@ -131,6 +135,27 @@ case "$what" in
       > "$work/notebooks.txt" 2>&1
     wait
     cat "$work/notebooks.txt"
+    ;;
+  masked)  # after install-cute: what the masked de-interleave kernel (one launch: slots + counts) touches
+    install_bundle .gpu/flashinfer
+    python3 -c "import cutlass, flashinfer, flash_mla; print('cutlass, flashinfer, flash_mla: ok')" || exit 3
+    (san 0 memcheck deinterleave benchmarks/sanitize_all.py --only deinterleave --out "$work/md"
+     san 0 racecheck deinterleave benchmarks/sanitize_all.py --only deinterleave
+     PYTEST_ADDOPTS='-k "kernel_stages or triton_kernels"' gpu_files 0 300 tests/test_testing_kit.py) &
+    gpu_files 1 300 tests/test_deinterleave.py tests/test_step_fp8.py tests/test_pipeline.py &
+    wait
+    gpu_files 0,1 150 tests/test_step.py
+    # the step, bf16 and FP8 caches, W = 1 (one per GPU, side by side) then W = 2
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_step.py --out "$work/step_raw" > "$work/bench_step_W1.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/bench_step.py --fp8 --out "$work/step_raw" \
+      > "$work/bench_step_W1_fp8.txt" 2>&1 &
+    wait
+    timeout 200 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$work/step_raw" \
+      > "$work/bench_step_W2.txt" 2>&1
+    timeout 150 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --fp8 \
+      --out "$work/step_raw" > "$work/bench_step_W2_fp8.txt" 2>&1
+    python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work"
+    for f in "$work"/bench_*.txt; do echo "== $f"; tail -n 7 "$f"; done
     ;;
   *) echo "unknown: $what" >&2; exit 2 ;;
 esac
