@@ -265,7 +265,8 @@ class PlannedStep:
 
         # Flat buffers, viewed per run as [T, ...] with T <= max_tokens (contiguous either way).
         self._packed = buf(T * k * 2, f32)
-        self._gathered = buf(W * T * k * 2, f32)
+        # At W = 1 the all-gathers are the identity: their results are views of packed / lse (no buffer, no copy).
+        self._gathered = buf(W * T * k * 2 if W > 1 else 0, f32)
         self._ids = buf(T * k, i32)
         self._slots = buf(T * k, i32)
         self._counts = buf(T, i32)
@@ -273,7 +274,7 @@ class PlannedStep:
         # LSEs in float32 (what kernels write), float64 when the partials are (the reference oracle path).
         ldt = torch.float64 if pdt == torch.float64 else f32
         self._lse = buf(T * H, ldt)
-        self._all_lse = buf(W * T * H, ldt)
+        self._all_lse = buf(W * T * H if W > 1 else 0, ldt)
         self._corrected = buf(T * H * v, pdt)
         self._merged_lse = buf(T * H, ldt)
         self._send = buf(T * H * v, pdt)
@@ -290,13 +291,13 @@ class PlannedStep:
             hs = H // W
             got = self._views_by_t[T] = _RunViews(
                 packed=_view(self._packed, T, k, 2),
-                gathered=_view(self._gathered, W, T, k, 2),
+                gathered=_view(self._gathered, W, T, k, 2) if W > 1 else self._gathered,  # W = 1: unused (empty)
                 ids=_view(self._ids, T, k),
                 slots=_view(self._slots, T, k),
                 counts=_view(self._counts, T),
                 partial=_view(self._partial, T, H, v),
                 lse=_view(self._lse, T, H),
-                all_lse=_view(self._all_lse, W, T, H),
+                all_lse=_view(self._all_lse, W, T, H) if W > 1 else self._all_lse,
                 corrected=_view(self._corrected, T, H, v),
                 merged_lse=_view(self._merged_lse, T, H),
                 send=_view(self._send, W, T, hs, v),
@@ -385,7 +386,8 @@ class PlannedStep:
         b = self._views(T)
         # indexer: the ownership stage (meta) already gave each token its local bound
         packed = st.indexer(shard.index_scores, meta.local_bounds, g, k, row_starts=meta.row_starts, out=b.packed)
-        gathered = _all_gather_into(self.group, packed, b.gathered)
+        # W = 1: the all-gathers are the identity, a view of what the stage returned (no collective, no copy)
+        gathered = _all_gather_into(self.group, packed, b.gathered) if W > 1 else packed.unsqueeze(0)
         ids = st.select(gathered, k, out=b.ids)
         slots, counts = st.deinterleave(
             ids,
@@ -399,7 +401,7 @@ class PlannedStep:
         partial, lse = st.attention(
             q, shard.kv_cache, slots, counts, s.sm_scale, v, out=b.partial, out_lse=b.lse
         )  # fmt: skip
-        all_lse = _all_gather_into(self.group, lse, b.all_lse)
+        all_lse = _all_gather_into(self.group, lse, b.all_lse) if W > 1 else lse.unsqueeze(0)
         corrected, merged = st.merge(partial, all_lse, g.rank, out=b.corrected, out_lse=b.merged_lse)
         if W == 1:
             # One rank holds every head: the reduce-scatter is the identity (no copy, no collective).

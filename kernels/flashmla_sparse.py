@@ -17,6 +17,7 @@ the ``gpu`` tests against :func:`dcp_ref.attention.sparse_mla_attention`:
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -126,6 +127,28 @@ def _epilogue_kernel(
     tl.store(out_lse_ptr + t * olse_st + h * olse_sh, lse)
 
 
+_SCRATCH = threading.local()  # per thread (a SimulatedWorld rank is a thread): the prologue's buffers by shape
+
+
+def _scratch(device: torch.device, T: int, KP: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prologue's ``(indices int32 [T, KP], counts int32 [T], poisoned int32 [T])``, made once per thread,
+    device and shape and reused by every later call: the hot path allocates none of them, and a CUDA graph
+    that captured a call keeps reading the same addresses. Calls of one thread are ordered on its stream,
+    so a call rewrites them only after the previous kernel has read them."""
+    cache = getattr(_SCRATCH, "bufs", None)
+    if cache is None:
+        cache = _SCRATCH.bufs = {}
+    key = (device, T, KP)
+    bufs = cache.get(key)
+    if bufs is None:
+        bufs = cache[key] = (
+            torch.empty((T, KP), dtype=torch.int32, device=device),
+            torch.empty((T,), dtype=torch.int32, device=device),
+            torch.empty((T,), dtype=torch.int32, device=device),
+        )
+    return bufs
+
+
 def _use_triton(device: torch.device) -> bool:
     """The fused prologue / epilogue (two launches instead of ~15 torch ops) on CUDA and under the interpreter."""
     return device.type == "cuda" or triton_interpreting()
@@ -192,9 +215,7 @@ def sparse_mla_flashmla(
     if out_lse is not None:
         check_out(out_lse, "out_lse", (T, H), torch.float32, q.device)
     if fused:
-        safe = torch.empty((T, KP), dtype=torch.int32, device=q.device)
-        cnt = torch.empty((T,), dtype=torch.int32, device=q.device)
-        poisoned = torch.empty((T,), dtype=torch.int32, device=q.device)
+        safe, cnt, poisoned = _scratch(q.device, T, KP)
         if T:
             _prologue_kernel[(T,)](
                 slots, counts, safe, cnt, poisoned, K, KP, S, slots.stride(0), slots.stride(1),

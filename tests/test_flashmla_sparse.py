@@ -148,3 +148,29 @@ def test_strided_out_and_empty_batch(fake: list) -> None:
 def test_why_flashmla_cannot_run() -> None:
     cpu = torch.device("cpu")
     assert "not CUDA" in fm.flashmla_unsupported(cpu, torch.bfloat16, 128, 576, 512, 2048)
+
+
+def test_prologue_buffers_are_planned_per_thread_and_shape(fake: list) -> None:
+    """The hot path allocates no scratch: a second call of the same shape reuses the first call's index
+    buffers (what a captured graph reads), and another thread (another simulated rank) gets its own."""
+    import threading
+
+    if not fm._use_triton(torch.device("cpu")):
+        pytest.skip("the torch prologue (a CPU without the interpreter) makes its tensors per call")
+    q, kv, slots, counts = _inputs()
+    want = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.1)
+    first = fm._scratch(torch.device("cpu"), 4, 128)
+    assert first[1].tolist() == counts.tolist()  # the call's prologue wrote these very buffers
+    assert fake[-1]["indices"][:, 0, :64].tolist() == first[0][:, :64].tolist()
+    first[1].fill_(-5)  # stale contents must not matter: every call rewrites them
+    again = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.1)
+    assert all(a is b for a, b in zip(fm._scratch(torch.device("cpu"), 4, 128), first))
+    assert first[1].tolist() == counts.tolist()
+    torch.testing.assert_close(again[0], want[0], equal_nan=True)
+    torch.testing.assert_close(again[1], want[1], equal_nan=True)
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(fm._scratch(torch.device("cpu"), 4, 128)))
+    t.start()
+    t.join()
+    assert all(a is not b for a, b in zip(other[0], first))
+    assert fm._scratch(torch.device("cpu"), 3, 128)[0].shape == (3, 128)  # another shape, other buffers

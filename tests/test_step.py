@@ -80,6 +80,36 @@ def test_one_plan_many_runs_equal_the_oracle(stages: str, world_size: int, inter
             assert list(tr["impl"]) == ["indexer", "select", "deinterleave", "attention", "merge"]
 
 
+class _NoCollectives(SingleGroup):
+    """A one-rank group that refuses every collective: at W = 1 the step must not call any."""
+
+    def all_gather(self, x, out=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("all_gather called at W = 1")
+
+    def reduce_scatter(self, x, dim, out=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("reduce_scatter called at W = 1")
+
+
+def test_one_rank_runs_no_collective_and_copies_nothing() -> None:
+    """W = 1: the all-gathers are views of what the indexer and attention returned, the reduce-scatter is
+    skipped; the answer is still the oracle's, also when a stage ignores its ``out=`` buffer."""
+    p = make_dcp_problem(1, 1, seq_lens=[30, 9, 17], next_n=2, num_heads=2, head_dim=8, block_size=4, seed=4)
+    fresh = dataclasses.replace(
+        REFERENCE_STAGES,
+        # returns a new tensor, not its out= buffer: the next stage must see this result, not the buffer
+        indexer=lambda *a, out=None, **kw: REFERENCE_STAGES.indexer(*a, **kw),
+        name="fresh-indexer",
+    )
+    for stages in (REFERENCE_STAGES, fresh):
+        step = PlannedStep(_NoCollectives(), _spec(p, 0, 6, 4, 0.3), stages)
+        trace: dict = {}
+        out, lse = step.run(p.q, p.shards[0], p.metadata(0), trace=trace)
+        ref_out, ref_lse, _ = single_device_decode(p, 4, 0.3)
+        torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
+        assert step._gathered.numel() == 0 and step._all_lse.numel() == 0  # no buffer for an identity
+
+
 @pytest.mark.parametrize("stages", ["reference", "kernels"])
 def test_run_reads_no_tensor_value_on_the_host(stages: str) -> None:
     """What capture needs: no .item(), no data-dependent shapes — checked at the aten dispatch level."""

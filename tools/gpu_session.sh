@@ -20,11 +20,14 @@
 #   run(kind="nvidia-h200-x2", carry=[".gpu/cute"], command="tools/gpu_session.sh install-cute")
 #   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh masked")   # sanitizer, tests, step bf16 + FP8
 #
+# After the W = 1 all-gather views and FlashMLA's planned prologue buffers: install-cute, then
+#   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh planned")
+#
 # Everything a call writes is packed into $OUT/<mode>.tgz (one file: the device returns at most 8):
 # JUnit XML per test file, logs, sanitizer reports, benchmark JSON. Unpack it here, copy the results into
 # benchmarks/results and merge the JUnit files with benchmarks/collect_gpu_tests.py.
 set -uo pipefail
-what=${1:?usage: tools/gpu_session.sh cute-tests|tests|bench|sanitize|install-cute|retest|masked|probe|probe-step}
+what=${1:?usage: tools/gpu_session.sh cute-tests|tests|bench|sanitize|install-cute|retest|masked|planned|probe|probe-step}
 out=${OUT:-/tmp/gpu-session}
 work=/tmp/gpu-work/$what
 mkdir -p "$out" "$work"
@@ -156,6 +159,25 @@ case "$what" in
       --out "$work/step_raw" > "$work/bench_step_W2_fp8.txt" 2>&1
     python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work"
     for f in "$work"/bench_*.txt; do echo "== $f"; tail -n 7 "$f"; done
+    ;;
+  planned)  # after install-cute: W = 1 all-gathers as views, FlashMLA's prologue buffers planned
+    install_bundle .gpu/flashinfer
+    python3 -c "import cutlass, flashinfer, flash_mla; print('cutlass, flashinfer, flash_mla: ok')" || exit 3
+    (san 0 memcheck flashmla benchmarks/sanitize_all.py --only flashmla,flashmla_fp8 --out "$work/mf"
+     PYTEST_ADDOPTS='-k "flashmla or kernel_stages"' gpu_files 0 300 tests/test_testing_kit.py) &
+    gpu_files 1 300 tests/test_attention.py tests/test_pipeline.py tests/test_step_fp8.py &
+    wait
+    gpu_files 0,1 150 tests/test_step.py
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_step.py --out "$work/step_raw" > "$work/bench_step_W1.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/bench_step.py --fp8 --out "$work/step_raw" \
+      > "$work/bench_step_W1_fp8.txt" 2>&1 &
+    wait
+    timeout 200 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$work/step_raw" \
+      > "$work/bench_step_W2.txt" 2>&1
+    timeout 150 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --fp8 \
+      --out "$work/step_raw" > "$work/bench_step_W2_fp8.txt" 2>&1
+    python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work"
+    for f in "$work"/bench_*.txt; do echo "== $f"; tail -n 6 "$f"; done
     ;;
   *) echo "unknown: $what" >&2; exit 2 ;;
 esac
