@@ -321,6 +321,7 @@ def main() -> None:
     ap.add_argument("--ctx", default="8192,65536")
     ap.add_argument("--cprofile", default=None, help="folder for cProfile reports of eager runs (T = 1, 32 at 8K)")
     ap.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer (plan) eager column")
+    ap.add_argument("--note", default=None, help="with --merge: how the run was made (kept in step.json/md)")
     ap.add_argument("--fp8", action="store_true", help="the caches in the FP8 fp8_ds_mla layout (FlashMLA FP8 decode)")
     args = ap.parse_args()
     global CPROFILE_DIR, WITH_FLASHINFER, FP8
@@ -330,7 +331,7 @@ def main() -> None:
         CPROFILE_DIR.mkdir(parents=True, exist_ok=True)
     WITH_FLASHINFER = not args.no_flashinfer
     if args.merge:
-        merge(Path(args.merge), Path(args.out))
+        merge(Path(args.merge), Path(args.out), note=args.note)
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -394,7 +395,7 @@ SUMMARY_KEYS = (
 )
 
 
-def merge(src: Path, out: Path) -> None:
+def merge(src: Path, out: Path, note: str | None = None) -> None:
     docs = [json.loads(p.read_text()) for p in sorted(src.glob("step_W*.json"))]
     rows = [r for d in docs for r in d["rows"]]
     for r in rows:
@@ -422,6 +423,7 @@ def merge(src: Path, out: Path) -> None:
             "source": "issue 9 (dcp_decode_step, NCCL, eager)",
         },
         "vllm_quoted_T32_W2_us": VLLM_QUOTED_T32_W2,
+        "note": note,
         "summary": summary,
         "rows": rows,
     }
@@ -435,6 +437,7 @@ def merge(src: Path, out: Path) -> None:
         "(`fp8_ds_mla`, 656 bytes per token, FlashMLA's FP8 decode over the uncompacted slots). "
         "Times in µs per step (per layer).",
         "",
+        *([note, ""] if note else []),
         "| W | T | ctx | cache | attention | graph | eager | syncs | launches | allocs | stages sum | graph / sum | "
         "FlashInfer eager |",
         "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
