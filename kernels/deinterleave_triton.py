@@ -455,6 +455,61 @@ def _check_out(buf, name, shape, dtype, dev):
     return buf
 
 
+def _tiling(method: str, t_rows: int, k: int, block: int | None, num_warps: int | None) -> tuple[int, int]:
+    """``(tile width, warps)``: the caller's (checked) or the method's measured default."""
+    def_block, def_warps = _default_config(method, t_rows, k)
+    b = def_block if block is None else check_int_scalar(block, "block", min_value=16)
+    if b & (b - 1):
+        raise ValueError(f"block must be a power of two, got {b}")
+    nw = def_warps if num_warps is None else check_int_scalar(num_warps, "num_warps", min_value=1)
+    return b, nw
+
+
+def _slots_and_counts(
+    out: torch.Tensor | None, counts: torch.Tensor | None, t_rows: int, k: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's ``out`` int32 ``[T, K]`` / ``counts`` int32 ``[T]`` (checked), or new ones."""
+    out = (
+        torch.empty((t_rows, k), dtype=torch.int32, device=dev)
+        if out is None
+        else _check_out(out, "out", (t_rows, k), torch.int32, dev)
+    )
+    counts = (
+        torch.empty((t_rows,), dtype=torch.int32, device=dev)
+        if counts is None
+        else _check_out(counts, "counts", (t_rows,), torch.int32, dev)
+    )
+    return out, counts
+
+
+def _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, nw, compact: bool) -> None:
+    """One :func:`rowscan_kernel` launch over all rows (``compact``: ordered compaction; else the masked layout)."""
+    rowscan_kernel[(token_ids.shape[0],)](
+        token_ids,
+        req_of_token if req_of_token is not None else token_ids,  # dummy pointer when HAS_REQ=False
+        block_table,
+        out,
+        counts,
+        token_ids.shape[1],
+        block_table.shape[0],
+        block_table.shape[1],
+        token_ids.stride(0),
+        token_ids.stride(1),
+        block_table.stride(0),
+        block_table.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HAS_REQ=req_of_token is not None,
+        DCP_SIZE=w,
+        DCP_RANK=r,
+        DCP_INTERLEAVE=i,
+        KV_BLOCK=bs,
+        BLOCK=b,
+        COMPACT=compact,
+        num_warps=nw,
+    )
+
+
 def global_ids_to_local_slots_triton(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
@@ -544,51 +599,14 @@ def deinterleave_masked_triton(
         token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
     )
     t_rows, k = token_ids.shape
-    def_block, def_warps = _default_config("rowscan", t_rows, k)
-    b = def_block if block is None else check_int_scalar(block, "block", min_value=16)
-    if b & (b - 1):
-        raise ValueError(f"block must be a power of two, got {b}")
-    nw = def_warps if num_warps is None else check_int_scalar(num_warps, "num_warps", min_value=1)
-    out = (
-        torch.empty((t_rows, k), dtype=torch.int32, device=dev)
-        if out is None
-        else _check_out(out, "out", (t_rows, k), torch.int32, dev)
-    )
-    counts = (
-        torch.empty((t_rows,), dtype=torch.int32, device=dev)
-        if counts is None
-        else _check_out(counts, "counts", (t_rows,), torch.int32, dev)
-    )
+    b, nw = _tiling("rowscan", t_rows, k, block, num_warps)
+    out, counts = _slots_and_counts(out, counts, t_rows, k, dev)
     if t_rows == 0:
         return out, counts
     if k == 0:
         counts.zero_()
         return out, counts
-    req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
-    rowscan_kernel[(t_rows,)](
-        token_ids,
-        req,
-        block_table,
-        out,
-        counts,
-        k,
-        block_table.shape[0],
-        block_table.shape[1],
-        token_ids.stride(0),
-        token_ids.stride(1),
-        block_table.stride(0),
-        block_table.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HAS_REQ=req_of_token is not None,
-        DCP_SIZE=w,
-        DCP_RANK=r,
-        DCP_INTERLEAVE=i,
-        KV_BLOCK=bs,
-        BLOCK=b,
-        COMPACT=False,
-        num_warps=nw,
-    )
+    _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, nw, compact=False)
     return out, counts
 
 
@@ -647,21 +665,8 @@ def deinterleave_compact(
     t_rows, k = token_ids.shape
     if method == "atomic" and k > _MAX_K_ATOMIC:
         raise ValueError(f"token_ids must have K <= {_MAX_K_ATOMIC} columns for method='atomic', got {k}")
-    def_block, def_warps = _default_config(method, t_rows, k)
-    b = def_block if block is None else check_int_scalar(block, "block", min_value=16)
-    if b & (b - 1):
-        raise ValueError(f"block must be a power of two, got {b}")
-    nw = def_warps if num_warps is None else check_int_scalar(num_warps, "num_warps", min_value=1)
-    out = (
-        torch.empty((t_rows, k), dtype=torch.int32, device=dev)
-        if out is None
-        else _check_out(out, "out", (t_rows, k), torch.int32, dev)
-    )
-    counts = (
-        torch.empty((t_rows,), dtype=torch.int32, device=dev)
-        if counts is None
-        else _check_out(counts, "counts", (t_rows,), torch.int32, dev)
-    )
+    b, nw = _tiling(method, t_rows, k, block, num_warps)
+    out, counts = _slots_and_counts(out, counts, t_rows, k, dev)
     need = workspace_numel(method, t_rows, k, b)
     if workspace is None:
         # rowscan needs none (only atomic / twopass read it): no allocation, no zero-fill launch
@@ -704,21 +709,7 @@ def deinterleave_compact(
             **geo,
         )
     elif method == "rowscan":
-        rowscan_kernel[(t_rows,)](
-            token_ids,
-            req,
-            block_table,
-            out,
-            counts,
-            k,
-            n_reqs,
-            n_blocks,
-            *in_strides,
-            out.stride(0),
-            out.stride(1),
-            COMPACT=True,
-            **geo,
-        )
+        _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, nw, compact=True)
     else:
         twopass_count_kernel[(t_rows, n_tiles)](
             token_ids,

@@ -60,6 +60,17 @@ san() {  # compute-sanitizer on one GPU: san GPU TOOL NAME SCRIPT ARGS...
     > "$work/${tool}_${name}.txt" 2>&1
   echo "compute-sanitizer $tool $name: exit $? ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/${tool}_${name}.txt" | tail -1))"
 }
+bench_both_caches() {  # the step on bf16 and FP8 caches: W = 1 (one cache per GPU, side by side), then W = 2
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_step.py --out "$work/step_raw" > "$work/bench_step_W1.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/bench_step.py --fp8 --out "$work/step_raw" \
+    > "$work/bench_step_W1_fp8.txt" 2>&1 &
+  wait
+  timeout 200 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$work/step_raw" \
+    > "$work/bench_step_W2.txt" 2>&1
+  timeout 150 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --fp8 \
+    --out "$work/step_raw" > "$work/bench_step_W2_fp8.txt" 2>&1
+  python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work"
+}
 case "$what" in
   cute-tests)  # CuTeDSL installed; the tests that need no FlashInfer / FlashMLA
     install_bundle .gpu/cute
@@ -148,16 +159,7 @@ case "$what" in
     gpu_files 1 300 tests/test_deinterleave.py tests/test_step_fp8.py tests/test_pipeline.py &
     wait
     gpu_files 0,1 150 tests/test_step.py
-    # the step, bf16 and FP8 caches, W = 1 (one per GPU, side by side) then W = 2
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_step.py --out "$work/step_raw" > "$work/bench_step_W1.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/bench_step.py --fp8 --out "$work/step_raw" \
-      > "$work/bench_step_W1_fp8.txt" 2>&1 &
-    wait
-    timeout 200 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$work/step_raw" \
-      > "$work/bench_step_W2.txt" 2>&1
-    timeout 150 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --fp8 \
-      --out "$work/step_raw" > "$work/bench_step_W2_fp8.txt" 2>&1
-    python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work"
+    bench_both_caches
     for f in "$work"/bench_*.txt; do echo "== $f"; tail -n 7 "$f"; done
     ;;
   planned)  # after install-cute: W = 1 all-gathers as views, FlashMLA's prologue buffers planned
@@ -168,15 +170,7 @@ case "$what" in
     gpu_files 1 300 tests/test_attention.py tests/test_pipeline.py tests/test_step_fp8.py &
     wait
     gpu_files 0,1 150 tests/test_step.py
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/bench_step.py --out "$work/step_raw" > "$work/bench_step_W1.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/bench_step.py --fp8 --out "$work/step_raw" \
-      > "$work/bench_step_W1_fp8.txt" 2>&1 &
-    wait
-    timeout 200 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --out "$work/step_raw" \
-      > "$work/bench_step_W2.txt" 2>&1
-    timeout 150 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py --fp8 \
-      --out "$work/step_raw" > "$work/bench_step_W2_fp8.txt" 2>&1
-    python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work"
+    bench_both_caches
     for f in "$work"/bench_*.txt; do echo "== $f"; tail -n 6 "$f"; done
     ;;
   *) echo "unknown: $what" >&2; exit 2 ;;
