@@ -155,22 +155,10 @@ def _deinterleave_triton(
 
     g = geometry
     req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
+    # compact: the ordered row scan; masked: the same scan with compaction off (slots and counts, one launch)
+    fn = functools.partial(deinterleave_compact, ordered=True) if compact else deinterleave_masked_triton
     with _launch(global_ids.device):
-        if compact:
-            return deinterleave_compact(
-                global_ids,
-                req,
-                block_table,
-                g.block_size,
-                g.world_size,
-                g.rank,
-                g.interleave,
-                ordered=True,
-                out=out_slots,
-                counts=out_counts,
-                validate=False,
-            )
-        return deinterleave_masked_triton(
+        return fn(
             global_ids,
             req,
             block_table,
