@@ -72,24 +72,31 @@ def load_results(directory: str | Path | None = None) -> dict[str, Any]:
     return out
 
 
-def _figure(ncols: int, caption: str, width: float = 3.0, height: float = 2.4, dpi: int = DPI) -> tuple[Any, list]:
+def _figure(
+    ncols: int, caption: str, width: float = 3.0, height: float = 2.4, dpi: int = DPI, stacked: bool = False
+) -> tuple[Any, list]:
+    """``ncols`` panels of ``width`` x ``height`` inches side by side (``stacked``: one above the other, for
+    panels that need the whole width)."""
     import matplotlib.pyplot as plt
 
     if not 1 <= dpi <= 80:
         raise ValueError(f"dpi must be in [1, 80] (small figures), got {dpi}")
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), dpi=dpi, squeeze=False)
-    fig.suptitle("\n".join(textwrap.wrap(caption, width=int(30 * width * ncols / 3.0) + 10)), fontsize=8)
-    for ax in axes[0]:
+    shape, size = ((ncols, 1), (width, height * ncols)) if stacked else ((1, ncols), (width * ncols, height))
+    fig, grid = plt.subplots(*shape, figsize=size, dpi=dpi, squeeze=False)
+    axes = list(grid.flat)
+    fig.suptitle("\n".join(textwrap.wrap(caption, width=int(30 * size[0] / 3.0) + 10)), fontsize=8)
+    for ax in axes:
         ax.tick_params(labelsize=7)
         ax.grid(True, which="both", alpha=0.25)
-    return fig, list(axes[0])
+    return fig, axes
 
 
 def _finish(fig: Any, axes: Sequence[Any], outside: bool = False) -> Any:
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             if outside:  # many series on one panel: keep the data visible
-                ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
+                n = len(ax.get_legend_handles_labels()[0])
+                ax.legend(fontsize=6 if n <= 8 else 5, loc="center left", bbox_to_anchor=(1.02, 0.5))
             else:
                 ax.legend(fontsize=6, loc="best")
         ax.title.set_fontsize(8)
@@ -369,17 +376,19 @@ def plot_step_breakdown(step: Mapping[str, Any], dpi: int = DPI) -> Any:
     """The whole step per (W, T, ctx): eager (before planning), CUDA-graph replay of the planned step (after),
     and the sum of its stages timed alone; stacked per-stage bars when the rows carry a breakdown."""
     rows = _step_rows(step)
-    multi = len({r.get("attention") for r in rows}) > 1
-    labels = [f"W{r['W']} T{r['T']}\n{_short(r['ctx'])}" + (f"\n{r.get('attention')}" if multi else "") for r in rows]
+    multi = len({_variant(r) for r in rows}) > 1
+    labels = [f"W{r['W']} T{r['T']}\n{_short(r['ctx'])}" + (f"\n{_variant(r)}" if multi else "") for r in rows]
     staged = [_stage_dict(r) for r in rows]
     n = 2 if any(staged) else 1
+    many = len(rows) > 12  # the panels one above the other, each as wide as a small figure allows
     fig, axes = _figure(
         n,
         "One decode step before planning (eager) and after (planned, CUDA graph), against the "
         "sum of its stages timed alone.",
-        width=max(3.0, 0.45 * len(rows) + 1.2),
+        width=min(13.5, max(3.0, 0.42 * len(rows) + 1.5)) if many else max(3.0, 0.45 * len(rows) + 1.2),
         height=2.6,
         dpi=dpi,
+        stacked=many,
     )
     ax = axes[0]
     x = list(range(len(rows)))
@@ -388,7 +397,7 @@ def plot_step_breakdown(step: Mapping[str, Any], dpi: int = DPI) -> Any:
         (("eager_us", "eager"), ("graph_us", "planned (graph)"), ("stages_sum_us", "sum of stages"))
     ):
         ax.bar([i + (j - 1) * wd for i in x], [float(r.get(key) or 0.0) for r in rows], wd, label=lab)
-    ax.set_xticks(x, labels, fontsize=6)
+    ax.set_xticks(x, labels, fontsize=5.5 if many else 6)
     ax.set(yscale="log", title="step time", ylabel="µs")
     if n == 2:
         ax2 = axes[1]
@@ -398,36 +407,50 @@ def plot_step_breakdown(step: Mapping[str, Any], dpi: int = DPI) -> Any:
             h = [(s or {}).get(name, 0.0) for s in staged]
             ax2.bar(x, h, 0.6, bottom=bottom, label=name)
             bottom = [a + b for a, b in zip(bottom, h)]
-        ax2.set_xticks(x, labels, fontsize=6)
+        ax2.set_xticks(x, labels, fontsize=5.5 if many else 6)
         ax2.set(title="per stage", ylabel="µs")
-    return _finish(fig, axes)
+    return _finish(fig, axes, outside=many)
 
 
 def plot_step_growth(step: Mapping[str, Any], dpi: int = DPI) -> Any:
     """Planned-step time (graph replay) as rows T, W and context grow: one panel per variable, one line per
     combination of the other two."""
+    from matplotlib.ticker import NullFormatter, NullLocator
+
     rows = _step_rows(step)
+    multi = len({r.get("attention") for r in rows}) > 1  # several attention kernels: one line each
     fig, axes = _figure(
         3,
         "How the planned step's time grows with query tokens T, world size W and context (CUDA-graph replay).",
+        width=6.5 if multi else 3.0,
+        height=1.75 if multi else 2.4,
         dpi=dpi,
+        stacked=multi,  # many lines: full-width panels, legends beside them
     )
-    multi = len({r.get("attention") for r in rows}) > 1  # several attention kernels: one line each
     pairs: tuple[tuple[str, ...], ...] = (("W", "ctx"), ("T", "ctx"), ("W", "T"))
     for ax, var, others in zip(axes, ("T", "W", "ctx"), pairs):
-        if multi:
-            others = (*others, "attention")
         groups: dict[tuple, list] = {}
         for r in rows:
-            groups.setdefault(tuple(r.get(o) for o in others), []).append(r)
+            groups.setdefault((*(r.get(o) for o in others), _variant(r) if multi else ""), []).append(r)
         for key, rs in sorted(groups.items()):
             if len({r[var] for r in rs}) < 2:
                 continue
             rs = sorted(rs, key=lambda r: r[var])
-            lab = ", ".join(f"{o}={_short(v)}" for o, v in zip(others, key))
-            ax.plot([r[var] for r in rs], [r["graph_us"] for r in rs], "o-", label=lab)
+            lab = ", ".join([f"{o}={_short(v)}" for o, v in zip(others, key)] + ([key[-1]] if multi else []))
+            style = "o--" if key[-1] == "FP8" else "o-"  # the FP8 cache dashed
+            ax.plot([r[var] for r in rs], [r["graph_us"] for r in rs], style, ms=3, label=lab)
         ax.set(xscale="log", yscale="log", title=f"against {var}", xlabel=var, ylabel="µs")
-    return _finish(fig, axes)
+        # the measured values as the ticks (2, 8K, 64K ...), no log-scale minor labels crowding them
+        xs = sorted({r[var] for r in rows})
+        ax.set_xticks(xs, [_short(v) for v in xs])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    return _finish(fig, axes, outside=multi)
+
+
+def _variant(row: Mapping[str, Any]) -> str:
+    """What tells two steps of the same shape apart in a label: the cache (FP8) or the attention kernel."""
+    return "FP8" if row.get("kv_format") == "fp8_ds_mla" else str(row.get("attention"))
 
 
 def _short(v: Any) -> str:

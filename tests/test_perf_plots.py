@@ -178,8 +178,12 @@ def test_step_growth_keeps_attention_kernels_apart() -> None:
              "eager_us": None, "host_syncs_per_step": 0, "launches_per_step": 9, "stages_sum_us": None}
             for a in ("flashmla", "flashinfer") for t in (1, 32)]
     g = pp.plotted_series(pp.plot_step_growth({"summary": rows}))
-    assert g["against T | W=2, ctx=8K, attention=flashmla"] == ([1, 32], [1.0, 32.0])
-    assert g["against T | W=2, ctx=8K, attention=flashinfer"] == ([1, 32], [101.0, 132.0])
+    assert g["against T | W=2, ctx=8K, flashmla"] == ([1, 32], [1.0, 32.0])
+    assert g["against T | W=2, ctx=8K, flashinfer"] == ([1, 32], [101.0, 132.0])
+    fp8 = [dict(r, kv_format="fp8_ds_mla", attention="flashmla-fp8", graph_us=r["graph_us"] + 7) for r in rows[:2]]
+    g8 = pp.plotted_series(pp.plot_step_growth({"summary": rows[:2] + fp8}))
+    assert g8["against T | W=2, ctx=8K, FP8"] == ([1, 32], [8.0, 39.0])  # the cache named, not its kernel
+    assert g8["against T | W=2, ctx=8K, flashmla"] == ([1, 32], [1.0, 32.0])
     b = pp.plotted_series(pp.plot_step_breakdown({"summary": rows}))
     assert b["step time | sum of stages"][1] == [0.0] * 4  # absent values plot as zero-height bars
 
