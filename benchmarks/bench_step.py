@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from _graphs import capture  # the benchmarks' folder is on sys.path
+from _progress import progress
 
 H, DQK, DV, TOPK, BLOCK = 128, 576, 512, 2048, 64
 SCALE = 192**-0.5
@@ -349,12 +350,8 @@ def main() -> None:
 
         group = SingleGroup()
     rows = []
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = None
     configs = [(T, ctx) for T in map(int, args.T.split(",")) for ctx in map(int, args.ctx.split(","))]
-    it = tqdm(configs, desc=f"step W={world}", disable=rank != 0) if tqdm else configs
+    it = progress(configs, desc=f"step W={world}") if rank == 0 else configs  # one bar, on rank 0
     for T, ctx in it:
         rows.append(bench_config(group, world, rank, T, ctx, device))
         torch.cuda.empty_cache()

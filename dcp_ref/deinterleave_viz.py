@@ -1,4 +1,4 @@
-"""Pictures and small simulations for the de-interleave / compaction notebooks (02, 03).
+"""Pictures and small simulations for the de-interleave / compaction chapters (04, 05).
 
 Plain functions with tests of their own (``tests/test_deinterleave.py``); the notebooks only call
 them. Drawing needs matplotlib (a dependency of the package); nothing here needs a GPU.
@@ -10,6 +10,7 @@ import random
 from collections.abc import Sequence
 
 from ._checks import check_int_scalar, check_world
+from .ownership import global_to_local, owner_rank
 
 __all__ = ["mapping_table", "draw_id_to_slot_map", "simulate_tile_race", "draw_tile_race"]
 
@@ -40,10 +41,10 @@ def mapping_table(
     for t in token_ids:
         t = int(t)
         e: dict[str, int | None] = {"id": t, "owner": None, "local": None, "block_idx": None, "block": None, "slot": -1}
-        if t >= 0:
-            owner = e["owner"] = (t // i) % w
+        if t >= 0:  # the ownership stage's own functions: the picture shows what the stage computes
+            owner = e["owner"] = owner_rank(t, w, i)
             if owner == r:
-                local = e["local"] = (t // (w * i)) * i + t % i
+                local = e["local"] = global_to_local(t, w, i)
                 block_idx = e["block_idx"] = local // bs
                 if block_idx < len(block_table_row) and block_table_row[block_idx] >= 0:
                     block = e["block"] = int(block_table_row[block_idx])

@@ -26,6 +26,8 @@ import triton.language as tl
 
 from dcp_ref._checks import INT_DTYPES, check_out, check_tensor, triton_interpreting
 
+from ._util import next_pow2, per_thread
+
 __all__ = ["FLASHMLA_LSE_BASE", "FLASHMLA_HEADS", "flashmla_unsupported", "sparse_mla_flashmla"]
 
 #: The base of the LSE that ``flash_mla_sparse_fwd`` returns (checked by tests/test_flashmla.py on a GPU).
@@ -135,18 +137,16 @@ def _scratch(device: torch.device, T: int, KP: int) -> tuple[torch.Tensor, torch
     device and shape and reused by every later call: the hot path allocates none of them, and a CUDA graph
     that captured a call keeps reading the same addresses. Calls of one thread are ordered on its stream,
     so a call rewrites them only after the previous kernel has read them."""
-    cache = getattr(_SCRATCH, "bufs", None)
-    if cache is None:
-        cache = _SCRATCH.bufs = {}
-    key = (device, T, KP)
-    bufs = cache.get(key)
-    if bufs is None:
-        bufs = cache[key] = (
-            torch.empty((T, KP), dtype=torch.int32, device=device),
-            torch.empty((T,), dtype=torch.int32, device=device),
-            torch.empty((T,), dtype=torch.int32, device=device),
+
+    def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        i32 = torch.int32
+        return (
+            torch.empty((T, KP), dtype=i32, device=device),
+            torch.empty((T,), dtype=i32, device=device),
+            torch.empty((T,), dtype=i32, device=device),
         )
-    return bufs
+
+    return per_thread(_SCRATCH, (device, T, KP), make)
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -219,7 +219,7 @@ def sparse_mla_flashmla(
         if T:
             _prologue_kernel[(T,)](
                 slots, counts, safe, cnt, poisoned, K, KP, S, slots.stride(0), slots.stride(1),
-                BLOCK=min(max(triton.next_power_of_2(KP), 16), 1024),
+                BLOCK=min(max(next_pow2(KP), 16), 1024),
             )  # fmt: skip
     else:
         safe, cnt, poisoned = _prologue_torch(slots, counts, S, KP)
@@ -243,7 +243,7 @@ def sparse_mla_flashmla(
                 o, lse, cnt, poisoned, out, out_lse, _DV,
                 o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
                 out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1),
-                BLOCK_V=triton.next_power_of_2(_DV),
+                BLOCK_V=next_pow2(_DV),
             )  # fmt: skip
         return out, out_lse
     if out is not o:

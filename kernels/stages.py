@@ -23,7 +23,6 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,6 +43,8 @@ from dcp_ref.stages import (
     reference_select,
 )
 
+from ._util import per_thread
+
 __all__ = ["kernel_stages", "kernel_stage_impls", "KERNEL_LOCK"]
 
 logger = logging.getLogger("dcp_ref.kernels.stages")
@@ -62,16 +63,6 @@ def _launch(device: torch.device) -> contextlib.AbstractContextManager:
 def _log_fallback(stage: str, reason: str) -> None:
     # functools.cache: each distinct fallback is logged once per process, not once per step.
     logger.warning("dcp_ref.kernels.stages: stage %r runs the torch reference: %s", stage, reason)
-
-
-def _per_thread(store: threading.local, key: Any, make: Callable[[], Any]) -> Any:
-    """One object per thread (rank) and key: FlashInfer's plan() and FlashMLA's schedules are stateful."""
-    cache = getattr(store, "by_key", None)
-    if cache is None:
-        cache = store.by_key = {}
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
 
 
 # ---- the kernel implementations of each stage ---------------------------------------------------------
@@ -119,7 +110,7 @@ def _indexer_fused(
     # Long rows are split over programs through a workspace: made once per thread (rank) and shape, on the first
     # (warm-up) run, so that later runs — and a captured graph — allocate nothing.
     key = (tuple(scores.shape), k, scores.device)
-    ws = _per_thread(_INDEXER_WORKSPACES, key, lambda: workspace_for(scores, k))
+    ws = per_thread(_INDEXER_WORKSPACES, key, lambda: workspace_for(scores, k))
     with _launch(scores.device):
         return indexer_topk_pack(
             scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out, validate=False, workspace=ws
@@ -206,7 +197,7 @@ def _attention_flashmla_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from .flashmla_fp8 import FlashMLAFp8Decode
 
-    dec = _per_thread(_FP8_DECODERS, q.device, lambda: FlashMLAFp8Decode(q.device, validate=False))
+    dec = per_thread(_FP8_DECODERS, q.device, lambda: FlashMLAFp8Decode(q.device, validate=False))
     return dec.attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
 
 
@@ -240,7 +231,7 @@ def _attention_flashinfer(
     from .flashinfer_mla import FlashInferSparseMLA
 
     key = (q.shape[1], float(sm_scale), q.device, q.dtype)
-    attn = _per_thread(
+    attn = per_thread(
         _FI_WRAPPERS,
         key,
         lambda: FlashInferSparseMLA(
