@@ -243,7 +243,7 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     q, shard, meta, g = make_inputs(world, rank, T, ctx, device, fp8=FP8)
     kv_format = "fp8_ds_mla" if FP8 else "native"
     stages = kernel_stages(device, torch.bfloat16, DQK, DV, num_heads=H, topk=TOPK, kv_format=kv_format)
-    spec = StepSpec(g, T, TOPK, H, DQK, DV, SCALE, torch.bfloat16, device)
+    spec = StepSpec(g, max_tokens=T, topk=TOPK, num_heads=H, head_dim=DQK, v_dim=DV, sm_scale=SCALE, dtype=torch.bfloat16, device=device)
     t_plan = time.perf_counter()
     step = PlannedStep(group, spec, stages)
     plan_ms = (time.perf_counter() - t_plan) * 1e3

@@ -50,6 +50,14 @@ class Group(Protocol):
         """
         ...
 
+    def all_to_all(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Personalised exchange: chunk ``x[j]`` goes to rank ``j``; ``out[j]`` is what rank ``j`` sent here.
+
+        ``x``: ``[W, *chunk]`` (same shape/dtype on all ranks). ``out``: optional contiguous ``[W, *chunk]``
+        buffer of ``x``'s dtype, written and returned. Rank ``r``'s ``out[j]`` equals rank ``j``'s ``x[r]``.
+        """
+        ...
+
 
 def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, name: str = "out") -> None:
     if out is None:
@@ -61,6 +69,17 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Ten
         )
 
 
+def _check_all_to_all(x: torch.Tensor, world_size: int, out: torch.Tensor | None) -> None:
+    check_tensor(x, "x")
+    if x.ndim == 0 or x.shape[0] != world_size:
+        raise ValueError(
+            f"x must be [W={world_size}, ...] (one chunk per destination rank), got shape {tuple(x.shape)}"
+        )
+    _check_out(out, tuple(x.shape), x)
+    if out is not None and out.data_ptr() == x.data_ptr() and x.numel():
+        raise ValueError("out must not alias x (the exchange reads every chunk of x while writing out)")
+
+
 def _chunk_shape(x: torch.Tensor, d: int, world_size: int) -> tuple[int, ...]:
     shape = list(x.shape)
     shape[d] //= world_size
@@ -68,8 +87,14 @@ def _chunk_shape(x: torch.Tensor, d: int, world_size: int) -> tuple[int, ...]:
 
 
 def _check_scatter_dim(x: torch.Tensor, dim: int, world_size: int) -> int:
-    d = dim % x.ndim if x.ndim else 0
-    if x.ndim == 0 or x.shape[d] % world_size:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if x.ndim == 0 or not -x.ndim <= dim < x.ndim:
+        raise ValueError(
+            f"dim must lie in [-{max(x.ndim, 1)}, {max(x.ndim, 1)}) for x of shape {tuple(x.shape)}, got {dim}"
+        )
+    d = dim % x.ndim
+    if x.shape[d] % world_size:
         raise ValueError(f"x.shape[{dim}] must be divisible by world_size={world_size}, got shape {tuple(x.shape)}")
     return d
 
@@ -89,6 +114,10 @@ class SingleGroup:
         check_tensor(x, "x")
         _check_scatter_dim(x, dim, 1)
         _check_out(out, tuple(x.shape), x)
+        return x.clone() if out is None else out.copy_(x)
+
+    def all_to_all(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        _check_all_to_all(x, 1, out)
         return x.clone() if out is None else out.copy_(x)
 
 
@@ -111,6 +140,10 @@ class SimulatedWorld:
         self._barrier = threading.Barrier(self.world_size, timeout=self._timeout)
         self._slots: list[Any] = [None] * self.world_size
         self._arrived: list[int] = [0] * self.world_size  # collectives entered by each rank (names a straggler)
+        # One run at a time: two callers' ranks meeting in the same barrier would mix their data. A second
+        # caller waits for the first run to finish; a rank calling run() on its own world is refused.
+        self._run_lock = threading.Lock()
+        self._rank_threads: set[int] = set()
         self.groups = [SimulatedGroup(self, r) for r in range(self.world_size)]
 
     # -- collective plumbing -------------------------------------------------------------
@@ -137,24 +170,36 @@ class SimulatedWorld:
         """Run ``fn(group, *args_r)`` on every rank ``r`` concurrently; return results in rank order.
 
         Each element of ``per_rank_args`` is a length-W sequence; rank ``r`` receives its ``r``-th
-        item. Exceptions are re-raised (the lowest failing rank's).
+        item. Exceptions are re-raised (the lowest failing rank's). Runs of one world are serialised:
+        a call from another thread while a run is in progress waits for it (never mixes the two
+        callers' collectives); a call from inside a run of the same world raises ``RuntimeError``.
         """
+        if threading.get_ident() in self._rank_threads:
+            raise RuntimeError("SimulatedWorld.run called from one of its own ranks (a nested run would deadlock)")
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         for k, seq in enumerate(per_rank_args):
             if len(seq) != self.world_size:
                 raise ValueError(f"per_rank_args[{k}] must have world_size={self.world_size} items, got {len(seq)}")
+        with self._run_lock:
+            return self._run_locked(fn, per_rank_args)
+
+    def _run_locked(self, fn: Callable[..., Any], per_rank_args: tuple[Sequence[Any], ...]) -> list[Any]:
         results: list[Any] = [None] * self.world_size
         errors: list[BaseException | None] = [None] * self.world_size
         self._barrier.reset()
         self._arrived = [0] * self.world_size
 
         def body(r: int) -> None:
+            me = threading.get_ident()
+            self._rank_threads.add(me)
             try:
                 results[r] = fn(self.groups[r], *(seq[r] for seq in per_rank_args))
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 errors[r] = e
                 self._barrier.abort()
+            finally:
+                self._rank_threads.discard(me)
 
         if self.world_size == 1:
             body(0)
@@ -216,6 +261,13 @@ class SimulatedGroup:
         res = total.chunk(self.world_size, dim=d)[self.rank].to(x.dtype)
         return res.contiguous() if out is None else out.copy_(res)
 
+    def all_to_all(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            _check_all_to_all(x, self.world_size, out)
+        xs = self._gather(x, "all_to_all")
+        mine = [t[self.rank] for t in xs]  # rank j's chunk for this rank, in rank order
+        return torch.stack(mine, 0) if out is None else torch.stack(mine, 0, out=out)
+
 
 class TorchDistributedGroup:
     """:class:`Group` over a ``torch.distributed`` process group (NCCL on GPUs, gloo on CPU)."""
@@ -231,6 +283,7 @@ class TorchDistributedGroup:
         # H200 image has 2.11) only have the *_tensor names. Same signatures.
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._all_to_all = dist.all_to_all_single
         self.rank = dist.get_rank(pg)
         self.world_size = dist.get_world_size(pg)
 
@@ -259,3 +312,11 @@ class TorchDistributedGroup:
         res = torch.empty((xt.shape[0] // self.world_size, *xt.shape[1:]), dtype=x.dtype, device=x.device)
         self._reduce_scatter(res, xt, group=self._pg)
         return res.movedim(0, d).contiguous()
+
+    def all_to_all(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        _check_all_to_all(x, self.world_size, out)
+        if out is None:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        # all_to_all_single splits dim 0 into W equal chunks on both sides: exactly [W, *chunk].
+        self._all_to_all(out, x.contiguous(), group=self._pg)
+        return out

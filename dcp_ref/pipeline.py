@@ -36,7 +36,7 @@ from .geometry import DcpGeometry
 from .group import Group, SimulatedWorld
 from .ownership import expand_decode_bounds, global_to_local, owner_rank
 from .stages import Stages
-from .step import StepMetadata, decode_metadata, plan_for
+from .step import RankShard, StepMetadata, decode_metadata, plan_for
 
 __all__ = [
     "RankShard",
@@ -47,26 +47,6 @@ __all__ = [
     "single_device_decode",
     "run_dcp_decode",
 ]
-
-
-@dataclass
-class RankShard:
-    """What one rank holds.
-
-    Attributes:
-        kv_cache: float ``[num_blocks * block_size, D]`` — the paged local KV (slot-major).
-        block_table: int32 ``[B, max_blocks]`` — physical block of each request's local block
-            ``j`` (``-1`` past the request's blocks).
-        index_scores: float32 ``[T, L]`` — the indexer's scores of this rank's keys for every query
-            token (column = local index; garbage past the token's local bound).
-        geometry: the :class:`~dcp_ref.geometry.DcpGeometry` the shard was built for. A step checks it
-            against its own, so a shard of one geometry is never run with another.
-    """
-
-    kv_cache: torch.Tensor
-    block_table: torch.Tensor
-    index_scores: torch.Tensor
-    geometry: DcpGeometry | None = None
 
 
 @dataclass
@@ -110,8 +90,12 @@ class DcpProblem:
                 dtype=dtype if dtype is not None and x.dtype.is_floating_point and x.element_size() > 1 else x.dtype,
             )
 
+        def opt(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(dev)
+
         shards = [
-            RankShard(f(s.kv_cache), s.block_table.to(dev), s.index_scores.to(dev), s.geometry) for s in self.shards
+            RankShard(f(s.kv_cache), s.block_table.to(dev), opt(s.index_scores), s.geometry, opt(s.index_cache))
+            for s in self.shards
         ]
         return DcpProblem(
             self.world_size,

@@ -31,7 +31,7 @@ from .stages import Stages
 from .step import prefill_metadata
 
 if TYPE_CHECKING:
-    from .pipeline import RankShard
+    from .step import RankShard
 
 __all__ = ["chunk_scores_from_local", "dcp_prefill_step"]
 
@@ -113,16 +113,16 @@ def dcp_prefill_step(
     topk = check_int_scalar(topk, "topk", min_value=1)
     check_tensor(q, "q", dtypes=FLOAT_DTYPES, ndim=3)
     chunk = localize_prefill_chunk(context_lens, query_lens, g.world_size, g.rank, g.interleave)
-    check_tensor(shard.index_scores, "shard.index_scores", dtypes=FLOAT_DTYPES, ndim=2)
+    scores = check_tensor(shard.index_scores, "shard.index_scores", dtypes=FLOAT_DTYPES, ndim=2)
     T = q.shape[0]
     if chunk.cu_seqlens_q.numel() and int(chunk.cu_seqlens_q[-1]) != T:
         raise ValueError(
             f"query_lens must add up to q's {T} query tokens (q.shape[0]), got {int(chunk.cu_seqlens_q[-1])}"
         )
-    if shard.index_scores.shape[0] != T or shard.index_scores.shape[1] < chunk.local_total:
+    if scores.shape[0] != T or scores.shape[1] < chunk.local_total:
         raise ValueError(
             f"shard.index_scores must be [T={T}, >= local_total={chunk.local_total}] (the chunk layout), "
-            f"got {tuple(shard.index_scores.shape)}"
+            f"got {tuple(scores.shape)}"
         )
     meta = prefill_metadata(context_lens, query_lens, g, device=q.device)
     if trace is not None:

@@ -1,16 +1,23 @@
-"""The stage protocol: what each stage of one DCP decode step takes and returns.
+"""The stage protocol: what each stage of one decode layer takes and returns.
 
-A decode step on one rank is five local computations joined by three collectives::
+One layer on rank ``r`` of ``W`` (names, not numbers; which stages run depends on the
+:class:`StepSpec`: its ``layout``, ``exchange``, ``combine``, and whether the step scores the index
+keys itself)::
 
-    ownership   global lengths -> this rank's local causal bound per query token   (the step itself)
-    indexer     local stable top-K of this rank's index scores, packed as (score, global id)
-    -- all-gather of the packed candidates (the step) --
-    select      stable global top-k of the gathered candidates -> global ids
-    deinterleave  global ids -> this rank's physical KV slots (+ compaction: valid first, counts)
-    attention   sparse MLA over (slots, counts): partial output + LSE (base e, -inf when empty)
-    -- all-gather of the LSEs (the step) --
-    merge       rescale this rank's partial by its LSE weight
-    -- reduce-scatter over heads (the step) --
+    ownership    global lengths -> this rank's local causal bound per query token      (the step's metadata)
+    -- query gather: all-gather q over heads, [T, H/W, D] -> [T, H, D]  (dcp, unless the query is replicated)
+    scoring      FP8 index query x this rank's FP8 index keys -> index scores [T, L]    (or precomputed scores)
+    indexer      local stable top-K of the scores -> candidates                         (scoring may be fused in)
+    -- all-gather of the candidates (W > 1)
+    exchange "allgather":  select (stable global top-k ids) then deinterleave (ids -> this rank's slots)
+    exchange "owner":      select_to_slots (the gathered candidates -> this rank's winners' slots, one stage)
+    attention    sparse MLA over (slots, counts): partial output + LSE (base e, -inf when empty)
+    guard        tokens whose metadata is out of contract -> NaN output and LSE (:mod:`dcp_ref.guard`)
+    combine "reduce_scatter": all-gather LSEs, merge (correct this rank's partial), reduce-scatter over heads
+    combine "alltoall":       partials of rank j's heads + their LSEs to rank j, combine the W partials
+
+The ``"tp"`` layout is the same machinery with the whole context on every rank and ``H/W`` heads:
+no query gather, no exchange across ranks (``W = 1`` for the cache), no combine.
 
 A :class:`Stages` value names one implementation per stage. :data:`REFERENCE_STAGES` is the
 plain-PyTorch reference (this module, built on the oracle functions of :mod:`dcp_ref`); the GPU
@@ -24,6 +31,11 @@ Every stage accepts caller-provided output buffers (``out=`` ...) and must write
 there when given, so that the planned step allocates nothing while it runs. Each stage's
 contract (shapes, dtypes, what an empty row produces) is in its ``Protocol`` below; the
 conformance kit :mod:`dcp_ref.testing` checks an implementation against it.
+
+**Out-of-contract metadata** (a ``validate=False`` run): the guard stage poisons the affected tokens
+(NaN output and LSE on every rank), so no stage needs to raise on the device; stages that meet such a
+row themselves clamp their reads and, where they can tell (a request id outside the block table, a
+selected key without a block), emit the poison slot ``2**31 - 1``, which the attention turns into NaN.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -41,12 +53,17 @@ from .attention import sparse_mla_attention
 from .deinterleave import deinterleave_and_compact
 from .geometry import DcpGeometry
 from .indexer import local_topk
-from .lse import correct_partial
+from .lse import correct_partial, merge_partials
 from .topk import pack_candidates, stable_topk
 
 __all__ = [
     "STAGE_NAMES",
     "ATTENTION_LAYOUTS",
+    "LAYOUTS",
+    "EXCHANGES",
+    "ORDERS",
+    "COMBINES",
+    "ScoringSpec",
     "StepSpec",
     "Stages",
     "REFERENCE_STAGES",
@@ -55,11 +72,20 @@ __all__ = [
     "DeinterleaveStage",
     "AttentionStage",
     "MergeStage",
+    "ScoringStage",
+    "ScoredIndexerStage",
+    "SelectToSlotsStage",
+    "GuardStage",
+    "CombineStage",
+    "reference_scoring",
     "reference_indexer",
     "reference_select",
     "reference_deinterleave",
     "reference_attention",
     "reference_merge",
+    "reference_select_to_slots",
+    "reference_guard",
+    "reference_combine",
     "compose_indexer",
     "impl_name",
     "write_into",
@@ -72,8 +98,35 @@ __all__ = [
     "FP8_REFERENCE_STAGES",
 ]
 
-#: The stages a :class:`Stages` value implements, in step order.
-STAGE_NAMES = ("indexer", "select", "deinterleave", "attention", "merge")
+#: The stages a :class:`Stages` value implements, in step order (a run uses the ones its spec needs).
+STAGE_NAMES = (
+    "scoring",
+    "scored_indexer",
+    "indexer",
+    "select",
+    "deinterleave",
+    "select_to_slots",
+    "attention",
+    "guard",
+    "merge",
+    "combine",
+)
+#: ``"dcp"``: the KV cache (and the FP8 index keys) sharded by token over the W ranks, every head on every
+#: rank. ``"tp"``: tensor parallelism, the layout DCP is compared with: every rank holds the whole context and
+#: ``H/W`` heads (no collective inside attention).
+LAYOUTS = ("dcp", "tp")
+#: How the candidates are exchanged and selected: ``"allgather"`` (every rank selects the whole global top-k,
+#: then maps the ids it owns to slots: select + deinterleave) or ``"owner"`` (one select_to_slots stage emits
+#: only this rank's winners' slots).
+EXCHANGES = ("allgather", "owner")
+#: Total orders of the global selection, both exact (:mod:`dcp_ref.select_to_slots`): ``"global_id"`` (score
+#: descending, then lower global id: vLLM's; candidates travel as (score, id) pairs, 8 bytes) and
+#: ``"rank_local"`` (score descending, then lower rank, then lower local index; scores only, 4 bytes).
+ORDERS = ("global_id", "rank_local")
+#: How partial outputs become this rank's ``H/W`` heads: ``"reduce_scatter"`` (all-gather the LSEs, correct,
+#: reduce-scatter: two collectives) or ``"alltoall"`` (one all-to-all of partials + LSEs, then a merge of W
+#: partials over ``H/W`` heads).
+COMBINES = ("reduce_scatter", "alltoall")
 #: ``"compact"``: attention reads ``slots[t, :counts[t]]`` (valid slots compacted to the front).
 #: ``"masked"``: attention reads every entry of ``slots[t]`` and skips ``-1`` itself (FlashMLA's FP8
 #: decode); the de-interleave stage then need not compact, but must still give ``-1`` for others' keys.
@@ -94,23 +147,71 @@ def kv_format_of(kv_cache: torch.Tensor) -> str:
 
 
 @dataclass(frozen=True)
+class ScoringSpec:
+    """How a step computes its index scores from FP8 index keys (the scoring stage), when it does.
+
+    Attributes:
+        max_keys: ``L``, the columns of the planned score buffer: the most local keys a query token may have
+            on this rank (dcp: about ``context / W``; tp: the whole context). A token whose bound exceeds it is
+            out of contract (poisoned, or refused with ``validate=True``).
+        index_heads: index heads of the lightning indexer (64 for DeepSeek V3.2).
+        index_dim: dims per index head (128).
+        fused: score inside the indexer (the ``scored_indexer`` stage): the ``[T, L]`` score matrix is never
+            written. Needs ``order="global_id"``.
+    """
+
+    max_keys: int
+    _: KW_ONLY
+    index_heads: int = 64
+    index_dim: int = 128
+    fused: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_keys", "index_heads", "index_dim"):
+            object.__setattr__(self, name, check_int_scalar(getattr(self, name), name, min_value=1))
+        if not isinstance(self.fused, bool):
+            raise TypeError(f"fused must be a bool, got {type(self.fused).__name__}")
+
+
+def _check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
 class StepSpec:
     """Everything a step is planned for: fixed for the life of a :class:`dcp_ref.step.PlannedStep`.
 
+    Every field after ``geometry`` is keyword-only.
+
     Attributes:
-        geometry: this rank's :class:`~dcp_ref.geometry.DcpGeometry`.
+        geometry: this rank's :class:`~dcp_ref.geometry.DcpGeometry` in its group of ``W`` ranks (``"tp"``: the
+            group's; the cache itself is then unsharded, see :attr:`cache_geometry`).
         max_tokens: the largest number of query tokens ``T`` a run may have (buffers are this big).
         topk: ``k``, the global top-k (also the per-rank candidate count ``K``: exactness needs
             ``K = k``, since all winners may live on one rank).
-        num_heads: ``H`` query heads (every rank computes all ``H``; the merge leaves ``H/W``).
+        num_heads: ``H``, the model's query heads (dcp: every rank attends with all ``H``; both layouts end
+            with ``H/W`` per rank).
         head_dim: ``Dqk`` (576 for DeepSeek: 512 latent + 64 RoPE).
         v_dim: value width (512 for DeepSeek).
         sm_scale: the softmax scale (a layer constant), finite and > 0.
         dtype: query / KV dtype.
-        device: where everything lives.
+        device: where everything lives (``"cuda"`` is pinned to the current device).
+        layout: ``"dcp"`` or ``"tp"`` (:data:`LAYOUTS`).
+        exchange: ``"allgather"`` or ``"owner"`` (:data:`EXCHANGES`).
+        order: ``"global_id"`` or ``"rank_local"`` (:data:`ORDERS`; ``"rank_local"`` needs ``exchange="owner"``).
+        combine: ``"reduce_scatter"`` or ``"alltoall"`` (:data:`COMBINES`).
+        q_replicate: dcp only. ``True``: the caller passes all ``H`` query heads (the query projection is
+            replicated on every rank: more weight memory, no collective). ``False``: ``q`` arrives as this
+            rank's ``H/W`` heads (the TP layout DCP runs in) and the step all-gathers it over heads.
+        scoring: a :class:`ScoringSpec` when the step scores FP8 index keys itself (the layer's inputs:
+            ``index_q``, ``index_weights`` and ``shard.index_cache``); ``None``: the shard carries precomputed
+            ``index_scores`` (the chapters that teach the indexer).
     """
 
     geometry: DcpGeometry
+    _: KW_ONLY
     max_tokens: int
     topk: int
     num_heads: int
@@ -119,6 +220,12 @@ class StepSpec:
     sm_scale: float
     dtype: torch.dtype
     device: torch.device | str
+    layout: str = "dcp"
+    exchange: str = "allgather"
+    order: str = "global_id"
+    combine: str = "reduce_scatter"
+    q_replicate: bool = True
+    scoring: ScoringSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.geometry, DcpGeometry):
@@ -130,7 +237,7 @@ class StepSpec:
         if self.num_heads % self.geometry.world_size:
             raise ValueError(
                 f"num_heads (H={self.num_heads}) must be divisible by the world size W={self.geometry.world_size}: "
-                "the merge leaves H/W heads on each rank"
+                "each rank ends with H/W heads"
             )
         sc = self.sm_scale
         if isinstance(sc, bool) or not isinstance(sc, (int, float)):  # numpy floats are floats
@@ -140,14 +247,50 @@ class StepSpec:
         object.__setattr__(self, "sm_scale", float(sc))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
-        dev = torch.device(self.device)
+        if not isinstance(self.device, (str, torch.device)):
+            raise TypeError(f"device must be a torch.device or a str, got {type(self.device).__name__}")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"device must name a torch device, got {self.device!r} ({e})") from None
         if dev.type == "cuda" and dev.index is None:  # "cuda" means the current device: pin it (tensors say cuda:N)
             dev = torch.device("cuda", torch.cuda.current_device())
         object.__setattr__(self, "device", dev)
+        _check_choice(self.layout, "layout", LAYOUTS)
+        _check_choice(self.exchange, "exchange", EXCHANGES)
+        _check_choice(self.order, "order", ORDERS)
+        _check_choice(self.combine, "combine", COMBINES)
+        if self.order == "rank_local" and self.exchange != "owner":
+            raise ValueError(
+                "order='rank_local' needs exchange='owner' (ids do not travel, so only owners can map them)"
+            )
+        if not isinstance(self.q_replicate, bool):
+            raise TypeError(f"q_replicate must be a bool, got {type(self.q_replicate).__name__}")
+        if self.scoring is not None and not isinstance(self.scoring, ScoringSpec):
+            raise TypeError(f"scoring must be a ScoringSpec or None, got {type(self.scoring).__name__}")
+        if self.scoring is not None and self.scoring.fused and self.order != "global_id":
+            raise ValueError("scoring.fused needs order='global_id' (the fused indexer packs (score, global id))")
 
     @property
     def heads_per_rank(self) -> int:
+        """``H/W``: the heads each rank ends with (both layouts)."""
         return self.num_heads // self.geometry.world_size
+
+    @property
+    def cache_geometry(self) -> DcpGeometry:
+        """The geometry the KV cache and index keys are sharded by: dcp, :attr:`geometry`; tp, one rank (unsharded)."""
+        g = self.geometry
+        return g if self.layout == "dcp" else DcpGeometry(1, 0, g.interleave, g.block_size)
+
+    @property
+    def attention_heads(self) -> int:
+        """Heads the attention stage runs on this rank: ``H`` (dcp) or ``H/W`` (tp)."""
+        return self.num_heads if self.layout == "dcp" else self.heads_per_rank
+
+    @property
+    def query_heads(self) -> int:
+        """Heads of the ``q`` a run takes: ``H`` (dcp, replicated query), else ``H/W``."""
+        return self.num_heads if self.layout == "dcp" and self.q_replicate else self.heads_per_rank
 
 
 # ---- the protocols: one per stage ------------------------------------------------------------------
@@ -163,6 +306,11 @@ class IndexerStage(Protocol):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Local stable top-``k`` of each row, packed for the all-gather.
+
+        With ``order="rank_local"`` (passed only then, as a keyword, together with ``out_ids``) the stage
+        returns ``(scores float32 [T, k], ids int32 [T, k])`` instead: the row's top-k scores in ascending
+        *local index* order, NaN padding, and their local indices (``-1`` padding) — the scores travel, the
+        ids stay on this rank (:data:`ORDERS`).
 
         Args:
             scores: float32 ``[T, L]`` this rank's index scores (column = local index; columns at or past
@@ -268,6 +416,125 @@ class MergeStage(Protocol):
         ...
 
 
+class ScoringStage(Protocol):
+    def __call__(
+        self,
+        index_q: torch.Tensor,
+        weights: torch.Tensor,
+        index_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        req_of_token: torch.Tensor,
+        local_bounds: torch.Tensor,
+        geometry: DcpGeometry,
+        *,
+        row_starts: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The lightning indexer's scores of this rank's keys (:mod:`dcp_ref.scoring`).
+
+        Args:
+            index_q: ``[T, Hi, Di]`` FP8 (e4m3) index query (64 x 128 for DeepSeek V3.2).
+            weights: float32 ``[T, Hi]`` per-head weights (the query's scale folded in).
+            index_cache: this rank's FP8 index-key cache, paged with ``block_table`` (layout: :mod:`dcp_ref.scoring`).
+            block_table: int ``[B, M]``.  req_of_token: int ``[T]``.  local_bounds: int ``[T]``.
+            geometry: the cache's geometry.  row_starts: optional int ``[T]`` (prefill).
+            out: optional float32 ``[T, L]``.
+        Returns:
+            float32 ``[T, L]``: ``sum_h w[t,h] * relu(q[t,h] . k[j]) * scale[j]`` at column ``row_starts[t] + j``
+            for ``j < local_bounds[t]``, ``-inf`` elsewhere.
+        """
+        ...
+
+
+class ScoredIndexerStage(Protocol):
+    def __call__(
+        self,
+        index_q: torch.Tensor,
+        weights: torch.Tensor,
+        index_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        req_of_token: torch.Tensor,
+        local_bounds: torch.Tensor,
+        geometry: DcpGeometry,
+        k: int,
+        *,
+        n_cols: int,
+        row_starts: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The scoring stage fused into the indexer: same result as the indexer over the scoring stage's
+        scores (float32 ``[T, k, 2]`` (score, global id) candidates), without writing the ``[T, L]`` scores.
+        ``n_cols``: ``L``, the width of the score matrix it stands for (keys past it are out of contract)."""
+        ...
+
+
+class SelectToSlotsStage(Protocol):
+    def __call__(
+        self,
+        gathered: torch.Tensor,
+        own_ids: torch.Tensor | None,
+        req_of_token: torch.Tensor,
+        block_table: torch.Tensor,
+        geometry: DcpGeometry,
+        k: int,
+        *,
+        order: str = "global_id",
+        out_slots: torch.Tensor | None = None,
+        out_counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's winners of the global top-``k``, straight to its KV slots (:mod:`dcp_ref.select_to_slots`).
+
+        Args:
+            gathered: ``order="global_id"``: float32 ``[W, T, K, 2]`` (score, global id); ``"rank_local"``:
+                float32 ``[W, T, K]`` scores (NaN = none), each rank's in ascending local-index order.
+            own_ids: ``"rank_local"``: int32 ``[T, K]`` local indices of this rank's own candidates; else ``None``.
+            req_of_token, block_table, geometry: as the de-interleave stage.  k: the global top-k.
+            out_slots: optional int32 ``[T, k]``.  out_counts: optional int32 ``[T]``.
+        Returns:
+            ``(slots int32 [T, k], counts int32 [T])``: this rank's winners' slots first, ``-1`` after. Over
+            all ranks, exactly the global top-k of ``order`` — no slot dropped or duplicated.
+        """
+        ...
+
+
+class GuardStage(Protocol):
+    def __call__(
+        self,
+        partial: torch.Tensor,
+        lse: torch.Tensor,
+        local_bounds: torch.Tensor,
+        req_of_token: torch.Tensor,
+        block_table: torch.Tensor,
+        geometry: DcpGeometry,
+        n_cols: int,
+        *,
+        row_starts: torch.Tensor | None = None,
+    ) -> None:
+        """Poison, in place, the tokens whose metadata is out of contract (:mod:`dcp_ref.guard`)."""
+        ...
+
+
+class CombineStage(Protocol):
+    def __call__(
+        self,
+        outs: torch.Tensor,
+        lses: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        out_lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge the ``W`` partials of this rank's heads (after the all-to-all).
+
+        Args:
+            outs: ``[W, T, H/W, v]`` (any strides): rank ``w``'s partial output for this rank's heads.
+            lses: ``[W, T, H/W]`` base e (any strides).  out: optional ``[T, H/W, v]``.  out_lse: optional ``[T, H/W]``.
+        Returns:
+            ``(out [T, H/W, v], lse [T, H/W])``: the LSE-weighted merge; an empty rank (``lse = -inf``) adds
+            exactly 0; a NaN or ``+inf`` LSE is corrupt and gives NaN.
+        """
+        ...
+
+
 # ---- helpers ---------------------------------------------------------------------------------------
 def write_into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``result`` copied into ``out`` when a buffer is given (cast to its dtype), else ``result``."""
@@ -306,6 +573,27 @@ def named_impl(name: str) -> Callable[[_F], _F]:
 # no .item(), no sync), so that a step on the reference stays capture-safe; the step's own
 # ``validate=True`` checks its inputs' values, and the public functions validate by default.
 @named_impl("torch")
+def reference_scoring(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_of_token: torch.Tensor,
+    local_bounds: torch.Tensor,
+    geometry: DcpGeometry,
+    *,
+    row_starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`dcp_ref.scoring.index_scores` (dequantized, float32)."""
+    from .scoring import reference_scoring as scoring
+
+    return scoring(
+        index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts=row_starts, out=out
+    )
+
+
+@named_impl("torch")
 def reference_indexer(
     scores: torch.Tensor,
     lengths: torch.Tensor,
@@ -314,11 +602,46 @@ def reference_indexer(
     *,
     row_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`dcp_ref.indexer.local_topk` then :func:`dcp_ref.topk.pack_candidates`."""
+    order: str = "global_id",
+    out_ids: torch.Tensor | None = None,
+) -> Any:
+    """:func:`dcp_ref.indexer.local_topk` then :func:`dcp_ref.topk.pack_candidates` (``order="global_id"``), or
+    :func:`dcp_ref.indexer.reference_indexer_rank_local` (``"rank_local"``: scores and local ids apart)."""
     g = geometry
+    if order == "rank_local":
+        from .indexer import reference_indexer_rank_local
+
+        return reference_indexer_rank_local(scores, lengths, g, k, row_starts=row_starts, out=out, out_ids=out_ids)
+    if order != "global_id":
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     ids = local_topk(scores, k, lengths, row_starts, validate=False)
     return write_into(pack_candidates(scores, ids, g.rank, g.world_size, g.interleave, row_starts, validate=False), out)
+
+
+@named_impl("torch")
+def reference_scored_indexer(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_of_token: torch.Tensor,
+    local_bounds: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    n_cols: int,
+    row_starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference of the fused stage: :func:`reference_scoring` then :func:`reference_indexer` (it writes the
+    scores; the kernels' fused stage does not)."""
+    from .scoring import reference_scoring as scoring
+
+    # The score matrix this reference writes (the kernels' fused stage never does) is n_cols wide: the planned L.
+    scores = torch.empty((local_bounds.shape[0], n_cols), dtype=torch.float32, device=local_bounds.device)
+    scoring(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts=row_starts,
+            out=scores)  # fmt: skip
+    return reference_indexer(scores, local_bounds, geometry, k, row_starts=row_starts, out=out)
 
 
 @named_impl("torch")
@@ -405,6 +728,57 @@ def reference_merge(
     return write_into(corrected, out), write_into(merged, out_lse)
 
 
+@named_impl("torch")
+def reference_select_to_slots(
+    gathered: torch.Tensor,
+    own_ids: torch.Tensor | None,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    order: str = "global_id",
+    out_slots: torch.Tensor | None = None,
+    out_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dcp_ref.select_to_slots.select_to_slots` (either order)."""
+    from .select_to_slots import reference_select_to_slots as fn
+
+    return fn(gathered, own_ids, req_of_token, block_table, geometry, k, order=order, out_slots=out_slots,
+              out_counts=out_counts)  # fmt: skip
+
+
+@named_impl("torch")
+def reference_guard(
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    local_bounds: torch.Tensor,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    n_cols: int,
+    *,
+    row_starts: torch.Tensor | None = None,
+) -> None:
+    """:func:`dcp_ref.guard.reference_guard` (torch ops on the device, no host read)."""
+    from .guard import reference_guard as fn
+
+    fn(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts)
+
+
+@named_impl("torch")
+def reference_combine(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dcp_ref.lse.merge_partials` over the ``W`` received partials (float64 weights)."""
+    merged, lse = merge_partials(outs, lses, "e", validate=False)
+    return write_into(merged, out), write_into(lse, out_lse)
+
+
 def compose_indexer(
     select_local: Callable[..., torch.Tensor], pack: Callable[..., torch.Tensor], name: str | None = None
 ) -> IndexerStage:
@@ -442,25 +816,35 @@ class Stages:
     """One implementation per stage (see the module docstring and each stage's ``Protocol``).
 
     Attributes:
-        indexer, select, deinterleave, attention, merge: the stage callables.
+        scoring, scored_indexer, indexer, select, deinterleave, select_to_slots, attention, guard, merge, combine:
+            the stage callables (:data:`STAGE_NAMES`); a step calls the ones its :class:`StepSpec` needs.
         attention_layout: ``"compact"`` or ``"masked"`` (see :data:`ATTENTION_LAYOUTS`): what the
             attention stage reads, hence whether the step asks the de-interleave stage to compact.
         partial_dtype: the dtype of the attention stage's output buffer for a query dtype (a kernel
             writes bf16 for bf16 queries; the reference keeps the query dtype).
-        prepare: optional hook ``prepare(spec)`` run once at plan time (compile and warm kernels); the
-            step calls it under :data:`dcp_ref.step.PLAN_LOCK` (CuTeDSL compilation is not thread-safe).
+        prepare: optional hook ``prepare(spec)`` run once at plan time (compile and warm kernels, choose a
+            kernel per shape); the step calls it under :data:`dcp_ref.step.PLAN_LOCK` (CuTeDSL compilation is
+            not thread-safe). It may return a :class:`Stages` to plan with instead (e.g. the faster attention
+            for this shape), or ``None``.
         name: a label for the set.
         notes: why each stage runs what it runs (e.g. a kernel's fallback reason), for the trace.
+
+    Every stage field is checked when the value is built (a callable); :meth:`with_` checks the rest.
     """
 
+    scoring: ScoringStage = reference_scoring
+    scored_indexer: ScoredIndexerStage = reference_scored_indexer
     indexer: IndexerStage = reference_indexer
     select: SelectStage = reference_select
     deinterleave: DeinterleaveStage = reference_deinterleave
+    select_to_slots: SelectToSlotsStage = reference_select_to_slots
     attention: AttentionStage = reference_attention
+    guard: GuardStage = reference_guard
     merge: MergeStage = reference_merge
+    combine: CombineStage = reference_combine
     attention_layout: str = "compact"
     partial_dtype: Callable[[torch.dtype], torch.dtype] = field(default=lambda d: d)
-    prepare: Callable[[StepSpec], None] | None = None
+    prepare: Callable[[StepSpec], Stages | None] | None = None
     name: str = "reference"
     notes: tuple[tuple[str, str], ...] = ()
 
@@ -470,9 +854,22 @@ class Stages:
                 raise TypeError(f"{stage} must be callable, got {type(getattr(self, stage)).__name__}")
         if self.attention_layout not in ATTENTION_LAYOUTS:
             raise ValueError(f"attention_layout must be one of {ATTENTION_LAYOUTS}, got {self.attention_layout!r}")
+        if not callable(self.partial_dtype):
+            raise TypeError(f"partial_dtype must be callable, got {type(self.partial_dtype).__name__}")
+        if self.prepare is not None and not callable(self.prepare):
+            raise TypeError(f"prepare must be callable or None, got {type(self.prepare).__name__}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {type(self.name).__name__}")
+        if not isinstance(self.notes, tuple) or not all(
+            isinstance(n, tuple) and len(n) == 2 and all(isinstance(x, str) for x in n) for n in self.notes
+        ):
+            raise TypeError("notes must be a tuple of (stage, reason) string pairs")
 
     def with_(self, **stages: Any) -> Stages:
-        """A copy with some stages (or ``attention_layout``, ``partial_dtype``, ``prepare``, ``name``) replaced."""
+        """A copy with some stages (or ``attention_layout``, ``partial_dtype``, ``prepare``, ``name``) replaced.
+
+        Every value is checked here, when the copy is built (a stage that is not callable, an unknown
+        layout), not when the step first calls it."""
         unknown = set(stages) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"unknown stage(s) {sorted(unknown)}; stages are {STAGE_NAMES}")
@@ -480,9 +877,9 @@ class Stages:
             stages["name"] = f"{self.name}+custom"
         return dataclasses.replace(self, **stages)
 
-    def impls(self) -> dict[str, str]:
-        """``{stage: implementation name}`` in step order (what ``trace["impl"]`` records)."""
-        return {stage: impl_name(getattr(self, stage)) for stage in STAGE_NAMES}
+    def impls(self, names: tuple[str, ...] = STAGE_NAMES) -> dict[str, str]:
+        """``{stage: implementation name}`` for ``names`` (default: every stage), in step order."""
+        return {stage: impl_name(getattr(self, stage)) for stage in names}
 
 
 #: The plain-PyTorch reference of every stage (float64 attention over a native-format cache).

@@ -1,24 +1,32 @@
-"""The planned decode step: plan once, run many times, capture whole in a CUDA graph.
+"""The planned decode layer: plan once, run many times, capture whole in a CUDA graph.
 
 Why a plan: a decode step runs once per layer per token (61 layers for DeepSeek V3). Everything
 that does not change between those calls — the geometry, the largest batch, the head geometry,
 every intermediate buffer, the compiled kernels, the collectives' buffers — is fixed once by
 :class:`PlannedStep`; its :meth:`~PlannedStep.run` then makes **no host synchronisation** and, with
 allocation-free stages (the kernels of :mod:`dcp_ref.kernels`), **no allocation**, so the whole run,
-NCCL collectives included, can be captured in one CUDA graph (:meth:`~PlannedStep.capture`) and
+collectives included, can be captured in one CUDA graph (:meth:`~PlannedStep.capture`) and
 replayed per layer. Checks that need tensor values on the host happen only with ``validate=True``.
 
-One run on rank ``r`` (shapes for ``T`` query tokens, ``H`` heads, ``k`` = top-k, ``W`` ranks)::
+One run on rank ``r`` of ``W`` (``T`` query tokens, ``H`` heads, ``k`` = top-k; the
+:class:`~dcp_ref.stages.StepSpec` chooses the layout, the exchange and the combine)::
 
-    (ownership    seq_lens, next_n -> local bound per token [T]: once per decode step, in StepMetadata)
-    indexer       index_scores [T, L] -> packed (score, id) [T, k, 2]
-    all-gather    -> gathered [W, T, k, 2]
-    select        -> global ids [T, k]
-    deinterleave  -> slots [T, k], counts [T]                  (compacted unless the attention masks)
-    attention     q [T, H, D] over kv_cache[slots] -> partial [T, H, v], lse [T, H] (base e)
-    all-gather    -> all_lse [W, T, H]
-    merge         -> corrected [T, H, v], merged lse [T, H]
-    reduce-scatter over heads -> out [T, H/W, v], lse [T, H/W]
+    (ownership      seq_lens, next_n -> local bound per token [T]: once per decode step, in StepMetadata)
+    query gather    q [T, H/W, D] -> all-gather over heads -> [T, H, D]      (dcp with q_replicate=False)
+    scoring         index_q, index_weights x shard.index_cache -> scores [T, L]   (spec.scoring; else the
+                    shard's precomputed index_scores; spec.scoring.fused: inside the indexer)
+    indexer         scores -> candidates: (score, id) [T, k, 2], or scores [T, k] + local ids ("rank_local")
+    all-gather      -> gathered [W, T, k, 2] / [W, T, k]                      (W > 1)
+    exchange        "allgather": select -> ids [T, k], deinterleave -> slots [T, k], counts [T]
+                    "owner":     select_to_slots -> this rank's slots [T, k], counts [T]
+    attention       q over kv_cache[slots] -> partial [T, Ha, v], lse [T, Ha] (base e; Ha = H, or H/W for tp)
+    guard           tokens with out-of-contract metadata -> NaN (dcp_ref.guard)
+    combine         "reduce_scatter": all-gather LSEs, merge, reduce-scatter over heads
+                    "alltoall": one all-to-all of partials + LSEs, combine W partials of H/W heads
+                    -> out [T, H/W, v], lse [T, H/W]
+
+``layout="tp"`` is tensor parallelism with the same stages: every rank holds the whole context and
+``H/W`` heads; no query gather, nothing exchanged, no combine (``W = 1`` for the cache).
 
 Usage::
 
@@ -33,21 +41,23 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._checks import INT_DTYPES, check_tensor
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_tensor
 from .fp8_cache import FP8_DS_MLA
 from .geometry import DcpGeometry
 from .group import Group
 from .ownership import localize_decode_bounds, localize_prefill_chunk
-from .stages import REFERENCE_STAGES, Stages, StepSpec, kv_format_of, resolve_stages
+from .stages import REFERENCE_STAGES, Stages, StepSpec, impl_name, kv_format_of, resolve_stages
 
 __all__ = [
     "PLAN_LOCK",
+    "RankShard",
     "StepMetadata",
     "decode_metadata",
     "prefill_metadata",
@@ -60,6 +70,32 @@ __all__ = [
 #: Planning (kernel compilation in ``Stages.prepare``) runs under this lock: CuTeDSL compilation is
 #: not thread-safe, and the ranks of a :class:`~dcp_ref.group.SimulatedWorld` are threads.
 PLAN_LOCK = threading.RLock()
+
+
+@dataclass
+class RankShard:
+    """What one rank holds for one layer.
+
+    Attributes:
+        kv_cache: the paged local KV: float ``[num_blocks * block_size, D]`` (slot-major), or an FP8 cache
+            (:mod:`dcp_ref.fp8_cache`, 656 bytes per token).
+        block_table: int32 ``[B, max_blocks]`` — physical block of each request's local block ``j``
+            (``-1`` past the request's blocks). The FP8 index keys share it.
+        index_scores: float32 ``[T, L]`` — precomputed indexer scores of this rank's keys for every query
+            token (column = local index; garbage past the token's local bound), or ``None`` when the step
+            scores the index keys itself (``StepSpec.scoring``).
+        geometry: the :class:`~dcp_ref.geometry.DcpGeometry` the shard was built for (the cache's: for the
+            ``"tp"`` layout one rank, the whole context). A step checks it against its own, so a shard of
+            one geometry is never run with another.
+        index_cache: this rank's FP8 index-key cache (:mod:`dcp_ref.scoring`), paged with ``block_table``, or
+            ``None`` (precomputed scores).
+    """
+
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    index_scores: torch.Tensor | None = None
+    geometry: DcpGeometry | None = None
+    index_cache: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -192,22 +228,37 @@ def _view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
     return flat[:n].view(*shape)
 
 
+def _align16(nbytes: int) -> int:
+    return (nbytes + 15) // 16 * 16
+
+
 @dataclass(frozen=True)
 class _RunViews:
-    """One run's views of a :class:`PlannedStep`'s flat buffers, for one token count."""
+    """One run's views of a :class:`PlannedStep`'s flat buffers, for one token count (``None``: not planned)."""
 
-    packed: torch.Tensor
-    gathered: torch.Tensor
-    ids: torch.Tensor
+    q_gathered: torch.Tensor | None  # [W, T, H/W, D]   query gather
+    q_full: torch.Tensor | None  # [T, H, D]           query gather, T > 1 (the transpose)
+    scores: torch.Tensor | None  # [T, L]              scoring, unfused
+    packed: torch.Tensor  # [T, k, 2] (global_id) or [T, k] scores (rank_local)
+    own_ids: torch.Tensor | None  # [T, k]             rank_local
+    gathered: torch.Tensor | None  # [W, T, k, (2)]    W > 1
+    ids: torch.Tensor | None  # [T, k]                 exchange "allgather"
     slots: torch.Tensor
     counts: torch.Tensor
-    partial: torch.Tensor
-    lse: torch.Tensor
-    all_lse: torch.Tensor
-    corrected: torch.Tensor
-    merged_lse: torch.Tensor
-    send: torch.Tensor
-    out: torch.Tensor
+    partial: torch.Tensor  # [T, Ha, v]
+    lse: torch.Tensor  # [T, Ha]
+    all_lse: torch.Tensor | None  # [W, T, H]          reduce_scatter
+    corrected: torch.Tensor | None  # [T, H, v]        reduce_scatter
+    merged_lse: torch.Tensor | None  # [T, H]          reduce_scatter
+    send: torch.Tensor | None  # [W, T, H/W, v]        reduce_scatter (the head-major copy)
+    send_bytes: torch.Tensor | None  # uint8 [W, chunk] alltoall
+    recv_bytes: torch.Tensor | None  # uint8 [W, chunk] alltoall
+    send_out: torch.Tensor | None  # [W, T, H/W, v]    views into send_bytes
+    send_lse: torch.Tensor | None  # [W, T, H/W]
+    recv_out: torch.Tensor | None  # [W, T, H/W, v]    views into recv_bytes
+    recv_lse: torch.Tensor | None  # [W, T, H/W]
+    out: torch.Tensor | None  # [T, H/W, v]
+    out_lse: torch.Tensor | None  # [T, H/W]           alltoall
 
 
 def _all_gather_into(group: Group, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -224,12 +275,83 @@ def _reduce_scatter_into(group: Group, x: torch.Tensor, out: torch.Tensor) -> to
         return out.copy_(group.reduce_scatter(x, 0))
 
 
+def _check_group(group: object, needs_all_to_all: bool) -> None:
+    """A group must look like :class:`~dcp_ref.group.Group` (checked once, at plan time)."""
+    for attr in ("rank", "world_size"):
+        v = getattr(group, attr, None)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"group must be a dcp_ref.group.Group (an int {attr} and collectives), got {group!r}")
+    need = ["all_gather", "reduce_scatter"] + (["all_to_all"] if needs_all_to_all else [])
+    for name in need:
+        if not callable(getattr(group, name, None)):
+            raise TypeError(f"group must be a dcp_ref.group.Group with a callable {name}(), got {type(group).__name__}")
+
+
+#: Keywords the step passes to each stage (a custom stage without them is refused at plan time, by name).
+_STAGE_KEYWORDS: dict[str, tuple[str, ...]] = {
+    "scoring": ("row_starts", "out"),
+    "scored_indexer": ("n_cols", "row_starts", "out"),
+    "indexer": ("row_starts", "out"),
+    "select": ("out",),
+    "deinterleave": ("compact", "out_slots", "out_counts"),
+    "select_to_slots": ("order", "out_slots", "out_counts"),
+    "attention": ("out", "out_lse"),
+    "guard": ("row_starts",),
+    "merge": ("out", "out_lse"),
+    "combine": ("out", "out_lse"),
+}
+
+
+def _check_stage_keywords(stage: str, fn: Any, extra: tuple[str, ...] = ()) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or an object inspect cannot read: trust it
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [kw for kw in _STAGE_KEYWORDS[stage] + extra if kw not in params]
+    if missing:
+        raise TypeError(
+            f"stage {stage!r} ({impl_name(fn)}) must accept the keyword argument(s) {missing}: the planned step "
+            "passes its buffers and options by keyword (see its Protocol in dcp_ref.stages)"
+        )
+
+
+def _result(stage: str, fn: Any, got: object, like: torch.Tensor, name: str = "") -> torch.Tensor:
+    """What a stage returned, checked against its buffer's shape and dtype (cheap: no values read)."""
+    if got is like:
+        return like
+    if not isinstance(got, torch.Tensor):
+        raise TypeError(f"stage {stage!r} ({impl_name(fn)}) returned {type(got).__name__}{name}, expected a tensor")
+    if got.shape != like.shape or got.dtype != like.dtype:
+        raise ValueError(
+            f"stage {stage!r} ({impl_name(fn)}) returned{name} shape {tuple(got.shape)} / {got.dtype}, "
+            f"expected {tuple(like.shape)} / {like.dtype}"
+        )
+    return got
+
+
+def _pair(
+    stage: str, fn: Any, got: object, like: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(got, tuple) or len(got) != 2:
+        raise TypeError(f"stage {stage!r} ({impl_name(fn)}) must return a pair of tensors, got {type(got).__name__}")
+    return _result(stage, fn, got[0], like[0], " [0]"), _result(stage, fn, got[1], like[1], " [1]")
+
+
+def _num_slots(cache: torch.Tensor) -> int:
+    """Rows (token slots) of a paged cache ``[S, row]`` or ``[blocks, block_size, (1,) row]``."""
+    return cache.numel() // max(cache.shape[-1], 1) if cache.ndim else 0
+
+
 class PlannedStep:
-    """One rank's DCP decode step, planned for a :class:`~dcp_ref.stages.StepSpec`.
+    """One rank's decode layer, planned for a :class:`~dcp_ref.stages.StepSpec`.
 
     Args:
-        group: this rank's group; its ``world_size`` / ``rank`` must equal the spec's geometry.
-        spec: what to plan for (geometry, largest ``T``, top-k, heads, dims, dtype, device, ...).
+        group: this rank's group; its ``world_size`` / ``rank`` must equal the spec's geometry
+            (``layout="tp"``: the TP group; the step calls no collective).
+        spec: what to plan for (geometry, largest ``T``, top-k, heads, dims, dtype, device, layout,
+            exchange, combine, query input, scoring).
         stages: the implementation of each stage (default: the reference).
         validate: check tensor *values* on every run (host reads: not capturable). Shapes, dtypes,
             devices and the shard's geometry are always checked (host-side, no sync).
@@ -246,88 +368,195 @@ class PlannedStep:
             raise TypeError(f"spec must be a StepSpec, got {type(spec).__name__}")
         if not isinstance(stages, Stages):
             raise TypeError(f"stages must be a dcp_ref.stages.Stages, got {type(stages).__name__}")
-        g = spec.geometry
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+        g, cg = spec.geometry, spec.cache_geometry
+        W, Wc = g.world_size, cg.world_size  # the group's ranks; the ranks the cache is split over
+        _check_group(group, needs_all_to_all=spec.combine == "alltoall" and Wc > 1)
         if (group.world_size, group.rank) != (g.world_size, g.rank):
             raise ValueError(
                 f"group (world_size={group.world_size}, rank={group.rank}) does not match spec.geometry "
                 f"(world_size={g.world_size}, rank={g.rank})"
             )
-        self.group, self.spec, self.stages, self.validate = group, spec, stages, bool(validate)
+        self.group, self.spec, self.validate = group, spec, validate
         with PLAN_LOCK:
             if stages.prepare is not None:
-                stages.prepare(spec)
-        W, T, k, H, v, dev = g.world_size, spec.max_tokens, spec.topk, spec.num_heads, spec.v_dim, spec.device
+                chosen = stages.prepare(spec)
+                if chosen is not None:
+                    if not isinstance(chosen, Stages):
+                        raise TypeError(f"stages.prepare must return a Stages or None, got {type(chosen).__name__}")
+                    stages = chosen
+        self.stages = stages
+        self._used = self._stages_used()
+        for stage in self._used:
+            _check_stage_keywords(stage, getattr(stages, stage), ("order", "out_ids") if self._rank_local_indexer(
+                stage) else ())  # fmt: skip
+        T, k, H, v, dev = spec.max_tokens, spec.topk, spec.num_heads, spec.v_dim, spec.device
+        Hs, Ha, D = spec.heads_per_rank, spec.attention_heads, spec.head_dim
         pdt = stages.partial_dtype(spec.dtype)
         f32, i32 = torch.float32, torch.int32
+        # LSEs in float32 (what kernels write), float64 when the partials are (the reference oracle path).
+        self._lse_dtype = ldt = torch.float64 if pdt == torch.float64 else f32
+        self._partial_dtype = pdt
 
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(n, dtype=dtype, device=dev)
 
-        # Flat buffers, viewed per run as [T, ...] with T <= max_tokens (contiguous either way).
-        self._packed = buf(T * k * 2, f32)
-        # At W = 1 the all-gathers are the identity: their results are views of packed / lse (no buffer, no copy).
-        self._gathered = buf(W * T * k * 2 if W > 1 else 0, f32)
-        self._ids = buf(T * k, i32)
+        gather_q = spec.layout == "dcp" and not spec.q_replicate and W > 1
+        rank_local = spec.order == "rank_local"
+        sc = spec.scoring
+        # Flat buffers, viewed per run as [T, ...] with T <= max_tokens (contiguous either way). Only what this
+        # spec's stages use is allocated; at Wc = 1 the all-gathers are the identity (views, no buffer).
+        self._q_gathered = buf(W * T * Hs * D, spec.dtype) if gather_q else None
+        # At T = 1 the gathered [W, 1, H/W, D] already is [1, H, D] in memory: no transpose buffer.
+        self._q_full = buf(T * H * D, spec.dtype) if gather_q and T > 1 else None
+        self._scores = buf(T * sc.max_keys, f32) if sc is not None and not sc.fused else None
+        self._packed = buf(T * k * (1 if rank_local else 2), f32)
+        self._own_ids = buf(T * k, i32) if rank_local else None
+        self._gathered = buf(Wc * T * k * (1 if rank_local else 2), f32) if Wc > 1 else None
+        self._ids = buf(T * k, i32) if spec.exchange == "allgather" else None
         self._slots = buf(T * k, i32)
         self._counts = buf(T, i32)
-        self._partial = buf(T * H * v, pdt)
-        # LSEs in float32 (what kernels write), float64 when the partials are (the reference oracle path).
-        ldt = torch.float64 if pdt == torch.float64 else f32
-        self._lse = buf(T * H, ldt)
-        self._all_lse = buf(W * T * H if W > 1 else 0, ldt)
-        self._corrected = buf(T * H * v, pdt)
-        self._merged_lse = buf(T * H, ldt)
-        self._send = buf(T * H * v, pdt)
-        self._out = buf(T * (H // W) * v, pdt)
-        self.impls = stages.impls()
+        self._partial = buf(T * Ha * v, pdt)
+        self._lse = buf(T * Ha, ldt)
+        rs = Wc > 1 and spec.combine == "reduce_scatter"
+        a2a = Wc > 1 and spec.combine == "alltoall"
+        self._all_lse = buf(W * T * H, ldt) if rs else None
+        self._corrected = buf(T * H * v, pdt) if rs else None
+        self._merged_lse = buf(T * H, ldt) if rs else None
+        self._send = buf(T * H * v, pdt) if rs else None
+        self._out = buf(T * Hs * v, pdt) if Wc > 1 else None
+        self._out_lse = buf(T * Hs, ldt) if a2a else None
+        # The all-to-all moves one byte buffer: per destination rank, its heads' partial outputs then their
+        # LSEs (one collective instead of two; each part 16-byte aligned so that any dtype views it).
+        self._send_bytes = buf(W * self._chunk_bytes(T), torch.uint8) if a2a else None
+        self._recv_bytes = buf(W * self._chunk_bytes(T), torch.uint8) if a2a else None
+        self.impls = stages.impls(self._used)
         self._views_by_t: dict[int, _RunViews] = {}
+
+    # ------------------------------------------------------------------------------------------
+    def _rank_local_indexer(self, stage: str) -> bool:
+        return stage == "indexer" and self.spec.order == "rank_local"
+
+    def _stages_used(self) -> tuple[str, ...]:
+        """The stages a run of this spec calls, in the order it calls them."""
+        s = self.spec
+        used: list[str] = []
+        if s.scoring is not None:
+            used.append("scored_indexer" if s.scoring.fused else "scoring")
+        if s.scoring is None or not s.scoring.fused:
+            used.append("indexer")
+        used += ["select_to_slots"] if s.exchange == "owner" else ["select", "deinterleave"]
+        used += ["attention", "guard"]
+        if s.cache_geometry.world_size > 1:
+            used.append("merge" if s.combine == "reduce_scatter" else "combine")
+        return tuple(used)
+
+    def _chunk_bytes(self, T: int) -> int:
+        s = self.spec
+        Hs, v = s.heads_per_rank, s.v_dim
+        return _align16(T * Hs * v * self._partial_dtype.itemsize) + _align16(T * Hs * self._lse_dtype.itemsize)
 
     def _views(self, T: int) -> _RunViews:
         """The ``[T, ...]`` views of the flat buffers, made once per ``T`` (a view costs host time every run)."""
         got = self._views_by_t.get(T)
-        if got is None:
-            g, s = self.spec.geometry, self.spec
-            W, k, H, v = g.world_size, s.topk, s.num_heads, s.v_dim
-            hs = H // W
-            got = self._views_by_t[T] = _RunViews(
-                packed=_view(self._packed, T, k, 2),
-                gathered=_view(self._gathered, W, T, k, 2) if W > 1 else self._gathered,  # W = 1: unused (empty)
-                ids=_view(self._ids, T, k),
-                slots=_view(self._slots, T, k),
-                counts=_view(self._counts, T),
-                partial=_view(self._partial, T, H, v),
-                lse=_view(self._lse, T, H),
-                all_lse=_view(self._all_lse, W, T, H) if W > 1 else self._all_lse,
-                corrected=_view(self._corrected, T, H, v),
-                merged_lse=_view(self._merged_lse, T, H),
-                send=_view(self._send, W, T, hs, v),
-                out=_view(self._out, T, hs, v),
-            )
+        if got is not None:
+            return got
+        s, g = self.spec, self.spec.geometry
+        W, Wc, k, H, v, D = g.world_size, s.cache_geometry.world_size, s.topk, s.num_heads, s.v_dim, s.head_dim
+        Hs, Ha = s.heads_per_rank, s.attention_heads
+        rank_local = s.order == "rank_local"
+        pair = () if rank_local else (2,)
+
+        def opt(flat: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
+            return None if flat is None else _view(flat, *shape)
+
+        send_out = send_lse = recv_out = recv_lse = send_bytes = recv_bytes = None
+        if self._send_bytes is not None and self._recv_bytes is not None:
+            chunk = self._chunk_bytes(T)
+            ob = T * Hs * v * self._partial_dtype.itemsize
+            lo = _align16(ob)
+            lb = T * Hs * self._lse_dtype.itemsize
+            send_bytes = _view(self._send_bytes, W, chunk)
+            recv_bytes = _view(self._recv_bytes, W, chunk)
+            send_out = send_bytes[:, :ob].view(self._partial_dtype).view(W, T, Hs, v)
+            recv_out = recv_bytes[:, :ob].view(self._partial_dtype).view(W, T, Hs, v)
+            send_lse = send_bytes[:, lo : lo + lb].view(self._lse_dtype).view(W, T, Hs)
+            recv_lse = recv_bytes[:, lo : lo + lb].view(self._lse_dtype).view(W, T, Hs)
+        got = self._views_by_t[T] = _RunViews(
+            q_gathered=opt(self._q_gathered, W, T, Hs, D),
+            q_full=opt(self._q_full, T, H, D),
+            scores=opt(self._scores, T, s.scoring.max_keys) if s.scoring is not None else None,
+            packed=_view(self._packed, T, k, *pair),
+            own_ids=opt(self._own_ids, T, k),
+            gathered=opt(self._gathered, Wc, T, k, *pair),
+            ids=opt(self._ids, T, k),
+            slots=_view(self._slots, T, k),
+            counts=_view(self._counts, T),
+            partial=_view(self._partial, T, Ha, v),
+            lse=_view(self._lse, T, Ha),
+            all_lse=opt(self._all_lse, W, T, H),
+            corrected=opt(self._corrected, T, H, v),
+            merged_lse=opt(self._merged_lse, T, H),
+            send=opt(self._send, W, T, Hs, v),
+            send_bytes=send_bytes,
+            recv_bytes=recv_bytes,
+            send_out=send_out,
+            send_lse=send_lse,
+            recv_out=recv_out,
+            recv_lse=recv_lse,
+            out=opt(self._out, T, Hs, v),
+            out_lse=opt(self._out_lse, T, Hs),
+        )
         return got
 
     # ------------------------------------------------------------------------------------------
-    def _check_run(self, q: torch.Tensor, shard: Any, meta: StepMetadata) -> int:
-        s, g = self.spec, self.spec.geometry
+    def _n_cols(self, shard: Any) -> int:
+        """Columns of the index scores the indexer reads (the planned L, or the shard's precomputed scores)."""
+        sc = self.spec.scoring
+        return sc.max_keys if sc is not None else int(shard.index_scores.shape[1])
+
+    def _check_run(self, q: torch.Tensor, shard: Any, meta: StepMetadata, index_q: Any, index_weights: Any) -> int:
+        s = self.spec
+        cg = s.cache_geometry
         check_tensor(q, "q", dtypes=(s.dtype,), ndim=3, device=s.device)
         T, H, D = q.shape
-        if not 1 <= T <= s.max_tokens or (H, D) != (s.num_heads, s.head_dim):
+        if not 0 <= T <= s.max_tokens or (H, D) != (s.query_heads, s.head_dim):
+            whose = " (this rank's H/W heads)" if s.query_heads != s.num_heads else ""
             raise ValueError(
-                f"q must be [T, {s.num_heads}, {s.head_dim}] with 1 <= T <= max_tokens={s.max_tokens}, "
+                f"q must be [T, {s.query_heads}, {s.head_dim}] with 0 <= T <= max_tokens={s.max_tokens}{whose}, "
                 f"got {tuple(q.shape)}"
             )
-        sg = getattr(shard, "geometry", None)
+        if not isinstance(shard, RankShard):
+            raise TypeError(f"shard must be a dcp_ref.step.RankShard, got {type(shard).__name__}")
+        sg = shard.geometry
         if not isinstance(sg, DcpGeometry):
             raise ValueError("shard.geometry must be the DcpGeometry the shard was built for (a RankShard field)")
-        if sg != g:
-            raise ValueError(f"shard.geometry {sg} does not match the planned geometry {g}")
+        if sg != cg:
+            what = "the planned geometry" if s.layout == "dcp" else "the tp layout's unsharded cache geometry"
+            raise ValueError(f"shard.geometry {sg} does not match {what} {cg}")
         check_tensor(shard.kv_cache, "shard.kv_cache", ndim=(2, 3, 4), device=s.device)
         check_tensor(shard.block_table, "shard.block_table", dtypes=INT_DTYPES, ndim=2, device=s.device)
-        check_tensor(shard.index_scores, "shard.index_scores", dtypes=(torch.float32,), ndim=2, device=s.device)
-        # The cache's row layout (576 values, or FP8's 656 bytes) is the attention stage's to check.
-        if shard.index_scores.shape[0] != T:
-            raise ValueError(
-                f"shard.index_scores must have one row per query token ({T}), got {tuple(shard.index_scores.shape)}"
-            )
+        if s.scoring is None:
+            scores = check_tensor(shard.index_scores, "shard.index_scores", dtypes=(torch.float32,), ndim=2,
+                                  device=s.device)  # fmt: skip
+            if scores.shape[0] != T:
+                raise ValueError(
+                    f"shard.index_scores must have one row per query token ({T}), got {tuple(scores.shape)}"
+                )
+        else:
+            sc = s.scoring
+            check_tensor(shard.index_cache, "shard.index_cache", ndim=(2, 3, 4), device=s.device)
+            fp8 = getattr(torch, "float8_e4m3fn", None)
+            check_tensor(index_q, "index_q", dtypes=(*FLOAT_DTYPES, *(() if fp8 is None else (fp8,))), ndim=3,
+                         device=s.device)  # fmt: skip
+            if tuple(index_q.shape) != (T, sc.index_heads, sc.index_dim):
+                raise ValueError(
+                    f"index_q must be [T={T}, {sc.index_heads}, {sc.index_dim}], got {tuple(index_q.shape)}"
+                )
+            check_tensor(index_weights, "index_weights", dtypes=(torch.float32,), ndim=2, device=s.device)
+            if tuple(index_weights.shape) != (T, sc.index_heads):
+                raise ValueError(f"index_weights must be [T={T}, {sc.index_heads}], got {tuple(index_weights.shape)}")
         if not isinstance(meta, StepMetadata):
             raise TypeError(f"meta must be a StepMetadata (see decode_metadata), got {type(meta).__name__}")
         for name in ("local_bounds", "req_of_token", "row_starts"):
@@ -337,114 +566,241 @@ class PlannedStep:
             check_tensor(t, f"meta.{name}", dtypes=INT_DTYPES, ndim=1, device=s.device)
             if t.shape[0] != T:
                 raise ValueError(f"meta.{name} must have one entry per query token ({T}), got {tuple(t.shape)}")
-        if self.validate:
+        if self.validate and T > 0:
             self._check_values(T, shard, meta)
         return T
 
     def _check_values(self, T: int, shard: Any, meta: StepMetadata) -> None:
-        """Value checks (host reads): only with ``validate=True``."""
-        g = self.spec.geometry
+        """Value checks (host reads): only with ``validate=True``. The guard's contract, as errors."""
+        g = self.spec.cache_geometry
+        bs = g.block_size
         local = meta.local_bounds.long()
         starts = meta.row_starts.long() if meta.row_starts is not None else torch.zeros_like(local)
-        if int(local.min()) < 0 or int(starts.min()) < 0:
-            raise ValueError("meta.local_bounds and meta.row_starts must be >= 0")
-        B = shard.block_table.shape[0]
-        if int(meta.req_of_token.min()) < 0 or int(meta.req_of_token.max()) >= B:
+        if int(local.min()) < 0:
+            raise ValueError(f"meta.local_bounds must be >= 0, found {int(local.min())}")
+        if int(starts.min()) < 0:
+            raise ValueError(f"meta.row_starts must be >= 0, found {int(starts.min())}")
+        B, M = shard.block_table.shape
+        req = meta.req_of_token.long()
+        if int(req.min()) < 0 or int(req.max()) >= B:
             raise ValueError(f"meta.req_of_token must lie in [0, {B}) (rows of shard.block_table)")
+        n_cols = self._n_cols(shard)
         need = int((starts + local).max())
-        if need > shard.index_scores.shape[1]:
+        if need > n_cols:
+            what = "spec.scoring.max_keys" if self.spec.scoring is not None else "shard.index_scores"
+            raise ValueError(f"{what} has {n_cols} columns, but a token's keys reach column {need}")
+        blocks_needed = (local + bs - 1) // bs
+        if int(blocks_needed.max()) > M:
             raise ValueError(
-                f"shard.index_scores has {shard.index_scores.shape[1]} columns, but a token's keys reach column {need}"
+                f"shard.block_table is too short: it has {M} columns, but a token's local length needs "
+                f"{int(blocks_needed.max())} "
+                f"blocks of block_size={bs} (was the shard built for another block_size or interleave than "
+                f"shard.geometry says?)"
             )
-        if meta.row_starts is None:  # decode: a request's local keys are [0, local bound) of its blocks
-            blocks_needed = (local + g.block_size - 1) // g.block_size
-            have = (shard.block_table >= 0).sum(1)[meta.req_of_token.long()]
-            if bool((blocks_needed > have).any()):
-                raise ValueError(
-                    "shard.block_table is too short for a token's local length (a selected key has no block)"
-                )
+        rows = shard.block_table[req].long()  # [T, M]
+        j = torch.arange(M, device=rows.device)
+        missing = (rows < 0) & (j[None, :] < blocks_needed[:, None])
+        if bool(missing.any()):
+            raise ValueError(
+                "shard.block_table is missing a block of a token's local keys (an entry < 0 below its local length;"
+                f" block_size={bs}, interleave={g.interleave}): a selected key would have no KV row"
+            )
+        if M and B:
+            top = int(shard.block_table.max())
+            if top >= 0:
+                last_slot = (top + 1) * bs - 1
+                if last_slot >= 2**31:
+                    raise ValueError(f"shard.block_table holds block {top}: its slots exceed int32 (block_size={bs})")
+                for name in ("kv_cache", "index_cache"):
+                    cache = getattr(shard, name)
+                    if cache is None or (name == "index_cache" and self.spec.scoring is None):
+                        continue
+                    rows_n = self._cache_slots(name, cache)
+                    if last_slot >= rows_n:
+                        raise ValueError(
+                            f"shard.{name} has {rows_n} slots, but shard.block_table names block {top} (slots up to "
+                            f"{last_slot}, block_size={bs})"
+                        )
 
+    def _cache_slots(self, name: str, cache: torch.Tensor) -> int:
+        if name == "kv_cache":
+            return _num_slots(cache)
+        from .scoring import index_cache_slots
+
+        return index_cache_slots(cache, self.spec.cache_geometry.block_size)
+
+    # ------------------------------------------------------------------------------------------
     def run(
-        self, q: torch.Tensor, shard: Any, meta: StepMetadata, *, trace: dict | None = None
+        self,
+        q: torch.Tensor,
+        shard: Any,
+        meta: StepMetadata,
+        *,
+        index_q: torch.Tensor | None = None,
+        index_weights: torch.Tensor | None = None,
+        trace: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the step on this rank (collectives included).
+        """Run the layer on this rank (collectives included).
 
         Args:
-            q: ``[T, H, Dqk]`` in ``spec.dtype``, ``T <= spec.max_tokens``.
-            shard: this rank's :class:`~dcp_ref.pipeline.RankShard` (``kv_cache [S, Dqk]``, ``block_table
-                int [B, M]``, ``index_scores float32 [T, L]``, ``geometry`` = the planned one).
-            meta: the step's :class:`StepMetadata`.
-            trace: if a dict, receives a copy of every intermediate and ``impl`` (stage -> implementation).
+            q: ``[T, spec.query_heads, Dqk]`` in ``spec.dtype``, ``T <= spec.max_tokens``: all ``H`` heads (dcp with
+                a replicated query), else this rank's ``H/W`` heads (heads ``[r*H/W, (r+1)*H/W)``).
+            shard: this rank's :class:`RankShard` (``geometry`` = ``spec.cache_geometry``; ``index_scores``, or
+                ``index_cache`` when the spec scores).
+            meta: the step's :class:`StepMetadata` (the cache geometry's ownership).
+            index_q: FP8 ``[T, 64, 128]`` index query (``spec.scoring``; replicated on every rank).
+            index_weights: float32 ``[T, 64]`` index head weights (``spec.scoring``).
+            trace: if a dict, receives a copy of every intermediate and ``impl`` (stage -> implementation, for the
+                stages this run called, in order).
         Returns:
-            ``(out [T, H/W, v], lse float32 [T, H/W])`` (base e) for this rank's heads: views of the
-            step's buffers, valid until the next run.
+            ``(out [T, H/W, v], lse [T, H/W])`` (base e) for this rank's heads: views of the step's buffers, valid
+            until the next run. ``T = 0`` gives empty results (no stage runs, no collective).
         """
-        T = self._check_run(q, shard, meta)
-        s, g, st = self.spec, self.spec.geometry, self.stages
-        W, k, H, v = g.world_size, s.topk, s.num_heads, s.v_dim
-        hs = H // W
+        T = self._check_run(q, shard, meta, index_q, index_weights)
+        # Stages are called through their protocols' keywords; their results are checked by _result / _pair.
+        s, st = self.spec, self.stages
+        fn: Any
+        g, cg = s.geometry, s.cache_geometry
+        W, Wc, k, H, v, D = g.world_size, cg.world_size, s.topk, s.num_heads, s.v_dim, s.head_dim
+        Hs = s.heads_per_rank
+        if T == 0:
+            empty = torch.empty((0, Hs, v), dtype=self._partial_dtype, device=s.device)
+            return empty, torch.empty((0, Hs), dtype=self._lse_dtype, device=s.device)
         b = self._views(T)
-        # indexer: the ownership stage (meta) already gave each token its local bound
-        packed = st.indexer(shard.index_scores, meta.local_bounds, g, k, row_starts=meta.row_starts, out=b.packed)
-        # W = 1: the all-gathers are the identity, a view of what the stage returned (no collective, no copy)
-        gathered = _all_gather_into(self.group, packed, b.gathered) if W > 1 else packed.unsqueeze(0)
-        ids = st.select(gathered, k, out=b.ids)
-        slots, counts = st.deinterleave(
-            ids,
-            meta.req_of_token,
-            shard.block_table,
-            g,
-            compact=st.attention_layout == "compact",
-            out_slots=b.slots,
-            out_counts=b.counts,
-        )
-        partial, lse = st.attention(
-            q, shard.kv_cache, slots, counts, s.sm_scale, v, out=b.partial, out_lse=b.lse
-        )  # fmt: skip
-        all_lse = _all_gather_into(self.group, lse, b.all_lse) if W > 1 else lse.unsqueeze(0)
-        corrected, merged = st.merge(partial, all_lse, g.rank, out=b.corrected, out_lse=b.merged_lse)
-        if W == 1:
-            # One rank holds every head: the reduce-scatter is the identity (no copy, no collective).
-            out = corrected.view(T, hs, v)
+        bt, req, bounds, starts = shard.block_table, meta.req_of_token, meta.local_bounds, meta.row_starts
+        n_cols = self._n_cols(shard)
+        # ---- query gather: [T, H/W, D] -> [T, H, D] (dcp with q_replicate=False) ----
+        q_full = q
+        if b.q_gathered is not None:
+            qg = _all_gather_into(self.group, q, b.q_gathered)  # [W, T, H/W, D], rank-major
+            if T == 1:  # [W, 1, H/W, D] is [1, H, D] in memory: no copy
+                q_full = qg.view(1, H, D)
+            else:
+                assert b.q_full is not None
+                b.q_full.view(T, W, Hs, D).copy_(qg.transpose(0, 1))
+                q_full = b.q_full
+        # ---- scoring + indexer ----
+        own_ids = None
+        scores = shard.index_scores
+        if s.scoring is not None and s.scoring.fused:
+            fn = st.scored_indexer
+            packed = _result("scored_indexer", fn, fn(
+                index_q, index_weights, shard.index_cache, bt, req, bounds, cg, k, n_cols=n_cols, row_starts=starts,
+                out=b.packed), b.packed)  # fmt: skip
         else:
+            if s.scoring is not None:
+                assert b.scores is not None
+                fn = st.scoring
+                scores = _result("scoring", fn, fn(
+                    index_q, index_weights, shard.index_cache, bt, req, bounds, cg, row_starts=starts, out=b.scores
+                ), b.scores)  # fmt: skip
+            if s.order == "rank_local":
+                assert b.own_ids is not None
+                fn = st.indexer
+                packed, own_ids = _pair("indexer", fn, fn(
+                    scores, bounds, cg, k, row_starts=starts, out=b.packed, order="rank_local", out_ids=b.own_ids
+                ), (b.packed, b.own_ids))  # fmt: skip
+            else:
+                packed = _result("indexer", st.indexer, st.indexer(scores, bounds, cg, k, row_starts=starts,
+                                                                   out=b.packed), b.packed)  # fmt: skip
+        # ---- exchange ----
+        # Wc = 1 (tp, or dcp over one rank): the all-gather is the identity, a view of what the indexer returned.
+        gathered = _all_gather_into(self.group, packed, b.gathered) if b.gathered is not None else packed.unsqueeze(0)
+        ids = None
+        if s.exchange == "owner":
+            fn = st.select_to_slots
+            slots, counts = _pair("select_to_slots", fn, fn(
+                gathered, own_ids, req, bt, cg, k, order=s.order, out_slots=b.slots, out_counts=b.counts
+            ), (b.slots, b.counts))  # fmt: skip
+        else:
+            assert b.ids is not None
+            ids = _result("select", st.select, st.select(gathered, k, out=b.ids), b.ids)
+            fn = st.deinterleave
+            slots, counts = _pair("deinterleave", fn, fn(
+                ids, req, bt, cg, compact=st.attention_layout == "compact", out_slots=b.slots, out_counts=b.counts
+            ), (b.slots, b.counts))  # fmt: skip
+        # ---- attention + guard ----
+        fn = st.attention
+        partial, lse = _pair("attention", fn, fn(
+            q_full, shard.kv_cache, slots, counts, s.sm_scale, v, out=b.partial, out_lse=b.lse
+        ), (b.partial, b.lse))  # fmt: skip
+        st.guard(partial, lse, bounds, req, bt, cg, n_cols, row_starts=starts)
+        # ---- combine ----
+        if Wc == 1:
+            # The rank holds all of its heads' keys (tp, or dcp over one rank): nothing to combine.
+            out, lse_shard = partial.view(T, Hs, v), lse.view(T, Hs)
+        elif s.combine == "reduce_scatter":
+            assert b.all_lse is not None and b.send is not None and b.out is not None
+            all_lse = _all_gather_into(self.group, lse, b.all_lse)
+            fn = st.merge
+            corrected, merged = _pair("merge", fn, fn(partial, all_lse, g.rank, out=b.corrected, out_lse=b.merged_lse),
+                                      (b.corrected, b.merged_lse))  # type: ignore[arg-type]  # fmt: skip
             # Heads of rank w must be contiguous for the reduce-scatter: [T, H, v] -> [W, T, H/W, v] (one copy).
-            b.send.copy_(corrected.view(T, W, hs, v).transpose(0, 1))
-            out = _reduce_scatter_into(self.group, b.send.view(W * T, hs, v), b.out)
-        lse_shard = merged[:, g.rank * hs : (g.rank + 1) * hs]
+            b.send.copy_(corrected.view(T, W, Hs, v).transpose(0, 1))
+            out = _reduce_scatter_into(self.group, b.send.view(W * T, Hs, v), b.out)
+            lse_shard = merged[:, g.rank * Hs : (g.rank + 1) * Hs]
+        else:
+            assert b.send_out is not None and b.send_lse is not None and b.send_bytes is not None
+            assert b.recv_bytes is not None and b.recv_out is not None and b.recv_lse is not None
+            # Rank j's heads, with their LSEs, into the chunk for rank j; one all-to-all moves them all.
+            b.send_out.copy_(partial.view(T, W, Hs, v).transpose(0, 1))
+            b.send_lse.copy_(lse.view(T, W, Hs).transpose(0, 1))
+            self.group.all_to_all(b.send_bytes, out=b.recv_bytes)
+            fn = st.combine
+            out, lse_shard = _pair("combine", fn, fn(b.recv_out, b.recv_lse, out=b.out, out_lse=b.out_lse),
+                                   (b.out, b.out_lse))  # type: ignore[arg-type]  # fmt: skip
         if trace is not None:
             trace.update(
-                local_bounds=meta.local_bounds.clone(),
+                local_bounds=bounds.clone(),
                 packed=packed.clone(),
-                global_ids=ids.clone(),
                 slots=slots.clone(),
                 counts=counts.clone(),
                 partial_out=partial.clone(),
                 partial_lse=lse.clone(),
                 impl=dict(self.impls),
             )
+            if ids is not None:
+                trace["global_ids"] = ids.clone()
+            if own_ids is not None:
+                trace["own_ids"] = own_ids.clone()
+            if s.scoring is not None and not s.scoring.fused and scores is not None:
+                trace["scores"] = scores.clone()
+            if q_full is not q:
+                trace["q_full"] = q_full.clone()
         return out, lse_shard
 
-    def capture(self, q: torch.Tensor, shard: Any, meta: StepMetadata, *, warmup: int = 1) -> CapturedStep:
+    def capture(
+        self,
+        q: torch.Tensor,
+        shard: Any,
+        meta: StepMetadata,
+        *,
+        index_q: torch.Tensor | None = None,
+        index_weights: torch.Tensor | None = None,
+        warmup: int = 1,
+    ) -> CapturedStep:
         """Capture one whole run (collectives included) in a CUDA graph.
 
-        The graph reads ``q``, ``shard``'s tensors and ``meta``'s tensors at their current addresses:
-        update them in place (``copy_``) and call :meth:`CapturedStep.replay`. NCCL collectives can be
-        captured once the process group has run one collective (the warm-up run does that).
+        The graph reads ``q``, ``index_q``, ``index_weights``, ``shard``'s tensors and ``meta``'s tensors at their
+        current addresses: update them in place (``copy_``) and call :meth:`CapturedStep.replay`. NCCL
+        collectives can be captured once the process group has run one collective (the warm-up run does that).
         """
         # StepSpec.__post_init__ stores a torch.device; the field's type also admits the str callers pass.
         if torch.device(self.spec.device).type != "cuda":
             raise ValueError(f"capture needs a CUDA step, this one is planned for {self.spec.device}")
         if self.validate:
             raise ValueError("capture needs validate=False (value checks read tensors on the host)")
+        if isinstance(q, torch.Tensor) and q.ndim == 3 and q.shape[0] == 0:
+            raise ValueError("q has T = 0 query tokens: an empty batch has nothing to capture (run() returns it)")
         side = torch.cuda.Stream(self.spec.device)
         side.wait_stream(torch.cuda.current_stream(self.spec.device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                self.run(q, shard, meta)
+                self.run(q, shard, meta, index_q=index_q, index_weights=index_weights)
         torch.cuda.current_stream(self.spec.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out, lse = self.run(q, shard, meta)
+            out, lse = self.run(q, shard, meta, index_q=index_q, index_weights=index_weights)
         return CapturedStep(graph, out, lse)
 
 

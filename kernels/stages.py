@@ -11,7 +11,17 @@ device and dtype, and the reference otherwise (the reason is logged once on
 - attention: FlashMLA's sparse kernel (:mod:`.flashmla_sparse`; no host plan), else FlashInfer fa3
   (:mod:`.flashinfer_mla`; plans on the host) — needs CUDA, bf16, 576/512, H in {64, 128}; on an FP8
   cache FlashMLA's FP8 decode (:mod:`.flashmla_fp8`), masked layout;
-- merge: the Triton LSE correction (:mod:`.lse_merge_triton`) — as the indexer.
+- merge: the Triton LSE correction (:mod:`.lse_merge_triton`) — as the indexer;
+- scoring: the Triton FP8 index scoring (:mod:`.scoring_triton`), and the fused scoring -> top-K + pack
+  (:mod:`.scored_indexer_triton`) — as the indexer;
+- select_to_slots: the CuTeDSL owner-local selection (:mod:`.select_to_slots_cutedsl`) — as select;
+- guard: the Triton metadata guard (:mod:`.guard_triton`) — as the indexer;
+- combine: the Triton merge of W partials (:func:`.lse_merge_triton.lse_merge`) — as the indexer.
+
+The attention is chosen per planned shape: where both FlashMLA and the split-KV Triton kernel
+(:mod:`.attention_splitkv_triton`) can run, ``prepare`` times both on the planned shape (CUDA events, a
+few replays of each on synthetic inputs) and plans the faster one; the choice and both times are kept
+in ``Stages.notes``.
 
 ``dcp_ref`` never imports this module: :func:`dcp_ref.stages.resolve_stages` loads it by name when a
 caller asks for ``stages="kernels"``.
@@ -20,6 +30,7 @@ caller asks for ``stages="kernels"``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -37,10 +48,15 @@ from dcp_ref.stages import (
     named_impl,
     reference_attention,
     reference_attention_fp8,
+    reference_combine,
     reference_deinterleave,
+    reference_guard,
     reference_indexer,
     reference_merge,
+    reference_scored_indexer,
+    reference_scoring,
     reference_select,
+    reference_select_to_slots,
 )
 
 from ._util import per_thread
@@ -261,16 +277,178 @@ def _merge_triton(
     return corrected, merged
 
 
-def _prepare(spec: StepSpec, impl: dict[str, str]) -> None:
-    """Compile and warm what compiles (the CuTeDSL top-K) for the planned shape; under the step's lock."""
-    if impl["select"] == "cutedsl":
+@named_impl("triton")
+def _guard_triton(
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    local_bounds: torch.Tensor,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    n_cols: int,
+    *,
+    row_starts: torch.Tensor | None = None,
+) -> None:
+    from .guard_triton import guard_triton
+
+    with _launch(partial.device):
+        guard_triton(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts)
+
+
+@named_impl("triton")
+def _combine_triton(
+    outs: torch.Tensor,
+    lses: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .lse_merge_triton import lse_merge
+
+    if out_lse is None:
+        out_lse = torch.empty(outs.shape[1:3], dtype=torch.float32, device=outs.device)
+    with _launch(outs.device):
+        merged, merged_lse = lse_merge(outs, lses, base="e", merged=out, merged_lse=out_lse)
+    assert merged_lse is not None
+    return merged, merged_lse
+
+
+@named_impl("triton")
+def _scoring_triton(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_of_token: torch.Tensor,
+    local_bounds: torch.Tensor,
+    geometry: DcpGeometry,
+    *,
+    row_starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    from .scoring_triton import index_scores_triton
+
+    with _launch(index_q.device):
+        return index_scores_triton(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry,
+                                   row_starts=row_starts, out=out, validate=False)  # fmt: skip
+
+
+@named_impl("triton-fused")
+def _scored_indexer_triton(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_of_token: torch.Tensor,
+    local_bounds: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    n_cols: int,
+    row_starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    from .scored_indexer_triton import fused_scored_indexer
+
+    with _launch(index_q.device):
+        return fused_scored_indexer(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry,
+                                    k, n_cols=n_cols, row_starts=row_starts, out=out)  # fmt: skip
+
+
+@named_impl("cutedsl")
+def _select_to_slots_cutedsl(
+    gathered: torch.Tensor,
+    own_ids: torch.Tensor | None,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    order: str = "global_id",
+    out_slots: torch.Tensor | None = None,
+    out_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .select_to_slots_cutedsl import select_to_slots_cutedsl
+
+    req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
+    with KERNEL_LOCK:
+        return select_to_slots_cutedsl(gathered, req, block_table, geometry, k, order=order, own_ids=own_ids,
+                                       out_slots=out_slots, out_counts=out_counts, validate=False)  # fmt: skip
+
+
+@named_impl("triton-splitkv")
+def _attention_splitkv(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .attention_splitkv_triton import splitkv_attention
+
+    with _launch(q.device):
+        return splitkv_attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
+
+
+def _time_attention(fn: Any, spec: StepSpec, reps: int = 5) -> float:
+    """Median device time (µs) of ``fn`` on the planned shape (``T = max_tokens``, every row ``k`` keys), replayed
+    from a CUDA graph so that launch overhead does not decide; synthetic inputs, on the plan's device."""
+    dev, T, H, k = spec.device, spec.max_tokens, spec.attention_heads, spec.topk
+    S = T * k
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = (torch.randn(T, H, spec.head_dim, device=dev, generator=g) * 0.1).to(spec.dtype)
+    kv = (torch.randn(S, spec.head_dim, device=dev, generator=g) * 0.1).to(spec.dtype)
+    slots = torch.randperm(S, device=dev, generator=g)[: T * k].view(T, k).to(torch.int32)
+    counts = torch.full((T,), k, dtype=torch.int32, device=dev)
+    out = torch.empty(T, H, spec.v_dim, dtype=spec.dtype, device=dev)
+    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+
+    def call() -> None:
+        fn(q, kv, slots, counts, spec.sm_scale, spec.v_dim, out=out, out_lse=lse)
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        call()  # compile and warm, outside the capture
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(4):
+            call()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / 4)
+    return sorted(times)[len(times) // 2]
+
+
+def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives: dict[str, Any]) -> Stages | None:
+    """Plan-time work, under the step's lock: compile and warm what compiles (the CuTeDSL kernels) for the planned
+    shape, and pick the faster attention where two can run (timed on the planned shape)."""
+    W, T, k = spec.cache_geometry.world_size, spec.max_tokens, spec.topk
+    if impl["select"] == "cutedsl" and spec.exchange == "allgather":
         from .topk_cutedsl import stable_topk_cutedsl
 
-        W, T, k = spec.geometry.world_size, spec.max_tokens, spec.topk
         gathered = torch.zeros((W, T, k, 2), dtype=torch.float32, device=spec.device)
         gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
         with KERNEL_LOCK:
             stable_topk_cutedsl(gathered, k, validate=False)
+    chosen = stages
+    if len(alternatives) > 1 and torch.device(spec.device).type == "cuda":
+        timed = {name: _time_attention(fn, spec) for name, fn in alternatives.items()}
+        best = min(timed, key=lambda n: timed[n])
+        why = "timed at plan time on the planned shape: " + ", ".join(f"{n} {us:.1f} us" for n, us in timed.items())
+        chosen = dataclasses.replace(stages, attention=alternatives[best],
+                                     notes=tuple(sorted((*stages.notes, ("attention", why)))))  # fmt: skip
+    return chosen if chosen is not stages else None
 
 
 # ---- selection -------------------------------------------------------------------------------------------
@@ -283,10 +461,17 @@ def kernel_stage_impls(
     topk: int | None = None,
     kv_format: str = "native",
 ) -> dict[str, str]:
-    """What :func:`kernel_stages` runs for each stage: ``{stage: "triton" | "triton-fused" | "torch+triton" |
-    "cutedsl" | "flashmla" | "flashinfer" | "flashmla-fp8" | "torch" | "torch-fp8"}``, in step order (each
-    fallback is logged once)."""
+    """What :func:`kernel_stages` runs for each stage (``"triton"``, ``"triton-fused"``, ``"torch+triton"``,
+    ``"cutedsl"``, ``"flashmla"``, ``"triton-splitkv"``, ``"flashinfer"``, ``"flashmla-fp8"``, ``"torch"``,
+    ``"torch-fp8"``), in step order (each fallback is logged once). Where two attention kernels can run,
+    the one named is FlashMLA; a planned step times both and may pick the other."""
     return kernel_stages(device, q_dtype, head_dim, v_dim, num_heads=num_heads, topk=topk, kv_format=kv_format).impls()
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(f"dcp_ref.kernels.{module}") is not None
 
 
 def _choose(
@@ -301,27 +486,42 @@ def _choose(
     else:
         tri = ""
     impl: dict[str, str] = {}
-    fused = not tri and _has_fused_indexer()
-    impl["indexer"] = "triton-fused" if fused else ("torch+triton" if not tri else "torch")
     if tri:
-        reasons["indexer"] = reasons["deinterleave"] = reasons["merge"] = tri
+        for stage in ("scoring", "scored_indexer", "indexer", "deinterleave", "guard", "merge", "combine"):
+            reasons[stage] = tri
+    impl["scoring"] = "triton" if not tri and _has("scoring_triton") else "torch"
+    impl["scored_indexer"] = "triton-fused" if not tri and _has("scored_indexer_triton") else "torch"
+    impl["indexer"] = "triton-fused" if not tri and _has("indexer_triton") else ("torch+triton" if not tri else "torch")
     if not cuda:
-        reasons["select"] = f"tensors are on {device}, not CUDA"
+        reasons["select"] = reasons["select_to_slots"] = f"tensors are on {device}, not CUDA"
     elif not has_module("cutlass"):
-        reasons["select"] = "nvidia-cutlass-dsl is not installed"
+        reasons["select"] = reasons["select_to_slots"] = "nvidia-cutlass-dsl is not installed"
     impl["select"] = "torch" if "select" in reasons else "cutedsl"
+    impl["select_to_slots"] = (
+        "cutedsl" if "select_to_slots" not in reasons and _has("select_to_slots_cutedsl") else "torch"
+    )
     impl["deinterleave"] = "torch" if tri else "triton"
     impl["attention"], why = _choose_attention(device, q_dtype, head_dim, v_dim, num_heads, topk)
     if why:
         reasons["attention"] = why
-    impl["merge"] = "torch" if tri else "triton"
+    for stage in ("guard", "merge", "combine"):
+        impl[stage] = "torch" if tri else "triton"
     return {s: impl[s] for s in STAGE_NAMES}, reasons
 
 
-def _has_fused_indexer() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("dcp_ref.kernels.indexer_triton") is not None
+def _splitkv_unsupported(device: torch.device, q_dtype: torch.dtype, head_dim: int, v_dim: int,
+                         num_heads: int | None) -> str:  # fmt: skip
+    if device.type != "cuda":
+        return f"tensors are on {device}, not CUDA"
+    if not _has("attention_splitkv_triton"):
+        return "the split-KV kernel module is missing"
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        return f"the split-KV kernel takes bf16/fp16, got {q_dtype}"
+    if (head_dim, v_dim) != (576, 512):
+        return f"the split-KV kernel takes head_dim=576, v_dim=512, got {head_dim}, {v_dim}"
+    if num_heads is not None and num_heads % 16:
+        return f"the split-KV kernel takes H a multiple of 16, got {num_heads}"
+    return ""
 
 
 def _choose_attention(
@@ -334,8 +534,11 @@ def _choose_attention(
     why_mla = flashmla_unsupported(device, q_dtype, num_heads or 128, head_dim, v_dim, topk or 64)
     if not why_mla:
         return "flashmla", ""
+    why_split = _splitkv_unsupported(device, q_dtype, head_dim, v_dim, num_heads)
+    if not why_split:
+        return "triton-splitkv", ""
     if not has_module("flashinfer"):
-        return "torch", f"FlashMLA: {why_mla}; flashinfer is not installed"
+        return "torch", f"FlashMLA: {why_mla}; split-KV: {why_split}; flashinfer is not installed"
     if q_dtype not in (torch.float16, torch.bfloat16):
         return "torch", f"FlashMLA: {why_mla}; FlashInfer's MLA takes fp16/bf16 queries, got {q_dtype}"
     if (head_dim, v_dim) != (576, 512):
@@ -355,10 +558,12 @@ def kernel_stages(
 ) -> Stages:
     """The ``"kernels"`` :class:`~dcp_ref.stages.Stages` for tensors of ``dtype`` on ``device``.
 
-    ``num_heads`` / ``topk``: when known, let the attention choice check FlashMLA's constraints
-    (H in {64, 128}, top-k a multiple of 64); unknown, FlashMLA is assumed to fit and its own checks
-    raise at run time. ``kv_format="fp8_ds_mla"``: an FP8 cache; the attention is FlashMLA's FP8 sparse
-    decode (:mod:`.flashmla_fp8`) on CUDA, the FP8 reference elsewhere, both in the masked layout.
+    ``num_heads`` (the heads the *attention* runs: ``H`` for dcp, ``H/W`` for tp) / ``topk``: when known, let
+    the attention choice check the kernels' constraints (FlashMLA: H in {64, 128}; split-KV: H a multiple of
+    16); unknown, FlashMLA is assumed to fit and its own checks raise at run time. Where FlashMLA and the
+    split-KV kernel both fit, the planned step times both on its shape and runs the faster (``prepare``).
+    ``kv_format="fp8_ds_mla"``: an FP8 cache; the attention is FlashMLA's FP8 sparse decode (:mod:`.flashmla_fp8`)
+    on CUDA, the FP8 reference elsewhere, both in the masked layout.
     """
     dev = torch.device(device)
     impl, reasons = _choose(dev, dtype, head_dim, v_dim, num_heads, topk)
@@ -373,7 +578,19 @@ def kernel_stages(
         raise ValueError(f"kv_format must be 'native' or 'fp8_ds_mla', got {kv_format!r}")
     for stage, why in reasons.items():
         _log_fallback(stage, why)
+    attention_impls: dict[str, Any] = {
+        "flashmla": _attention_flashmla,
+        "triton-splitkv": _attention_splitkv,
+        "flashinfer": _attention_flashinfer,
+        "flashmla-fp8": _attention_flashmla_fp8,
+        "torch-fp8": reference_attention_fp8,
+        "torch": reference_attention,
+    }
     by_name: dict[str, Any] = {
+        "scoring": _scoring_triton if impl["scoring"] == "triton" else reference_scoring,
+        "scored_indexer": _scored_indexer_triton
+        if impl["scored_indexer"] == "triton-fused"
+        else reference_scored_indexer,
         "indexer": {
             "triton-fused": _indexer_fused,
             "torch+triton": compose_indexer(_local_topk_torch, _pack_triton),
@@ -381,25 +598,30 @@ def kernel_stages(
         }[impl["indexer"]],
         "select": _select_cutedsl if impl["select"] == "cutedsl" else reference_select,
         "deinterleave": _deinterleave_triton if impl["deinterleave"] == "triton" else reference_deinterleave,
-        "attention": {
-            "flashmla": _attention_flashmla,
-            "flashinfer": _attention_flashinfer,
-            "flashmla-fp8": _attention_flashmla_fp8,
-            "torch-fp8": reference_attention_fp8,
-            "torch": reference_attention,
-        }[impl["attention"]],
+        "select_to_slots": _select_to_slots_cutedsl
+        if impl["select_to_slots"] == "cutedsl"
+        else reference_select_to_slots,
+        "attention": attention_impls[impl["attention"]],
+        "guard": _guard_triton if impl["guard"] == "triton" else reference_guard,
         "merge": _merge_triton if impl["merge"] == "triton" else reference_merge,
+        "combine": _combine_triton if impl["combine"] == "triton" else reference_combine,
     }
+    # Both bf16 kernels fit: the plan times them on its shape (FlashMLA is the default until then).
+    alternatives: dict[str, Any] = {}
+    if impl["attention"] == "flashmla" and not _splitkv_unsupported(dev, dtype, head_dim, v_dim, num_heads):
+        alternatives = {"flashmla": _attention_flashmla, "triton-splitkv": _attention_splitkv}
 
     def partial_dtype(d: torch.dtype) -> torch.dtype:
         # GPU attention writes q's dtype; the Triton merge takes fp16/bf16/fp32 partials.
         return d if d in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
 
-    return Stages(
+    stages = Stages(
         **by_name,
         attention_layout=layout,
         partial_dtype=partial_dtype,
-        prepare=functools.partial(_prepare, impl=impl),
         name="kernels",
         notes=tuple(sorted(reasons.items())),
+    )
+    return dataclasses.replace(
+        stages, prepare=functools.partial(_prepare, stages=stages, impl=impl, alternatives=alternatives)
     )

@@ -30,7 +30,7 @@ def main(out_dir: str) -> None:
                              seed=8).to(f"cuda:{rank}", torch.bfloat16)
         shard, meta = p.shards[rank], p.metadata(rank, f"cuda:{rank}")
         T = p.q.shape[0]
-        spec = StepSpec(p.geometry(rank), T, 2048, 128, 576, 512, 192**-0.5, torch.bfloat16, f"cuda:{rank}")
+        spec = StepSpec(p.geometry(rank), max_tokens=T, topk=2048, num_heads=128, head_dim=576, v_dim=512, sm_scale=192**-0.5, dtype=torch.bfloat16, device=f"cuda:{rank}")
         step = PlannedStep(group, spec, kernel_stages(f"cuda:{rank}", torch.bfloat16, 576, 512, num_heads=128, topk=2048))
         out, lse = step.run(p.q, shard, meta)
         torch.save({"out": out.cpu(), "lse": lse.cpu()}, Path(out_dir) / f"rank{rank}_kernels_eager.pt")

@@ -44,6 +44,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         gathered = group.all_gather(x)
         y = torch.arange(2 * 3 * world_size, dtype=torch.float64).reshape(2, 3 * world_size) * (rank + 1)
         scattered = group.reduce_scatter(y, dim=1)
+        a2a = group.all_to_all(torch.stack([torch.full((3,), 10.0 * rank + j) for j in range(world_size)]))
         problem = _problem(world_size)
         out, lse = dcp_decode_step(
             group, problem.q, problem.shards[rank], problem.seq_lens, problem.next_n, TOPK,
@@ -54,8 +55,19 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
             group, problem.q, problem.shards[rank], problem.seq_lens, problem.next_n, TOPK,
             1 / math.sqrt(HEAD_DIM), stages="kernels",
         )
-        torch.save({"gathered": gathered, "scattered": scattered, "out": out, "lse": lse, "kout": kout, "klse": klse},
-                   Path(out_dir) / f"rank{rank}.pt")
+        # The layer's other exchange: the query gathered over heads, partials combined by one all-to-all.
+        from dcp_ref.stages import StepSpec
+        from dcp_ref.step import PlannedStep
+
+        H = problem.q.shape[1]
+        spec = StepSpec(problem.geometry(rank), max_tokens=problem.q.shape[0], topk=TOPK, num_heads=H,
+                        head_dim=HEAD_DIM, v_dim=HEAD_DIM, sm_scale=1 / math.sqrt(HEAD_DIM), dtype=torch.float64,
+                        device="cpu", combine="alltoall", q_replicate=False)  # fmt: skip
+        hs = H // world_size
+        aout, alse = PlannedStep(group, spec).run(problem.q[:, rank * hs : (rank + 1) * hs].contiguous(),
+                                                  problem.shards[rank], problem.metadata(rank))  # fmt: skip
+        torch.save({"gathered": gathered, "scattered": scattered, "a2a": a2a, "out": out, "lse": lse, "kout": kout,
+                    "klse": klse, "aout": aout.clone(), "alse": alse.clone()}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -72,6 +84,7 @@ def test_torch_distributed_gloo_matches_oracle(world_size: int, tmp_path: Path) 
     for r, item in enumerate(res):
         assert torch.equal(item["gathered"], expected_gather)
         assert torch.equal(item["scattered"], total[:, 3 * r : 3 * (r + 1)])
+        assert item["a2a"].tolist() == [[10.0 * j + r] * 3 for j in range(world_size)]  # rank j's chunk for r
 
     out = torch.cat([item["out"] for item in res], dim=1)
     lse = torch.cat([item["lse"] for item in res], dim=1)
@@ -79,6 +92,10 @@ def test_torch_distributed_gloo_matches_oracle(world_size: int, tmp_path: Path) 
     ref_out, ref_lse, _ = single_device_decode(problem, TOPK, 1 / math.sqrt(HEAD_DIM))
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    aout = torch.cat([item["aout"] for item in res], dim=1)
+    alse = torch.cat([item["alse"] for item in res], dim=1)
+    torch.testing.assert_close(aout, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(alse, ref_lse, rtol=1e-10, atol=1e-12)
     # backend="kernels": float32 partials, so float32 tolerances
     kout = torch.cat([item["kout"] for item in res], dim=1)
     klse = torch.cat([item["klse"] for item in res], dim=1)

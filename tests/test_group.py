@@ -81,3 +81,62 @@ def test_run_checks_its_arguments() -> None:
         SimulatedWorld(2).run(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="per_rank_args\\[0\\] must have world_size=2 items"):
         SimulatedWorld(2).run(lambda g, a: a, [1])
+
+
+def test_all_to_all_sends_chunk_j_to_rank_j() -> None:
+    w = SimulatedWorld(3)
+
+    def body(g):
+        x = torch.stack([torch.full((2,), 10.0 * g.rank + j) for j in range(3)])  # chunk j: for rank j
+        out = torch.empty(3, 2)
+        got = g.all_to_all(x, out=out)
+        return got is out, out.tolist(), g.all_to_all(x).tolist()
+
+    for r, (same, got, fresh) in enumerate(w.run(body)):
+        expected = [[10.0 * j + r] * 2 for j in range(3)]  # rank j's chunk for rank r
+        assert same and got == expected and fresh == expected
+
+
+def test_all_to_all_checks_its_arguments() -> None:
+    g = SingleGroup()
+    x = torch.arange(6.0).reshape(1, 6)
+    assert torch.equal(g.all_to_all(x), x) and g.all_to_all(x).data_ptr() != x.data_ptr()
+    with pytest.raises(ValueError, match=r"x must be \[W=1, \.\.\.\]"):
+        g.all_to_all(torch.ones(2, 3))
+    with pytest.raises(ValueError, match="out must not alias x"):
+        g.all_to_all(x, out=x)
+    with pytest.raises(ValueError, match=r"x must be \[W=2, \.\.\.\]"):
+        SimulatedWorld(2).run(lambda grp: grp.all_to_all(torch.ones(3, 1)))
+
+
+@pytest.mark.parametrize("dim", [2, -3, 5])
+def test_reduce_scatter_refuses_a_dim_out_of_range(dim) -> None:
+    with pytest.raises(ValueError, match=r"dim must lie in \[-2, 2\)"):
+        SingleGroup().reduce_scatter(torch.ones(2, 2), dim)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        SingleGroup().reduce_scatter(torch.ones(2, 2), 0.0)  # type: ignore[arg-type]
+
+
+def test_two_callers_of_one_world_are_serialised_not_mixed() -> None:
+    """Two threads run the same SimulatedWorld at once: each gets its own data back (the runs take turns)."""
+    import threading
+
+    w = SimulatedWorld(2)
+    results: dict[int, list] = {}
+
+    def caller(tag: int) -> None:
+        results[tag] = w.run(lambda g, x: g.all_gather(x).tolist(), [torch.tensor([tag, 0.0]), torch.tensor([tag, 1.0])])
+
+    threads = [threading.Thread(target=caller, args=(tag,)) for tag in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for tag in (1, 2, 3):
+        assert results[tag] == [[[tag, 0.0], [tag, 1.0]]] * 2
+
+
+def test_a_rank_cannot_run_its_own_world() -> None:
+    w = SimulatedWorld(2)
+    with pytest.raises(RuntimeError, match="called from one of its own ranks"):
+        w.run(lambda g: w.run(lambda h: None))

@@ -77,7 +77,9 @@ def test_one_plan_many_runs_equal_the_oracle(stages: str, world_size: int, inter
         torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
         for tr in traces:  # the selection is a set per row
             assert [sorted(r) for r in tr["global_ids"].tolist()] == [sorted(r) for r in ref_ids.tolist()]
-            assert list(tr["impl"]) == ["indexer", "select", "deinterleave", "attention", "merge"]
+            # the stages a run calls, in order; one rank needs no merge (nothing to combine)
+            merge = ["merge"] if world_size > 1 else []
+            assert list(tr["impl"]) == ["indexer", "select", "deinterleave", "attention", "guard", *merge]
 
 
 class _NoCollectives(SingleGroup):
@@ -107,7 +109,7 @@ def test_one_rank_runs_no_collective_and_copies_nothing() -> None:
         ref_out, ref_lse, _ = single_device_decode(p, 4, 0.3)
         torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
-        assert step._gathered.numel() == 0 and step._all_lse.numel() == 0  # no buffer for an identity
+        assert step._gathered is None and step._all_lse is None and step._out is None  # no buffer for an identity
 
 
 @pytest.mark.parametrize("stages", ["reference", "kernels"])
@@ -134,11 +136,11 @@ def test_run_checks_geometry_shapes_and_values() -> None:
     world = SimulatedWorld(2)
     with pytest.raises(ValueError, match="does not match spec.geometry"):
         PlannedStep(world.groups[1], _spec(p, 0, 4, 3, 0.5))
-    step = PlannedStep(SingleGroup(), StepSpec(DcpGeometry(1, 0, 1, 4), 4, 3, 2, 8, 8, 0.5, torch.float64, "cpu"))
+    step = PlannedStep(SingleGroup(), StepSpec(DcpGeometry(1, 0, 1, 4), max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float64, device="cpu"))
     meta = decode_metadata(p.seq_lens, 1, DcpGeometry(1, 0, 1, 4))
     with pytest.raises(ValueError, match="shard.geometry .* does not match the planned geometry"):
         step.run(p.q, p.shards[0], meta)  # a W=2 shard on a W=1 plan: silently wrong before
-    with pytest.raises(ValueError, match=r"q must be \[T, 2, 8\] with 1 <= T <= max_tokens=4"):
+    with pytest.raises(ValueError, match=r"q must be \[T, 2, 8\] with 0 <= T <= max_tokens=4"):
         step.run(torch.zeros(5, 2, 8, dtype=torch.float64), p.shards[0], meta)
     with pytest.raises(TypeError, match="q must have dtype"):
         step.run(p.q.float(), p.shards[0], meta)
@@ -174,20 +176,20 @@ def test_decode_step_rejects_a_non_tensor_query() -> None:
 def test_spec_is_validated() -> None:
     g = DcpGeometry(2, 0)
     with pytest.raises(ValueError, match="num_heads .* must be divisible by the world size W=2"):
-        StepSpec(g, 4, 3, 3, 8, 8, 0.5, torch.float32, "cpu")
+        StepSpec(g, max_tokens=4, topk=3, num_heads=3, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="v_dim must be <= head_dim=8"):
-        StepSpec(g, 4, 3, 2, 8, 9, 0.5, torch.float32, "cpu")
+        StepSpec(g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=9, sm_scale=0.5, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="sm_scale must be a finite float > 0"):
-        StepSpec(g, 4, 3, 2, 8, 8, float("nan"), torch.float32, "cpu")
+        StepSpec(g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=float("nan"), dtype=torch.float32, device="cpu")
     with pytest.raises(TypeError, match="geometry must be a DcpGeometry"):
-        StepSpec((2, 0), 4, 3, 2, 8, 8, 0.5, torch.float32, "cpu")  # type: ignore[arg-type]
+        StepSpec((2, 0), max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float32, device="cpu")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="sm_scale must be a float, got str"):
-        StepSpec(g, 4, 3, 2, 8, 8, "0.5", torch.float32, "cpu")  # type: ignore[arg-type]
+        StepSpec(g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale="0.5", dtype=torch.float32, device="cpu")  # type: ignore[arg-type]
     import numpy as np
 
-    assert StepSpec(g, 4, 3, 2, 8, 8, np.float64(0.5), torch.float32, "cpu").sm_scale == 0.5
+    assert StepSpec(g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=np.float64(0.5), dtype=torch.float32, device="cpu").sm_scale == 0.5
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
-        StepSpec(g, 0, 3, 2, 8, 8, 0.5, torch.float32, "cpu")
+        StepSpec(g, max_tokens=0, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float32, device="cpu")
 
 
 def test_a_plugged_in_stage_runs_and_is_named_in_the_trace() -> None:
@@ -267,8 +269,7 @@ def _gpu_plan(gpu_problem, world, rank: int, max_tokens: int, topk: int) -> Plan
     from dcp_ref.kernels.stages import kernel_stages
 
     st = kernel_stages("cuda", torch.bfloat16, 576, 512, num_heads=gpu_problem.q.shape[1], topk=topk)
-    spec = StepSpec(gpu_problem.geometry(rank), max_tokens, topk, gpu_problem.q.shape[1], 576, 512, 192**-0.5,
-                    torch.bfloat16, "cuda")
+    spec = StepSpec(gpu_problem.geometry(rank), max_tokens=max_tokens, topk=topk, num_heads=gpu_problem.q.shape[1], head_dim=576, v_dim=512, sm_scale=192**-0.5, dtype=torch.bfloat16, device="cuda")
     return PlannedStep(world.groups[rank] if world is not None else SingleGroup(), spec, st)
 
 

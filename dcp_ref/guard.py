@@ -1,0 +1,90 @@
+"""The guard stage: rows whose step metadata is outside the contract come back poisoned.
+
+A planned step run with ``validate=False`` reads nothing on the host, so it cannot *raise* when a
+caller hands it metadata that contradicts the shard. Clamping such metadata would give a plausible
+wrong answer — a negative bound clamped to 0 is "no keys": output 0, LSE ``-inf`` — which a
+caller cannot tell from a real empty row. The rule, written once here and applied by the step to
+every layout and exchange:
+
+    **A query token whose metadata is out of contract gets NaN output and NaN LSE** (every head),
+    decided on the device, with no host read.
+
+Out of contract, for token ``t`` of request ``b = req_of_token[t]`` (``B`` rows in the block table,
+``n_cols`` columns of index scores, ``bs`` the block size):
+
+- ``b < 0`` or ``b >= B`` (a request the block table does not have);
+- ``local_bounds[t] < 0``, or ``row_starts[t] < 0`` (prefill);
+- ``row_starts[t] + local_bounds[t] > n_cols`` (the token's keys reach past the scores it was given);
+- one of the blocks ``0 .. ceil(local_bounds[t] / bs) - 1`` of request ``b`` is missing
+  (``block_table[b, j] < 0``, or ``j`` past the table's width): a key the token may attend to has no
+  KV row.
+
+The NaN then travels through the combine like any corrupt data (a NaN LSE is never "empty"), so the
+token's output is NaN on every rank. With ``validate=True`` the step raises on these inputs before
+any stage runs (:meth:`dcp_ref.step.PlannedStep._check_values`), with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .geometry import DcpGeometry
+
+__all__ = ["metadata_row_ok", "reference_guard"]
+
+
+def metadata_row_ok(
+    local_bounds: torch.Tensor,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    n_cols: int,
+    row_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """bool ``[T]``: ``True`` where token ``t``'s metadata is inside the contract (see the module docstring).
+
+    Device ops only (no host read): safe inside a CUDA graph.
+
+    Args:
+        local_bounds: int ``[T]`` this rank's causal bound per token.
+        req_of_token: int ``[T]`` block-table row of each token.
+        block_table: int ``[B, M]`` physical blocks (``-1`` = none).
+        geometry: the cache's geometry (its ``block_size``).
+        n_cols: columns of the index scores the indexer reads.
+        row_starts: optional int ``[T]`` (prefill: token ``t``'s keys start at this column).
+    """
+    B, M = block_table.shape
+    bounds = local_bounds.long()
+    req = req_of_token.long()
+    ok = (req >= 0) & (req < B) & (bounds >= 0)
+    starts = row_starts.long() if row_starts is not None else torch.zeros_like(bounds)
+    ok &= (starts >= 0) & (starts + bounds <= n_cols)
+    need = torch.div(bounds.clamp_min(0) + geometry.block_size - 1, geometry.block_size, rounding_mode="floor")
+    ok &= need <= M
+    if M > 0 and B > 0:
+        rows = block_table[req.clamp(0, B - 1)]  # [T, M]: a bad request reads row 0, then is refused above
+        j = torch.arange(M, device=block_table.device)
+        missing = ((rows < 0) & (j[None, :] < need[:, None])).any(1)
+        ok &= ~missing
+    return ok
+
+
+def reference_guard(
+    partial: torch.Tensor,
+    lse: torch.Tensor,
+    local_bounds: torch.Tensor,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    n_cols: int,
+    *,
+    row_starts: torch.Tensor | None = None,
+) -> None:
+    """Poison (NaN output, NaN LSE), in place, the rows of ``partial [T, H, v]`` / ``lse [T, H]`` whose
+    metadata :func:`metadata_row_ok` refuses. Device ops only."""
+    ok = metadata_row_ok(local_bounds, req_of_token, block_table, geometry, n_cols, row_starts)
+    bad = ~ok
+    partial.masked_fill_(bad[:, None, None], math.nan)
+    lse.masked_fill_(bad[:, None], math.nan)

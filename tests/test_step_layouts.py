@@ -1,0 +1,291 @@
+"""The planned step's layouts and exchanges against the single-device oracle (CPU; kernels interpreted).
+
+Every combination a :class:`~dcp_ref.stages.StepSpec` can choose — the query gathered over heads or
+replicated, the exchange through select + deinterleave or owner-local select-to-slots, the combine by
+reduce-scatter or one all-to-all, and the tensor-parallel layout — must give the oracle's answer for
+this rank's heads, read no tensor value on the host, and poison (never answer plausibly) a token whose
+metadata is out of contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from dcp_ref.geometry import DcpGeometry
+from dcp_ref.group import SimulatedWorld, SingleGroup
+from dcp_ref.pipeline import make_dcp_problem, single_device_decode
+from dcp_ref.stages import REFERENCE_STAGES, StepSpec, resolve_stages
+from dcp_ref.step import HostSyncCounter, PlannedStep, RankShard, StepMetadata
+
+TOPK, SCALE = 5, 0.3
+
+
+def _problem(W: int, I: int = 1, seed: int = 0, heads: int | None = None):
+    return make_dcp_problem(W, I, seq_lens=[30, 9, 17, 4], next_n=2, num_heads=heads or 2 * W, head_dim=8,
+                            block_size=4, seed=seed)  # fmt: skip
+
+
+def _spec(p, rank: int, **kw) -> StepSpec:
+    _, H, D = p.q.shape
+    args = dict(max_tokens=8, topk=TOPK, num_heads=H, head_dim=D, v_dim=D, sm_scale=SCALE, dtype=torch.float64,
+                device="cpu")  # fmt: skip
+    return StepSpec(p.geometry(rank), **{**args, **kw})
+
+
+def _q_for(p, rank: int, spec: StepSpec) -> torch.Tensor:
+    Hs = spec.heads_per_rank
+    return p.q if spec.query_heads == spec.num_heads else p.q[:, rank * Hs : (rank + 1) * Hs].contiguous()
+
+
+def _run_dcp(p, stages="reference", **kw):
+    W = p.world_size
+    world = SimulatedWorld(W)
+    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+
+    def body(group, shard):
+        spec = _spec(p, group.rank, **kw)
+        step = PlannedStep(group, spec, st)
+        trace: dict = {}
+        out, lse = step.run(_q_for(p, group.rank, spec), shard, p.metadata(group.rank), trace=trace)
+        return out.clone(), lse.clone(), trace
+
+    res = world.run(body, p.shards)
+    return torch.cat([o for o, _, _ in res], 1), torch.cat([l for _, l, _ in res], 1), [t for _, _, t in res]
+
+
+def _tol(stages: str) -> float:
+    return 1e-10 if stages == "reference" else 3e-6
+
+
+@pytest.mark.parametrize("stages", ["reference", "kernels"])
+@pytest.mark.parametrize("W,I", [(1, 1), (2, 1), (3, 2), (4, 1)])
+@pytest.mark.parametrize("combine", ["reduce_scatter", "alltoall"])
+@pytest.mark.parametrize("q_replicate", [True, False])
+def test_dcp_combines_and_query_inputs_equal_the_oracle(stages, W, I, combine, q_replicate) -> None:
+    if stages == "kernels" and W == 4:
+        pytest.skip("W = 4 on the interpreted kernels adds time, not coverage (W = 3 runs them)")
+    p = _problem(W, I, seed=W + I)
+    out, lse, traces = _run_dcp(p, stages, combine=combine, q_replicate=q_replicate)
+    ref_out, ref_lse, ref_ids = single_device_decode(p, TOPK, SCALE)
+    tol = _tol(stages)
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+    for tr in traces:
+        assert [sorted(r) for r in tr["global_ids"].tolist()] == [sorted(r) for r in ref_ids.tolist()]
+        last = [] if W == 1 else ["merge" if combine == "reduce_scatter" else "combine"]
+        assert list(tr["impl"]) == ["indexer", "select", "deinterleave", "attention", "guard", *last]
+        if not q_replicate and W > 1:  # the gathered query is the full query, heads in rank order
+            torch.testing.assert_close(tr["q_full"], p.q, rtol=0, atol=0)
+
+
+def test_query_gather_at_one_token_is_a_view_not_a_copy() -> None:
+    p = make_dcp_problem(2, 1, seq_lens=[30], next_n=1, num_heads=4, head_dim=8, block_size=4, seed=3)
+    world = SimulatedWorld(2)
+
+    def body(group, shard):
+        spec = dataclasses.replace(_spec(p, group.rank, q_replicate=False), max_tokens=1)
+        step = PlannedStep(group, spec)
+        trace: dict = {}
+        step.run(_q_for(p, group.rank, spec), shard, p.metadata(group.rank), trace=trace)
+        return trace["q_full"], step._q_gathered, step._q_full
+
+    for q_full, gathered, full_buffer in world.run(body, p.shards):
+        assert torch.equal(q_full, p.q)
+        assert gathered is not None and gathered.numel() == 2 * 1 * 2 * 8
+        assert full_buffer is None  # planned for T = 1: the gathered buffer is read as [1, H, D], no copy
+
+
+@pytest.mark.parametrize("stages", ["reference", "kernels"])
+@pytest.mark.parametrize("W,I", [(2, 1), (4, 2)])
+def test_tp_layout_is_the_oracle_for_its_heads(stages, W, I) -> None:
+    """One rank of TP-W: the whole context, H/W heads, no collective; its heads equal the oracle's."""
+    p = make_dcp_problem(1, I, seq_lens=[30, 9, 17, 4], next_n=2, num_heads=2 * W, head_dim=8, block_size=4,
+                         seed=7)  # fmt: skip
+    ref_out, ref_lse, ref_ids = single_device_decode(p, TOPK, SCALE)
+    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    Hs = 2
+    for r in range(W):
+        spec = StepSpec(DcpGeometry(W, r, I, 4), max_tokens=8, topk=TOPK, num_heads=2 * W, head_dim=8, v_dim=8,
+                        sm_scale=SCALE, dtype=torch.float64, device="cpu", layout="tp")  # fmt: skip
+        assert spec.cache_geometry == DcpGeometry(1, 0, I, 4) and spec.query_heads == spec.attention_heads == Hs
+        step = PlannedStep(_NoCollectives(W, r), spec, st)
+        trace: dict = {}
+        out, lse = step.run(p.q[:, r * Hs : (r + 1) * Hs].contiguous(), p.shards[0], p.metadata(0), trace=trace)
+        tol = _tol(stages)
+        torch.testing.assert_close(out.double(), ref_out[:, r * Hs : (r + 1) * Hs], rtol=tol, atol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse[:, r * Hs : (r + 1) * Hs], rtol=tol, atol=tol)
+        assert [sorted(x) for x in trace["global_ids"].tolist()] == [sorted(x) for x in ref_ids.tolist()]
+        assert "merge" not in trace["impl"] and "combine" not in trace["impl"]
+
+
+class _NoCollectives:
+    """A group handle whose collectives fail: the tp layout (and W = 1) must call none."""
+
+    def __init__(self, world_size: int = 1, rank: int = 0) -> None:
+        self.world_size, self.rank = world_size, rank
+
+    def all_gather(self, x, *, out=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("all_gather called")
+
+    def reduce_scatter(self, x, dim=0, *, out=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("reduce_scatter called")
+
+    def all_to_all(self, x, *, out=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("all_to_all called")
+
+
+def test_tp_refuses_a_sharded_cache() -> None:
+    p = _problem(2)
+    spec = _spec(p, 0, layout="tp")
+    step = PlannedStep(_NoCollectives(2, 0), spec)
+    with pytest.raises(ValueError, match="tp layout's unsharded cache geometry"):
+        step.run(p.q[:, :2].contiguous(), p.shards[0], p.metadata(0))
+
+
+@pytest.mark.parametrize("stages", ["reference", "kernels"])
+@pytest.mark.parametrize("combine", ["reduce_scatter", "alltoall"])
+def test_run_reads_no_tensor_value_on_the_host(stages, combine) -> None:
+    p = _problem(2, 2, seed=5)
+    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+
+    def body(group, shard):
+        spec = _spec(p, group.rank, combine=combine, q_replicate=False)
+        step = PlannedStep(group, spec, st)
+        q, meta = _q_for(p, group.rank, spec), p.metadata(group.rank)
+        step.run(q, shard, meta)  # warm-up: per-shape caches
+        with HostSyncCounter() as c:
+            step.run(q, shard, meta)
+        return c.syncs, len(c.ops)
+
+    for syncs, n_ops in SimulatedWorld(2).run(body, p.shards):
+        assert syncs == [] and n_ops > 10
+
+
+@pytest.mark.parametrize("layout", ["dcp", "tp"])
+def test_an_empty_batch_gives_empty_results(layout) -> None:
+    p = _problem(2)
+    spec = _spec(p, 0, layout=layout, q_replicate=False)
+    step = PlannedStep(_NoCollectives(2, 0), spec)  # T = 0 calls no collective and no stage
+    shard = p.shards[0] if layout == "dcp" else make_dcp_problem(1, 1, seq_lens=[30], num_heads=4, head_dim=8,
+                                                                 block_size=4).shards[0]  # fmt: skip
+    empty = torch.empty(0, dtype=torch.int32)
+    shard = RankShard(shard.kv_cache, shard.block_table, shard.index_scores[:0], shard.geometry)
+    out, lse = step.run(torch.empty(0, 2, 8, dtype=torch.float64), shard, StepMetadata(empty, empty))
+    assert out.shape == (0, 2, 8) and lse.shape == (0, 2)
+
+
+def _bad_metadata_cases(meta: StepMetadata, B: int) -> dict[str, StepMetadata]:
+    b, r = meta.local_bounds.clone(), meta.req_of_token.clone()
+
+    def with_(i: int, bound: int | None = None, req: int | None = None) -> StepMetadata:
+        bb, rr = b.clone(), r.clone()
+        if bound is not None:
+            bb[i] = bound
+        if req is not None:
+            rr[i] = req
+        return StepMetadata(bb, rr)
+
+    return {
+        "request id past the block table": with_(1, req=B),
+        "negative request id": with_(1, req=-1),
+        "negative bound": with_(1, bound=-3),
+        "bound past the scores": with_(1, bound=10_000),
+    }
+
+
+@pytest.mark.parametrize("stages", ["reference", "kernels"])
+@pytest.mark.parametrize("combine", ["reduce_scatter", "alltoall"])
+def test_out_of_contract_tokens_are_poisoned_not_answered(stages, combine) -> None:
+    """validate=False: a token whose metadata is out of contract is NaN on every rank (all its heads); the other
+    tokens still equal the oracle."""
+    p = _problem(2, 1, seed=9)
+    ref_out, ref_lse, _ = single_device_decode(p, TOPK, SCALE)
+    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    B = p.seq_lens.numel()
+    for what in _bad_metadata_cases(p.metadata(0), B):
+
+        def body(group, shard, what=what):
+            step = PlannedStep(group, _spec(p, group.rank, combine=combine), st)
+            meta = _bad_metadata_cases(p.metadata(group.rank), B)[what]
+            out, lse = step.run(p.q, shard, meta)
+            return out.clone(), lse.clone()
+
+        res = SimulatedWorld(2).run(body, p.shards)
+        out, lse = torch.cat([o for o, _ in res], 1), torch.cat([l for _, l in res], 1)
+        assert bool(out[1].isnan().all()) and bool(lse[1].isnan().all()), what
+        keep = [t for t in range(out.shape[0]) if t != 1]
+        tol = _tol(stages)
+        torch.testing.assert_close(out[keep].double(), ref_out[keep], rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[keep].double(), ref_lse[keep], rtol=tol, atol=tol)
+
+
+def test_a_missing_block_poisons_and_validate_names_it() -> None:
+    p = _problem(1, 1, seed=2)
+    shard = p.shards[0]
+    table = shard.block_table.clone()
+    table[0, 1] = -1  # request 0 (30 tokens, 8 blocks of 4) lost its second block
+    holey = RankShard(shard.kv_cache, table, shard.index_scores, shard.geometry)
+    out, lse = PlannedStep(SingleGroup(), _spec(p, 0)).run(p.q, holey, p.metadata(0))
+    req = p.metadata(0).req_of_token
+    assert bool(out[req == 0].isnan().all()) and not bool(out[req != 0].isnan().any())
+    with pytest.raises(ValueError, match="shard.block_table is missing a block"):
+        PlannedStep(SingleGroup(), _spec(p, 0), validate=True).run(p.q, holey, p.metadata(0))
+
+
+def test_validate_checks_that_the_cache_holds_every_slot() -> None:
+    p = _problem(1, 1, seed=2)
+    shard = p.shards[0]
+    short = RankShard(shard.kv_cache[:20], shard.block_table, shard.index_scores, shard.geometry)
+    with pytest.raises(ValueError, match="shard.kv_cache has 20 slots, but shard.block_table names block"):
+        PlannedStep(SingleGroup(), _spec(p, 0), validate=True).run(p.q, short, p.metadata(0))
+    big = shard.block_table.clone()
+    big[0, 0] = 2**29  # 2**29 * 4 slots: beyond int32
+    with pytest.raises(ValueError, match="exceed int32"):
+        PlannedStep(SingleGroup(), _spec(p, 0), validate=True).run(
+            p.q, RankShard(shard.kv_cache, big, shard.index_scores, shard.geometry), p.metadata(0))
+
+
+def test_plan_refuses_what_is_not_a_group_and_stages_without_buffers() -> None:
+    p = _problem(1)
+    with pytest.raises(TypeError, match="group must be a dcp_ref.group.Group"):
+        PlannedStep(object(), _spec(p, 0))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="all_to_all"):
+        PlannedStep(_GatherOnly(2, 0), _spec(_problem(2), 0, combine="alltoall"))
+
+    def select_without_out(gathered, k):  # type: ignore[no-untyped-def]
+        return REFERENCE_STAGES.select(gathered, k)
+
+    with pytest.raises(TypeError, match=r"stage 'select' \(.*select_without_out\) must accept .*\['out'\]"):
+        PlannedStep(SingleGroup(), _spec(p, 0), REFERENCE_STAGES.with_(select=select_without_out))
+
+    def wrong_shape(gathered, k, *, out=None):  # type: ignore[no-untyped-def]
+        return torch.zeros(1, k, dtype=torch.int32)
+
+    step = PlannedStep(SingleGroup(), _spec(p, 0), REFERENCE_STAGES.with_(select=wrong_shape))
+    with pytest.raises(ValueError, match=r"stage 'select' \(.*wrong_shape\) returned shape \(1, 5\)"):
+        step.run(p.q, p.shards[0], p.metadata(0))
+
+
+class _GatherOnly(_NoCollectives):
+    all_to_all = None  # type: ignore[assignment]
+
+
+def test_spec_choices_are_validated() -> None:
+    p = _problem(2)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        _spec(p, 0, layout="pp")
+    with pytest.raises(ValueError, match="order='rank_local' needs exchange='owner'"):
+        _spec(p, 0, order="rank_local")
+    with pytest.raises(TypeError, match="q_replicate must be a bool"):
+        _spec(p, 0, q_replicate=1)
+    with pytest.raises(ValueError, match="device must name a torch device"):
+        _spec(p, 0, device="gpu7")
+    with pytest.raises(TypeError, match="device must be a torch.device or a str"):
+        _spec(p, 0, device=3)
+    with pytest.raises(TypeError):  # keyword-only after geometry
+        StepSpec(p.geometry(0), 8, TOPK, 4, 8, 8, SCALE, torch.float64, "cpu")  # type: ignore[misc]
+    assert math.isclose(_spec(p, 0).sm_scale, SCALE)
