@@ -140,3 +140,34 @@ def test_a_rank_cannot_run_its_own_world() -> None:
     w = SimulatedWorld(2)
     with pytest.raises(RuntimeError, match="called from one of its own ranks"):
         w.run(lambda g: w.run(lambda h: None))
+
+
+def test_symmetric_memory_group_falls_back_and_says_why() -> None:
+    """Without CUDA (or at W = 1) every collective goes to the fallback group, with the same results."""
+    from dcp_ref.group import SymmetricMemoryGroup
+
+    one = SymmetricMemoryGroup(SingleGroup())
+    assert one.transport == "fallback" and "one rank" in one.why_fallback
+    x = torch.arange(6.0).reshape(1, 2, 3)
+    assert torch.equal(one.all_to_all(x), x) and torch.equal(one.all_gather(x[0]), x)
+    assert torch.equal(one.reduce_scatter(x[0], 0), x[0])
+
+    def body(g):
+        sg = SymmetricMemoryGroup(g, capacity_bytes=1024)
+        xs = torch.stack([torch.full((2,), 10.0 * g.rank + j) for j in range(3)])
+        out = torch.empty(3, 2)
+        return sg.transport, sg.why_fallback, sg.all_to_all(xs, out=out) is out, out.tolist(), sg.all_gather(xs[0]).tolist()
+
+    for r, (transport, why, same, a2a, ag) in enumerate(SimulatedWorld(3).run(body)):
+        assert transport == "fallback" and why and same
+        assert a2a == [[10.0 * j + r] * 2 for j in range(3)]
+        assert ag == [[10.0 * j] * 2 for j in range(3)]
+
+
+def test_symmetric_memory_group_checks_its_arguments() -> None:
+    from dcp_ref.group import SymmetricMemoryGroup
+
+    with pytest.raises(TypeError, match="fallback must be a Group"):
+        SymmetricMemoryGroup(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="capacity_bytes must be >= 16"):
+        SymmetricMemoryGroup(SingleGroup(), capacity_bytes=8)
