@@ -62,6 +62,11 @@ class DcpProblem:
     kv_global: list[torch.Tensor]  # per request [L_b, D]
     scores_global: torch.Tensor  # float32 [T, max L]: indexer score of every (token, global position)
     shards: list[RankShard]
+    # With index keys (make_dcp_problem(index_heads=...)): the lightning indexer's inputs, from which
+    # scores_global was computed (exactly: small integers and dyadic weights, see make_dcp_problem).
+    index_q: torch.Tensor | None = None  # float8_e4m3fn [T, Hi, 128]
+    index_weights: torch.Tensor | None = None  # float32 [T, Hi]
+    index_keys_global: list[torch.Tensor] | None = None  # per request float32 [L_b, 128]
 
     @property
     def req_of_token(self) -> torch.Tensor:
@@ -107,6 +112,9 @@ class DcpProblem:
             [f(k) for k in self.kv_global],
             self.scores_global.to(dev),
             shards,
+            opt(self.index_q),
+            opt(self.index_weights),
+            None if self.index_keys_global is None else [k.to(dev) for k in self.index_keys_global],
         )
 
 
@@ -121,6 +129,7 @@ def make_dcp_problem(
     block_size: int = 8,
     score_levels: int = 7,
     seed: int = 0,
+    index_heads: int = 0,
 ) -> DcpProblem:
     """Build a random DCP decode problem and shard it.
 
@@ -128,6 +137,11 @@ def make_dcp_problem(
     the stable order (score, then lower global id) is exercised, not just the easy case.
     Physical blocks of every rank are handed out in a shuffled order, so slot ids are unrelated
     to positions (as in a real paged cache).
+
+    ``index_heads > 0``: also the lightning indexer's inputs — an FP8 index query ``[T, index_heads, 128]``,
+    weights and per-request index keys — written into every rank's FP8 index-key cache
+    (``shard.index_cache``, :mod:`dcp_ref.index_cache`), and the scores are *computed* from them
+    (exactly; see :func:`_index_inputs`) instead of drawn from ``score_levels``.
 
     ``next_n``: query tokens per request — one int (decode, MTP), or one per request (a prefill
     chunk: request ``b``'s last ``next_n[b]`` positions are its query tokens; see
@@ -161,8 +175,14 @@ def make_dcp_problem(
     max_len = int(lens.max())
     q = torch.randn(T, num_heads, head_dim, generator=g, dtype=torch.float64)
     kv_global = [torch.randn(int(L), head_dim, generator=g, dtype=torch.float64) for L in lens]
-    levels = torch.randint(0, score_levels, (T, max_len), generator=g).to(torch.float32)
-    scores_global = levels / score_levels - 0.5
+    hi = check_int_scalar(index_heads, "index_heads", min_value=0)
+    index_q = index_w = None
+    index_keys: list[torch.Tensor] | None = None
+    if hi:
+        index_q, index_w, index_keys, scores_global = _index_inputs(g, lens, req_of_token, hi)
+    else:
+        levels = torch.randint(0, score_levels, (T, max_len), generator=g).to(torch.float32)
+        scores_global = levels / score_levels - 0.5
 
     shards = []
     pos_all = torch.arange(max_len)
@@ -192,7 +212,39 @@ def make_dcp_problem(
         shards.append(
             RankShard(kv_cache=kv, block_table=table, index_scores=index_scores, geometry=DcpGeometry(w, r, i, bs))
         )
-    return DcpProblem(w, i, bs, lens, next_n, q, kv_global, scores_global, shards)
+    if index_keys is not None:
+        from .index_cache import build_sharded_index_caches
+
+        caches = build_sharded_index_caches(
+            index_keys, [sh.block_table for sh in shards], shards[0].geometry, [sh.kv_cache.shape[0] // bs for sh in shards]
+        )
+        for sh, cache in zip(shards, caches):
+            sh.index_cache = cache
+    return DcpProblem(w, i, bs, lens, next_n, q, kv_global, scores_global, shards, index_q, index_w, index_keys)
+
+
+def _index_inputs(
+    g: torch.Generator, lens: torch.Tensor, req_of_token: torch.Tensor, heads: int
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """Index query, weights and keys whose scores are *exact* in float32 whatever the summation order.
+
+    Keys and queries are integers in ``[-2, 2]`` (exact in e4m3; the per-token power-of-two key scale
+    dequantizes them back exactly), weights are multiples of 1/16 below 1/4: every term
+    ``w * relu(q . k)`` is a multiple of 1/16 below 2**7 and their sum over the heads stays far below
+    2**24 steps. So a kernel's float32 scores equal the float64 oracle's bit for bit, and the selection
+    (which has many ties here) must match exactly.
+    """
+    T = req_of_token.numel()
+    dim = 128  # the index-key layout's head_dim (dcp_ref.index_cache.INDEX_K_FP8)
+    keys = [torch.randint(-2, 3, (int(L), dim), generator=g).to(torch.float32) for L in lens]
+    q = torch.randint(-2, 3, (T, heads, dim), generator=g).to(torch.float32)
+    w = torch.randint(0, 4, (T, heads), generator=g).to(torch.float32) / 16
+    scores = torch.full((T, int(lens.max())), float("nan"), dtype=torch.float32)
+    for t in range(T):
+        kb = keys[int(req_of_token[t])].double()
+        s = (w[t].double()[:, None] * torch.relu(q[t].double() @ kb.T)).sum(0)  # [L_b]
+        scores[t, : kb.shape[0]] = s.to(torch.float32)
+    return q.to(torch.float8_e4m3fn), w, keys, scores
 
 
 def dcp_decode_step(

@@ -625,9 +625,9 @@ class PlannedStep:
     def _cache_slots(self, name: str, cache: torch.Tensor) -> int:
         if name == "kv_cache":
             return _num_slots(cache)
-        from .scoring import index_cache_slots
+        from .index_cache import index_cache_slots
 
-        return index_cache_slots(cache, self.spec.cache_geometry.block_size)
+        return index_cache_slots(cache, self.spec.cache_geometry.block_size, "shard.index_cache")
 
     # ------------------------------------------------------------------------------------------
     def run(
