@@ -399,6 +399,48 @@ def _tokens_per_rank(context: int, world_size: int, mode: str, geometry: MlaGeom
 
 
 @dataclass(frozen=True)
+class QueryProjection:
+    """The weights that turn a token's latent query into its ``H`` attention queries (DeepSeek V3.2's
+    ``config.json``): ``q_b_proj`` ``[q_lora_rank -> H * (qk_nope + qk_rope)]`` and, absorbed into the query
+    (MLA's ``W_UK``), the key half of ``kv_b_proj`` ``[H * qk_nope <- kv_lora_rank]``.
+
+    Attributes:
+        q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank: 1536, 128, 64, 512.
+        q_b_bytes_per_param: 1 + 4/128**2 (FP8 weights with one float32 scale per 128 x 128 block, as the
+            V3.2 checkpoint ships ``q_b_proj``).
+        w_uk_bytes_per_param: 2 (vLLM keeps the absorbed ``W_UK`` in bf16).
+    """
+
+    q_lora_rank: int = 1536
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    kv_lora_rank: int = 512
+    q_b_bytes_per_param: float = 1 + 4 / 128**2
+    w_uk_bytes_per_param: float = 2.0
+
+    def params_per_layer(self, heads: int) -> tuple[int, int]:
+        """``(q_b_proj, W_UK)`` parameters of one layer for ``heads`` query heads."""
+        qb = self.q_lora_rank * heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        uk = heads * self.qk_nope_head_dim * self.kv_lora_rank
+        return qb, uk
+
+
+def q_replication_bytes(
+    world_size: int, geometry: MlaGeometry = MlaGeometry(), projection: QueryProjection = QueryProjection()
+) -> float:
+    """Extra weight bytes per rank (all layers) when DCP replicates the query projection instead of gathering ``q``.
+
+    Under TP-``W`` a rank holds ``1/W`` of ``q_b_proj`` and ``W_UK``; replicated (SGLang's
+    ``--dcp-replicate-q-proj``, TensorRT-LLM Helix) it holds all of them, so that every rank computes all ``H``
+    heads' queries itself and the query all-gather disappears. DeepSeek V3.2 at ``W = 8``: 2.9 GB per rank.
+    """
+    w = _pos_int(world_size, "world_size")
+    qb, uk = projection.params_per_layer(geometry.num_heads)
+    per_layer = qb * projection.q_b_bytes_per_param + uk * projection.w_uk_bytes_per_param
+    return (1 - 1 / w) * per_layer * geometry.layers
+
+
+@dataclass(frozen=True)
 class CollectiveBytes:
     """Bytes of one collective on one rank.
 
@@ -508,7 +550,8 @@ def collective_time_s(
 
     ``kind``: ``"all_gather"`` (``bytes_per_rank`` = this rank's contribution; ``W-1`` steps of that
     size), ``"reduce_scatter"`` (``bytes_per_rank`` = the input; ``W-1`` steps of ``1/W`` of it) or
-    ``"all_reduce"`` (``2(W-1)`` steps of ``1/W``). Time = ``collective_s + steps * (hop + chunk / bw)``
+    ``"all_reduce"`` (``2(W-1)`` steps of ``1/W``) or ``"all_to_all"`` (``bytes_per_rank`` = the whole send buffer;
+    ``W-1`` pairwise steps of ``1/W`` of it). Time = ``collective_s + steps * (hop + chunk / bw)``
     where ``hop, bw`` are ``hop_s, link_Bps`` inside a host and ``ib_hop_s, ib_Bps * ib_efficiency``
     (the ring's slowest link) once ``W > gpus_per_host``. Eager launches add ``eager_collective_s``.
     """
@@ -522,8 +565,10 @@ def collective_time_s(
         steps, chunk = w - 1, b / w
     elif kind == "all_reduce":
         steps, chunk = 2 * (w - 1), b / w
+    elif kind == "all_to_all":
+        steps, chunk = w - 1, b / w
     else:
-        raise ValueError(f"kind must be 'all_gather', 'reduce_scatter' or 'all_reduce', got {kind!r}")
+        raise ValueError(f"kind must be 'all_gather', 'reduce_scatter', 'all_reduce' or 'all_to_all', got {kind!r}")
     if w <= hardware.gpus_per_host:
         hop, bw = constants.hop_s, constants.link_Bps
     else:
