@@ -216,7 +216,10 @@ def make_dcp_problem(
         from .index_cache import build_sharded_index_caches
 
         caches = build_sharded_index_caches(
-            index_keys, [sh.block_table for sh in shards], shards[0].geometry, [sh.kv_cache.shape[0] // bs for sh in shards]
+            index_keys,
+            [sh.block_table for sh in shards],
+            DcpGeometry(w, 0, i, bs),
+            [sh.kv_cache.shape[0] // bs for sh in shards],
         )
         for sh, cache in zip(shards, caches):
             sh.index_cache = cache

@@ -58,6 +58,8 @@ from .topk import pack_candidates, stable_topk
 
 __all__ = [
     "STAGE_NAMES",
+    "StageInfo",
+    "STAGE_MAP",
     "ATTENTION_LAYOUTS",
     "LAYOUTS",
     "EXCHANGES",
@@ -134,6 +136,61 @@ ATTENTION_LAYOUTS = ("compact", "masked")
 #: KV cache formats a step can run on: ``"native"`` (float rows ``[S, Dqk]``, e.g. bf16) and ``"fp8_ds_mla"``
 #: (DeepSeek V3.2 / FlashMLA's FP8 rows, 656 bytes per token: :mod:`dcp_ref.fp8_cache`).
 KV_FORMATS = ("native", "fp8_ds_mla")
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Where one stage lives: its reference, its kernels, the chapter that teaches it, the benchmark that times it.
+
+    Attributes:
+        stage: the stage's name (a :class:`Stages` field, or a step-level stage: ``ownership``, ``query_gather``).
+        what: one line: what the stage does.
+        reference: ``"module:function"`` of the plain-PyTorch reference (the oracle).
+        kernels: modules of :mod:`dcp_ref.kernels` implementing it (``()``: a collective or host-side stage).
+        chapter: the notebook stem that teaches it (``notebooks/<chapter>.ipynb``).
+        benchmark: the results file that measures it (``benchmarks/results/<benchmark>``), or ``""``.
+    """
+
+    stage: str
+    what: str
+    reference: str
+    kernels: tuple[str, ...]
+    chapter: str
+    benchmark: str
+
+
+#: One table of stages, in step order: the single source for the README's stage table, chapter 00's, the API
+#: page and CONTRIBUTING (``tests/test_stage_map.py`` checks that they agree with it).
+STAGE_MAP: tuple[StageInfo, ...] = (
+    StageInfo("ownership", "global lengths -> this rank's local bound per query token (expand first, localize after)",
+              "dcp_ref.step:decode_metadata", (), "01_ownership", ""),
+    StageInfo("query_gather", "q arrives as this rank's H/W heads; all-gathered over heads (or replicated)",
+              "dcp_ref.step:PlannedStep", (), "07_end_to_end", "layer.json"),
+    StageInfo("scoring", "FP8 index query x this rank's FP8 index keys -> index scores [T, L]",
+              "dcp_ref.scoring:index_scores", ("scoring_triton",), "02_indexer", "scoring.json"),
+    StageInfo("scored_indexer", "scoring fused into the local top-K + pack (the scores are never written)",
+              "dcp_ref.stages:reference_scored_indexer", ("scored_indexer_triton",), "02_indexer", "scoring.json"),
+    StageInfo("indexer", "local stable top-K of the scores, packed as (score, global id), or scores + local ids",
+              "dcp_ref.indexer:local_topk", ("indexer_triton", "pack_triton"), "02_indexer", "local_topk.json"),
+    StageInfo("select", "stable global top-k of the all-gathered candidates (score desc, then lower id)",
+              "dcp_ref.topk:stable_topk", ("topk_cutedsl",), "03_stable_topk_cutedsl", "topk.json"),
+    StageInfo("deinterleave", "chosen global ids -> this rank's KV slots through its block table, compacted",
+              "dcp_ref.deinterleave:deinterleave_and_compact", ("deinterleave_triton",), "04_triton_deinterleave",
+              "deinterleave.json"),
+    StageInfo("select_to_slots", "owner-local selection: gathered candidates -> this rank's winners' slots",
+              "dcp_ref.select_to_slots:select_to_slots", ("select_to_slots_cutedsl",), "03_stable_topk_cutedsl",
+              "exchange.json"),
+    StageInfo("attention", "sparse MLA over (slots, counts) -> partial output + LSE (base e, -inf when empty)",
+              "dcp_ref.attention:sparse_mla_attention",
+              ("flashmla_sparse", "attention_splitkv_triton", "flashinfer_mla", "flashmla_fp8"), "06_lse_base2_to_e",
+              "attention.json"),
+    StageInfo("guard", "tokens whose metadata is out of contract -> NaN output and LSE",
+              "dcp_ref.guard:reference_guard", ("guard_triton",), "07_end_to_end", ""),
+    StageInfo("merge", "this rank's partial corrected by the all-gathered LSEs, then reduce-scattered over heads",
+              "dcp_ref.lse:correct_partial", ("lse_merge_triton",), "06_lse_base2_to_e", "lse_merge.json"),
+    StageInfo("combine", "after one all-to-all: the W partials of this rank's H/W heads merged by their LSEs",
+              "dcp_ref.lse:merge_partials", ("lse_merge_triton",), "06_lse_base2_to_e", "exchange.json"),
+)  # fmt: skip
 
 
 def kv_format_of(kv_cache: torch.Tensor) -> str:
