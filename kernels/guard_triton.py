@@ -17,6 +17,7 @@ import triton.language as tl
 from dcp_ref._checks import INT_DTYPES, check_int_scalar, check_tensor, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 
+from ._launch import FastLaunch
 from ._util import next_pow2
 
 __all__ = ["token_in_contract", "poison_row", "guard_kernel", "guard_triton"]
@@ -72,6 +73,9 @@ def guard_kernel(partial_ptr, lse_ptr, bounds_ptr, req_ptr, starts_ptr, bt_ptr, 
         poison_row(partial_ptr, lse_ptr, t, H, V, stride_pt, stride_ph, stride_lt, BLOCK)
 
 
+_GUARD = FastLaunch(guard_kernel)  # the eager path: the compiled handle after the first call (kernels._launch)
+
+
 def guard_triton(
     partial: torch.Tensor,
     lse: torch.Tensor,
@@ -116,7 +120,7 @@ def guard_triton(
     B, M = block_table.shape
     bt = block_table if block_table.stride(1) == 1 or M == 0 else block_table.contiguous()
     starts = row_starts if row_starts is not None else local_bounds  # never read without HAS_STARTS
-    guard_kernel[(T,)](
+    _GUARD((T,),
         partial, lse, local_bounds, req_of_token, starts, bt, B, M, n_cols, H, V,
         partial.stride(0), partial.stride(1), lse.stride(0), max(bt.stride(0), 1),
         BS=geometry.block_size, HAS_STARTS=row_starts is not None, BLOCK_M=min(next_pow2(max(M, 1)), 1024),
