@@ -267,6 +267,7 @@ def main() -> None:
     ap.add_argument("--fused", default="0,1", help="scoring fused into the indexer: 0, 1 or both")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting rows after this many seconds")
     ap.add_argument("--transport", default="nccl", help="under torch.distributed.run: nccl, symm (symmetric memory)")
+    ap.add_argument("--configs", default=None, help="explicit rows in this order: layout:W:T:ctx:cache:fused,...")
     args = ap.parse_args()
     group = None
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -290,13 +291,35 @@ def main() -> None:
     t_start = time.perf_counter()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     configs = []
-    for W in ints(args.W):
+    if args.configs:
+        for c in args.configs.split(","):
+            lay, w_, t_, ctx_, cache_, fused_ = c.split(":")
+            configs.append((lay, int(w_), int(t_), int(ctx_), cache_, bool(int(fused_))))
+    for W in [] if args.configs else ints(args.W):
         for T in ints(args.T):
             for ctx in ints(args.ctx):
                 for cache in args.cache.split(","):
                     for fused in ints(args.fused):
                         for layout in ("dcp",) if W == 1 else ("dcp", "tp"):
                             configs.append((layout, W, T, ctx, cache, bool(fused)))
+    name = "layer.json" if group is None else f"layer_W{world}_{args.transport}.json"
+
+    def result() -> dict[str, Any]:
+        return {
+            "device": torch.cuda.get_device_name(dev),
+            "versions": _versions(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "shapes": {"H": H, "Dqk": DQK, "Dv": DV, "topk": TOPK, "block_size": BLOCK, "index_heads": INDEX_HEADS},
+            "how": __doc__.split("\n\n")[1] if __doc__ else "",
+            "rows": rows,
+            "errors": errors,
+            "summary": [
+                {k: r[k] for k in ("layout", "W", "T", "ctx", "cache", "graph_us", "collectives_us", "source")}
+                | {"scoring": r["scoring"]}
+                for r in rows
+            ],
+        }
+
     for cfg in configs:
         if time.perf_counter() - t_start > args.budget_s:
             errors.append({"config": cfg, "error": "skipped: time budget spent"})
@@ -311,29 +334,17 @@ def main() -> None:
             errors.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:500]})
             print(f"{cfg}: FAILED {e}", flush=True)
             torch.cuda.empty_cache()
-    result = {
-        "device": torch.cuda.get_device_name(dev),
-        "versions": _versions(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "shapes": {"H": H, "Dqk": DQK, "Dv": DV, "topk": TOPK, "block_size": BLOCK, "index_heads": INDEX_HEADS},
-        "how": __doc__.split("\n\n")[1] if __doc__ else "",
-        "rows": rows,
-        "errors": errors,
-        "summary": [
-            {k: r[k] for k in ("layout", "W", "T", "ctx", "cache", "graph_us", "collectives_us", "source")}
-            | {"scoring": r["scoring"]}
-            for r in rows
-        ],
-    }
+        if group is None:  # written after every row: a run stopped at its time limit keeps what it measured
+            (out_dir / name).write_text(json.dumps(result(), indent=1, default=str))
+    out = result()
     if group is not None:
-        result["world_size"], result["transport"] = world, args.transport
+        out["world_size"], out["transport"] = world, args.transport
         import torch.distributed as dist
 
         dist.barrier()
         if dist.get_rank() != 0:
             os._exit(0)  # NCCL teardown after captured collectives hung on these machines: leave without it
-    name = "layer.json" if group is None else f"layer_W{world}_{args.transport}.json"
-    (out_dir / name).write_text(json.dumps(result, indent=1))
+    (out_dir / name).write_text(json.dumps(out, indent=1, default=str))
     print(f"wrote {out_dir / name}: {len(rows)} rows, {len(errors)} errors", flush=True)
     if group is not None:
         os._exit(0)

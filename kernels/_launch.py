@@ -15,10 +15,15 @@ new key goes through the JIT once. Under the interpreter (``TRITON_INTERPRET=1``
 installed Triton's compiled kernel cannot be launched this way, every call goes through the JIT.
 
 ``FastLaunch.jit_calls`` / ``fast_calls`` count the two paths (tests and benchmarks read them).
+
+**Off by default** (``DCP_FAST_LAUNCH=1`` turns it on): the direct path has not yet been run on the H200 —
+``tests/test_launch.py``'s GPU test, which compares it with the JIT across specialization keys and inside a
+CUDA graph, has to pass there first. Until then every call takes the JIT path, exactly as before.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +31,7 @@ import torch
 
 from dcp_ref._checks import triton_interpreting
 
-__all__ = ["FastLaunch", "spec_key"]
+__all__ = ["FastLaunch", "spec_key", "fast_launch_enabled"]
 
 #: Options of a launch that are not kernel parameters (they select the compiled variant).
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
@@ -60,6 +65,11 @@ def spec_key(
     return tuple(key)
 
 
+def fast_launch_enabled() -> bool:
+    """Whether ``DCP_FAST_LAUNCH`` asks for the direct path (read when a :class:`FastLaunch` is made)."""
+    return os.environ.get("DCP_FAST_LAUNCH", "0") not in ("", "0")
+
+
 class FastLaunch:
     """``FastLaunch(kernel)(grid, *args, **kwargs)`` launches like ``kernel[grid](*args, **kwargs)``.
 
@@ -86,7 +96,7 @@ class FastLaunch:
                     consts.add(name)
         self._by_value = frozenset(consts) | frozenset(_LAUNCH_OPTIONS)
         self._compiled: dict[tuple[object, ...], Any] = {}
-        self._direct = bool(self._names) and not triton_interpreting()
+        self._direct = bool(self._names) and not triton_interpreting() and fast_launch_enabled()
         self.jit_calls = 0
         self.fast_calls = 0
 

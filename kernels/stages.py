@@ -19,9 +19,10 @@ device and dtype, and the reference otherwise (the reason is logged once on
 - combine: the Triton merge of W partials (:func:`.lse_merge_triton.lse_merge`) — as the indexer.
 
 The attention is chosen per planned shape: where both FlashMLA and the split-KV Triton kernel
-(:mod:`.attention_splitkv_triton`) can run, ``prepare`` times both on the planned shape (CUDA events, a
-few replays of each on synthetic inputs) and plans the faster one; the choice and both times are kept
-in ``Stages.notes``.
+(:mod:`.attention_splitkv_triton`, any head count that is a multiple of 16) can run, ``prepare`` plans the
+split-KV kernel for steps of at most :data:`SPLITKV_MAX_TOKENS` query tokens and FlashMLA beyond — the
+crossover measured on the H200 — and says so in ``Stages.notes``. Where FlashMLA cannot run (``H`` not 64
+or 128: a tensor-parallel rank's ``H/W`` heads) the split-KV kernel runs.
 
 ``dcp_ref`` never imports this module: :func:`dcp_ref.stages.resolve_stages` loads it by name when a
 caller asks for ``stages="kernels"``.
@@ -394,45 +395,16 @@ def _attention_splitkv(
         return splitkv_attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
 
 
-def _time_attention(fn: Any, spec: StepSpec, reps: int = 5) -> float:
-    """Median device time (µs) of ``fn`` on the planned shape (``T = max_tokens``, every row ``k`` keys), replayed
-    from a CUDA graph so that launch overhead does not decide; synthetic inputs, on the plan's device."""
-    dev, T, H, k = spec.device, spec.max_tokens, spec.attention_heads, spec.topk
-    S = T * k
-    g = torch.Generator(device=dev).manual_seed(0)
-    q = (torch.randn(T, H, spec.head_dim, device=dev, generator=g) * 0.1).to(spec.dtype)
-    kv = (torch.randn(S, spec.head_dim, device=dev, generator=g) * 0.1).to(spec.dtype)
-    slots = torch.randperm(S, device=dev, generator=g)[: T * k].view(T, k).to(torch.int32)
-    counts = torch.full((T,), k, dtype=torch.int32, device=dev)
-    out = torch.empty(T, H, spec.v_dim, dtype=spec.dtype, device=dev)
-    lse = torch.empty(T, H, dtype=torch.float32, device=dev)
-
-    def call() -> None:
-        fn(q, kv, slots, counts, spec.sm_scale, spec.v_dim, out=out, out_lse=lse)
-
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        call()  # compile and warm, outside the capture
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):
-            call()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / 4)
-    return sorted(times)[len(times) // 2]
+#: Up to this many query tokens per planned step the split-KV kernel is the faster bf16 attention, beyond it
+#: FlashMLA's sparse kernel (H200, graph replay, H = 128, K = 2048; ``benchmarks/results/attention.json``:
+#: T = 8: 41.5 against 60.8 µs; T = 32: 125.4 against 69.3 µs). ``tests/test_kernel_stages.py`` checks this
+#: constant against the committed measurement, so a re-measurement that moves the crossover fails until it moves.
+SPLITKV_MAX_TOKENS = 8
 
 
 def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives: dict[str, Any]) -> Stages | None:
     """Plan-time work, under the step's lock: compile and warm what compiles (the CuTeDSL kernels) for the planned
-    shape, and pick the faster attention where two can run (timed on the planned shape)."""
+    shape, and pick the faster bf16 attention for it where two can run (:data:`SPLITKV_MAX_TOKENS`)."""
     W, T, k = spec.cache_geometry.world_size, spec.max_tokens, spec.topk
     if impl["select"] == "cutedsl" and spec.exchange == "allgather":
         from .topk_cutedsl import stable_topk_cutedsl
@@ -441,14 +413,15 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
         gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
         with KERNEL_LOCK:
             stable_topk_cutedsl(gathered, k, validate=False)
-    chosen = stages
-    if len(alternatives) > 1 and torch.device(spec.device).type == "cuda":
-        timed = {name: _time_attention(fn, spec) for name, fn in alternatives.items()}
-        best = min(timed, key=lambda n: timed[n])
-        why = "timed at plan time on the planned shape: " + ", ".join(f"{n} {us:.1f} us" for n, us in timed.items())
-        chosen = dataclasses.replace(stages, attention=alternatives[best],
-                                     notes=tuple(sorted((*stages.notes, ("attention", why)))))  # fmt: skip
-    return chosen if chosen is not stages else None
+    if len(alternatives) < 2:
+        return None
+    best = "triton-splitkv" if T <= SPLITKV_MAX_TOKENS else "flashmla"
+    why = (
+        f"planned for T <= {T} query tokens: the split-KV kernel is faster up to {SPLITKV_MAX_TOKENS}, FlashMLA "
+        "beyond (measured on the H200, benchmarks/results/attention.json)"
+    )
+    notes = tuple(sorted((*(n for n in stages.notes if n[0] != "attention"), ("attention", why))))
+    return dataclasses.replace(stages, attention=alternatives[best], notes=notes)
 
 
 # ---- selection -------------------------------------------------------------------------------------------
@@ -464,7 +437,7 @@ def kernel_stage_impls(
     """What :func:`kernel_stages` runs for each stage (``"triton"``, ``"triton-fused"``, ``"torch+triton"``,
     ``"cutedsl"``, ``"flashmla"``, ``"triton-splitkv"``, ``"flashinfer"``, ``"flashmla-fp8"``, ``"torch"``,
     ``"torch-fp8"``), in step order (each fallback is logged once). Where two attention kernels can run,
-    the one named is FlashMLA; a planned step times both and may pick the other."""
+    the one named is FlashMLA; a planned step picks by its token count (:data:`SPLITKV_MAX_TOKENS`)."""
     return kernel_stages(device, q_dtype, head_dim, v_dim, num_heads=num_heads, topk=topk, kv_format=kv_format).impls()
 
 
@@ -513,15 +486,11 @@ def _splitkv_unsupported(device: torch.device, q_dtype: torch.dtype, head_dim: i
                          num_heads: int | None) -> str:  # fmt: skip
     if device.type != "cuda":
         return f"tensors are on {device}, not CUDA"
-    if not _has("attention_splitkv_triton"):
-        return "the split-KV kernel module is missing"
     if q_dtype not in (torch.bfloat16, torch.float16):
-        return f"the split-KV kernel takes bf16/fp16, got {q_dtype}"
-    if (head_dim, v_dim) != (576, 512):
-        return f"the split-KV kernel takes head_dim=576, v_dim=512, got {head_dim}, {v_dim}"
-    if num_heads is not None and num_heads % 16:
-        return f"the split-KV kernel takes H a multiple of 16, got {num_heads}"
-    return ""
+        return f"the split-KV kernel runs bf16/fp16 on the GPU, got {q_dtype}"
+    from .attention_splitkv_triton import splitkv_unsupported
+
+    return splitkv_unsupported(device, q_dtype, num_heads or 128, head_dim, v_dim)
 
 
 def _choose_attention(
@@ -559,9 +528,10 @@ def kernel_stages(
     """The ``"kernels"`` :class:`~dcp_ref.stages.Stages` for tensors of ``dtype`` on ``device``.
 
     ``num_heads`` (the heads the *attention* runs: ``H`` for dcp, ``H/W`` for tp) / ``topk``: when known, let
-    the attention choice check the kernels' constraints (FlashMLA: H in {64, 128}; split-KV: H a multiple of
-    16); unknown, FlashMLA is assumed to fit and its own checks raise at run time. Where FlashMLA and the
-    split-KV kernel both fit, the planned step times both on its shape and runs the faster (``prepare``).
+    the attention choice check the kernels' constraints (FlashMLA: H in {64, 128}; the split-KV kernel: any H);
+    unknown, FlashMLA is assumed to fit and its own checks raise at run time. Where FlashMLA and the split-KV
+    kernel both fit, the planned step runs the one measured faster for its token count (``prepare``,
+    :data:`SPLITKV_MAX_TOKENS`).
     ``kv_format="fp8_ds_mla"``: an FP8 cache; the attention is FlashMLA's FP8 sparse decode (:mod:`.flashmla_fp8`)
     on CUDA, the FP8 reference elsewhere, both in the masked layout.
     """
@@ -606,7 +576,7 @@ def kernel_stages(
         "merge": _merge_triton if impl["merge"] == "triton" else reference_merge,
         "combine": _combine_triton if impl["combine"] == "triton" else reference_combine,
     }
-    # Both bf16 kernels fit: the plan times them on its shape (FlashMLA is the default until then).
+    # Both bf16 kernels fit: the plan picks by its token count (FlashMLA is the default until then).
     alternatives: dict[str, Any] = {}
     if impl["attention"] == "flashmla" and not _splitkv_unsupported(dev, dtype, head_dim, v_dim, num_heads):
         alternatives = {"flashmla": _attention_flashmla, "triton-splitkv": _attention_splitkv}

@@ -50,7 +50,8 @@ def test_under_the_interpreter_every_call_goes_through_the_jit(kernel_device) ->
 
 
 @pytest.mark.gpu
-def test_compiled_launches_equal_the_jit_across_keys(cuda_device) -> None:
+def test_compiled_launches_equal_the_jit_across_keys(cuda_device, monkeypatch) -> None:
+    monkeypatch.setenv("DCP_FAST_LAUNCH", "1")
     f = FastLaunch(_axpy)
     base = torch.randn(4096 + 4, device=cuda_device)
     y = torch.randn(4096 + 4, device=cuda_device)

@@ -1,0 +1,442 @@
+#!/usr/bin/env python3
+"""Sparse MLA decode attention on the H200: the split-KV Triton kernel vs FlashMLA (bf16 sparse, FP8 decode).
+
+    source .gpu/flashinfer/env.sh && python3 benchmarks/bench_attention.py --out DIR   # -> DIR/attention.json
+    python3 benchmarks/bench_attention.py --smoke --out /tmp/x                          # tiny shapes, a few configs
+
+One rank's attention stage (W = 1: every chosen key is local), ``T`` query tokens x ``H`` heads over ``K``
+chosen slots per token (distinct random rows of a 131072-row cache: 151 MB bf16 / 86 MB FP8, above the 50 MB
+L2), DeepSeek's geometry (Dqk = 576, Dv = 512, sm_scale = 192**-0.5):
+
+* ``splitkv`` — :func:`dcp_ref.kernels.attention_splitkv_triton.splitkv_attention` (the stage, its default
+  plan; bf16 cache, compact slots + counts), for H in {16, 32, 64, 128} (the heads of a TP rank);
+* ``flashmla_bf16`` — :func:`dcp_ref.kernels.flashmla_sparse.sparse_mla_flashmla` (the stage: FlashMLA's SM90
+  sparse kernel with its prologue / epilogue), H = 128 (it takes 64 or 128);
+* ``flashmla_fp8`` — :class:`dcp_ref.kernels.flashmla_fp8.FlashMLAFp8Decode` over the 656-byte FP8 cache
+  (masked layout; at W = 1 the same slots), H = 128.
+
+Rows of ``summary``: ``{"impl", "T", "K", "H", "cache", "graph_us", "floor_us", "rel_err", "ctas", "sm_busy"}``.
+``graph_us``: median per call of a CUDA graph of 20 back-to-back calls, replayed 5 x after warm-up (no L2
+flush). ``floor_us``: ``max(bytes / copy bandwidth measured in this run, FLOPs / 989 TFLOPS)`` with bytes =
+``T*K*bytes_per_row + q + out`` and FLOPs = ``2*T*H*K*(576 + 512)``. ``rel_err``: ``||out - ref|| / ||ref||``
+against the float64 reference (:mod:`dcp_ref.attention`, :func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8`
+for FP8) on the inputs timed (T <= 32; outputs poisoned with NaN first). ``ctas``: phase-1 programs of the
+split-KV kernel (``sm_busy = min(ctas, SMs) / SMs``); for FlashMLA's bf16 kernel, ``T * H / 64``.
+
+The ``sweep`` section times launch configurations (``block_h``, ``block_n``, ``num_warps``, ``num_stages``)
+x ``num_splits`` per shape and prints the best per shape next to the default plan's time, i.e. what
+:func:`splitkv_plan`'s defaults should be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import inspect
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from _graphs import capture  # noqa: E402  (the benchmarks' folder is on sys.path)
+
+from dcp_ref.attention import sparse_mla_attention  # noqa: E402
+from dcp_ref.fp8_cache import FP8_DS_MLA, quantize_kv_fp8, sparse_mla_attention_fp8  # noqa: E402
+from dcp_ref.kernels.attention_splitkv_triton import TUNING_CONFIGS as SWEEP_CONFIGS  # noqa: E402
+
+DQK, DV = 576, 512
+SM_SCALE = 192**-0.5  # DeepSeek V3.2: 1 / sqrt(128 + 64)
+PEAK_BF16_FLOPS = 989e12  # H200 SXM, dense bf16 tensor cores
+CACHE_ROWS = 131072
+
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    v = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else "-",
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    for dist in ("triton", "flashinfer-python", "sgl-flash-mla"):
+        try:
+            v[dist] = md.version(dist)
+        except Exception:
+            v[dist] = "not installed"
+    return v
+
+
+def graph_us(fn: Callable[[], object], calls: int = 20, reps: int = 5) -> float:
+    """Median µs per call of ``calls`` back-to-back calls of ``fn`` captured in one CUDA graph."""
+    graph = capture(fn, calls=calls, warmup=2)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth(dev: torch.device) -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (read + write), median of a CUDA-graph of copies."""
+    a = torch.empty(1 << 29, dtype=torch.float16, device=dev)
+    b = torch.empty_like(a)
+    us = graph_us(lambda: b.copy_(a), calls=5, reps=5)
+    return 2 * a.numel() * a.element_size() / (us * 1e-6)
+
+
+def floor_us(T: int, H: int, K: int, row_bytes: int, bw: float) -> tuple[float, float, float]:
+    nbytes = T * K * row_bytes + T * H * (DQK + DV) * 2
+    flops = 2.0 * T * H * K * (DQK + DV)
+    mem, comp = nbytes / bw * 1e6, flops / PEAK_BF16_FLOPS * 1e6
+    return max(mem, comp), mem, comp
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    fin = torch.isfinite(ref)
+    return ((out.double()[fin] - ref[fin]).norm() / ref[fin].norm().clamp_min(1e-300)).item()
+
+
+class Inputs:
+    """One shape's inputs (on the device), the cache shared by all shapes."""
+
+    def __init__(self, data: dict, T: int, H: int, K: int, gen: torch.Generator) -> None:
+        dev = data["kv"].device
+        S = data["kv"].shape[0]
+        self.T, self.H, self.K = T, H, K
+        self.q = torch.randn(T, H, DQK, generator=gen, device=dev).bfloat16()
+        self.slots = torch.rand(T, S, generator=gen, device=dev).topk(K, dim=1).indices.int().contiguous()
+        self.counts = torch.full((T,), K, dtype=torch.int32, device=dev)
+        self.out = torch.empty(T, H, DV, dtype=torch.bfloat16, device=dev)
+        self.lse = torch.empty(T, H, dtype=torch.float32, device=dev)
+        self._ref: dict = {}
+
+    def reference(self, data: dict, cache: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if cache not in self._ref:
+            if cache == "bf16":
+                self._ref[cache] = sparse_mla_attention(self.q, data["kv"], self.slots, self.counts, SM_SCALE)
+            else:
+                self._ref[cache] = sparse_mla_attention_fp8(self.q, data["fp8"], self.slots, None, SM_SCALE)
+        return self._ref[cache]
+
+
+def measure(
+    impl: str, cache: str, inp: Inputs, run: Callable[[], object], data: dict, bw: float, check: bool, extra: dict
+) -> dict:
+    T, H, K = inp.T, inp.H, inp.K
+    row_bytes = FP8_DS_MLA.bytes_per_token if cache == "fp8" else FP8_DS_MLA.bf16_bytes_per_token
+    fl, mem, comp = floor_us(T, H, K, row_bytes, bw)
+    entry = {"impl": impl, "T": T, "K": K, "H": H, "cache": cache, "graph_us": None, "floor_us": fl,
+             "floor_mem_us": mem, "floor_compute_us": comp, "rel_err": None, **extra}  # fmt: skip
+    try:
+        if check:
+            inp.out.fill_(math.nan)
+            inp.lse.fill_(math.nan)
+            run()
+            torch.cuda.synchronize()
+            ref_o, ref_l = inp.reference(data, cache)
+            entry["rel_err"] = rel_err(inp.out, ref_o)
+            fin = torch.isfinite(ref_l)
+            entry["lse_max_abs_err"] = (inp.lse[fin].double() - ref_l[fin]).abs().max().item()
+        entry["graph_us"] = graph_us(run)
+    except Exception as e:
+        entry["error"] = f"{type(e).__name__}: {e}"[:400]
+        traceback.print_exc()
+    return entry
+
+
+def main_table(data: dict, Ts, Ks, Hs_ours, gen, bw: float, sms: int, result: dict, save) -> None:
+    from dcp_ref.kernels.attention_splitkv_triton import splitkv_attention, splitkv_plan
+
+    try:
+        import flash_mla  # noqa: F401
+
+        from dcp_ref.kernels.flashmla_fp8 import FlashMLAFp8Decode
+        from dcp_ref.kernels.flashmla_sparse import sparse_mla_flashmla
+
+        fp8_dec = FlashMLAFp8Decode(data["kv"].device, validate=False)
+        have_fm = True
+    except Exception as e:
+        result["flashmla_error"] = f"{type(e).__name__}: {e}"[:300]
+        have_fm = False
+    summary = result["summary"]
+    for K in Ks:
+        for T in Ts:
+            for H in sorted(set(Hs_ours) | {128}):
+                inp = Inputs(data, T, H, K, gen)
+                check = T <= 32
+                plan = splitkv_plan(T, H, K, inp.q.device)
+                cfg = {"block_h": plan.block_h, "block_n": plan.block_n, "num_splits": plan.num_splits,
+                       "num_warps": plan.num_warps, "num_stages": plan.num_stages}  # fmt: skip
+                if H in Hs_ours:
+                    summary.append(
+                        measure(
+                            "splitkv", "bf16", inp,
+                            lambda inp=inp: splitkv_attention(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV,
+                                                              out=inp.out, out_lse=inp.lse),
+                            data, bw, check,
+                            {"ctas": plan.ctas, "combine_ctas": plan.combine_ctas,
+                             "sm_busy": min(plan.ctas, sms) / sms, "config": cfg},
+                        )
+                    )  # fmt: skip
+                if H == 128 and have_fm:
+                    fm_kw = (
+                        {"validate": False} if "validate" in inspect.signature(sparse_mla_flashmla).parameters else {}
+                    )
+                    summary.append(
+                        measure(
+                            "flashmla_bf16", "bf16", inp,
+                            lambda inp=inp: sparse_mla_flashmla(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE,
+                                                                DV, out=inp.out, out_lse=inp.lse, **fm_kw),
+                            data, bw, check,
+                            {"ctas": T * H // 64, "sm_busy": min(T * H // 64, sms) / sms},
+                        )
+                    )  # fmt: skip
+                    summary.append(
+                        measure(
+                            "flashmla_fp8", "fp8", inp,
+                            lambda inp=inp: fp8_dec.attention(inp.q, data["fp8"], inp.slots, None, SM_SCALE, DV,
+                                                              out=inp.out, out_lse=inp.lse),
+                            data, bw, check, {"ctas": None, "sm_busy": None},
+                        )
+                    )  # fmt: skip
+                for e in summary[-3:]:
+                    if e["T"] == T and e["K"] == K and e["H"] == H:
+                        g = f"{e['graph_us']:8.1f}" if e.get("graph_us") is not None else "       -"
+                        r = f"{e['rel_err']:.1e}" if e.get("rel_err") is not None else "-"
+                        print(f"  {e['impl']:14s} T={T:4d} K={K:5d} H={H:4d} {g} us  floor {e['floor_us']:6.1f}  "
+                              f"err {r}  ctas {e.get('ctas')}", flush=True)  # fmt: skip
+                save()
+                del inp
+                torch.cuda.empty_cache()
+
+
+def sweep(data: dict, shapes, gen, sms: int, result: dict, save, configs, splits_list, deadline: float) -> None:
+    from dcp_ref.kernels.attention_splitkv_triton import sparse_mla_splitkv, splitkv_plan, workspace_for
+
+    rows = result["sweep"]
+    best_rows = result["sweep_best"]
+    for T, H, K in shapes:
+        if time.time() > deadline:
+            result["sweep_stopped"] = f"deadline reached before T={T}, H={H}, K={K}"
+            break
+        inp = Inputs(data, T, H, K, gen)
+        default = splitkv_plan(T, H, K, inp.q.device)
+        tried = set()
+        shape_rows = []
+        cands = [(default.block_h, default.block_n, default.num_warps, default.num_stages, default.num_splits, True)]
+        for bh, bn, nw, ns in configs:
+            if bh > max(16, H):
+                continue
+            for s in splits_list:
+                blocks = -(-K // bn)
+                ctas = T * -(-H // bh) * s
+                if s > blocks or ctas > 16 * sms:
+                    continue  # a split with no key at all, or far more programs than the SMs can hold
+                cands.append((bh, bn, nw, ns, s, False))
+        for bh, bn, nw, ns, s, is_default in cands:
+            if time.time() > deadline:
+                result["sweep_stopped"] = f"deadline reached in T={T}, H={H}, K={K}"
+                break
+            plan = splitkv_plan(T, H, K, inp.q.device, num_splits=s, block_h=bh, block_n=bn, num_warps=nw,
+                                num_stages=ns)  # fmt: skip
+            key = (plan.block_h, plan.block_n, plan.num_warps, plan.num_stages, plan.num_splits)
+            if key in tried and not is_default:
+                continue
+            tried.add(key)
+            ws = workspace_for(plan, inp.q.device)
+            entry = {"T": T, "H": H, "K": K, "block_h": bh, "block_n": bn, "num_warps": nw, "num_stages": ns,
+                     "num_splits": plan.num_splits, "split_len": plan.split_len, "ctas": plan.ctas,
+                     "default": is_default, "graph_us": None}  # fmt: skip
+            try:
+
+                def run(plan=plan, ws=ws, inp=inp):
+                    return sparse_mla_splitkv(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV, out=inp.out,
+                                              out_lse=inp.lse, workspace=ws, validate=False, plan=plan)  # fmt: skip
+
+                inp.out.fill_(math.nan)
+                run()
+                torch.cuda.synchronize()
+                if not bool(torch.isfinite(inp.out).all()):
+                    raise RuntimeError("non-finite output on finite data")
+                entry["graph_us"] = graph_us(run, calls=10, reps=3)
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(entry)
+            shape_rows.append(entry)
+        ok = [r for r in shape_rows if r.get("graph_us") is not None]
+        if ok:
+            best = min(ok, key=lambda r: r["graph_us"])
+            dflt = next((r for r in ok if r["default"]), None)
+            best_rows.append({"T": T, "H": H, "K": K, "best": best, "default_us": dflt["graph_us"] if dflt else None,
+                              "default_config": {k: dflt[k] for k in ("block_h", "block_n", "num_warps",
+                                                 "num_stages", "num_splits")} if dflt else None})  # fmt: skip
+            d = f"{dflt['graph_us']:7.1f}" if dflt else "      -"
+            print(f"  sweep T={T:4d} H={H:4d} K={K:5d}: default {d} us | best {best['graph_us']:7.1f} us "
+                  f"bh={best['block_h']} bn={best['block_n']} nw={best['num_warps']} ns={best['num_stages']} "
+                  f"splits={best['num_splits']} ctas={best['ctas']}", flush=True)  # fmt: skip
+        save()
+        del inp
+        torch.cuda.empty_cache()
+
+
+def kernel_breakdown(data: dict, shapes, gen, result: dict, save) -> None:
+    """Device time of each kernel of the stage (torch.profiler, 20 eager calls after warm-up): phase 1 vs the
+    combine, next to FlashMLA's kernels at H = 128."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dcp_ref.kernels.attention_splitkv_triton import splitkv_attention
+
+    fns: dict = {"splitkv": splitkv_attention}
+    try:
+        from dcp_ref.kernels.flashmla_sparse import sparse_mla_flashmla
+
+        if "validate" in inspect.signature(sparse_mla_flashmla).parameters:
+            fns["flashmla_bf16"] = lambda *a, **k: sparse_mla_flashmla(*a, **k, validate=False)
+        else:
+            fns["flashmla_bf16"] = sparse_mla_flashmla
+    except Exception:
+        pass
+    for T, H, K in shapes:
+        inp = Inputs(data, T, H, K, gen)
+        for impl, fn in fns.items():
+            if impl != "splitkv" and H not in (64, 128):
+                continue
+            try:
+
+                def call(fn=fn, inp=inp):
+                    return fn(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV, out=inp.out, out_lse=inp.lse)
+
+                for _ in range(3):
+                    call()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(20):
+                        call()
+                    torch.cuda.synchronize()
+                kernels = {}
+                for evt in prof.key_averages():
+                    tot = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+                    if tot and evt.count:
+                        kernels[evt.key[:80]] = {"us": tot / evt.count, "count": evt.count}
+                result["kernel_breakdown"].append({"impl": impl, "T": T, "H": H, "K": K, "kernels": kernels})
+                print(f"  {impl:14s} T={T} H={H} K={K}: "
+                      + ", ".join(f"{k[:40]} {v['us']:.1f}us x{v['count'] // 20}" for k, v in kernels.items()),
+                      flush=True)  # fmt: skip
+            except Exception as e:
+                result["kernel_breakdown"].append({"impl": impl, "T": T, "H": H, "K": K, "error": str(e)[:300]})
+        save()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few configs (checks the script)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
+    ap.add_argument("--sweep-only", action="store_true", help="only the launch-config sweep")
+    ap.add_argument("--budget-s", type=float, default=520.0, help="stop the sweep after this many seconds in all")
+    ap.add_argument("--note", default="", help="how the run was made (kept in the JSON)")
+    args = ap.parse_args()
+    t_start = time.time()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py needs a CUDA GPU")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    gen = torch.Generator(device=dev).manual_seed(0)
+    S = 8192 if args.smoke else CACHE_ROWS
+    kv = torch.randn(S, DQK, generator=gen, device=dev).bfloat16()
+    data = {"kv": kv, "fp8": quantize_kv_fp8(kv)}
+    bw = copy_bandwidth(dev)
+    result: dict = {
+        "benchmark": "bench_attention",
+        "what": "sparse MLA decode attention of one rank: split-KV Triton kernel vs FlashMLA bf16 sparse / FP8 decode",
+        "device": versions()["device"],
+        "versions": versions(),
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "note": args.note,
+        "config": {
+            "Dqk": DQK,
+            "Dv": DV,
+            "sm_scale": SM_SCALE,
+            "cache_rows": S,
+            "sm_count": sms,
+            "copy_bandwidth_TBps": bw / 1e12,
+            "peak_bf16_TFLOPS": PEAK_BF16_FLOPS / 1e12,
+            "timing": "CUDA graph of 20 back-to-back calls, median of 5 replays (sweep: 10 calls, 3 replays), "
+            "no L2 flush",
+            "slots": "K distinct random rows per token (all valid, counts = K), the same for every implementation",
+        },
+        "summary": [],
+        "sweep": [],
+        "sweep_best": [],
+        "kernel_breakdown": [],
+    }
+    path = out_dir / "attention.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs", flush=True)
+    if args.smoke:
+        Ts, Ks, Hs = (1, 4), (256,), (16, 128)
+        shapes = [(1, 128, 256), (4, 16, 256)]
+        configs, splits = SWEEP_CONFIGS[:2] + SWEEP_CONFIGS[-1:], (1, 4)
+    else:
+        Ts, Ks, Hs = (1, 2, 4, 8, 32, 128), (1024, 2048), (16, 32, 64, 128)
+        shapes = [(T, 128, 2048) for T in (1, 2, 4, 8, 32, 128)]
+        shapes += [(1, 16, 2048), (32, 16, 2048), (1, 64, 2048), (32, 64, 2048), (1, 128, 1024), (32, 128, 1024)]
+        shapes += [(1, 32, 2048), (8, 16, 2048)]
+        configs, splits = SWEEP_CONFIGS, SWEEP_SPLITS
+    if not args.sweep_only:
+        print("== main table", flush=True)
+        main_table(data, Ts, Ks, Hs, gen, bw, sms, result, save)
+    if not args.sweep_only:
+        print("== kernel breakdown", flush=True)
+        kernel_breakdown(data, [(1, 128, 2048), (32, 128, 2048), (128, 128, 2048)][: 1 if args.smoke else 3], gen,
+                         result, save)  # fmt: skip
+    if not args.no_sweep:
+        print("== sweep", flush=True)
+        sweep(data, shapes, gen, sms, result, save, configs, splits, t_start + args.budget_s)
+    result["elapsed_s"] = time.time() - t_start
+    save()
+    print(f"{'impl':14s} {'T':>4s} {'K':>5s} {'H':>4s} {'graph_us':>9s} {'floor_us':>9s} {'rel_err':>9s} {'ctas':>5s}")
+    for e in result["summary"]:
+        g = f"{e['graph_us']:9.1f}" if e.get("graph_us") is not None else f"{'-':>9s}"
+        r = f"{e['rel_err']:9.1e}" if e.get("rel_err") is not None else f"{'-':>9s}"
+        c = f"{e['ctas']:5d}" if e.get("ctas") is not None else f"{'-':>5s}"
+        print(f"{e['impl']:14s} {e['T']:4d} {e['K']:5d} {e['H']:4d} {g} {e['floor_us']:9.1f} {r} {c}"
+              + (f"  ERROR {e['error'][:60]}" if "error" in e else ""))  # fmt: skip
+    print("suggested defaults (best sweep config per shape):")
+    for b in result["sweep_best"]:
+        x = b["best"]
+        print(f"  T={b['T']:4d} H={b['H']:4d} K={b['K']:5d}: block_h={x['block_h']} block_n={x['block_n']} "
+              f"num_warps={x['num_warps']} num_stages={x['num_stages']} num_splits={x['num_splits']} "
+              f"({x['graph_us']:.1f} us; default {b['default_us']})")  # fmt: skip
+    print("wrote", path, f"in {result['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
