@@ -356,25 +356,36 @@ def _scored_indexer_triton(
                                     k, n_cols=n_cols, row_starts=row_starts, out=out)  # fmt: skip
 
 
-@named_impl("cutedsl")
-def _select_to_slots_cutedsl(
-    gathered: torch.Tensor,
-    own_ids: torch.Tensor | None,
-    req_of_token: torch.Tensor,
-    block_table: torch.Tensor,
-    geometry: DcpGeometry,
-    k: int,
-    *,
-    order: str = "global_id",
-    out_slots: torch.Tensor | None = None,
-    out_counts: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from .select_to_slots_cutedsl import select_to_slots_cutedsl
+def _select_to_slots_cutedsl_for(split: int | None) -> Any:
+    """The CuTeDSL select-to-slots stage with its CTAs per row fixed (chosen at plan time for the planned rows, so
+    that a run with fewer tokens reuses the compiled kernel instead of compiling another split)."""
 
-    req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
-    with KERNEL_LOCK:
-        return select_to_slots_cutedsl(gathered, req, block_table, geometry, k, order=order, own_ids=own_ids,
-                                       out_slots=out_slots, out_counts=out_counts, validate=False)  # fmt: skip
+    @named_impl("cutedsl")
+    def stage(
+        gathered: torch.Tensor,
+        own_ids: torch.Tensor | None,
+        req_of_token: torch.Tensor,
+        block_table: torch.Tensor,
+        geometry: DcpGeometry,
+        k: int,
+        *,
+        order: str = "global_id",
+        out_slots: torch.Tensor | None = None,
+        out_counts: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from .select_to_slots_cutedsl import select_to_slots_cutedsl
+
+        if not gathered.is_contiguous():  # a caller's strided view (the step's buffers are contiguous)
+            gathered = gathered.contiguous()
+        with KERNEL_LOCK:
+            return select_to_slots_cutedsl(gathered, req_of_token, block_table, geometry, k, order=order,
+                                           own_ids=own_ids, out_slots=out_slots, out_counts=out_counts,
+                                           validate=False, split=split)  # fmt: skip
+
+    return stage
+
+
+_select_to_slots_cutedsl = _select_to_slots_cutedsl_for(None)
 
 
 @named_impl("triton-splitkv")
@@ -413,15 +424,22 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
         gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
         with KERNEL_LOCK:
             stable_topk_cutedsl(gathered, k, validate=False)
+    chosen = stages
+    if impl["select_to_slots"] == "cutedsl" and spec.exchange == "owner":
+        from .select_to_slots_cutedsl import make_config
+
+        # One split (CTAs per row) for the planned rows, whatever a run's token count: one compiled kernel.
+        split = make_config(spec.order, W, k, k, spec.cache_geometry, rows=T).split
+        chosen = dataclasses.replace(chosen, select_to_slots=_select_to_slots_cutedsl_for(split))
     if len(alternatives) < 2:
-        return None
+        return chosen if chosen is not stages else None
     best = "triton-splitkv" if T <= SPLITKV_MAX_TOKENS else "flashmla"
     why = (
         f"planned for T <= {T} query tokens: the split-KV kernel is faster up to {SPLITKV_MAX_TOKENS}, FlashMLA "
         "beyond (measured on the H200, benchmarks/results/attention.json)"
     )
     notes = tuple(sorted((*(n for n in stages.notes if n[0] != "attention"), ("attention", why))))
-    return dataclasses.replace(stages, attention=alternatives[best], notes=notes)
+    return dataclasses.replace(chosen, attention=alternatives[best], notes=notes)
 
 
 # ---- selection -------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def test_prepare_plans_the_attention_by_token_count(T, expected) -> None:
 
     spec = StepSpec(DcpGeometry(1, 0), max_tokens=T, topk=4, num_heads=128, head_dim=576, v_dim=512, sm_scale=0.1,
                     dtype=torch.bfloat16, device="cpu")  # fmt: skip
-    impl = {"select": "torch"}
+    impl = {"select": "torch", "select_to_slots": "torch"}
     chosen = ks._prepare(spec, REFERENCE_STAGES, impl, {"flashmla": mla, "triton-splitkv": split})
     assert chosen is not None
     assert chosen.attention is (split if expected == "split" else mla)

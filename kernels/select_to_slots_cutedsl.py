@@ -1,0 +1,1307 @@
+"""CuTeDSL select-to-slots: all-gathered candidates → *this* rank's winners' KV slots, in one kernel.
+
+The reference is :func:`dcp_ref.select_to_slots.select_to_slots` (contract, both orders, the poison rule).
+This kernel is the stable top-K of :mod:`dcp_ref.kernels.topk_cutedsl` (one CTA per row, MSB-first radix
+select over 64-bit keys ``hi`` = order-preserving score bits, ``lo`` = the bit-inverted tie-break) with a
+different front and back end; :class:`SelectToSlotsKernel` subclasses
+:class:`~dcp_ref.kernels.topk_cutedsl.StableTopKKernel` and reuses its radix passes and bin scan
+(:meth:`~dcp_ref.kernels.topk_cutedsl.StableTopKKernel.radix_pass`,
+:meth:`~dcp_ref.kernels.topk_cutedsl.StableTopKKernel.pick_bin`) unchanged.
+
+**Front end** (:meth:`SelectToSlotsKernel.load_keys`): vectorised loads. ``order="rank_local"`` reads 4-byte
+scores, four per 16-byte load (``K % 4 == 0``); the key's ``lo`` word is not loaded at all: it is the
+candidate's position ``w*K + c`` in the gathered row, known from the thread and item index, so only the
+``hi`` words live in registers (the "lean" layout without its shared-memory ``lo`` array).
+``order="global_id"`` reads (score, id) pairs, two per 16-byte load (``K`` even), as the stable top-K builds
+them. The first radix digit's histogram is counted while loading, as there.
+
+**Back end** (:meth:`SelectToSlotsKernel.commit_owned_fast`, :meth:`SelectToSlotsKernel.commit_owned_general`):
+the same threshold, but only this rank's winners are committed: ``(gid // I) % W == rank`` (``global_id``)
+or ``rank*K <= position < (rank+1)*K`` (``rank_local``, whose local index is ``own_ids[t, position - rank*K]``,
+prefetched into shared memory while the scores load). Each winner's slot is
+``block_table[req_of_token[t], local // bs] * bs + local % bs`` (int64, then checked), written compacted
+through a shared counter (warp-aggregated, ballot-ordered stores as in the stable top-K); then ``[count, k)``
+is filled with ``-1`` and ``counts[t]`` written. Poison rule (the reference's, ``validate=False``): a winner
+of this rank whose request id is outside ``[0, B)``, whose local index is negative or whose block is missing
+(past the table or negative), or whose slot exceeds int32, gets :data:`~dcp_ref.select_to_slots.SENTINEL_SLOT`.
+
+**Split** (:class:`SelectToSlotsKernel`, ``split=C``): with few rows most SMs idle, so a row may be spread over
+a thread-block cluster of ``C`` CTAs whose histograms are summed through distributed shared memory each pass;
+:func:`default_split` picks ``C`` from the measured table (a split pays only at <= 16 rows for ``rank_local``,
+<= 33 rows for ``global_id``).
+
+**Where the time goes, and what was measured** (H200, CUDA-graph replay, W = 8, K = k = 2048, 32 rows;
+``benchmarks/results/exchange.md``). Today's chain (stable top-K 9.6 µs + de-interleave 3.3 µs) is 12.8 µs;
+this kernel is 8.4 µs (``rank_local``) and 10.3 µs (``global_id``). Nsight Compute of the first version
+(33.8k warp instructions per row, like the stable top-K's 34.0k): the commit was the largest phase (37 %)
+because every thread scanned all its items — ``rank_local`` now scans only the chunks in this rank's slice
+(warp-uniform skip), 9.9 -> 8.3 µs with the 11-bit first digit. What remains is latency, not work: with no
+radix pass at all (every candidate but this rank's NaN) the kernel takes 4.9 µs (launch ~1 µs, the loads, the
+commit), and the second radix pass costs ~2 µs of barriers and scans at 32 CTAs. Measured and not kept as
+defaults: a warp-vote form of the pass loop (``pass_loop="vote"``: equal or slower), 12-bit first digits, the
+cluster split beyond the small row counts above (the cluster barriers and histogram merges cost more than the
+1/C of the work saves). ``rank_local`` reads 4 bytes per candidate (half the wire bytes and a quarter of
+the load instructions), and both orders replace two launches with one.
+
+``W``, ``K``, ``k``, ``I``, ``bs``, the index dtypes and the CTA shape are compile-time constants
+(:class:`SelectToSlotsConfig`, the compile cache key); ``rows``, ``rank``, ``B``, ``M`` and the strides of
+``req_of_token`` / ``block_table`` / ``own_ids`` are runtime arguments. The wrapper
+(:func:`select_to_slots_cutedsl`) validates exactly as the reference (the shared
+:func:`dcp_ref.select_to_slots.check_select_to_slots_inputs`), then with ``out_slots`` / ``out_counts`` given
+and ``validate=False`` allocates nothing and reads nothing on the host (CUDA-graph capturable). Compilation
+runs under :data:`dcp_ref.kernels.stages.KERNEL_LOCK` (CuTeDSL compiles are not thread-safe).
+
+Limits: ``W*K <= 32768`` candidates per row (as the stable top-K: at most 32 keys per thread).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from dcp_ref.geometry import DcpGeometry
+from dcp_ref.select_to_slots import ORDERS, SENTINEL_SLOT, check_select_to_slots_inputs
+
+from .topk_cutedsl import (
+    FIRST_BITS,
+    MASK32,
+    MAX_CANDIDATES,
+    StableTopKKernel,
+    _use_tvm_ffi,
+    default_variant,
+    digit_schedule,
+    lean_config,
+    threads_for,
+)
+
+__all__ = [
+    "SPLITS",
+    "PASS_LOOPS",
+    "split_threads",
+    "default_split",
+    "dsmem_load",
+    "dsmem_atomic_add",
+    "SelectToSlotsConfig",
+    "SelectToSlotsKernel",
+    "rank_local_schedule",
+    "make_config",
+    "compile_select_to_slots",
+    "compile_to_ptx",
+    "compile_artifacts",
+    "cubin_resources",
+    "select_to_slots_cutedsl",
+]
+
+_INT32_MAX = 2**31 - 1
+#: CTAs per row of the split form (a thread-block cluster; 8 is the portable maximum).
+SPLITS = (1, 2, 4, 8)
+#: The radix passes' per-key loops (:class:`SelectToSlotsConfig`).
+PASS_LOOPS = ("branch", "vote")
+DEFAULT_PASS_LOOP = "branch"
+#: Streaming multiprocessors of the H200 (the split default fills them when rows are few).
+_SMS = 132
+
+
+def split_threads(n: int, split: int, vec: int) -> int:
+    """Default CTA size of the split form: 512 threads (measured best on the H200 at 1 and 32 rows, W = 8,
+    K = 2048), or 1024 where 512 would leave more than 32 keys per thread."""
+    chunks = n // (vec * split)
+    return 512 if -(-chunks // 512) * vec <= 32 else 1024
+
+
+def default_split(rows: int, n: int, vec: int, order: str = "rank_local") -> int:
+    """CTAs per row when the caller gives none: the largest ``C`` of 8, 4, 2 with at least 512 vector loads per
+    CTA (``n / vec / C >= 512``) and at most 66 CTAs in all (``rows * C <= 66``, half the H200's SMs); for
+    ``rank_local`` only up to 16 rows. Else 1.
+
+    Measured on the H200 (K = k = 2048, ``--sweep`` of ``benchmarks/bench_exchange.py`` and the split table in
+    ``benchmarks/results/exchange.md``): a cluster per row pays only while a few rows leave most SMs idle and
+    each CTA keeps enough loads — e.g. ``rank_local`` 1 row W = 8: 7.2 µs (split 8) against 7.9 (1); 16 rows:
+    7.4 (4) against 8.2 (1) and 8.9 (8); 32 rows: 8.3 (1) against 9.3 (2); ``global_id`` 32 rows: 9.8 (2)
+    against 10.7 (1); from 128 rows a split was 13-27 % slower. The split must divide the ``n / vec`` loads.
+    """
+    chunks = n // vec
+    if order == "rank_local" and rows > 16:
+        return 1
+    for c in (8, 4, 2):
+        if chunks // c >= 512 and rows * c <= _SMS // 2 and chunks % c == 0:
+            return c
+    return 1
+
+
+def rank_local_schedule(first_bits: int, n: int) -> tuple[tuple[int, int, int], ...]:
+    """The radix passes of ``order="rank_local"``: the score word as :func:`digit_schedule`, then only the
+    ``LB`` low bits of the tie-break word.
+
+    There the tie-break is the position ``p < n`` itself: ``lo = (2**LB - 1) - p`` with
+    ``LB = max(5, bit_length(n - 1))``, so the word's top ``32 - LB`` bits are zero in every key and need no
+    pass (a tie at the threshold costs at most two passes over positions instead of four over an id word).
+    The ``LB`` bits are cut into as few near-equal digits of 5..9 bits as possible (every digit needs
+    ``>= 32`` bins: the scan hands bins to whole warps).
+    """
+    score = tuple(d for d in digit_schedule(first_bits) if d[0] == 0)
+    lb = max(5, (max(n, 1) - 1).bit_length())
+    parts = max(1, min(-(-lb // 8), lb // 5))
+    widths = [lb // parts + (1 if r < lb % parts else 0) for r in range(parts)]
+    lo, top = [], lb
+    for b in widths:
+        top -= b
+        lo.append((1, top, b))
+    return score + tuple(lo)
+
+
+@dataclass(frozen=True)
+class SelectToSlotsConfig:
+    """One compiled configuration of :class:`SelectToSlotsKernel` (the compile cache key).
+
+    Attributes:
+        order: ``"global_id"`` (``(score, id)`` pairs) or ``"rank_local"`` (scores only).
+        world, kloc, k: ``W`` ranks, ``K`` candidates each, ``k`` global winners.
+        interleave, block_size: the geometry's ``I`` and KV block size (``rank`` is a runtime argument).
+        vec: candidates per vector load: 1, 2 or 4 (``rank_local``), 1 or 2 (``global_id``); ``K % vec == 0``.
+        variant: ``"lean"`` / ``"regs"`` (``global_id``: where the id words live, as in the stable top-K);
+            ``rank_local`` is always ``"lean"`` (its tie-break words are computed, never stored).
+        has_req: ``req_of_token`` given (else row ``t`` is request ``t``).
+        req_int64, bt_int64: ``req_of_token`` / ``block_table`` are int64 (else int32).
+        small: every flat offset fits int32 (32-bit address arithmetic).
+        threads, min_ctas: CTA size (0: by shape) and ptxas' ``minctasm`` register cap (-1: by shape, 0: none).
+        first_bits: width of the first radix digit (:data:`~dcp_ref.kernels.topk_cutedsl.FIRST_BITS`).
+        tvm_ffi: compiled for the TVM-FFI call path.
+        split: CTAs per row, a thread-block cluster (1, 2, 4 or 8; it must divide the ``W*K/vec`` vector loads
+            of a row). See :class:`SelectToSlotsKernel`.
+        pass_loop: the radix passes' per-key loop: ``"branch"`` (the stable top-K's: a branch per matching key)
+            or ``"vote"`` (a warp vote per item, then a branch-free count; :meth:`SelectToSlotsKernel.radix_pass_s2s`).
+    """
+
+    order: str
+    world: int
+    kloc: int
+    k: int
+    interleave: int = 1
+    block_size: int = 1
+    vec: int = 1
+    variant: str = "lean"
+    has_req: bool = True
+    req_int64: bool = False
+    bt_int64: bool = False
+    small: bool = True
+    threads: int = 0
+    min_ctas: int = -1
+    first_bits: int = 8
+    tvm_ffi: bool = False
+    split: int = 1
+    pass_loop: str = "branch"
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        for name in ("world", "kloc", "k", "interleave", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.world * self.kloc > MAX_CANDIDATES:
+            raise ValueError(f"world * kloc must be <= {MAX_CANDIDATES}, got {self.world * self.kloc}")
+        vecs = (1, 2, 4) if self.order == "rank_local" else (1, 2)
+        if self.vec not in vecs or self.kloc % self.vec:
+            raise ValueError(f"vec must be one of {vecs} and divide kloc={self.kloc}, got {self.vec}")
+        if self.variant not in ("regs", "lean") or (self.order == "rank_local" and self.variant != "lean"):
+            raise ValueError(f"variant must be 'lean' or 'regs' ('lean' for rank_local), got {self.variant!r}")
+        if self.first_bits not in FIRST_BITS:
+            raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {self.first_bits!r}")
+        if self.block_size % self.interleave:
+            raise ValueError(f"block_size must be a multiple of interleave, got {self.block_size}, {self.interleave}")
+        if self.pass_loop not in PASS_LOOPS:
+            raise ValueError(f"pass_loop must be one of {PASS_LOOPS}, got {self.pass_loop!r}")
+        if self.split not in SPLITS or (self.world * self.kloc // self.vec) % self.split:
+            raise ValueError(
+                f"split must be one of {SPLITS} and divide the {self.world * self.kloc // self.vec} vector loads "
+                f"of a row, got {self.split!r}"
+            )
+        if self.threads:
+            t = self.threads
+            if t < 256 or t > 1024 or t & (t - 1):
+                raise ValueError(f"threads must be a power of two in [256, 1024], got {t}")
+            per_thread = -(-self.world * self.kloc // (self.vec * self.split * t)) * self.vec
+            if per_thread > 32:
+                raise ValueError(f"threads={t} leaves {per_thread} keys per thread: at most 32 fit (use more threads)")
+
+
+@dsl_user_op
+def dsmem_load(smem_ptr: Any, cta_rank: Any, *, loc: Any = None, ip: Any = None) -> Int32:
+    """``ld.shared::cluster`` of the 32-bit word at ``smem_ptr`` in the shared memory of cluster CTA ``cta_rank``."""
+    addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    v = llvm.inline_asm(
+        T.i32(),
+        [addr, Int32(cta_rank).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $1, $2;\n\tld.shared::cluster.u32 $0, [ra];\n\t}",
+        "=r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(v)
+
+
+@dsl_user_op
+def dsmem_atomic_add(smem_ptr: Any, cta_rank: Any, val: Any, *, loc: Any = None, ip: Any = None) -> Int32:
+    """``atom.shared::cluster.add`` on the 32-bit word at ``smem_ptr`` of cluster CTA ``cta_rank``; the old value."""
+    addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    v = llvm.inline_asm(
+        T.i32(),
+        [addr, Int32(cta_rank).ir_value(loc=loc, ip=ip), Int32(val).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $1, $2;\n\tatom.shared::cluster.add.u32 $0, [ra], $3;\n\t}",
+        "=r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(v)
+
+
+@cute.jit
+def cluster_sync() -> None:
+    """All threads of every CTA of the cluster: ``barrier.cluster.arrive`` (release) + ``wait`` (acquire)."""
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+
+
+class SelectToSlotsKernel(StableTopKKernel):
+    """The stable top-K's selection with an owner-local commit straight to slots (module docstring).
+
+    Reused from :class:`~dcp_ref.kernels.topk_cutedsl.StableTopKKernel`: the radix passes
+    (:meth:`radix_pass`), the bin scan (:meth:`pick_bin`) and, for ``global_id``, the ``lo`` word storage
+    (:meth:`key_lo`). New: the kernel body, the vectorised :meth:`load_keys`, the ``rank_local`` tie-break
+    (:meth:`key_lo` computes it), the ownership test and the slot mapping in the two commits, and the split
+    form and the vote loop of the passes (:meth:`radix_pass_s2s`).
+
+    Register layout: item ``i = ci*vec + s`` of thread ``tid`` is candidate ``p = pbase + vec*(ci*T + tid) + s``
+    of the row (``ci < cpt`` vector loads per thread; ``pbase = 0`` unless split).
+
+    **Split** (``split = C > 1``): a cluster of ``C`` CTAs per row, CTA ``c`` holding chunks
+    ``[c*NC/C, (c+1)*NC/C)`` (``pbase = vec*c*NC/C``), so that a few rows still occupy ``C`` times as many SMs
+    and each CTA's load / histogram / commit work is ``1/C`` of the row's. Each pass counts into a local
+    histogram (``hloc``), then after a cluster barrier every CTA sums the ``C`` local histograms through
+    distributed shared memory into its own ``hist`` and runs the unchanged bin scan on it: every CTA reaches
+    the same threshold, with no broadcast. The output counter (and the tie counter) live in CTA 0's shared
+    memory (``atom.shared::cluster``); a last cluster barrier keeps CTA 0 alive until all have read the count.
+    """
+
+    def __init__(self, cfg: SelectToSlotsConfig) -> None:
+        rank_local = cfg.order == "rank_local"
+        n = cfg.world * cfg.kloc
+        split = cfg.split
+        threads, min_ctas = cfg.threads, cfg.min_ctas
+        if not threads:
+            if split > 1:
+                threads, cap = split_threads(n, split, cfg.vec), 0
+            else:
+                threads, cap = lean_config(n) if cfg.variant == "lean" else (threads_for(n), 0)
+            if min_ctas < 0:
+                min_ctas = cap
+        elif min_ctas < 0:
+            min_ctas = 0
+        super().__init__(cfg.world, cfg.kloc, cfg.k, False, cfg.small, cfg.variant, threads, min_ctas, cfg.first_bits)
+        self.cfg = cfg
+        self.split = split
+        self.rank_local = rank_local
+        self.vec = cfg.vec
+        self.wpl = cfg.vec * (1 if rank_local else 2)  # 32-bit words per vector load
+        self.nchunks = n // cfg.vec  # vector loads per row
+        self.ncc = self.nchunks // split  # vector loads per CTA (split divides nchunks)
+        self.kq = cfg.kloc // cfg.vec  # vector loads per rank's slice
+        self.cpt = (self.ncc + self.threads - 1) // self.threads  # vector loads per thread
+        self.items = self.cpt * cfg.vec
+        # The ownership flags of a thread's items travel as one 32-bit mask through the fast commit.
+        assert self.items <= 32, (self.items, self.threads)
+        self.lean = cfg.variant == "lean" and not rank_local  # lo words in shared memory (global_id only)
+        self.lo_size = self.items * self.threads if self.lean else 1
+        self.own_per_thread = (cfg.kloc + self.threads - 1) // self.threads if rank_local else 1
+        self.own_size = cfg.kloc if rank_local else 1
+        if rank_local:
+            self.schedule = rank_local_schedule(cfg.first_bits, n)
+            self.lo_bits = max(5, (max(n, 1) - 1).bit_length())
+            self.schedule_bins = tuple(1 << b for _, _, b in self.schedule)
+            self.max_bins = max(self.schedule_bins)
+            assert min(self.schedule_bins) >= 32, self.schedule
+            self.hist_stride = self.max_bins + 32
+        self.hloc_size = 2 * self.hist_stride if split > 1 else 1
+
+    @cute.jit
+    def __call__(
+        self,
+        cand: cute.Tensor,
+        req: cute.Tensor,
+        bt: cute.Tensor,
+        own: cute.Tensor,
+        slots: cute.Tensor,
+        counts: cute.Tensor,
+        rows: Int32,
+        rank: Int32,
+        n_req: Int32,
+        n_blocks: Int32,
+        req_s: Int64,
+        bt_s0: Int64,
+        bt_s1: Int64,
+        own_s0: Int64,
+        own_s1: Int64,
+        stream: Any,
+    ) -> None:
+        args = (cand, req, bt, own, slots, counts, rows, rank, n_req, n_blocks, req_s, bt_s0, bt_s1, own_s0, own_s1)
+        if const_expr(self.split > 1):
+            self.s2s_kernel(*args).launch(
+                grid=[rows * self.split, 1, 1],
+                block=[self.threads, 1, 1],
+                cluster=[self.split, 1, 1],
+                stream=stream,
+            )
+        elif const_expr(self.min_ctas > 1):
+            self.s2s_kernel(*args).launch(
+                grid=[rows, 1, 1],
+                block=[self.threads, 1, 1],
+                stream=stream,
+                min_blocks_per_mp=self.min_ctas,
+                preferred_smem_carveout=100,
+            )
+        else:
+            self.s2s_kernel(*args).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def s2s_kernel(
+        self,
+        cand: cute.Tensor,
+        req: cute.Tensor,
+        bt: cute.Tensor,
+        own: cute.Tensor,
+        slots: cute.Tensor,
+        counts: cute.Tensor,
+        rows: Int32,
+        rank: Int32,
+        n_req: Int32,
+        n_blocks: Int32,
+        req_s: Int64,
+        bt_s0: Int64,
+        bt_s1: Int64,
+        own_s0: Int64,
+        own_s1: Int64,
+    ) -> None:
+        """One CTA (or one cluster) per row: request + own ids in flight, keys + pass 0, radix passes, owned
+        commit, ``-1`` tail and count."""
+        T = const_expr(self.threads)
+        C = const_expr(self.split)
+        KSEL = const_expr(self.k)
+        KL = const_expr(self.kloc)
+        NB0 = const_expr(self.schedule_bins[0])
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = tid % 32
+        warp = tid // 32
+        row = bid
+        crank = Int32(0)
+        if const_expr(C > 1):
+            row = bid // C
+            crank = cute.arch.block_idx_in_cluster()
+        pbase = crank * (self.ncc * self.vec)  # first candidate position of this CTA's chunks
+
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * self.hist_stride), byte_alignment=16)
+        wsum = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
+        # st[0] still-needed, st[1] done, st[3] this rank's winners so far (the output counter), st[4] tie
+        # counter, st[5]/st[6] threshold prefix (hi/lo), st[7]/st[8] masks of its fixed bits (as the top-K).
+        st = smem.allocate_tensor(Int32, cute.make_layout(16), byte_alignment=16)
+        slo = smem.allocate_tensor(Uint32, cute.make_layout(self.lo_size), byte_alignment=16)
+        sown = smem.allocate_tensor(Int32, cute.make_layout(self.own_size), byte_alignment=16)
+        # split: this CTA's own histograms (two buffers), read by the whole cluster
+        hloc = smem.allocate_tensor(Int32, cute.make_layout(self.hloc_size), byte_alignment=16)
+
+        if tid < 16:
+            st[tid] = Int32(0)
+        for x in cutlass.range(tid, NB0 + 1, T):
+            if const_expr(C > 1):
+                hloc[x] = Int32(0)
+            else:
+                hist[x] = Int32(0)
+
+        # The request of this row and (rank_local) this row's own local indices: loads issued first, so
+        # their latency hides behind the score loads; used only by the commit.
+        req_row = Int64(row)
+        if const_expr(self.cfg.has_req):
+            req_row = Int64(req[Int64(row) * req_s])
+        req_ok = (req_row >= Int64(0)) & (req_row < Int64(n_req))
+        bt_row = Int64(cutlass.select_(req_ok, req_row, Int64(0))) * bt_s0
+        oreg = cute.make_rmem_tensor((self.own_per_thread,), Int32)
+        if const_expr(self.rank_local):
+            for u in cutlass.range_constexpr(self.own_per_thread):
+                c = u * T + tid
+                cc = c
+                if const_expr((u + 1) * T > KL):
+                    cc = Int32(cutlass.select_(c < KL, c, Int32(0)))  # in bounds; never stored below
+                oreg[u] = Int32(own[Int64(row) * own_s0 + Int64(cc) * own_s1])
+        cute.arch.sync_threads()
+
+        khi = cute.make_rmem_tensor((self.items,), Uint32)
+        klo = cute.make_rmem_tensor((self.items if const_expr(not self.lean and not self.rank_local) else 1,), Uint32)
+        if const_expr(C > 1):
+            self.load_keys(cand, rows, row, tid, khi, klo, slo, hloc, crank)
+        else:
+            self.load_keys(cand, rows, row, tid, khi, klo, slo, hist, crank)
+        if const_expr(self.rank_local):
+            for u in cutlass.range_constexpr(self.own_per_thread):
+                c = u * T + tid
+                if c < KL:
+                    sown[c] = oreg[u]
+        if const_expr(C > 1):
+            cluster_sync()  # every CTA's pass-0 histogram is complete
+            self.merge(0, hloc, hist, tid)
+        cute.arch.sync_threads()
+
+        n_valid = Int32(C * self.items * T) - hist[NB0]
+        if tid == 0:
+            st[0] = cutlass.min(n_valid, Int32(KSEL))
+            st[1] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
+        cute.arch.sync_threads()
+
+        for d in cutlass.range_constexpr(len(self.schedule)):
+            if const_expr(C > 1 or self.cfg.pass_loop == "vote"):
+                self.radix_pass_s2s(d, khi, klo, slo, hist, hloc, wsum, st, tid, lane, warp, pbase)
+            else:
+                self.radix_pass(d, khi, klo, slo, hist, wsum, st, tid, lane, warp)  # the stable top-K's
+
+        need = st[0]
+        phi = st[5].bitcast(Uint32)
+        plo = st[6].bitcast(Uint32)
+        hm = st[7].bitcast(Uint32)
+        lm = st[8].bitcast(Uint32)
+        if const_expr(self.small):
+            obase = row * KSEL
+        else:
+            obase = Int64(row) * Int64(KSEL)
+        rbase = rank * KL  # rank_local: this rank's slice of the row starts here
+        ctx = (req_ok, bt_row, bt, bt_s1, n_blocks)
+        if (st[1] != 0) & (lm == Uint32(0)):
+            self.commit_owned_fast(phi, khi, klo, slo, sown, st, slots, obase, tid, lane, warp, rank, rbase, pbase, ctx)
+        else:
+            self.commit_owned_general(
+                need, phi, plo, hm, lm, khi, klo, slo, sown, st, slots, obase, tid, warp, rank, rbase, pbase, ctx
+            )
+        # The -1 tail after this rank's winners, and the count (emptiness is a count of zero).
+        if const_expr(C > 1):
+            cluster_sync()  # every CTA's winners are counted in CTA 0's st[3]
+            count = dsmem_load(st.iterator + 3, 0)
+            cluster_sync()  # CTA 0's shared memory has been read: it may exit
+            for j in cutlass.range(count + crank * T + tid, KSEL, C * T):
+                slots[obase + j] = Int32(-1)
+            if (tid == 0) & (crank == 0):
+                counts[row] = count
+        else:
+            cute.arch.sync_threads()
+            count = st[3]
+            for j in cutlass.range(count + tid, KSEL, T):
+                slots[obase + j] = Int32(-1)
+            if tid == 0:
+                counts[row] = count
+
+    @cute.jit
+    def merge(self, d: int, hloc: cute.Tensor, hist: cute.Tensor, tid: Int32) -> None:
+        """Split: ``hist`` = the sum over the cluster of every CTA's ``hloc`` for pass ``d`` (its bins and its
+        dummy bin), read through distributed shared memory; and this CTA's ``hloc`` buffer of pass ``d+1``
+        cleared (every CTA finished reading it in pass ``d-1``, before arriving at this pass's barrier)."""
+        NB = const_expr(self.schedule_bins[d])
+        NBN = const_expr(self.schedule_bins[d + 1] if d + 1 < len(self.schedule) else 0)
+        cur = const_expr((d % 2) * self.hist_stride)
+        nxt = const_expr(((d + 1) % 2) * self.hist_stride)
+        for x in cutlass.range(tid, NB + 1, self.threads):
+            total = Int32(0)
+            for c in cutlass.range_constexpr(self.split):
+                total = total + dsmem_load(hloc.iterator + (cur + x), c)
+            hist[cur + x] = total
+        for x in cutlass.range(tid, NBN + 1 if NBN else 0, self.threads):
+            hloc[nxt + x] = Int32(0)
+
+    @cute.jit
+    def radix_pass_s2s(
+        self,
+        d: int,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        hist: cute.Tensor,
+        hloc: cute.Tensor,
+        wsum: cute.Tensor,
+        st: cute.Tensor,
+        tid: Int32,
+        lane: Int32,
+        warp: Int32,
+        pbase: Int32,
+    ) -> None:
+        """Pass ``d`` as :meth:`radix_pass` (the same histogram, the same bin scan :meth:`pick_bin`), with two
+        options of this kernel (:class:`SelectToSlotsConfig`):
+
+        * ``pass_loop="vote"``: per item one warp vote "does any lane's key match the prefix?" and, only then, a
+          branch-free count (non-matching lanes into the pass's dummy bin, one past its last bin, which the
+          scan never reads). After pass 0 few keys match, so most warps skip most items with one uniform
+          branch instead of a divergent branch per key (the profile's "branch resolving" stalls).
+        * split: the count goes into this CTA's ``hloc``; after a cluster barrier :meth:`merge` sums the
+          cluster's counts into ``hist``. Every CTA of the cluster holds the same state, so all take (or skip,
+          once done) the same passes and barriers.
+        """
+        word = const_expr(self.schedule[d][0])
+        sh = const_expr(self.schedule[d][1])
+        NB = const_expr(self.schedule_bins[d])
+        bits_above = const_expr(sh + self.schedule[d][2])
+        before = const_expr((MASK32 << bits_above) & MASK32 if bits_above < 32 else 0)
+        cur = const_expr((d % 2) * self.hist_stride)
+        vote = const_expr(self.cfg.pass_loop == "vote")
+        target = hist
+        if const_expr(self.split > 1):
+            target = hloc
+        done = st[1]
+        if done == 0:
+            need = st[0]
+            phi = st[5].bitcast(Uint32)
+            plo = st[6].bitcast(Uint32)
+            if const_expr(d > 0):  # pass 0 was counted while loading (and merged)
+                for i in cutlass.range_constexpr(self.items):
+                    hi = khi[i]
+                    if const_expr(word == 0):
+                        match = (hi != Uint32(0)) & ((hi & Uint32(before)) == phi)
+                        if const_expr(vote):
+                            if cute.arch.vote_any_sync(match):
+                                digit = Int32(cutlass.select_(match, (hi >> Uint32(sh)) & Uint32(NB - 1), Uint32(NB)))
+                                cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
+                        else:
+                            if match:
+                                digit = Int32((hi >> Uint32(sh)) & Uint32(NB - 1))
+                                cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
+                    else:
+                        # Tie-break passes: only keys whose score word equals the threshold.
+                        mhi = (hi != Uint32(0)) & (hi == phi)
+                        if const_expr(vote):
+                            if cute.arch.vote_any_sync(mhi):
+                                lo = self.key_lo_at(klo, slo, i, tid, pbase)
+                                m = mhi
+                                if const_expr(before != 0):
+                                    m = m & ((lo & Uint32(before)) == plo)
+                                digit = Int32(cutlass.select_(m, (lo >> Uint32(sh)) & Uint32(NB - 1), Uint32(NB)))
+                                cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
+                        else:
+                            if mhi:
+                                lo = self.key_lo_at(klo, slo, i, tid, pbase)
+                                mlo = Boolean(True)
+                                if const_expr(before != 0):
+                                    mlo = (lo & Uint32(before)) == plo
+                                if mlo:
+                                    digit = Int32((lo >> Uint32(sh)) & Uint32(NB - 1))
+                                    cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
+                if const_expr(self.split > 1):
+                    cluster_sync()
+                    self.merge(d, hloc, hist, tid)
+                cute.arch.sync_threads()
+            self.pick_bin(d, need, phi, plo, hist, wsum, st, tid, lane, warp)
+
+    @cute.jit
+    def load_keys(
+        self,
+        cand: cute.Tensor,
+        rows: Int32,
+        row: Int32,
+        tid: Int32,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        hist: cute.Tensor,
+        crank: Int32,
+    ) -> None:
+        """Vector-load this thread's candidates as keys and count pass 0's histogram on the way.
+
+        Vector load ``ci`` of thread ``tid`` is chunk ``q = crank*NCC + ci*T + tid`` of the row: ``vec``
+        consecutive candidates of one rank's slice (``K % vec == 0``), at word offset
+        ``((w*rows + row)*K/vec + cq)*wpl``. A chunk past the CTA's share is loaded from offset 0 (in bounds)
+        and masked invalid (``hi = 0``). Keys as in the stable top-K: ``hi`` the order-preserving score bits
+        with ``-0.0`` made ``+0.0``, ``0`` when invalid (NaN score, or for ``global_id`` a negative / NaN id);
+        ``lo = 0xFFFFFFFF - id`` (``global_id``; stored as the variant says) or computed from the position
+        (``rank_local``, :meth:`key_lo`). ``hist`` is the CTA's pass-0 histogram (``hloc`` when split).
+        """
+        T = const_expr(self.threads)
+        NCC = const_expr(self.ncc)
+        KQ = const_expr(self.kq)
+        VEC = const_expr(self.vec)
+        WPL = const_expr(self.wpl)
+        SH0 = const_expr(self.schedule[0][1])
+        NB0 = const_expr(self.schedule_bins[0])
+        # The flat words as [chunks, WPL]: a chunk is one aligned WPL-word vector load.
+        words = cute.make_tensor(cand.iterator, cute.make_layout((1 << 30, WPL), stride=(WPL, 1)))
+        for ci in cutlass.range_constexpr(self.cpt):
+            ql = ci * T + tid  # chunk index within this CTA's share
+            inb = Boolean(True)
+            if const_expr((ci + 1) * T > NCC):
+                inb = ql < NCC
+            w, cq = self.chunk_coords(ci, tid, crank)
+            if const_expr(self.small):
+                off = (w * rows + row) * KQ + cq
+                if const_expr((ci + 1) * T > NCC):
+                    off = Int32(cutlass.select_(inb, off, Int32(0)))
+            else:
+                off = (Int64(w) * Int64(rows) + Int64(row)) * Int64(KQ) + Int64(cq)
+                if const_expr((ci + 1) * T > NCC):
+                    off = Int64(cutlass.select_(inb, off, Int64(0)))
+            v = words[off, None].load()
+            for s in cutlass.range_constexpr(VEC):
+                i = ci * VEC + s
+                if const_expr(self.rank_local):
+                    sb = v[s].bitcast(Uint32)
+                    ok = inb
+                else:
+                    sb = v[2 * s].bitcast(Uint32)
+                    idf = v[2 * s + 1].bitcast(Float32)
+                    ok = inb & (idf >= Float32(0.0))
+                # -0.0 -> +0.0 so that the two zeros tie and the tie-break decides.
+                sb = Uint32(cutlass.select_(sb == Uint32(0x80000000), Uint32(0), sb))
+                # Negative floats: flip all bits; non-negative: set the sign bit.
+                flip = Uint32(Int32(sb.bitcast(Int32) >> 31).bitcast(Uint32) | Uint32(0x80000000))
+                ok = ok & ((sb & Uint32(0x7FFFFFFF)) <= Uint32(0x7F800000))
+                hi = Uint32(cutlass.select_(ok, sb ^ flip, Uint32(0)))
+                khi[i] = hi
+                if const_expr(not self.rank_local):
+                    lo = Uint32(MASK32) - Uint32(Int32(idf))  # garbage when invalid: never read then
+                    if const_expr(self.lean):
+                        slo[i * T + tid] = lo
+                    else:
+                        klo[i] = lo
+                digit = Int32(cutlass.select_(hi != Uint32(0), (hi >> Uint32(SH0)) & Uint32(NB0 - 1), Uint32(NB0)))
+                cute.arch.atomic_add(hist.iterator + digit, Int32(1))
+
+    @cute.jit
+    def chunk_coords(self, ci: int, tid: Int32, crank: Int32) -> tuple[Int32, Int32]:
+        """``(w, cq)``: the rank slice and the chunk within it of this thread's chunk ``ci``.
+
+        When ``T`` divides ``KQ`` (or ``KQ`` divides ``T``) and each CTA's share is whole slices, ``w`` and
+        ``cq`` are affine in ``tid`` with compile-time coefficients: no division.
+        """
+        T = const_expr(self.threads)
+        KQ = const_expr(self.kq)
+        NCC = const_expr(self.ncc)
+        if const_expr(NCC % KQ == 0 and KQ % T == 0):
+            w = crank * (NCC // KQ) + const_expr((ci * T) // KQ)
+            cq = const_expr((ci * T) % KQ) + tid
+        elif const_expr(NCC % KQ == 0 and T % KQ == 0):
+            w = crank * (NCC // KQ) + const_expr(ci * (T // KQ)) + tid // KQ
+            cq = tid % KQ
+        else:
+            q = crank * NCC + (ci * T + tid)
+            w = q // KQ
+            cq = q - w * KQ
+        return w, cq
+
+    @cute.jit
+    def key_lo(self, klo: cute.Tensor, slo: cute.Tensor, i: int, tid: Int32) -> Uint32:
+        """The tie-break word of item ``i`` (not split: ``pbase = 0``); see :meth:`key_lo_at`."""
+        return self.key_lo_at(klo, slo, i, tid, Int32(0))
+
+    @cute.jit
+    def key_lo_at(self, klo: cute.Tensor, slo: cute.Tensor, i: int, tid: Int32, pbase: Int32) -> Uint32:
+        """The tie-break word of item ``i``: ``global_id`` as the stable top-K (a register or shared memory);
+        ``rank_local`` computed, ``(2**LB - 1) - p`` for position ``p = pbase + vec*(ci*T + tid) + s``."""
+        if const_expr(self.rank_local):
+            lo = Uint32((1 << self.lo_bits) - 1) - Uint32(self.position(i, tid, pbase))
+        elif const_expr(self.lean):
+            lo = slo[i * self.threads + tid]
+        else:
+            lo = klo[i]
+        return lo
+
+    @cute.jit
+    def position(self, i: int, tid: Int32, pbase: Int32) -> Int32:
+        """Candidate position ``w*K + c`` of item ``i`` in the gathered row."""
+        return pbase + tid * self.vec + (self.vec * (i // self.vec) * self.threads + i % self.vec)
+
+    @cute.jit
+    def chunk_active(self, ci: int, warp: Int32, rbase: Int32, pbase: Int32) -> Boolean:
+        """``rank_local``: whether chunk ``ci`` of some lane of this warp lies in this rank's slice (warp-uniform:
+        it depends on the warp, not the lane, so a ballot inside the branch sees the whole warp)."""
+        first = pbase + warp * (32 * self.vec) + (self.vec * ci * self.threads) - rbase
+        return (first + 32 * self.vec > 0) & (first < self.kloc)
+
+    @cute.jit
+    def owned(self, i: int, tid: Int32, lo: Uint32, rank: Int32, rbase: Int32, pbase: Int32) -> Boolean:
+        """Whether item ``i`` (a winner) is this rank's: by position (``rank_local``) or by global id."""
+        res = Boolean(True)
+        if const_expr(self.rank_local):
+            c = self.position(i, tid, pbase) - rbase
+            res = (c >= 0) & (c < self.kloc)
+        elif const_expr(self.world > 1):
+            gid = (Uint32(MASK32) - lo).bitcast(Int32)  # 0 <= gid <= 2**31 - 1 for a valid key
+            res = ((gid // self.cfg.interleave) % self.world) == rank
+        return res
+
+    @cute.jit
+    def local_index(self, i: int, tid: Int32, lo: Uint32, rbase: Int32, pbase: Int32, sown: cute.Tensor) -> Int32:
+        """This rank's local index of owned item ``i``: ``own_ids[t, p - rank*K]`` or from the global id."""
+        loc = Int32(0)
+        if const_expr(self.rank_local):
+            loc = sown[self.position(i, tid, pbase) - rbase]
+        else:
+            gid = (Uint32(MASK32) - lo).bitcast(Int32)
+            ii = const_expr(self.cfg.interleave)
+            loc = (gid // (self.world * ii)) * ii + gid % ii
+        return loc
+
+    @cute.jit
+    def slot_of(self, loc: Int32, ctx: tuple) -> Int32:
+        """``block_table[req, loc // bs] * bs + loc % bs`` in int64, or the sentinel (the poison rule).
+
+        ``ctx = (req_ok, bt_row, bt, bt_s1, n_blocks)``: the row's request check, its block-table row offset,
+        the table, its column stride and width."""
+        req_ok, bt_row, bt, bt_s1, n_blocks = ctx
+        BS = const_expr(self.cfg.block_size)
+        blk_idx = loc // BS
+        ok = req_ok & (loc >= 0) & (blk_idx < n_blocks)
+        blk = Int64(-1)
+        if ok:
+            blk = Int64(bt[bt_row + Int64(blk_idx) * bt_s1])
+        s64 = blk * Int64(BS) + Int64(loc % BS)
+        good = ok & (blk >= Int64(0)) & (s64 <= Int64(_INT32_MAX))
+        return Int32(cutlass.select_(good, Int32(s64), Int32(SENTINEL_SLOT)))
+
+    @cute.jit
+    def count_add(self, st: cute.Tensor, idx: int, val: Int32) -> Int32:
+        """``atomic_add(st[idx], val)`` on this CTA's counter, or on CTA 0's when split; the old value."""
+        old = Int32(0)
+        if const_expr(self.split > 1):
+            old = dsmem_atomic_add(st.iterator + idx, 0, val)
+        else:
+            old = cute.arch.atomic_add(st.iterator + idx, val)
+        return old
+
+    @cute.jit
+    def commit_owned_fast(
+        self,
+        phi: Uint32,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        sown: cute.Tensor,
+        st: cute.Tensor,
+        slots: cute.Tensor,
+        obase: Int32 | Int64,
+        tid: Int32,
+        lane: Int32,
+        warp: Int32,
+        rank: Int32,
+        rbase: Int32,
+        pbase: Int32,
+        ctx: tuple,
+    ) -> None:
+        """Commit when the selection ended in a score pass (or every valid key wins: ``phi = 0``).
+
+        The winners are the keys with ``hi >= phi``, as in the stable top-K; this rank keeps those it owns.
+        One shared atomic per warp for the warp's owned winners, then per item a ballot, so that a warp's
+        slots of item ``i`` are consecutive (coalesced stores). The owned flags of a thread's items are kept
+        in one 32-bit mask between the two loops. ``rank_local`` looks only at the chunks in this rank's
+        slice (a warp-uniform branch per chunk).
+        """
+        lower = cutlass.max(phi, Uint32(1))
+        flags = Uint32(0)
+        mine = Int32(0)
+        for ci in cutlass.range_constexpr(self.cpt):
+            if const_expr(self.rank_local):
+                # Only chunks in this rank's slice can be owned: a warp whose chunk ci lies outside it skips
+                # the chunk (a warp-uniform branch; most warps skip most chunks).
+                if self.chunk_active(ci, warp, rbase, pbase):
+                    for sa in cutlass.range_constexpr(self.vec):
+                        ia = ci * self.vec + sa
+                        wa = (khi[ia] >= lower) & self.owned(ia, tid, Uint32(0), rank, rbase, pbase)
+                        flags = flags | Uint32(cutlass.select_(wa, Uint32(1 << ia), Uint32(0)))
+                        mine = mine + Int32(cutlass.select_(wa, Int32(1), Int32(0)))
+            else:
+                for sb in cutlass.range_constexpr(self.vec):
+                    ib = ci * self.vec + sb
+                    win = khi[ib] >= lower
+                    lo = Uint32(0)
+                    if const_expr(self.world > 1):
+                        if win:
+                            lo = self.key_lo_at(klo, slo, ib, tid, pbase)
+                    wb = win & self.owned(ib, tid, lo, rank, rbase, pbase)
+                    flags = flags | Uint32(cutlass.select_(wb, Uint32(1 << ib), Uint32(0)))
+                    mine = mine + Int32(cutlass.select_(wb, Int32(1), Int32(0)))
+        total = cute.arch.warp_redux_sync(mine, "add")
+        base = Int32(0)
+        if lane == 0:
+            base = self.count_add(st, 3, total)
+        run = cute.arch.shuffle_sync(base, 0)
+        ltmask = cute.arch.lanemask_lt()
+        for cj in cutlass.range_constexpr(self.cpt):
+            active = Boolean(True)
+            if const_expr(self.rank_local):
+                active = self.chunk_active(cj, warp, rbase, pbase)
+            if active:
+                for sc in cutlass.range_constexpr(self.vec):
+                    run = self.store_owned(
+                        cj * self.vec + sc, flags, run, ltmask, klo, slo, sown, slots, obase, tid, rbase, pbase, ctx
+                    )
+
+    @cute.jit
+    def store_owned(
+        self,
+        i: int,
+        flags: Uint32,
+        run: Int32,
+        ltmask: Any,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        sown: cute.Tensor,
+        slots: cute.Tensor,
+        obase: Int32 | Int64,
+        tid: Int32,
+        rbase: Int32,
+        pbase: Int32,
+        ctx: tuple,
+    ) -> Int32:
+        """Item ``i`` of the fast commit's second loop: the warp's owned winners of item ``i`` take consecutive
+        slots from ``run`` (ballot + popc); returns ``run`` advanced past them."""
+        w = ((flags >> Uint32(i)) & Uint32(1)) != Uint32(0)
+        ballot = Uint32(cute.arch.vote_ballot_sync(w))
+        if w:
+            pos = run + Int32(cute.arch.popc(ballot & Uint32(ltmask)))
+            lo = Uint32(0)
+            if const_expr(not self.rank_local):
+                lo = self.key_lo_at(klo, slo, i, tid, pbase)
+            loc = self.local_index(i, tid, lo, rbase, pbase, sown)
+            slots[obase + pos] = self.slot_of(loc, ctx)
+        return run + Int32(cute.arch.popc(ballot))
+
+    @cute.jit
+    def commit_owned_general(
+        self,
+        need: Int32,
+        phi: Uint32,
+        plo: Uint32,
+        hm: Uint32,
+        lm: Uint32,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        sown: cute.Tensor,
+        st: cute.Tensor,
+        slots: cute.Tensor,
+        obase: Int32 | Int64,
+        tid: Int32,
+        warp: Int32,
+        rank: Int32,
+        rbase: Int32,
+        pbase: Int32,
+        ctx: tuple,
+    ) -> None:
+        """Commit when the selection went into the tie-break word (or ended with surplus duplicates).
+
+        As the stable top-K's general commit — keys above the threshold prefix win, of the keys equal to it
+        the first ``need`` to reach the tie counter — then only this rank's winners take an output slot. The
+        tie counter counts every rank's tied keys, so the selection is the same on every rank (keys are
+        distinct in contract: positions always, global ids by validation). ``rank_local`` looks only at the
+        chunks of this rank's slice: with distinct keys the selection ends with the threshold bin holding
+        exactly the keys still needed, so every key equal to the threshold wins and no other rank's tie can
+        take an owned key's place.
+        """
+        for ci in cutlass.range_constexpr(self.cpt):
+            active = Boolean(True)
+            if const_expr(self.rank_local):
+                active = self.chunk_active(ci, warp, rbase, pbase)
+            if active:
+                for s in cutlass.range_constexpr(self.vec):
+                    self.commit_item_general(
+                        ci * self.vec + s,
+                        need,
+                        phi,
+                        plo,
+                        hm,
+                        lm,
+                        khi,
+                        klo,
+                        slo,
+                        sown,
+                        st,
+                        slots,
+                        obase,
+                        tid,
+                        rank,
+                        rbase,
+                        pbase,
+                        ctx,
+                    )
+
+    @cute.jit
+    def commit_item_general(
+        self,
+        i: int,
+        need: Int32,
+        phi: Uint32,
+        plo: Uint32,
+        hm: Uint32,
+        lm: Uint32,
+        khi: cute.Tensor,
+        klo: cute.Tensor,
+        slo: cute.Tensor,
+        sown: cute.Tensor,
+        st: cute.Tensor,
+        slots: cute.Tensor,
+        obase: Int32 | Int64,
+        tid: Int32,
+        rank: Int32,
+        rbase: Int32,
+        pbase: Int32,
+        ctx: tuple,
+    ) -> None:
+        """Item ``i`` of :meth:`commit_owned_general`."""
+        hi = khi[i]
+        lo = Uint32(0)
+        if const_expr(self.lean):
+            # Only a key whose score word reaches the threshold can win: read its lo word.
+            if (hi != Uint32(0)) & ((hi & hm) >= phi):
+                lo = self.key_lo_at(klo, slo, i, tid, pbase)
+        else:
+            lo = self.key_lo_at(klo, slo, i, tid, pbase)
+        mh = hi & hm
+        ml = lo & lm
+        valid = hi != Uint32(0)
+        win = valid & ((mh > phi) | ((mh == phi) & (ml > plo)))
+        tie = valid & (mh == phi) & (ml == plo)
+        if tie:
+            old = self.count_add(st, 4, Int32(1))
+            win = old < need
+        if win & self.owned(i, tid, lo, rank, rbase, pbase):
+            pos = self.count_add(st, 3, Int32(1))
+            loc = self.local_index(i, tid, lo, rbase, pbase, sown)
+            slots[obase + pos] = self.slot_of(loc, ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation (cached per configuration, under the kernels' lock) and the host wrapper.
+# ---------------------------------------------------------------------------------------------
+
+
+def _fake_args(cfg: SelectToSlotsConfig) -> tuple[Any, ...]:
+    """Fake tensors and scalars in :meth:`SelectToSlotsKernel.__call__`'s order (shapes dynamic)."""
+    wpl = cfg.vec * (1 if cfg.order == "rank_local" else 2)
+
+    def flat(dtype: Any, align: int) -> Any:
+        return cute.runtime.make_fake_compact_tensor(dtype, (cute.sym_int64(),), assumed_align=align)
+
+    return (
+        flat(Int32, 4 * wpl),  # gathered, as 32-bit words
+        flat(Int64 if cfg.req_int64 else Int32, 8 if cfg.req_int64 else 4),
+        flat(Int64 if cfg.bt_int64 else Int32, 8 if cfg.bt_int64 else 4),
+        flat(Int32, 4),  # own_ids
+        flat(Int32, 4),  # slots
+        flat(Int32, 4),  # counts
+        Int32(1),
+        Int32(0),
+        Int32(1),
+        Int32(1),
+        Int64(1),
+        Int64(1),
+        Int64(1),
+        Int64(1),
+        Int64(1),
+    )
+
+
+_COMPILED: dict[SelectToSlotsConfig, Any] = {}
+
+
+def compile_select_to_slots(cfg: SelectToSlotsConfig) -> Any:
+    """The compiled kernel of one configuration, compiled once (under
+    :data:`dcp_ref.kernels.stages.KERNEL_LOCK`: CuTeDSL compiles are not thread-safe). Works without a GPU."""
+    fn = _COMPILED.get(cfg)
+    if fn is not None:
+        return fn
+    from .stages import KERNEL_LOCK
+
+    with KERNEL_LOCK:
+        fn = _COMPILED.get(cfg)
+        if fn is None:
+            stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=cfg.tvm_ffi)
+            kern = SelectToSlotsKernel(cfg)
+            if cfg.tvm_ffi:
+                fn = cute.compile(kern, *_fake_args(cfg), stream, options="--enable-tvm-ffi")
+            else:
+                fn = cute.compile(kern, *_fake_args(cfg), stream)
+            _COMPILED[cfg] = fn
+    return fn
+
+
+def compile_artifacts(cfg: SelectToSlotsConfig, dump_dir: str) -> tuple[str, bytes]:
+    """Compile one configuration (uncached) and return ``(PTX text, cubin bytes)`` — the CPU CI check.
+
+    Needs ``CUTE_DSL_ARCH=sm_90a`` (no GPU needed); ``dump_dir`` must exist. See :func:`cubin_resources`.
+    """
+    from .stages import KERNEL_LOCK
+
+    with KERNEL_LOCK:
+        kern = SelectToSlotsKernel(cfg)
+        stream = cutlass.runtime.make_fake_stream()
+        fn = cute.compile(kern, *_fake_args(cfg), stream, options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
+    ptx = fn.__ptx__ or ""
+    if ptx and not ptx.lstrip().startswith("//") and os.path.exists(ptx):
+        with open(ptx) as fh:  # some versions return the file path instead of the text
+            ptx = fh.read()
+    cubin = fn.__cubin__ or b""
+    if isinstance(cubin, str):
+        with open(cubin, "rb") as fb:
+            cubin = fb.read()
+    return ptx, cubin
+
+
+def compile_to_ptx(cfg: SelectToSlotsConfig, dump_dir: str) -> str:
+    """The PTX text of :func:`compile_artifacts`."""
+    return compile_artifacts(cfg, dump_dir)[0]
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """``{"registers", "frame_bytes", "stack_bytes"}`` of the (one) kernel in an sm_90 cubin, from its ELF
+    ``.nv.info`` attributes (``EIATTR_REGCOUNT`` 0x2f, ``EIATTR_FRAME_SIZE`` 0x11, ``EIATTR_MIN_STACK_SIZE``
+    0x12). A frame of 0 bytes means no local memory: no register spills. No CUDA tools needed."""
+    import struct
+
+    (shoff,) = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_off = secs[shstrndx][4]
+
+    def name(off: int) -> str:
+        end = cubin.index(b"\0", names_off + off)
+        return cubin[names_off + off : end].decode()
+
+    keys = {0x2F: "registers", 0x11: "frame_bytes", 0x12: "stack_bytes"}
+    out: dict[str, int] = {}
+    for sec in secs:
+        if not name(sec[0]).startswith(".nv.info"):
+            continue
+        data, i = cubin[sec[4] : sec[4] + sec[5]], 0
+        while i + 4 <= len(data):
+            fmt, attr, size = data[i], data[i + 1], struct.unpack_from("<H", data, i + 2)[0]
+            if fmt != 0x04:  # only "size + payload" entries carry a payload
+                i += 4
+                continue
+            if attr in keys and size >= 8:
+                out[keys[attr]] = struct.unpack_from("<I", data, i + 8)[0]  # (function index, value)
+            i += 4 + size
+    return out
+
+
+def make_config(
+    order: str,
+    world: int,
+    kloc: int,
+    k: int,
+    geometry: DcpGeometry,
+    *,
+    data_ptr: int = 0,
+    has_req: bool = True,
+    req_int64: bool = False,
+    bt_int64: bool = False,
+    small: bool = True,
+    variant: str | None = None,
+    config: tuple[int, int] | None = None,
+    first_bits: int | None = None,
+    vec: int | None = None,
+    tvm_ffi: bool = False,
+    rows: int = 1 << 20,
+    split: int | None = None,
+    pass_loop: str | None = None,
+) -> SelectToSlotsConfig:
+    """The configuration the wrapper compiles for these shapes (defaults chosen here, in one place).
+
+    ``vec`` (``None``): the widest vector load that divides ``K`` and that ``data_ptr``'s alignment allows
+    (16 bytes). ``variant`` (``None``): ``"lean"`` for ``rank_local``; for ``global_id`` the stable top-K's
+    :func:`~dcp_ref.kernels.topk_cutedsl.default_variant`. ``config``: ``(threads, min_ctas)``. ``split``
+    (``None``): :func:`default_split` for ``rows`` and ``order``. ``first_bits`` (``None``): 8 when split (each pass's
+    histograms are summed over the cluster: few bins), else 11 for ``rank_local`` and 8 for ``global_id``.
+    """
+    bpc = 4 if order == "rank_local" else 8  # bytes per candidate
+    if vec is None:
+        vec = 1
+        for v in (4, 2) if order == "rank_local" else (2,):
+            if kloc % v == 0 and data_ptr % (bpc * v) == 0:
+                vec = v
+                break
+    if variant is None:
+        variant = "lean" if order == "rank_local" else default_variant(world, kloc, k, False)
+    threads, min_ctas = (0, -1) if config is None else (int(config[0]), int(config[1]))
+    if split is None:
+        split = default_split(rows, world * kloc, vec, order)
+    if first_bits is None:
+        first_bits = 11 if order == "rank_local" and split == 1 else 8
+    return SelectToSlotsConfig(
+        order=order,
+        world=world,
+        kloc=kloc,
+        k=k,
+        interleave=geometry.interleave,
+        block_size=geometry.block_size,
+        vec=vec,
+        variant=variant,
+        has_req=has_req,
+        req_int64=req_int64,
+        bt_int64=bt_int64,
+        small=small,
+        threads=threads,
+        min_ctas=min_ctas,
+        # A wider first digit: one score pass fewer for real distributions; measured faster for rank_local at
+        # 32 and 1024 rows (H200, W = 8, K = 2048: 9.1 vs 9.8 and 51.3 vs 52.9 us), mixed for global_id.
+        first_bits=first_bits,
+        tvm_ffi=tvm_ffi,
+        split=split,
+        pass_loop=DEFAULT_PASS_LOOP if pass_loop is None else pass_loop,
+    )
+
+
+def select_to_slots_cutedsl(
+    gathered: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    order: str = "global_id",
+    own_ids: torch.Tensor | None = None,
+    out_slots: torch.Tensor | None = None,
+    out_counts: torch.Tensor | None = None,
+    validate: bool = True,
+    tvm_ffi: bool | None = None,
+    variant: str | None = None,
+    config: tuple[int, int] | None = None,
+    first_bits: int | None = None,
+    vec: int | None = None,
+    split: int | None = None,
+    pass_loop: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the select-to-slots kernel (CUDA only); the contract of
+    :func:`dcp_ref.select_to_slots.select_to_slots`.
+
+    Arguments as the reference (validation shared: the same inputs raise the same errors), then:
+    ``gathered``, ``out_slots``, ``out_counts`` must be contiguous CUDA tensors (``gathered`` is read as
+    aligned words). The winners' slots come in an unspecified order (compare as sets); ``[count, k)`` is
+    ``-1``. With ``out_slots`` / ``out_counts`` and ``validate=False``: no allocation, no host read.
+
+    Tuning (same result): ``tvm_ffi`` (``None``: on when apache-tvm-ffi is importable), ``variant``
+    (``global_id``: ``"lean"`` / ``"regs"``), ``config`` ``(threads, min_ctas)``, ``first_bits``, ``vec``,
+    ``split`` (CTAs per row; ``None``: by ``rows``, :func:`default_split`), ``pass_loop`` — see
+    :func:`make_config`.
+    """
+    spec = check_select_to_slots_inputs(
+        gathered,
+        req_of_token,
+        block_table,
+        geometry,
+        k,
+        order=order,
+        own_ids=own_ids,
+        out_slots=out_slots,
+        out_counts=out_counts,
+        validate=validate,
+    )
+    w, rows, kloc, k = geometry.world_size, spec.rows, spec.kloc, spec.k
+    n_req, n_blocks = spec.n_req, spec.n_blocks
+    if w * kloc > MAX_CANDIDATES:
+        raise ValueError(
+            f"gathered has W*K = {w * kloc} candidates per row: the CuTeDSL select-to-slots supports "
+            f"<= {MAX_CANDIDATES}"
+        )
+    if gathered.device.type != "cuda":
+        raise ValueError(f"gathered must be a CUDA tensor for the CuTeDSL kernel, got device {gathered.device}")
+    if not gathered.is_contiguous():
+        raise ValueError("gathered must be contiguous (the kernel reads it as aligned 32-bit words)")
+    dev = gathered.device
+    if out_slots is None:
+        out_slots = torch.empty((rows, k), dtype=torch.int32, device=dev)
+    elif not out_slots.is_contiguous():
+        raise ValueError("out_slots must be contiguous (it is written as one flat buffer)")
+    if out_counts is None:
+        out_counts = torch.empty((rows,), dtype=torch.int32, device=dev)
+    elif not out_counts.is_contiguous():
+        raise ValueError("out_counts must be contiguous (it is written as one flat buffer)")
+    if rows == 0:
+        return out_slots, out_counts
+    if w * kloc == 0:
+        out_slots.fill_(-1)
+        out_counts.zero_()
+        return out_slots, out_counts
+    if gathered.data_ptr() % 4:
+        raise ValueError("gathered must be 4-byte aligned")
+    counts_flat = out_counts.view(-1)
+    # Tensors the configuration does not read are replaced by a small int32 one (never dereferenced).
+    has_req = req_of_token is not None
+    req_t = req_of_token if req_of_token is not None and req_of_token.numel() else counts_flat
+    empty_table = n_req == 0 or n_blocks == 0
+    bt_t = counts_flat if empty_table else block_table
+    own_t = own_ids if order == "rank_local" and own_ids is not None else counts_flat
+    # Flat views from the storage offset; the strides go in as arguments. An extent of 0 is never read.
+    req_flat = _span(req_t)
+    bt_flat = _span(bt_t)
+    own_flat = _span(own_t)
+    small = max(gathered.numel(), rows * k, req_flat.numel(), bt_flat.numel(), own_flat.numel()) < 2**31
+    ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
+    cfg = make_config(
+        order,
+        w,
+        kloc,
+        k,
+        geometry,
+        data_ptr=gathered.data_ptr(),
+        has_req=has_req,
+        req_int64=req_t.dtype == torch.int64,
+        bt_int64=bt_t.dtype == torch.int64,
+        small=small,
+        variant=variant,
+        config=config,
+        first_bits=first_bits,
+        vec=vec,
+        tvm_ffi=ffi,
+        rows=rows,
+        split=split,
+        pass_loop=pass_loop,
+    )
+    if cfg.vec > 1 and gathered.data_ptr() % (4 * cfg.vec * (1 if order == "rank_local" else 2)):
+        raise ValueError(f"gathered must be {4 * cfg.vec} * words-aligned for vec={cfg.vec}")
+    fn = compile_select_to_slots(cfg)
+    words = gathered.view(torch.int32).view(-1)
+    scalars = (
+        rows,
+        geometry.rank,
+        0 if empty_table else n_req,
+        0 if empty_table else n_blocks,
+        req_t.stride(0) if has_req else 0,
+        0 if empty_table else bt_t.stride(0),
+        0 if empty_table else bt_t.stride(1),
+        own_t.stride(0) if own_t is own_ids else 0,
+        own_t.stride(1) if own_t is own_ids else 0,
+    )
+    tensors = (words, req_flat, bt_flat, own_flat, out_slots.view(-1), counts_flat)
+    if ffi:
+        fn(*tensors, *scalars)
+    else:
+        import cuda.bindings.driver as cuda  # shipped with nvidia-cutlass-dsl
+        from cutlass.cute.runtime import from_dlpack
+
+        wpl_bytes = 4 * cfg.vec * (1 if order == "rank_local" else 2)
+        aligns = (wpl_bytes, req_flat.element_size(), bt_flat.element_size(), 4, 4, 4)
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        args = [from_dlpack(t, assumed_align=a) for t, a in zip(tensors, aligns)]
+        fn(*args, *(Int32(v) for v in scalars[:4]), *(Int64(v) for v in scalars[4:]), stream)
+    return out_slots, out_counts
+
+
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of the storage ``t`` spans (from its storage offset); indexing it with ``t``'s strides reads
+    ``t``'s elements. No copy, no host read."""
+    if t.numel() == 0:
+        return t.reshape(-1)
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return t.as_strided((extent,), (1,))
