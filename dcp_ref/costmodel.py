@@ -123,6 +123,9 @@ __all__ = [
     "scaling_table",
     "STEP_STAGES",
     "LAYER_ONLY_STAGES",
+    "PLANNED_LAYER",
+    "QueryProjection",
+    "q_replication_bytes",
 ]
 
 #: Bytes per token per layer of the MLA KV cache: ``bf16`` = 576 dims x 2 bytes (512 latent + 64 rope);
@@ -303,6 +306,20 @@ class LineCost:
         return math.inf if self.per_unit_s == 0 else 1.0 / self.per_unit_s
 
 
+#: The kernel lines a fit can replace, by family name (an :class:`Observation`'s ``family``).
+_LINE_FAMILIES = (
+    "select",
+    "deinterleave",
+    "merge",
+    "pack",
+    "local_topk",
+    "attention",
+    "attention_splitkv",
+    "select_to_slots",
+    "combine",
+)
+
+
 @dataclass(frozen=True)
 class CostConstants:
     """The model's few fitted constants (defaults: :data:`DEFAULT_CONSTANTS`, the committed fit).
@@ -315,7 +332,12 @@ class CostConstants:
         link_Bps: effective NVLink bandwidth NCCL reaches at these message sizes (fitted).
         eager_collective_s: host latency an eager collective adds over its graph replay (fitted).
         select, deinterleave, merge, pack, local_topk: per-byte lines (:class:`LineCost`).
-        attention: per-FLOP line of the sparse MLA kernel (FLOPs of padded heads included).
+        attention: per-FLOP line of the sparse MLA kernel (FlashMLA; FLOPs of padded heads included).
+        attention_splitkv: per-FLOP line of the split-KV Triton kernel (any head count, no padding).
+        select_to_slots: per-byte line of the owner-local selection (bytes of gathered candidates read).
+        combine: per-byte line of the merge of ``W`` received partials after the all-to-all.
+        splitkv_max_tokens: the planned step runs the split-KV kernel up to this many tokens where FlashMLA
+            could run too (the measured crossover; ``dcp_ref.kernels.stages.SPLITKV_MAX_TOKENS``).
         step_overhead_s: what the captured step costs beyond its stages (0 until ``step.json``).
         launch_s, sync_s: eager per-launch and per-host-sync costs (0 until ``step.json``).
     """
@@ -330,6 +352,10 @@ class CostConstants:
     pack: LineCost = LineCost(4.5e-6, 1 / 0.6e12)
     local_topk: LineCost = LineCost(25e-6, 1 / 0.25e12)
     attention: LineCost = LineCost(24e-6, 1 / 590e12, "flops")
+    attention_splitkv: LineCost = LineCost(10e-6, 1 / 150e12, "flops")
+    select_to_slots: LineCost = LineCost(5.0e-6, 1 / 3.0e12)
+    combine: LineCost = LineCost(2.0e-6, 1 / 2.0e12)
+    splitkv_max_tokens: int = 8
     step_overhead_s: float = 0.0
     launch_s: float = 0.0
     sync_s: float = 0.0
@@ -338,7 +364,8 @@ class CostConstants:
         for f in ("collective_s", "hop_s", "eager_collective_s", "step_overhead_s", "launch_s", "sync_s"):
             _real(getattr(self, f), f)
         _real(self.link_Bps, "link_Bps", strict=True)
-        for f in ("select", "deinterleave", "merge", "pack", "local_topk", "attention"):
+        _pos_int(self.splitkv_max_tokens, "splitkv_max_tokens", 0)
+        for f in _LINE_FAMILIES:
             if not isinstance(getattr(self, f), LineCost):
                 raise TypeError(f"{f} must be a LineCost, got {type(getattr(self, f)).__name__}")
 
@@ -621,6 +648,7 @@ _COLLECTIVE_KIND = {
     "candidates_allgather": "all_gather",
     "lse_allgather": "all_gather",
     "output_reduce_scatter": "reduce_scatter",
+    "combine_alltoall": "all_to_all",
 }
 
 
@@ -655,6 +683,31 @@ def _common_args(
     return w, t, c
 
 
+def _attention_s(t: int, heads: int, keys: float, g: MlaGeometry, k: CostConstants) -> tuple[str, float, float]:
+    """The attention kernel the planned step runs for ``t`` tokens and ``heads`` heads, its time and FLOPs.
+
+    FlashMLA (heads padded to ``min_kernel_heads``; only 64 or 128 heads) or the split-KV kernel (any heads), as
+    ``dcp_ref.kernels.stages`` plans it: split-KV up to ``splitkv_max_tokens`` tokens or where FlashMLA cannot run.
+    """
+    mla_ok = heads in (64, 128)
+    if mla_ok and t > k.splitkv_max_tokens:
+        f = attention_flops(t, max(heads, g.min_kernel_heads), keys, g)
+        return "flashmla", k.attention.time_s(f), f
+    f = attention_flops(t, heads, keys, g)
+    return "splitkv", k.attention_splitkv.time_s(f), f
+
+
+def _check_layer_options(exchange: str, combine: str, order: str) -> None:
+    if exchange not in ("allgather", "owner"):
+        raise ValueError(f"exchange must be 'allgather' or 'owner', got {exchange!r}")
+    if combine not in ("reduce_scatter", "alltoall"):
+        raise ValueError(f"combine must be 'reduce_scatter' or 'alltoall', got {combine!r}")
+    if order not in ("global_id", "rank_local"):
+        raise ValueError(f"order must be 'global_id' or 'rank_local', got {order!r}")
+    if order == "rank_local" and exchange != "owner":
+        raise ValueError("order='rank_local' needs exchange='owner'")
+
+
 def dcp_step_cost(
     world_size: int,
     tokens: int,
@@ -665,6 +718,10 @@ def dcp_step_cost(
     *,
     scope: str = "layer",
     graph: bool = True,
+    exchange: str = "allgather",
+    combine: str = "reduce_scatter",
+    order: str = "global_id",
+    q_replicate: bool = False,
 ) -> StepCost:
     """Per-layer, per-rank cost of a DCP decode step over ``world_size`` ranks.
 
@@ -676,35 +733,51 @@ def dcp_step_cost(
         scope: ``"step"``: the planned step as benchmarked (``STEP_STAGES``); ``"layer"`` adds the
             query all-gather and the indexer's scoring (``LAYER_ONLY_STAGES``).
         graph: ``False`` adds each collective's eager host latency.
+        exchange, combine, order, q_replicate: the planned step's options (:class:`dcp_ref.stages.StepSpec`):
+            ``exchange="owner"`` runs the owner-local select-to-slots instead of select + de-interleave,
+            ``order="rank_local"`` moves 4 bytes per candidate instead of 8, ``combine="alltoall"`` one all-to-all
+            of partials + LSEs and a merge of ``W`` partials over ``H/W`` heads instead of the LSE all-gather, the
+            correction and the reduce-scatter; ``q_replicate=True`` drops the query all-gather. The defaults are
+            the step as first measured (``step.json``). The attention is the kernel the step plans for ``T``
+            (:func:`_attention_s`).
 
     Each rank attends ``min(k, c) / W`` keys per token on average (the global top-k spread over the
     ranks), with all ``H`` heads; its KV share is the busiest rank's.
     """
     w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
+    _check_layer_options(exchange, combine, order)
     g, k = geometry, constants
     c_loc = tokens_on_busiest_rank(c, w, g.interleave)
     K = g.local_topk
+    hs = g.num_heads // w
+    bpc = 4 if order == "rank_local" else 8
     stages: dict[str, float] = {}
     comm = communication_bytes(t, w, g, scope)
     if scope == "layer":
-        if w > 1:
+        if w > 1 and not q_replicate:
             stages["query_allgather"] = collective_time_s(
                 "all_gather", comm["query_allgather"].sent, w, k, hardware, graph=graph
             )
+        else:
+            comm.pop("query_allgather", None)
         stages["index_scoring"] = _index_scoring_s(t, c_loc, g, hardware)
     # local top-K over this rank's c/W scores (float32), then (W > 1) pack K (score, id) pairs per token
     stages["indexer"] = k.local_topk.time_s(t * c_loc * 4) + (k.pack.time_s(t * K * 14) if w > 1 else 0.0)
     if w > 1:
-        stages["candidates_allgather"] = collective_time_s(
-            "all_gather", comm["candidates_allgather"].sent, w, k, hardware, graph=graph
-        )
-        stages["select"] = k.select.time_s(t * (w * K * 8 + g.topk * 4))
-    stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
+        sent = t * K * bpc
+        comm["candidates_allgather"] = CollectiveBytes(sent, w * sent, (w - 1) * sent)
+        stages["candidates_allgather"] = collective_time_s("all_gather", sent, w, k, hardware, graph=graph)
+    if exchange == "owner":
+        stages["select_to_slots"] = k.select_to_slots.time_s(t * w * K * bpc)
+    else:
+        if w > 1:
+            stages["select"] = k.select.time_s(t * (w * K * 8 + g.topk * 4))
+        stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
     keys = min(g.topk, c) / w
-    heads = max(g.num_heads, g.min_kernel_heads)
-    flops = attention_flops(t, heads, keys, g)
-    stages["attention"] = k.attention.time_s(flops)
-    if w > 1:
+    kernel, attn_s, flops = _attention_s(t, g.num_heads, keys, g, k)
+    stages["attention"] = attn_s
+    heads = max(g.num_heads, g.min_kernel_heads) if kernel == "flashmla" else g.num_heads
+    if w > 1 and combine == "reduce_scatter":
         stages["lse_allgather"] = collective_time_s(
             "all_gather", comm["lse_allgather"].sent, w, k, hardware, graph=graph
         )
@@ -712,7 +785,14 @@ def dcp_step_cost(
         stages["output_reduce_scatter"] = collective_time_s(
             "reduce_scatter", comm["output_reduce_scatter"].sent, w, k, hardware, graph=graph
         )
-    else:
+    elif w > 1:
+        for name in ("lse_allgather", "output_reduce_scatter"):
+            comm.pop(name, None)
+        sent = w * (t * hs * g.v_dim * 2 + t * hs * 4)  # every destination's partials + LSEs
+        comm["combine_alltoall"] = CollectiveBytes(sent, sent, (w - 1) * sent // w)
+        stages["combine_alltoall"] = collective_time_s("all_to_all", sent, w, k, hardware, graph=graph)
+        stages["combine"] = k.combine.time_s(t * (w + 1) * hs * g.v_dim * 2 + t * w * hs * 4)
+    if w == 1:
         comm = {}
     stages["step_overhead"] = k.step_overhead_s
     return StepCost(
@@ -730,25 +810,31 @@ def tp_step_cost(
     *,
     scope: str = "layer",
     graph: bool = True,
+    exchange: str = "allgather",
 ) -> StepCost:
     """Per-layer, per-rank cost of the same step under TP over ``world_size`` ranks.
 
-    Every rank holds the whole KV cache and its ``H/W`` heads (padded up to ``min_kernel_heads`` for
-    the kernel): the indexer scores and selects over all ``c`` keys, the attention reads ``min(k, c)``
-    keys per token, and nothing is communicated inside attention. ``graph`` is accepted for symmetry
-    (no collective to launch).
+    Every rank holds the whole KV cache and its ``H/W`` heads: the indexer scores and selects over all ``c``
+    keys, the attention reads ``min(k, c)`` keys per token (FlashMLA pads the heads up to
+    ``min_kernel_heads``; the split-KV kernel runs any head count: :func:`_attention_s`), and nothing is
+    communicated inside attention. ``exchange="owner"``: the selection maps straight to slots (one stage, as the
+    planned tp layout runs it). ``graph`` is accepted for symmetry (no collective to launch).
     """
     w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
+    _check_layer_options(exchange, "reduce_scatter", "global_id")
     g, k = geometry, constants
     stages: dict[str, float] = {}
     if scope == "layer":
         stages["index_scoring"] = _index_scoring_s(t, c, g, hardware)
     stages["indexer"] = k.local_topk.time_s(t * c * 4)
-    stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
+    if exchange == "owner":
+        stages["select_to_slots"] = k.select_to_slots.time_s(t * g.local_topk * 8)
+    else:
+        stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
     keys = float(min(g.topk, c))
-    heads = max(g.num_heads // w, g.min_kernel_heads)
-    flops = attention_flops(t, heads, keys, g)
-    stages["attention"] = k.attention.time_s(flops)
+    kernel, attn_s, flops = _attention_s(t, g.num_heads // w, keys, g, k)
+    stages["attention"] = attn_s
+    heads = max(g.num_heads // w, g.min_kernel_heads) if kernel == "flashmla" else g.num_heads // w
     stages["step_overhead"] = k.step_overhead_s
     return StepCost(
         "tp", w, t, c, stages, {}, flops, attention_bytes(t, heads, keys, g), kv_bytes_per_rank(c, w, "tp", g)
@@ -784,6 +870,7 @@ def throughput_ratio(
     kv_budget_bytes: float = 40e9,
     batch_cap: int = 256,
     other_layer_s: float = 0.0,
+    layer: Mapping[str, Any] | None = None,
 ) -> float:
     """DCP's decode throughput over TP's, each at the largest batch its KV budget allows (see the module doc).
 
@@ -792,16 +879,37 @@ def throughput_ratio(
     kept the same for every W). ``batch_cap``: the scheduler's most concurrent requests (vLLM's
     default ``max_num_seqs`` = 256). ``other_layer_s``: the rest of the layer's time per step (MoE,
     projections), equal in both layouts; 0 counts the attention path only (conservative for DCP).
+    ``layer``: the step's options (:data:`PLANNED_LAYER`, or ``None`` for the step as first measured), passed to
+    :func:`dcp_step_cost` (and its ``exchange`` to :func:`tp_step_cost`).
     Returns ``nan`` when TP cannot hold even one request (and ``inf`` if only DCP can).
     """
     other = _real(other_layer_s, "other_layer_s")
+    dkw, tkw = _layer_kwargs(layer)
     b_tp = max_batch(context, world_size, "tp", kv_budget_bytes, geometry, batch_cap)
     b_dcp = max_batch(context, world_size, "dcp", kv_budget_bytes, geometry, batch_cap)
     if b_tp == 0:
         return math.inf if b_dcp > 0 else math.nan
-    t_tp = tp_step_cost(world_size, b_tp, context, geometry, hardware, constants).total_s + other
-    t_dcp = dcp_step_cost(world_size, b_dcp, context, geometry, hardware, constants).total_s + other
+    t_tp = tp_step_cost(world_size, b_tp, context, geometry, hardware, constants, **tkw).total_s + other
+    t_dcp = dcp_step_cost(world_size, b_dcp, context, geometry, hardware, constants, **dkw).total_s + other
     return (b_dcp / t_dcp) / (b_tp / t_tp)
+
+
+#: The layer as the planned step now runs it (``dcp_ref.stages.StepSpec``): the query gathered over heads, the
+#: owner-local exchange of scores only, one all-to-all combine. Pass it as ``layer=`` to the crossovers.
+PLANNED_LAYER: Mapping[str, Any] = {"exchange": "owner", "order": "rank_local", "combine": "alltoall",
+                                    "q_replicate": False}  # fmt: skip
+
+
+def _layer_kwargs(layer: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    if layer is None:
+        return {}, {}
+    if not isinstance(layer, Mapping):
+        raise TypeError(f"layer must be a mapping of step options (see PLANNED_LAYER), got {type(layer).__name__}")
+    unknown = set(layer) - {"exchange", "order", "combine", "q_replicate"}
+    if unknown:
+        raise ValueError(f"layer has unknown options {sorted(unknown)}; known: exchange, order, combine, q_replicate")
+    dkw = dict(layer)
+    return dkw, {"exchange": dkw["exchange"]} if "exchange" in dkw else {}
 
 
 def _first_crossing(f: Callable[[int], float], lo: int, hi: int) -> float:
@@ -836,6 +944,7 @@ def crossover_context(
     other_layer_s: float = 0.0,
     min_context: int = 256,
     max_context: int = 1 << 21,
+    layer: Mapping[str, Any] | None = None,
 ) -> float:
     """The context (tokens per request) where DCP's memory saving outweighs its communication.
 
@@ -862,6 +971,7 @@ def crossover_context(
             kv_budget_bytes=kv_budget_bytes,
             batch_cap=batch_cap,
             other_layer_s=other_layer_s,
+            layer=layer,
         )
         return 1.0 if math.isnan(r) or math.isinf(r) else r - 1.0
 
@@ -877,6 +987,7 @@ def time_crossover_context(
     *,
     min_context: int = 256,
     max_context: int = 1 << 21,
+    layer: Mapping[str, Any] | None = None,
 ) -> float:
     """Smallest context at which DCP's per-layer step is no slower than TP's at the same ``tokens``
     (the context-proportional stages, index scoring and top-K, shrink by ``W``; the collectives do not).
@@ -888,10 +999,11 @@ def time_crossover_context(
         raise ValueError(f"max_context must be >= min_context={lo}, got {hi}")
     if w == 1:
         return 0.0
+    dkw, tkw = _layer_kwargs(layer)
     return _first_crossing(
         lambda c: (
-            tp_step_cost(w, t, c, geometry, hardware, constants).total_s
-            - dcp_step_cost(w, t, c, geometry, hardware, constants).total_s
+            tp_step_cost(w, t, c, geometry, hardware, constants, **tkw).total_s
+            - dcp_step_cost(w, t, c, geometry, hardware, constants, **dkw).total_s
         ),
         lo,
         hi,
@@ -977,6 +1089,13 @@ def observations_from_results(results_dir: str | Path) -> list[Observation]:
       ``x = 2*T*H*K_valid*(576+512)`` FLOPs.
     * ``step.json`` ``summary[*].stages_us.indexer`` (when present): ``local_topk`` = the step's own indexer
       (fused local top-K + pack) in isolation, ``x = 4*T*ceil(ctx/W)``; it replaces the ``torch.topk`` stand-in.
+    * ``attention.json`` ``summary`` (bf16 cache): ``attention`` = FlashMLA's sparse kernel (``flashmla_bf16``, the
+      kernel the step runs from :attr:`CostConstants.splitkv_max_tokens` tokens on) and ``attention_splitkv`` =
+      the split-KV kernel, both ``x = 2*T*H*K*(576+512)`` FLOPs; FlashMLA's rows replace
+      :data:`FLASHMLA_SPARSE_T32_H128` in :func:`fit_constants`.
+    * ``exchange.json`` ``summary``: ``select_to_slots`` = the owner-local selection, ``x = rows*W*K*b`` with
+      ``b`` = 4 bytes per candidate (``rank_local``) or 8 (``global_id``); ``combine`` = the merge of ``W``
+      received partials, ``x = rows*(W+1)*(H/W)*512*2 + rows*W*(H/W)*4`` bytes (read partials and LSEs, write one).
     """
     d = Path(results_dir)
     if not d.is_dir():
@@ -1012,6 +1131,26 @@ def observations_from_results(results_dir: str | Path) -> list[Observation]:
         for r in _load(d / "attention_flashinfer.json")["rows"]:
             flops = 2.0 * r["T"] * r["H"] * r["K_valid"] * (576 + 512)
             obs.append(Observation("attention", flops, r["run"]["median_us"] * 1e-6, f"T={r['T']} H={r['H']}"))
+    if (d / "attention.json").exists():
+        for r in _load(d / "attention.json").get("summary", []):
+            if r.get("cache") != "bf16" or not r.get("graph_us"):
+                continue
+            flops = 2.0 * r["T"] * r["H"] * r["K"] * (576 + 512)
+            fam = {"flashmla_bf16": "attention", "splitkv": "attention_splitkv"}.get(r["impl"])
+            if fam is not None:
+                label = f"{'FlashMLA' if fam == 'attention' else 'split-KV'} T={r['T']} H={r['H']} K={r['K']}"
+                obs.append(Observation(fam, flops, r["graph_us"] * 1e-6, label))
+    if (d / "exchange.json").exists():
+        for r in _load(d / "exchange.json").get("summary", []):
+            if r.get("stage") == "select_to_slots" and r.get("ours_us"):
+                b = 4 if r["order"] == "rank_local" else 8
+                x = r["rows"] * r["W"] * r["K"] * b
+                label = f"rows={r['rows']} W={r['W']} {r['order']}"
+                obs.append(Observation("select_to_slots", x, r["ours_us"] * 1e-6, label))
+            elif r.get("stage") == "combine_merge" and r.get("ours_us"):
+                hs = r["H"] // r["W"]
+                x = r["rows"] * (r["W"] + 1) * hs * 512 * 2 + r["rows"] * r["W"] * hs * 4
+                obs.append(Observation("combine", x, r["ours_us"] * 1e-6, f"rows={r['rows']} W={r['W']}"))
     # The planned step's own indexer (step.json rows' isolated stage times): when measured, it replaces the
     # torch.topk stand-in as the local top-K line, x = 4*T*ceil(ctx/W) bytes of scores read.
     indexer: list[Observation] = []
@@ -1112,7 +1251,7 @@ def fit_lines(observations: Iterable[Observation]) -> tuple[dict[str, LineCost],
         by.setdefault(o.family, []).append(o)
     lines, res = {}, []
     for fam, os_ in by.items():
-        unit = "flops" if fam == "attention" else "bytes"
+        unit = "flops" if fam.startswith("attention") else "bytes"
         if len(os_) == 1:  # one point: all of it is fixed cost (no slope can be told apart)
             line = LineCost(os_[0].seconds, 0.0, unit)
         else:
@@ -1274,11 +1413,15 @@ def fit_constants(
     if attention == "auto":
         attention = "flashmla" if any(p.attention.lower() == "flashmla" for p in pts) else "flashinfer"
     if attention == "flashmla":
-        obs = [o for o in obs if o.family != "attention"]
-        obs += [
-            Observation("attention", 2.0 * 32 * 128 * keys * (576 + 512), sec, f"FlashMLA T=32 H=128 k={keys}")
-            for keys, sec in FLASHMLA_SPARSE_T32_H128
-        ]
+        measured = [o for o in obs if o.family == "attention" and o.label.startswith("FlashMLA")]
+        obs = [o for o in obs if o.family != "attention"] + measured
+        if not measured:  # no attention.json: the two points quoted from the project's GPU notes
+            obs += [
+                Observation("attention", 2.0 * 32 * 128 * keys * (576 + 512), sec, f"FlashMLA T=32 H=128 k={keys}")
+                for keys, sec in FLASHMLA_SPARSE_T32_H128
+            ]
+    else:
+        obs = [o for o in obs if not (o.family == "attention" and o.label.startswith("FlashMLA"))]
     early_notes = []
     if len({p.attention for p in pts}) > 1:  # one attention line: fit the steps that ran that kernel
         # By exact name: "flashmla-fp8" (the FP8 cache's decode) is another kernel than "flashmla".
@@ -1288,11 +1431,7 @@ def fit_constants(
             pts = same
     lines, res = fit_lines(obs)
     consts = DEFAULT_CONSTANTS.replace(**{k: v for k, v in lines.items()})
-    notes = early_notes + [
-        f"{fam}: not measured, default kept"
-        for fam in ("select", "deinterleave", "merge", "pack", "local_topk", "attention")
-        if fam not in lines
-    ]
+    notes = early_notes + [f"{fam}: not measured, default kept" for fam in _LINE_FAMILIES if fam not in lines]
     sources = sorted({o.family for o in obs})
     coll, cres = fit_collectives(collectives, hop_s=consts.hop_s)
     consts = consts.replace(**coll)

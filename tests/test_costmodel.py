@@ -64,9 +64,14 @@ def test_attention_flops_and_bytes_by_hand() -> None:
     d = cm.dcp_step_cost(W, T, c)
     assert d.attention_flops == pytest.approx(2 * T * 128 * (2048 / W) * (576 + 512))
     tp = cm.tp_step_cost(W, T, c)
-    # 128 / 8 = 16 heads, padded to the kernel's 64
-    assert tp.attention_flops == pytest.approx(2 * T * 64 * 2048 * (576 + 512))
-    assert tp.attention_hbm_bytes == pytest.approx(T * (2048 * 1152 + 64 * (576 * 2 + 512 * 2 + 4)))
+    # 128 / 8 = 16 heads: FlashMLA cannot run them; the split-KV kernel runs exactly 16 (no padding)
+    assert tp.attention_flops == pytest.approx(2 * T * 16 * 2048 * (576 + 512))
+    assert tp.attention_hbm_bytes == pytest.approx(T * (2048 * 1152 + 16 * (576 * 2 + 512 * 2 + 4)))
+    # 128 / 2 = 64 heads and T > splitkv_max_tokens: FlashMLA, as the planned step picks it
+    tp2 = cm.tp_step_cost(2, T, c)
+    assert tp2.attention_flops == pytest.approx(2 * T * 64 * 2048 * (576 + 512))
+    assert cm.tp_step_cost(2, 8, c).stages_s["attention"] == pytest.approx(
+        cm.DEFAULT_CONSTANTS.attention_splitkv.time_s(2 * 8 * 64 * 2048 * (576 + 512)))
     # short context: only c keys exist
     assert cm.tp_step_cost(1, 2, 100).attention_flops == pytest.approx(2 * 2 * 128 * 100 * 1088)
 
@@ -202,7 +207,21 @@ def test_observations_match_the_committed_json() -> None:
     want = [r["correct_best"]["median_us"] / 1e6 for r in lse]
     assert [o.seconds for o in obs if o.family == "merge"] == pytest.approx(want, rel=1e-12)
     attn = json.loads((RESULTS / "attention_flashinfer.json").read_text())["rows"]
-    assert [o.x for o in obs if o.family == "attention"] == [2.0 * r["T"] * r["H"] * r["K_valid"] * 1088 for r in attn]
+    fi = [o for o in obs if o.family == "attention" and not o.label.startswith("FlashMLA")]
+    assert [o.x for o in fi] == [2.0 * r["T"] * r["H"] * r["K_valid"] * 1088 for r in attn]
+    # attention.json (bf16 cache): FlashMLA rows join the attention family, the split-KV rows make their own
+    summary = json.loads((RESULTS / "attention.json").read_text())["summary"]
+    for impl, fam in (("flashmla_bf16", "attention"), ("splitkv", "attention_splitkv")):
+        rows = [r for r in summary if r["impl"] == impl and r["cache"] == "bf16"]
+        got = [o for o in obs if o.family == fam and (fam != "attention" or o.label.startswith("FlashMLA"))]
+        assert [o.x for o in got] == [2.0 * r["T"] * r["H"] * r["K"] * 1088 for r in rows]
+        assert [o.seconds for o in got] == pytest.approx([r["graph_us"] / 1e6 for r in rows], rel=1e-12)
+    ex = json.loads((RESULTS / "exchange.json").read_text())["summary"]
+    sts = [r for r in ex if r["stage"] == "select_to_slots"]
+    got = [o for o in obs if o.family == "select_to_slots"]
+    assert [o.x for o in got] == [r["rows"] * r["W"] * r["K"] * (4 if r["order"] == "rank_local" else 8) for r in sts]
+    comb = [r for r in ex if r["stage"] == "combine_merge"]
+    assert len([o for o in obs if o.family == "combine"]) == len(comb)
     de = json.loads((RESULTS / "deinterleave.json").read_text())
     keys = {(r["rows"], r["W"], r["I"]) for r in de["results"] if r["method"] in ("atomic", "rowscan", "twopass")}
     dobs = [o for o in obs if o.family == "deinterleave"]
@@ -215,7 +234,10 @@ def test_observations_match_the_committed_json() -> None:
 
 
 def test_fit_to_committed_results(fitted: cm.Fit) -> None:
-    n_obs = len(cm.observations_from_results(RESULTS))
+    obs = cm.observations_from_results(RESULTS)
+    # one attention line: the rows of the other kernel (FlashInfer's, or FlashMLA's) are not fitted
+    other = [o for o in obs if o.family == "attention" and o.label.startswith("FlashMLA") != (fitted.attention == "flashmla")]
+    n_obs = len(obs) - len(other)
     steps = cm.step_points_from_json(RESULTS / "step.json")
     # the steps that ran the fit's attention kernel, named exactly (FP8 rows run "flashmla-fp8")
     n_step = sum(p.attention.lower() == fitted.attention for p in steps)
@@ -231,10 +253,17 @@ def test_fit_to_committed_results(fitted: cm.Fit) -> None:
     assert all(math.isfinite(r.rel) for r in fitted.residuals)
 
 
-def test_flashmla_attention_line() -> None:
+def test_flashmla_attention_line(tmp_path) -> None:
+    # with attention.json: the line is fitted to its FlashMLA rows (every residual of the family is one of them)
     fit = cm.fit_constants(RESULTS, attention="flashmla")
-    a = fit.constants.attention
-    # two points, two unknowns: the line passes through both (flops written out here)
+    labels = [r.label for r in fit.residuals if r.family == "attention"]
+    n = sum(r["impl"] == "flashmla_bf16" and r["cache"] == "bf16"
+            for r in json.loads((RESULTS / "attention.json").read_text())["summary"])  # fmt: skip
+    assert len(labels) == n > 2 and all(lab.startswith("FlashMLA") for lab in labels)
+    # without it: the two points quoted from the GPU notes; two unknowns, the line passes through both
+    for name in ("topk.json", "deinterleave.json", "lse_merge.json"):
+        (tmp_path / name).write_text((RESULTS / name).read_text())
+    a = cm.fit_constants(tmp_path, attention="flashmla").constants.attention
     for keys, sec in ((1024, 36.6e-6), (2048, 67e-6)):
         assert a.time_s(2 * 32 * 128 * keys * 1088) == pytest.approx(sec, rel=1e-9)
 
@@ -343,4 +372,52 @@ def test_auto_attention_follows_the_measured_step() -> None:
     pts = [cm.StepPoint(2, 32, 65536, "flashmla", cm.dcp_step_cost(2, 32, 65536, constants=k, scope="step").total_s)]
     fit = cm.fit_constants(RESULTS, step_points=pts)
     assert fit.attention == "flashmla" and fit.step_points == pts
-    assert fit.constants.attention.time_s(2 * 32 * 128 * 2048 * 1088) == pytest.approx(67e-6, rel=1e-9)
+    assert all(r.label.startswith("FlashMLA") for r in fit.residuals if r.family == "attention")
+
+
+# ---- the planned layer's options (owner exchange, scores-only candidates, all-to-all combine) ---------------------
+def test_planned_layer_bytes_on_the_wire_by_hand() -> None:
+    T, W, K, H, v = 32, 8, 2048, 128, 512
+    d = cm.dcp_step_cost(W, T, 65536, **cm.PLANNED_LAYER)
+    # rank-local candidates: 4 bytes each (scores only), so the gathered buffer is 4*W*K per token, not 8*W*K
+    assert d.comm["candidates_allgather"].received == T * 4 * W * K
+    assert cm.dcp_step_cost(W, T, 65536).comm["candidates_allgather"].received == T * 8 * W * K
+    # one all-to-all: every destination's H/W heads of bf16 partials and float32 LSEs
+    assert d.comm["combine_alltoall"].sent == W * T * (H // W) * (v * 2 + 4)
+    assert "lse_allgather" not in d.comm and "output_reduce_scatter" not in d.comm
+    assert set(d.stages_s) >= {"query_allgather", "select_to_slots", "combine_alltoall", "combine"}
+    assert "select" not in d.stages_s and "deinterleave" not in d.stages_s and "merge" not in d.stages_s
+    replicated = cm.dcp_step_cost(W, T, 65536, **{**cm.PLANNED_LAYER, "q_replicate": True})
+    assert "query_allgather" not in replicated.stages_s and "query_allgather" not in replicated.comm
+
+
+def test_layer_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="exchange must be"):
+        cm.dcp_step_cost(2, 1, 100, exchange="ring")
+    with pytest.raises(ValueError, match="order='rank_local' needs exchange='owner'"):
+        cm.dcp_step_cost(2, 1, 100, order="rank_local")
+    with pytest.raises(ValueError, match="layer has unknown options"):
+        cm.time_crossover_context(2, 1, layer={"exchange": "owner", "speed": 2})
+    with pytest.raises(TypeError, match="layer must be a mapping"):
+        cm.throughput_ratio(2, 1000, layer=[("exchange", "owner")])  # type: ignore[arg-type]
+
+
+def test_the_planned_layer_crossover_is_where_the_times_cross(fitted: cm.Fit) -> None:
+    c = fitted.constants
+    x = cm.time_crossover_context(8, 32, constants=c, layer=cm.PLANNED_LAYER)
+    assert math.isfinite(x)
+    tp = cm.tp_step_cost(8, 32, int(x), constants=c, exchange="owner").total_s
+    dcp = cm.dcp_step_cost(8, 32, int(x), constants=c, **cm.PLANNED_LAYER).total_s
+    assert dcp <= tp
+    tp1 = cm.tp_step_cost(8, 32, int(x) - 1, constants=c, exchange="owner").total_s
+    assert cm.dcp_step_cost(8, 32, int(x) - 1, constants=c, **cm.PLANNED_LAYER).total_s > tp1
+
+
+def test_query_replication_memory_by_hand() -> None:
+    # DeepSeek V3.2: q_b_proj 1536 -> 128 x (128 + 64), FP8 with a float32 scale per 128 x 128 block; W_UK
+    # 128 x 128 <- 512 in bf16; 61 layers. A TP rank holds 1/W of both; replicated, all of them.
+    qb, uk = 1536 * 128 * 192, 128 * 128 * 512
+    per_layer = qb * (1 + 4 / (128 * 128)) + uk * 2
+    for w in (1, 2, 4, 8):
+        assert cm.q_replication_bytes(w) == pytest.approx((1 - 1 / w) * per_layer * 61)
+    assert 2.9e9 < cm.q_replication_bytes(8) < 2.92e9
