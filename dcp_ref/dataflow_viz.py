@@ -1,10 +1,15 @@
 """One attention layer's decode data flow across the ``W`` ranks of a DCP group: shapes and bytes.
 
 Plain functions for chapter 00 (tested in ``tests/test_dataflow_viz.py``): :func:`layer_dataflow`
-lists the steps one rank runs, with the tensor it holds after each step and, for the four
-collectives, the bytes per query token it contributes and receives; :func:`kv_cache_per_rank`
+lists the steps one rank runs, with the tensor it holds after each step and, for the collectives of
+the default layer (vLLM's: query gathered over heads, LSEs all-gathered, output reduce-scattered), the
+bytes per query token it contributes and receives; :func:`kv_cache_per_rank`
 gives what DCP saves in exchange; :func:`draw_layer_dataflow` draws both. Byte counts come from
 :mod:`dcp_ref.costmodel` (``MlaGeometry``: DeepSeek-V3.2's sizes by default).
+
+How many collectives a layer calls depends on what its :class:`~dcp_ref.stages.StepSpec` chooses:
+:func:`step_collectives` lists them from the spec, and :class:`CountingGroup` records the ones a real run
+of :class:`~dcp_ref.step.PlannedStep` calls (the tests check that the two agree for every choice).
 
 Where the pieces come from (as in vLLM's MLA with DCP, which runs inside the TP group): each rank's
 query projection produces only its own ``H/W`` heads (TP splits the projection by heads); an
@@ -16,8 +21,8 @@ TP) consume — an all-reduce would leave all ``H`` heads everywhere and move tw
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ._checks import check_int_scalar
 from .costmodel import (
@@ -33,7 +38,27 @@ from .costmodel import (
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-__all__ = ["FlowStep", "layer_dataflow", "kv_cache_per_rank", "format_bytes", "dataflow_table", "draw_layer_dataflow"]
+__all__ = [
+    "FlowStep",
+    "layer_dataflow",
+    "kv_cache_per_rank",
+    "format_bytes",
+    "dataflow_table",
+    "draw_layer_dataflow",
+    "COLLECTIVE_NAMES",
+    "step_collectives",
+    "CountingGroup",
+]
+
+#: The collectives a planned step can call, named as in :func:`layer_dataflow` (``"partials all-to-all"``: the
+#: one exchange of ``combine="alltoall"``, which replaces the LSE all-gather and the output reduce-scatter).
+COLLECTIVE_NAMES = (
+    "query all-gather over heads",
+    "candidates all-gather",
+    "LSE all-gather",
+    "output reduce-scatter over heads",
+    "partials all-to-all",
+)
 
 
 @dataclass(frozen=True)
@@ -43,7 +68,7 @@ class FlowStep:
     Attributes:
         name: the step (stages named as in the chapters).
         shape: what this rank holds after the step, with dtype (``T`` query tokens).
-        collective: ``True`` for the four collectives of the DCP group.
+        collective: ``True`` for a collective of the DCP group.
         sent: bytes per query token this rank contributes (all-gather) or puts in (reduce-scatter).
         received: bytes per query token of this rank's result (a gathered buffer includes its own
             slice).
@@ -132,7 +157,11 @@ def layer_dataflow(world_size: int = 4, geometry: MlaGeometry | None = None) -> 
             lse.link,
             "4·H bytes sent, 4·W·H received per token",
         ),
-        FlowStep("correct (rescale by its weight)", f"out [T, {h}, {dv}] bf16", note="2^(lse_r - lse) · out_r"),
+        FlowStep(
+            "correct (rescale by its weight)",
+            f"out [T, {h}, {dv}] bf16",
+            note="exp(lse_r - lse) · out_r (LSEs in base e, as the attention stage returns them)",
+        ),
         FlowStep(
             "output reduce-scatter over heads",
             f"out [T, {hw}, {dv}] bf16",
@@ -265,3 +294,63 @@ def draw_layer_dataflow(
         axm.spines[spine].set_visible(False)
     fig.tight_layout()
     return fig
+
+
+def step_collectives(spec: Any) -> list[str]:
+    """The collectives one run of a :class:`~dcp_ref.step.PlannedStep` planned for ``spec`` calls, in order.
+
+    Read off the spec, as the step decides them (``dcp_ref.step``): the query all-gather over heads when the
+    layout is ``"dcp"``, the query is not replicated and ``W > 1``; when the cache is split over more than one
+    rank (``spec.cache_geometry.world_size > 1``: ``"dcp"`` with ``W > 1``) the candidates' all-gather, then
+    either the LSE all-gather and the output reduce-scatter (``combine="reduce_scatter"``) or one all-to-all of
+    partial outputs and LSEs (``combine="alltoall"``). ``layout="tp"`` calls none. So a DCP layer calls 2 to 4.
+
+    Args:
+        spec: a :class:`dcp_ref.stages.StepSpec`.
+    Returns:
+        names from :data:`COLLECTIVE_NAMES`, in the order a run calls them.
+    """
+    from .stages import StepSpec
+
+    if not isinstance(spec, StepSpec):
+        raise TypeError(f"spec must be a dcp_ref.stages.StepSpec, got {type(spec).__name__}")
+    w, wc = spec.geometry.world_size, spec.cache_geometry.world_size
+    out = []
+    if spec.layout == "dcp" and not spec.q_replicate and w > 1:
+        out.append(COLLECTIVE_NAMES[0])
+    if wc > 1:
+        out.append(COLLECTIVE_NAMES[1])
+        out += list(COLLECTIVE_NAMES[2:4]) if spec.combine == "reduce_scatter" else [COLLECTIVE_NAMES[4]]
+    return out
+
+
+@dataclass
+class CountingGroup:
+    """A :class:`~dcp_ref.group.Group` that forwards every collective to ``group`` and records it.
+
+    ``calls`` holds ``(op, shape, dtype)`` per call, ``op`` one of ``"all_gather"``, ``"reduce_scatter"``,
+    ``"all_to_all"``, in call order. Plan a step on it to see which collectives a run really calls.
+    """
+
+    group: Any
+    calls: list[tuple[str, tuple[int, ...], Any]] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return int(self.group.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.group.world_size)
+
+    def all_gather(self, x: Any, *, out: Any = None) -> Any:
+        self.calls.append(("all_gather", tuple(x.shape), x.dtype))
+        return self.group.all_gather(x, out=out)
+
+    def reduce_scatter(self, x: Any, dim: int = 0, *, out: Any = None) -> Any:
+        self.calls.append(("reduce_scatter", tuple(x.shape), x.dtype))
+        return self.group.reduce_scatter(x, dim, out=out)
+
+    def all_to_all(self, x: Any, *, out: Any = None) -> Any:
+        self.calls.append(("all_to_all", tuple(x.shape), x.dtype))
+        return self.group.all_to_all(x, out=out)

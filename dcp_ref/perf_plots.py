@@ -614,7 +614,7 @@ def plot_crossover(
     fig, axes = _figure(
         1,
         "DCP W over TP W decode throughput, each at the batch its KV memory allows: "
-        "above 1 DCP's memory saving outweighs its communication (model; W > 8 spans hosts).",
+        f"above 1 DCP's memory saving outweighs its communication (model; W > {hardware.gpus_per_host} spans hosts).",
         width=5.6,
         height=3.0,
         dpi=dpi,

@@ -11,11 +11,14 @@ import pytest
 
 from dcp_ref.costmodel import MlaGeometry
 from dcp_ref.dataflow_viz import (
+    COLLECTIVE_NAMES,
+    CountingGroup,
     dataflow_table,
     draw_layer_dataflow,
     format_bytes,
     kv_cache_per_rank,
     layer_dataflow,
+    step_collectives,
 )
 
 matplotlib.use("Agg")
@@ -109,3 +112,67 @@ def test_figure_labels_the_bytes_and_the_kv_saving() -> None:
         assert f"  saves {format_bytes(tp - dcp)} per rank" in [t.get_text() for t in fig.axes[1].texts]
     finally:
         plt.close(fig)
+
+
+_OP = {
+    "query all-gather over heads": "all_gather",
+    "candidates all-gather": "all_gather",
+    "LSE all-gather": "all_gather",
+    "output reduce-scatter over heads": "reduce_scatter",
+    "partials all-to-all": "all_to_all",
+}
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["dcp", "tp"])
+@pytest.mark.parametrize("exchange", ["allgather", "owner"])
+@pytest.mark.parametrize("combine", ["reduce_scatter", "alltoall"])
+@pytest.mark.parametrize("q_replicate", [True, False])
+def test_step_collectives_are_the_ones_a_run_calls(W, layout, exchange, combine, q_replicate) -> None:
+    """Every choice of the spec, run on simulated ranks through a CountingGroup: the calls a run really makes
+    are the ones step_collectives reads off the spec (2 to 4 for a DCP layer over W > 1 ranks, none for tp)."""
+    import torch
+
+    from dcp_ref.geometry import DcpGeometry
+    from dcp_ref.group import SimulatedWorld
+    from dcp_ref.pipeline import make_dcp_problem
+    from dcp_ref.stages import StepSpec
+    from dcp_ref.step import PlannedStep
+
+    Wc = W if layout == "dcp" else 1
+    p = make_dcp_problem(Wc, 1, seq_lens=[11, 6], next_n=1, num_heads=2 * W, head_dim=8, block_size=2, seed=W)
+    world = SimulatedWorld(W)
+
+    def body(group, _):
+        g = DcpGeometry(W, group.rank, 1, 2)
+        spec = StepSpec(g, max_tokens=2, topk=3, num_heads=2 * W, head_dim=8, v_dim=8, sm_scale=0.3,
+                        dtype=torch.float64, device="cpu", layout=layout, exchange=exchange, combine=combine,
+                        q_replicate=q_replicate)  # fmt: skip
+        counting = CountingGroup(group)
+        step = PlannedStep(counting, spec)
+        r = group.rank if layout == "dcp" else 0
+        Hs = spec.heads_per_rank
+        q = p.q if spec.query_heads == spec.num_heads else p.q[:, group.rank * Hs : (group.rank + 1) * Hs].contiguous()
+        step.run(q, p.shards[r], p.metadata(r))
+        return [op for op, _, _ in counting.calls], step_collectives(spec)
+
+    for calls, named in world.run(body, [None] * W):
+        assert set(named) <= set(COLLECTIVE_NAMES)
+        assert calls == [_OP[n] for n in named]
+        n = len(named)
+        if layout == "tp" or W == 1:
+            assert n == 0
+        else:
+            assert 2 <= n <= 4
+            assert n == 2 + (not q_replicate) + (combine == "reduce_scatter")
+
+
+def test_step_collectives_refuses_what_is_not_a_spec() -> None:
+    with pytest.raises(TypeError, match="spec must be"):
+        step_collectives({"layout": "dcp"})
+
+
+def test_the_correction_is_labelled_in_base_e() -> None:
+    """The merge weights are exp(lse_r - lse) of base-e LSEs (chapter 06): no base-2 label in the picture."""
+    notes = " ".join(s.note for s in layer_dataflow(4))
+    assert "exp(lse_r - lse)" in notes and "2^" not in notes
