@@ -8,6 +8,7 @@ process per rank, each running `dcp_decode_step` on its shard (with the referenc
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -123,3 +124,26 @@ def test_simulated_collectives_and_errors() -> None:
         world.run(lambda g, x: x, [1, 2])
     with pytest.raises(ValueError, match="world_size"):
         SimulatedWorld(0)
+
+
+def test_the_collectives_benchmark_runs_on_gloo(tmp_path: Path) -> None:
+    """benchmarks/bench_collectives.py, the multi-GPU exchange benchmark, as a smoke test on two CPU processes:
+    every collective of the layer over both transports (symmetric memory falls back to gloo here, and says so)."""
+    import subprocess
+    import sys
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"--master_port={_free_port()}",
+           str(root / "benchmarks" / "bench_collectives.py"), "--cpu", "--T", "1", "--out", str(tmp_path)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=240)
+    doc = json.loads((tmp_path / "exchange_W2.json").read_text())
+    names = {r["collective"] for r in doc["rows"]}
+    assert {"query_allgather", "candidates_allgather_scores", "combine_alltoall", "combine=alltoall",
+            "combine=allgather+reduce_scatter"} <= names  # fmt: skip
+    assert {r["transport"] for r in doc["rows"]} == {"nccl", "symm"}
+    assert doc["transport_notes"]["symm"].startswith("fallback (no CUDA device)")
+    scores = next(r for r in doc["rows"] if r["collective"] == "candidates_allgather_scores")
+    pairs = next(r for r in doc["rows"] if r["collective"] == "candidates_allgather_pairs")
+    assert pairs["bytes_per_rank"] == 2 * scores["bytes_per_rank"] == 8 * 2048  # rank_local: 4 bytes, not 8
