@@ -217,3 +217,131 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
             listing = ", ".join(f"{n}={v}" for n, v in devices.items())
             raise ValueError(f"tensors must be on one device, got {listing}")
     return first
+
+
+def check_pow2(value: object, name: str, *, lo: int, hi: int) -> int:
+    """A launch parameter (tile width, heads per program, warps): a power of two in ``[lo, hi]``.
+
+    ``TypeError`` for anything but an int (``bool`` and ``2.0`` included), ``ValueError`` out of range or
+    not a power of two — checked on the host before a launch, where a bad value would otherwise surface
+    as a compiler error deep inside Triton (or, for a tile narrower than the data, a wrong answer).
+    """
+    v = check_int_scalar(value, name)
+    if not lo <= v <= hi or v & (v - 1):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range ``[lo, hi)`` that ``t``'s elements occupy (strides are never negative in torch)."""
+    lo = t.data_ptr()
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return lo, lo + extent * t.element_size()
+
+
+#: Above this many elements the exact overlap test (every byte of both views) is not attempted: views
+#: whose byte ranges interleave are then reported as overlapping.
+_EXACT_OVERLAP_LIMIT = 1 << 22
+
+
+def _bytes_of(t: torch.Tensor, base: int) -> torch.Tensor:
+    """Every byte offset (from ``base``) that ``t``'s elements cover, as a sorted unique int64 tensor."""
+    off = torch.zeros((), dtype=torch.int64)
+    for s, st in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(s, dtype=torch.int64) * (st * t.element_size())
+    off = off.reshape(-1) + (t.data_ptr() - base)
+    return torch.unique((off.unsqueeze(1) + torch.arange(t.element_size(), dtype=torch.int64)).reshape(-1))
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share at least one byte of memory (exact for views of moderate size)."""
+    if a.device != b.device or a.is_meta or b.is_meta or not a.numel() or not b.numel():
+        return False
+    a_lo, a_hi = _span(a)
+    b_lo, b_hi = _span(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    dense_a = a_hi - a_lo == a.numel() * a.element_size()
+    dense_b = b_hi - b_lo == b.numel() * b.element_size()
+    if dense_a and dense_b:
+        return True
+    if a.numel() + b.numel() > _EXACT_OVERLAP_LIMIT:
+        return True  # interleaved ranges of huge views: assume the worst
+    base = min(a_lo, b_lo)
+    both = torch.cat([_bytes_of(a, base), _bytes_of(b, base)])
+    return torch.unique(both).numel() < both.numel()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.device == b.device
+        and not a.is_meta
+        and a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range of ``t``'s whole storage: tensors whose storages do not intersect share nothing."""
+    st = t.untyped_storage()
+    lo = st.data_ptr()
+    return lo, lo + st.nbytes()
+
+
+def check_no_alias(out: object, name: str = "out", /, *, same_ok: Sequence[str] = (), **inputs: object) -> None:
+    """An output buffer must not share memory with any of ``inputs`` (``ValueError`` naming ``name``).
+
+    A kernel that writes ``out`` while other programs still read an input it overlaps gives an answer
+    that depends on the schedule — silently wrong, or right by luck on the CPU and wrong on the GPU. The
+    test is on the memory actually used: tensors of separate allocations are told apart by their
+    storages' byte ranges (a few integer operations, what every hot-path call pays); views of one
+    storage are compared element by element (two interleaved column views of one tensor do not
+    overlap). No tensor value is read.
+
+    Args:
+        out: the output buffer (``None`` or a non-tensor: nothing to check).
+        name: its argument name (the message starts with it).
+        same_ok: names of inputs that ``out`` may be *exactly* (the same view: pointer, shape, strides
+            and dtype), where a function documents an in-place mode; a partial overlap is still refused.
+        inputs: ``name=tensor`` of every tensor the call reads (``None`` and non-tensors are skipped).
+    """
+    check_no_aliases({name: out}, inputs, same_ok=same_ok)
+
+
+def check_no_aliases(outs: dict[str, object], inputs: dict[str, object], *, same_ok: Sequence[str] = ()) -> None:
+    """:func:`check_no_alias` for several outputs at once: no output may share memory with an input or
+    with an output listed before it. Each storage's byte range is computed once (the hot-path cost)."""
+    spans: dict[str, tuple[torch.Tensor, int, int]] = {}
+    for n, t in inputs.items():
+        if isinstance(t, torch.Tensor):
+            spans[n] = (t, *_storage_span(t))
+    for name, out in outs.items():
+        if not isinstance(out, torch.Tensor):
+            continue
+        o_lo, o_hi = _storage_span(out)
+        for other_name, (other, lo, hi) in spans.items():
+            if hi <= o_lo or o_hi <= lo:  # separate allocations (or an empty storage): nothing shared
+                continue
+            if other_name in same_ok and _same_view(out, other):
+                continue
+            if _overlap(out, other):
+                what = " (it may be exactly that tensor, not a partial view of it)" if other_name in same_ok else ""
+                raise ValueError(
+                    f"{name} must not share memory with {other_name}{what}: the kernel would read values it "
+                    "has already overwritten"
+                )
+        spans[name] = (out, o_lo, o_hi)
+
+
+def host_values(*stats: torch.Tensor) -> list:
+    """Read a few 0-d device values with **one** transfer: ``stack`` + ``tolist`` (one sync).
+
+    The validated path of every value check builds its handful of statistics (flags, minima, maxima,
+    first offending positions) as 0-d tensors on the device and reads them here together, instead of one
+    ``.item()`` / ``bool(tensor)`` per condition (each a separate device round trip). All ``stats`` are
+    converted to the first one's dtype (use int64 for indices and slots, float64 for values).
+    """
+    first = stats[0]
+    return torch.stack([s.reshape(()).to(first.dtype) for s in stats]).tolist()

@@ -43,9 +43,10 @@ from ._checks import (
     check_same_device,
     check_tensor,
     check_values_readable,
+    host_values,
 )
 
-__all__ = ["KV_LORA_RANK", "QK_ROPE_DIM", "MLA_HEAD_DIM", "sparse_mla_attention"]
+__all__ = ["KV_LORA_RANK", "QK_ROPE_DIM", "MLA_HEAD_DIM", "sparse_mla_attention", "check_attention_slots"]
 
 KV_LORA_RANK = 512  #: latent (value) width of DeepSeek MLA
 QK_ROPE_DIM = 64  #: RoPE width appended to the latent in the cache and the absorbed query
@@ -121,25 +122,13 @@ def sparse_mla_attention(
     scale = check_sm_scale(sm_scale)
     K = slots.shape[1]
     num_slots = kv_cache.shape[0]
-    cnt = counts.long()
-    if validate and T:
-        check_values_readable(counts, "counts")
-        check_values_readable(slots, "slots")
-        if bool((cnt < 0).any()) or bool((cnt > K).any()):
-            raise ValueError(
-                f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(cnt.min())}, max {int(cnt.max())}"
-            )
-    cnt = cnt.clamp(min=0, max=K)  # a no-op for validated counts
+    if validate:
+        check_attention_slots(slots, counts, num_slots)
+    cnt = counts.long().clamp(min=0, max=K)  # a no-op for validated counts
     # Only the valid prefix of each row is read, so only it must be in range.
     valid = torch.arange(K, device=slots.device).unsqueeze(0) < cnt.unsqueeze(1)  # [T, K]
     s64 = slots.long()
     out_of_range = valid & ((s64 < 0) | (s64 >= num_slots))
-    if validate and T and K and bool(out_of_range.any()):
-        used = s64[valid]
-        raise ValueError(
-            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), "
-            f"got min {int(used.min())}, max {int(used.max())}"
-        )
     poisoned = out_of_range.any(dim=1)  # [T]; all False after validation
 
     out = torch.zeros((T, H, v), dtype=torch.float64, device=q.device)
@@ -179,6 +168,41 @@ def sparse_mla_attention(
     if base == "2":
         lse = lse / math.log(2.0)
     return out, lse
+
+
+def check_attention_slots(slots: torch.Tensor, counts: torch.Tensor, num_slots: int | None) -> None:
+    """The attention stage's value checks on the compact layout, shared with the kernel wrappers (same
+    messages): ``0 <= counts[t] <= K`` and every used slot ``slots[t, :counts[t]]`` in
+    ``[0, num_slots)`` (``num_slots=None``: below ``2**31 - 1``, the poison slot).
+
+    One device reduction and one host read (the statistics the messages need are read together).
+    ``slots`` int ``[T, K]`` and ``counts`` int ``[T]`` are assumed checked for shape and device.
+    Raises ``ValueError`` naming ``counts`` or ``slots``; meta tensors (no values) are refused.
+    """
+    T, K = slots.shape
+    if not T:
+        return
+    check_values_readable(counts, "counts")
+    check_values_readable(slots, "slots")
+    cnt = counts.long()
+    stats = [cnt.min(), cnt.max()]
+    if K:
+        valid = torch.arange(K, device=slots.device).unsqueeze(0) < cnt.clamp(0, K).unsqueeze(1)
+        s64 = slots.long()
+        hi = num_slots if num_slots is not None else 2**31 - 1
+        big = torch.iinfo(torch.int64).max
+        stats += [
+            (valid & ((s64 < 0) | (s64 >= hi))).sum(),
+            torch.where(valid, s64, big).amin(),
+            torch.where(valid, s64, -big - 1).amax(),
+        ]
+    c_min, c_max, *rest = host_values(*stats)
+    if c_min < 0 or c_max > K:
+        raise ValueError(f"counts must satisfy 0 <= counts[t] <= K={K}, got min {c_min}, max {c_max}")
+    if rest and rest[0]:
+        raise ValueError(
+            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {rest[1]}, max {rest[2]}"
+        )
 
 
 def check_sm_scale(sm_scale: object, name: str = "sm_scale") -> float:

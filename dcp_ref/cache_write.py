@@ -30,8 +30,18 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_same_device, check_tensor
-from .fp8_cache import FP8_CACHE_DTYPES, FP8_DS_MLA, Fp8CacheLayout, quantize_kv_fp8
+from ._checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_bool,
+    check_int_scalar,
+    check_no_alias,
+    check_same_device,
+    check_tensor,
+    check_values_readable,
+    host_values,
+)
+from .fp8_cache import FP8_CACHE_DTYPES, FP8_DS_MLA, Fp8CacheLayout, check_layout, quantize_kv_fp8
 from .geometry import DcpGeometry
 from .ownership import global_to_local, owner_rank
 
@@ -82,30 +92,41 @@ def token_slots(
     n = positions.shape[0]
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=positions.device)
-    if bool((req_ids < 0).any()) or bool((req_ids >= B).any()):
+    check_values_readable(req_ids, "req_ids")
+    check_values_readable(positions, "positions")
+    check_values_readable(block_table, "block_table")
+    req = req_ids.long()
+    pos = positions.long()
+    req_ok = (req >= 0) & (req < B)
+    pos_c = pos.clamp(min=0)
+    mine = (pos >= 0) & (owner_rank(pos_c, g.world_size, g.interleave) == g.rank)
+    local = global_to_local(pos_c, g.world_size, g.interleave)
+    blk = torch.div(local, g.block_size, rounding_mode="floor")
+    readable = mine & req_ok & (blk < M)
+    if M and B:
+        phys = block_table[torch.where(req_ok, req, 0), torch.where(readable, blk, 0)].long()
+    else:  # no blocks at all: fine as long as this rank owns none of the tokens (checked below)
+        phys = torch.full_like(pos, -1)
+    phys = torch.where(readable, phys, -1)
+    # Every value condition in one device reduction and one host read; the messages read more.
+    n_bad_req, n_neg, n_past, n_noblock = host_values(
+        (~req_ok).sum(), (pos < 0).sum(), (mine & req_ok & (blk >= M)).sum(), (readable & (phys < 0)).sum()
+    )
+    if n_bad_req:
         raise ValueError(
             f"req_ids must lie in [0, B={B}) (rows of block_table), got min {int(req_ids.min())}, "
             f"max {int(req_ids.max())}"
         )
-    if bool((positions < 0).any()):
+    if n_neg:
         raise ValueError(f"positions must be >= 0, found {int(positions.min())}")
-    pos = positions.long()
-    mine = owner_rank(pos, g.world_size, g.interleave) == g.rank
-    local = global_to_local(pos, g.world_size, g.interleave)
-    blk = torch.div(local, g.block_size, rounding_mode="floor")
-    if bool((mine & (blk >= M)).any()):
-        p = int(pos[mine & (blk >= M)][0])
+    if n_past:
+        i = int((mine & (blk >= M)).nonzero()[0, 0])
         raise ValueError(
-            f"block_table has {M} blocks per request, but position {p} (owned by rank {g.rank}) needs local block "
-            f"{int(blk[pos == p][0])}: allocate the block before writing"
+            f"block_table has {M} blocks per request, but position {int(pos[i])} (owned by rank {g.rank}) needs "
+            f"local block {int(blk[i])}: allocate the block before writing"
         )
-    if M == 0:  # no blocks at all: fine as long as this rank owns none of the tokens (checked above)
-        phys = torch.full_like(pos, -1)
-    else:
-        phys = block_table[req_ids.long(), blk.clamp(max=M - 1)].long()
-    if bool((mine & (phys < 0)).any()):
-        bad = mine & (phys < 0)
-        i = int(bad.nonzero()[0, 0])
+    if n_noblock:
+        i = int((readable & (phys < 0)).nonzero()[0, 0])
         raise ValueError(
             f"block_table[{int(req_ids[i])}, {int(blk[i])}] is {int(phys[i])} (no block), but position {int(pos[i])} "
             f"owned by rank {g.rank} must be written there"
@@ -148,16 +169,25 @@ def write_cache_rows(
     width = layout.head_dim if kind == "fp8" else cache.shape[1]
     if kv.shape != (slots.shape[0], width):
         raise ValueError(f"kv must be [N={slots.shape[0]}, {width}] (one row per slot), got shape {tuple(kv.shape)}")
+    check_no_alias(cache, "cache", slots=slots, kv=kv)  # written while kv is read
     num_slots = cache.shape[0]
-    if slots.numel() and bool(((slots < -1) | (slots >= num_slots)).any()):
-        bad = slots[(slots < -1) | (slots >= num_slots)]
-        raise ValueError(
-            f"slots must be -1 (not written here) or lie in [0, num_slots={num_slots}), found {int(bad[0])}"
-        )
-    keep = slots >= 0
-    rows = slots[keep].long()
-    if rows.numel() != torch.unique(rows).numel():
+    if not slots.numel():
+        return
+    check_values_readable(slots, "slots")
+    s64 = slots.long()
+    bad = (s64 < -1) | (s64 >= num_slots)
+    keep = s64 >= 0
+    # Repeats among the written rows: sort them (unwritten entries get distinct negative keys).
+    srt = torch.sort(torch.where(keep, s64, -2 - torch.arange(s64.numel(), device=s64.device))).values
+    first_at = torch.argmax(bad.to(torch.int8)).reshape(1)  # a device index: no host read
+    n_bad, first_bad, n_dup = host_values(
+        bad.sum(), s64.gather(0, first_at), ((srt[1:] == srt[:-1]) & (srt[1:] >= 0)).sum()
+    )
+    if n_bad:
+        raise ValueError(f"slots must be -1 (not written here) or lie in [0, num_slots={num_slots}), found {first_bad}")
+    if n_dup:
         raise ValueError("slots must not repeat a cache row: two tokens written to one row would lose one")
+    rows = s64[keep]
     if rows.numel() == 0:
         return
     if kind == "fp8":
@@ -226,17 +256,35 @@ def build_sharded_caches(
     """
     g = _check_geometry(geometry)
     w = g.world_size
+    fp8 = check_bool(fp8, "fp8")
+    check_layout(layout)
+    if not isinstance(kv_global, (list, tuple)):
+        raise TypeError(f"kv_global must be a list of tensors (one per request), got {type(kv_global).__name__}")
+    if not isinstance(block_tables, (list, tuple)):
+        raise TypeError(f"block_tables must be a list of tensors (one per rank), got {type(block_tables).__name__}")
     if len(block_tables) != w:
         raise ValueError(f"block_tables must hold one table per rank ({w}), got {len(block_tables)}")
-    sizes = [num_slots] * w if isinstance(num_slots, int) else list(num_slots)
-    if len(sizes) != w:
-        raise ValueError(f"num_slots must be an int or one per rank ({w}), got {len(sizes)}")
+    if isinstance(num_slots, (list, tuple)):
+        sizes = list(num_slots)
+        if len(sizes) != w:
+            raise ValueError(f"num_slots must be an int or one per rank ({w}), got {len(sizes)}")
+    else:
+        sizes = [num_slots] * w
     sizes = [check_int_scalar(s, "num_slots", min_value=0) for s in sizes]
     p0 = check_int_scalar(prefill, "prefill", min_value=0)
     if not kv_global:
         raise ValueError("kv_global must hold at least one request")
+    check_tensor(kv_global[0], "kv_global[0]", dtypes=FLOAT_DTYPES, ndim=2)
     for b, kv in enumerate(kv_global):
-        check_tensor(kv, f"kv_global[{b}]", dtypes=FLOAT_DTYPES, ndim=2)
+        check_tensor(kv, f"kv_global[{b}]", dtypes=FLOAT_DTYPES, ndim=2, device=kv_global[0].device)
+    for r, table in enumerate(block_tables):
+        check_tensor(table, f"block_tables[{r}]", dtypes=INT_DTYPES, ndim=2)
+        if table.shape[0] != len(kv_global):
+            raise ValueError(
+                f"block_tables[{r}] must have one row per request ({len(kv_global)}), got shape {tuple(table.shape)}"
+            )
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     d = kv_global[0].shape[1]
     if any(kv.shape[1] != d for kv in kv_global):
         raise ValueError(f"kv_global rows must all be {d} wide, got {[kv.shape[1] for kv in kv_global]}")

@@ -10,7 +10,12 @@ where they live in its paged KV cache:
                 ──block──▶ b = block_table[req, l // block_size]
                 ──slot───▶ b * block_size + l % block_size
 
-Everything that is not a valid local slot becomes ``-1``. The sparse-attention kernel of the next
+An id that is negative or owned by another rank becomes ``-1`` ("not here"). Metadata out of
+contract never gives a plausible answer: an id this rank owns whose block is missing (past the
+table, or a negative entry), a slot that does not fit below ``2**31 - 1``, and every entry of a row
+whose request id is outside the block table become :data:`POISON_SLOT` (``2**31 - 1``) — counted
+like a slot, and outside every cache, so the attention stage turns the row into NaN output and NaN
+LSE. With ``validate=True`` the same inputs raise instead. The sparse-attention kernel of the next
 stage reads only the first ``count`` entries of each row, so the valid slots are then *compacted*
 to the front of the row (``-1`` after them) and a per-row count is returned.
 
@@ -37,6 +42,11 @@ import torch
 from ._checks import INT_DTYPES, check_bool, check_int_scalar, check_tensor, check_values_readable, check_world
 
 __all__ = [
+    "POISON_SLOT",
+    "poisoned_rows",
+    "check_deinterleave_inputs",
+    "check_deinterleave_readable",
+    "raise_deinterleave_violation",
     "check_block_table",
     "global_ids_to_local_slots",
     "compact_to_front",
@@ -46,6 +56,11 @@ __all__ = [
 ]
 
 _INT32_MAX = 2**31 - 1
+#: The slot a de-interleave stage writes where the metadata is out of contract (a request id outside the
+#: block table, a selected key that has no block, a slot that does not fit int32). No cache holds it
+#: (valid slots are ``< 2**31 - 1``, checked when validating), so the attention stage, which treats a
+#: slot outside its cache as poison, gives that row NaN output and NaN LSE: never a plausible answer.
+POISON_SLOT = _INT32_MAX
 
 
 def _check_block_geometry(block_size: object, interleave: int) -> int:
@@ -83,7 +98,10 @@ def check_deinterleave_inputs(
     accept and reject the same inputs with the same message. Returns ``(W, rank, I, block_size)``.
 
     Always (free): types, dtypes (int32/int64), ranks, shapes, devices, the geometry. When
-    ``validate``: the values (one host sync) — request ids in ``[0, B)`` and slots that fit int32.
+    ``validate``: the values, with **one** device reduction and one host read (the maximum of the
+    slots :func:`_slots64` computes — :data:`POISON_SLOT` marks every violation), and on a violation a
+    precise message (:func:`raise_deinterleave_violation`): request ids in ``[0, B)``, slots below
+    ``2**31 - 1``, and a block for every id this rank owns.
     """
     validate = check_bool(validate, "validate")
     w, r, i, bs = _check_geometry(world_size, rank, interleave, block_size)
@@ -109,23 +127,90 @@ def check_deinterleave_inputs(
             )
     if not validate or not token_ids.numel():
         return w, r, i, bs
+    check_deinterleave_readable(token_ids, req_of_token, block_table)
+    slots = _slots64(token_ids, req_of_token, block_table, bs, w, r, i)
+    if int(slots.max()) >= POISON_SLOT:  # the one host read of the validated path
+        raise_deinterleave_violation(token_ids, req_of_token, block_table, bs, w, r, i)
+    return w, r, i, bs
+
+
+def check_deinterleave_readable(
+    token_ids: torch.Tensor, req_of_token: torch.Tensor | None, block_table: torch.Tensor
+) -> None:
+    """A validated call needs values: meta tensors (shapes only) are refused, naming the argument."""
     check_values_readable(token_ids, "token_ids")
     check_values_readable(block_table, "block_table")
     if req_of_token is not None:
         check_values_readable(req_of_token, "req_of_token")
-        req = req_of_token.long()
-        if bool(((req < 0) | (req >= n_req)).any()):
-            raise ValueError(
-                f"req_of_token values must be in [0, {n_req}) (rows of block_table), "
-                f"got min {int(req.min())}, max {int(req.max())}"
-            )
-    slots = _slots64(token_ids, req_of_token, block_table, bs, w, r, i)
-    if int(slots.max()) > _INT32_MAX:
+
+
+def raise_deinterleave_violation(
+    token_ids: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    bs: int,
+    w: int,
+    r: int,
+    i: int,
+) -> None:
+    """Raise the precise ``ValueError`` for inputs whose slots hold :data:`POISON_SLOT` (the error path:
+    it may read the host several times). In order: a request id outside ``[0, B)``, a slot that does not
+    fit below ``2**31 - 1``, an id this rank owns without a block (past the table, or a negative entry).
+    Returns only if the inputs are in fact valid."""
+    t_rows = token_ids.shape[0]
+    n_req, n_blocks = block_table.shape
+    req = torch.arange(t_rows, device=token_ids.device) if req_of_token is None else req_of_token.long()
+    req_ok = (req >= 0) & (req < n_req)
+    if t_rows and not bool(req_ok.all()):
         raise ValueError(
-            f"block_table holds a block id whose slots exceed int32 (max slot {int(slots.max())}); "
-            f"block ids must be < {(_INT32_MAX + 1) // bs} for block_size={bs}"
+            f"req_of_token values must be in [0, {n_req}) (rows of block_table), "
+            f"got min {int(req.min())}, max {int(req.max())}"
         )
-    return w, r, i, bs
+    owned, local, blk_idx, blocks = _lookup(token_ids, req, block_table, bs, w, r, i)
+    has_block = owned & (blk_idx < n_blocks) & (blocks >= 0)
+    raw = blocks.clamp(max=(1 << 62) // bs) * bs + local % bs  # unsaturated (clamped only against int64 overflow)
+    raw = torch.where(has_block, raw, -1)
+    if raw.numel() and int(raw.max()) >= POISON_SLOT:
+        raise ValueError(
+            f"block_table holds a block id whose slots exceed int32 or reach the poison slot 2**31 - 1 "
+            f"(max slot {int(raw.max())}); block ids must be < {POISON_SLOT // bs} for block_size={bs}"
+        )
+    missing = owned & ~has_block
+    if bool(missing.any()):
+        t, c = (int(v) for v in missing.nonzero()[0])
+        b, j = int(req[t]), int(blk_idx[t, c])
+        where = (
+            f"block_table[{b}, {j}] is {int(block_table[b, j])}"
+            if j < n_blocks
+            else f"block {j} is past the table's {n_blocks} columns"
+        )
+        raise ValueError(
+            f"block_table has no block for a key this rank owns: token_ids[{t}, {c}] = {int(token_ids[t, c])} "
+            f"(request {b}, local index {int(local[t, c])}) needs its local block {j}, but {where}; "
+            "a selected key must have a KV block"
+        )
+
+
+def _lookup(
+    token_ids: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, bs: int, w: int, r: int, i: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(owned, local, blk_idx, blocks)`` of every id, int64, no checks and no host read: ``blocks`` is
+    the block-table entry (``-1`` where none is read: not owned, past the table, or a bad request)."""
+    n_req, n_blocks = block_table.shape
+    req_ok = (req >= 0) & (req < n_req)
+    t = token_ids.long()
+    tc = t.clamp(min=0)  # keep the arithmetic on non-negative ids; negatives are masked below
+    owned = (t >= 0) & ((tc // i) % w == r)
+    local = (tc // (w * i)) * i + tc % i
+    blk_idx = local // bs
+    readable = owned & (blk_idx < n_blocks) & req_ok.unsqueeze(1)
+    if not t.numel() or not n_req or not n_blocks:
+        return owned, local, blk_idx, torch.full_like(t, -1)
+    # Gather block ids only where the indices are in range (clamped elsewhere, then masked out).
+    safe_idx = torch.where(readable, blk_idx, torch.zeros_like(blk_idx))
+    rows = torch.where(req_ok, req, 0).unsqueeze(1).expand_as(safe_idx)
+    blocks = torch.where(readable, block_table.long()[rows, safe_idx], -1)
+    return owned, local, blk_idx, blocks
 
 
 def _slots64(
@@ -137,29 +222,43 @@ def _slots64(
     r: int,
     i: int,
 ) -> torch.Tensor:
-    """int64 slots (``-1`` where not local), no checks and no host read: a request id outside
-    ``[0, B)`` gives an all-``-1`` row, exactly as the Triton kernels do."""
+    """int64 slots in ``[-1, POISON_SLOT]``, no checks and no host read — the rule of the stage, exactly
+    what the Triton kernels compute:
+
+    * ``-1`` (not here): a negative id, or an id another rank owns;
+    * the slot ``block * bs + local % bs`` of an id this rank owns whose block exists;
+    * :data:`POISON_SLOT` where the metadata is out of contract: an owned id whose local block is past
+      the table or whose entry is negative (a selected key with no KV row), a slot that would not fit
+      below ``2**31 - 1``, and *every* entry of a row whose request id is outside ``[0, B)``.
+    """
     t_rows = token_ids.shape[0]
-    n_req, n_blocks = block_table.shape
+    n_req = block_table.shape[0]
     if req_of_token is None:
         req = torch.arange(t_rows, device=token_ids.device, dtype=torch.int64)
     else:
         req = req_of_token.long()
     req_ok = (req >= 0) & (req < n_req)
-    t = token_ids.long()
-    tc = t.clamp(min=0)  # keep the arithmetic on non-negative ids; negatives are masked below
-    owner = (tc // i) % w
-    local = (tc // (w * i)) * i + tc % i
-    blk_idx = local // bs
-    valid = (t >= 0) & (owner == r) & (blk_idx < n_blocks) & req_ok.unsqueeze(1)
-    if not t.numel() or not n_req:
-        return torch.full_like(t, -1)
-    # Gather block ids only where the indices are in range (clamped elsewhere, then masked out).
-    safe_idx = torch.where(valid, blk_idx, torch.zeros_like(blk_idx))
-    rows = torch.where(req_ok, req, 0).unsqueeze(1).expand_as(safe_idx)
-    blocks = block_table.long()[rows, safe_idx]
-    valid &= blocks >= 0
-    return torch.where(valid, blocks * bs + local % bs, torch.full_like(t, -1))
+    owned, local, _blk_idx, blocks = _lookup(token_ids, req, block_table, bs, w, r, i)
+    # Saturate the block id before the multiplication: a corrupt int64 block id must not wrap into a
+    # plausible small slot.
+    slot = (blocks.clamp(max=POISON_SLOT // bs + 1) * bs + local % bs).clamp(max=POISON_SLOT)
+    slot = torch.where(blocks >= 0, slot, POISON_SLOT)
+    counted = owned | ~req_ok.unsqueeze(1)
+    return torch.where(counted, slot, -1)
+
+
+def poisoned_rows(slots: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """bool ``[T]``: the rows of a de-interleave result that hold :data:`POISON_SLOT` (out-of-contract
+    metadata; the attention stage turns them into NaN). ``counts`` given (the compact layout): only the
+    first ``counts[t]`` entries of row ``t`` are looked at. No host read."""
+    check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
+    hit = slots == POISON_SLOT
+    if counts is not None:
+        check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=slots.device)
+        if counts.shape[0] != slots.shape[0]:
+            raise ValueError(f"counts must have shape [{slots.shape[0]}], got {tuple(counts.shape)}")
+        hit &= torch.arange(slots.shape[1], device=slots.device) < counts.unsqueeze(1)
+    return hit.any(dim=1)
 
 
 def global_ids_to_local_slots(
@@ -181,35 +280,41 @@ def global_ids_to_local_slots(
         req_of_token: int32/int64 ``[T]``: the request (row of ``block_table``) of each query
             token, values in ``[0, B)``; ``None`` means token ``i`` belongs to request ``i``
             (requires ``T <= B``).
-        block_table: int32/int64 ``[B, M]``: physical block ids of each request's *local* KV
-            (block ``j`` holds local indices ``[j*block_size, (j+1)*block_size)``). A negative
-            entry means "no block" and maps to ``-1``.
+        block_table: int32/int64 ``[B, M]`` (``M`` may be 0): physical block ids of each request's
+            *local* KV (block ``j`` holds local indices ``[j*block_size, (j+1)*block_size)``); a
+            negative entry means "no block".
         block_size: tokens per KV block, ``>= 1`` and a multiple of ``interleave``.
         world_size, rank, interleave: the DCP geometry (``W >= 1``, ``0 <= rank < W`` — an int,
             ``None`` is rejected — and ``I >= 1``).
-        validate: check values on the host (one sync). ``False``: no host read; a request id
-            outside ``[0, B)`` gives an all-``-1`` row and a slot beyond int32 saturates to
-            ``2**31 - 1`` (which no cache holds: the attention stage rejects it, or with
-            ``validate=False`` poisons its row with NaN) — exactly what the Triton kernels do.
+        validate: check values on the host (one device reduction, one read). ``False``: no host read;
+            out-of-contract metadata *poisons* instead (below) — exactly what the Triton kernels do.
     Returns:
-        int32 ``[T, K]`` on the device of ``token_ids``: the physical slot
-        ``block*block_size + local % block_size``, or ``-1`` where the id is negative, owned by
-        another rank, or its block index ``local // block_size`` is ``>= M`` or its block entry
-        negative. Entries keep their positions (no compaction).
+        int32 ``[T, K]`` on the device of ``token_ids``, entries at their positions (no compaction):
+        ``-1`` where the id is negative or owned by another rank (not here); the physical slot
+        ``block*block_size + local % block_size`` of an id this rank owns; and :data:`POISON_SLOT`
+        (``2**31 - 1``, which no cache holds: the attention stage turns its row into NaN) where the
+        metadata is out of contract — an id this rank owns with no block (its local block index
+        ``>= M`` or its entry negative: a selected key without a KV row), a slot that does not fit
+        below ``2**31 - 1``, and every entry of a row whose request id is outside ``[0, B)``.
+        Poisoned entries count as valid (``>= 0``), so a compaction keeps them and its count covers them.
     Raises:
-        TypeError / ValueError naming the argument: wrong dtype, rank, shape, device, request
-        ids out of range, ``block_size % interleave != 0``, or a slot that does not fit int32.
+        TypeError / ValueError naming the argument: wrong dtype, rank, shape, device, and — validated —
+        request ids out of range, a slot that does not fit below ``2**31 - 1``, an owned id without a
+        block (all named after ``req_of_token`` / ``block_table``); ``block_size % interleave != 0``.
 
-    The stage does not know the local lengths: an id past the block table is "not here". That
-    the block table covers every request's local length is a plan-time check of the caller
-    (``block_table.shape[1] * block_size`` at least the largest local length; see
-    :func:`check_block_table`).
+    The stage does not know the local lengths: that the block table covers every request's local
+    length is a plan-time check of the caller (:func:`check_block_table`); a selected key past it is
+    poisoned here, never silently dropped.
     """
     w, r, i, bs = check_deinterleave_inputs(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, False
     )
     slots = _slots64(token_ids, req_of_token, block_table, bs, w, r, i)
-    return slots.clamp(max=_INT32_MAX).to(torch.int32)  # saturate (validated values never reach it)
+    if check_bool(validate, "validate") and token_ids.numel():
+        check_deinterleave_readable(token_ids, req_of_token, block_table)
+        if int(slots.max()) >= POISON_SLOT:  # one reduction, one host read
+            raise_deinterleave_violation(token_ids, req_of_token, block_table, bs, w, r, i)
+    return slots.to(torch.int32)
 
 
 def compact_to_front(
@@ -227,8 +332,9 @@ def compact_to_front(
     Returns:
         ``(compacted, counts)``: int32 ``[T, K]`` and int32 ``[T]`` on the device of ``slots``.
         ``compacted[i, :counts[i]]`` are row ``i``'s valid entries, ``compacted[i, counts[i]:]``
-        are ``-1``. No entry is dropped or duplicated. A row with no valid entry: all ``-1``,
-        count 0. Values beyond int32 are rejected (``ValueError`` naming ``slots``, validated).
+        are ``-1``. No entry is dropped or duplicated (:data:`POISON_SLOT` entries are valid entries
+        and stay). A row with no valid entry: all ``-1``, count 0. Values beyond int32 are rejected
+        (``ValueError`` naming ``slots``, validated) or saturate to :data:`POISON_SLOT`.
     """
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
     ordered = check_bool(ordered, "ordered")
@@ -270,7 +376,9 @@ def deinterleave_and_compact(
     Returns ``(slots, counts)``: int32 ``[T, K]`` (valid slots first, ``-1`` after) and int32
     ``[T]`` — the contract the sparse-attention stage consumes. Arguments (``ordered`` and
     ``validate`` keyword-only, as in the Triton kernel) and errors as in the two functions; an
-    empty row (nothing selected is local) gives count 0 and all ``-1``.
+    empty row (nothing selected is local) gives count 0 and all ``-1``. With ``validate=False``
+    out-of-contract metadata gives :data:`POISON_SLOT` entries, compacted like slots (the count
+    covers them), so the attention stage poisons the row.
     """
     ordered = check_bool(ordered, "ordered")
     slots = global_ids_to_local_slots(
@@ -297,8 +405,9 @@ def deinterleave_masked(
     here (emptiness is a count of zero).
 
     Returns ``(slots, counts)``: int32 ``[T, K]`` exactly as :func:`global_ids_to_local_slots`
-    (entries keep their positions, ``-1`` where not here) and int32 ``[T]``, the number of
-    entries ``>= 0`` in each row. Arguments (``validate`` keyword-only) and errors as in
+    (entries keep their positions, ``-1`` where not here, :data:`POISON_SLOT` where the metadata
+    is out of contract) and int32 ``[T]``, the number of entries ``>= 0`` in each row (poisoned
+    entries included). Arguments (``validate`` keyword-only) and errors as in
     :func:`global_ids_to_local_slots`.
     """
     slots = global_ids_to_local_slots(
@@ -316,9 +425,9 @@ def check_block_table(
 ) -> None:
     """Check that a block table covers every request's local length (what the stages cannot see).
 
-    The de-interleave stage maps an id past the table, or on a ``-1`` block, to ``-1`` ("not
-    here"): with a table that is too short, selected keys would be dropped silently. The step
-    knows the lengths and checks them with this function:
+    The de-interleave stage poisons an id this rank owns whose block is past the table or ``-1``
+    (:data:`POISON_SLOT`: the row becomes NaN), so a table that is too short turns valid tokens into
+    NaN. The step knows the lengths and checks them with this function:
 
     * ``max_local_len`` (an int, free — a plan-time check): ``block_table.shape[1] * block_size``
       must be ``>= max_local_len``;

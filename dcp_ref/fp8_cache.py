@@ -70,8 +70,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_bool, check_int_scalar, check_same_device, check_tensor
-from .attention import sparse_mla_attention
+from ._checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_bool,
+    check_int_scalar,
+    check_no_alias,
+    check_same_device,
+    check_tensor,
+    check_values_readable,
+    host_values,
+)
+from .attention import check_attention_slots, sparse_mla_attention
 
 __all__ = [
     "Fp8CacheLayout",
@@ -82,6 +92,8 @@ __all__ = [
     "dequantize_kv_fp8",
     "fp8_cache_rows",
     "check_fp8_slots",
+    "check_attention_layout",
+    "check_layout",
     "sparse_mla_attention_fp8",
 ]
 
@@ -116,12 +128,19 @@ class Fp8CacheLayout:
             check_int_scalar(getattr(self, name), name, min_value=1 if name != "rope_dim" else 0)
         if self.nope_dim % self.tile_size:
             raise ValueError(f"nope_dim must be a multiple of tile_size, got {self.nope_dim} and {self.tile_size}")
+        for name in ("fp8_max", "scale_inv_floor"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a float, got {type(v).__name__}")
         if not (self.fp8_max == 448.0):
             raise ValueError(f"fp8_max must be 448.0 (float8_e4m3fn), got {self.fp8_max}")
-        if not (
-            isinstance(self.scale_inv_floor, float) and self.scale_inv_floor > 0 and math.isfinite(self.scale_inv_floor)
-        ):
+        if not (self.scale_inv_floor > 0 and math.isfinite(self.scale_inv_floor)):
             raise ValueError(f"scale_inv_floor must be a finite float > 0, got {self.scale_inv_floor!r}")
+        # Normalise (NumPy / 0-d tensor ints become Python ints) without breaking frozenness.
+        for name in ("nope_dim", "rope_dim", "tile_size"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("fp8_max", "scale_inv_floor"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def num_tiles(self) -> int:
@@ -177,6 +196,13 @@ class Fp8CacheLayout:
 FP8_DS_MLA = Fp8CacheLayout()
 
 
+def check_layout(layout: object, name: str = "layout") -> Fp8CacheLayout:
+    """``layout`` must be an :class:`Fp8CacheLayout` (``TypeError`` naming ``name``)."""
+    if not isinstance(layout, Fp8CacheLayout):
+        raise TypeError(f"{name} must be a dcp_ref.fp8_cache.Fp8CacheLayout, got {type(layout).__name__}")
+    return layout
+
+
 def _ceil_pow2(x: torch.Tensor) -> torch.Tensor:
     """``2 ** ceil(log2(x))`` for positive finite float32 ``x``, computed exactly with ``frexp``."""
     m, e = torch.frexp(x)  # x = m * 2**e, 0.5 <= m < 1
@@ -194,6 +220,7 @@ def fp8_tile_scales(nope: torch.Tensor, layout: Fp8CacheLayout = FP8_DS_MLA) -> 
     Returns:
         float32 ``[..., num_tiles]``. A tile containing NaN or ±inf gets ``NaN``.
     """
+    check_layout(layout)
     check_tensor(nope, "nope", dtypes=FLOAT_DTYPES)
     if nope.ndim < 1 or nope.shape[-1] != layout.nope_dim:
         raise ValueError(f"nope must be [..., {layout.nope_dim}], got shape {tuple(nope.shape)}")
@@ -219,6 +246,7 @@ def quantize_kv_fp8(kv: torch.Tensor, layout: Fp8CacheLayout = FP8_DS_MLA) -> to
         the dtype FlashMLA takes). See the module docstring for all-zero, non-finite and
         near-overflow tiles.
     """
+    check_layout(layout)
     check_tensor(kv, "kv", dtypes=FLOAT_DTYPES)
     if kv.ndim < 1 or kv.shape[-1] != layout.head_dim:
         raise ValueError(
@@ -252,6 +280,7 @@ def fp8_cache_rows(kv_cache: torch.Tensor, name: str = "kv_cache", layout: Fp8Ca
     ``[num_blocks, block_size, 1, 656]``, as uint8 or float8_e4m3fn. Row ``s`` of the result is
     the flat slot id ``block * block_size + offset`` that the slots / indices refer to.
     """
+    check_layout(layout)
     check_tensor(kv_cache, name, dtypes=FP8_CACHE_DTYPES, ndim=(2, 3, 4))
     w = layout.bytes_per_token
     if kv_cache.shape[-1] != w or (kv_cache.ndim == 4 and kv_cache.shape[2] != 1):
@@ -278,6 +307,7 @@ def dequantize_kv_fp8(
     Returns:
         ``[..., head_dim]`` in ``dtype``.
     """
+    check_layout(layout)
     check_tensor(rows, "rows", dtypes=FP8_CACHE_DTYPES)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be one of bf16/fp16/fp32/fp64, got {dtype}")
@@ -306,26 +336,28 @@ def check_fp8_slots(slots: object, counts: object, num_slots: int, attention_lay
     ``"compact"`` layout: ``0 <= counts[t] <= K`` and ``slots[t, :counts[t]]`` lie in
     ``[0, num_slots)``; entries after the prefix are ignored.
 
-    Reads values back to the host (the reference's checks; the kernel wrapper runs them only
-    with ``validate=True``).
+    One device reduction and one host read (the error path reads more, to name the culprit); the
+    kernel wrapper runs these checks only with ``validate=True``.
 
     Returns:
         bool ``[T, K]``: which entries are read.
     Raises:
         TypeError / ValueError naming ``slots`` or ``counts``.
     """
-    if attention_layout not in ("masked", "compact"):
-        raise ValueError(f"attention_layout must be 'masked' or 'compact', got {attention_layout!r}")
+    check_attention_layout(attention_layout)
+    n = check_int_scalar(num_slots, "num_slots", min_value=0)
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
     assert isinstance(slots, torch.Tensor)
     T, K = slots.shape
     if attention_layout == "masked":
         valid = slots >= 0
-        if slots.numel() and bool(((slots < -1) | (slots >= num_slots)).any()):
-            bad = slots[(slots < -1) | (slots >= num_slots)]
-            raise ValueError(
-                f"slots entries must be -1 (none) or lie in [0, num_slots={num_slots}), found {int(bad[0])}"
-            )
+        if slots.numel():
+            check_values_readable(slots, "slots")
+            bad = (slots < -1) | (slots >= n)
+            first_at = torch.argmax(bad.reshape(-1).to(torch.int8)).reshape(1)  # a device index: no host read
+            n_bad, first = host_values(bad.sum(), slots.reshape(-1).gather(0, first_at))
+            if n_bad:
+                raise ValueError(f"slots entries must be -1 (none) or lie in [0, num_slots={n}), found {first}")
         return valid
     if counts is None:
         raise ValueError("counts must be given for attention_layout='compact' (row t reads slots[t, :counts[t]])")
@@ -334,19 +366,15 @@ def check_fp8_slots(slots: object, counts: object, num_slots: int, attention_lay
     check_same_device(slots=slots, counts=counts)
     if counts.shape != (T,):
         raise ValueError(f"counts must be [T={T}], got shape {tuple(counts.shape)}")
-    if T and (bool((counts < 0).any()) or bool((counts > K).any())):
-        raise ValueError(
-            f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(counts.min())}, max {int(counts.max())}"
-        )
-    valid = torch.arange(K, device=slots.device).unsqueeze(0) < counts.unsqueeze(1)
-    if bool(valid.any()):
-        used = slots[valid]
-        if bool((used < 0).any()) or bool((used >= num_slots).any()):
-            raise ValueError(
-                f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), got min {int(used.min())}, "
-                f"max {int(used.max())}"
-            )
-    return valid
+    check_attention_slots(slots, counts, n)  # the compact layout's checks and messages (one host read)
+    return torch.arange(K, device=slots.device).unsqueeze(0) < counts.unsqueeze(1)
+
+
+def check_attention_layout(attention_layout: object) -> str:
+    """``"masked"`` (every entry ``>= 0`` is read, ``-1`` anywhere means none) or ``"compact"``."""
+    if not isinstance(attention_layout, str) or attention_layout not in ("masked", "compact"):
+        raise ValueError(f"attention_layout must be 'masked' or 'compact', got {attention_layout!r}")
+    return attention_layout
 
 
 def sparse_mla_attention_fp8(
@@ -379,8 +407,9 @@ def sparse_mla_attention_fp8(
             read in the masked layout (may be ``None`` there).
         sm_scale: softmax scale (finite, > 0).
         v_dim: value width (512 for DeepSeek; ``1 <= v_dim <= 576``).
-        out, out_lse: optional ``[T, H, v_dim]`` / ``[T, H]`` float buffers: the results are
-            copied into them (cast to their dtype) and they are returned.
+        out, out_lse: optional ``[T, H, v_dim]`` / ``[T, H]`` float buffers on ``q``'s device,
+            sharing no memory with an input or each other: the results are copied into them (cast to
+            their dtype) and they are returned.
         attention_layout: ``"masked"`` (default; every entry ``>= 0`` is read, ``-1`` anywhere
             means none: what FlashMLA's FP8 decode reads) or ``"compact"``.
         validate: check the slot values on the host (one sync; :func:`check_fp8_slots`).
@@ -408,8 +437,7 @@ def sparse_mla_attention_fp8(
     v = check_int_scalar(v_dim, "v_dim", min_value=1)
     if v > dqk:
         raise ValueError(f"v_dim must be <= {dqk}, got {v}")
-    if attention_layout not in ("masked", "compact"):
-        raise ValueError(f"attention_layout must be 'masked' or 'compact', got {attention_layout!r}")
+    check_attention_layout(attention_layout)
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
     if slots.shape[0] != T:
         raise ValueError(f"slots must be [T={T}, K], got shape {tuple(slots.shape)}")
@@ -423,9 +451,11 @@ def sparse_mla_attention_fp8(
             raise ValueError(f"counts must be [T={T}], got shape {tuple(counts.shape)}")
     for buf, name, shape in ((out, "out", (T, H, v)), (out_lse, "out_lse", (T, H))):
         if buf is not None:
-            check_tensor(buf, name, dtypes=FLOAT_DTYPES)
+            check_tensor(buf, name, dtypes=FLOAT_DTYPES, device=q.device)
             if tuple(buf.shape) != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {tuple(buf.shape)}")
+    check_no_alias(out, "out", q=q, kv_cache=kv_cache, slots=slots, counts=counts)
+    check_no_alias(out_lse, "out_lse", q=q, kv_cache=kv_cache, slots=slots, counts=counts, out=out)
     num_slots, K = rows.shape[0], slots.shape[1]
     if validate and T:
         check_fp8_slots(slots, counts, num_slots, attention_layout)

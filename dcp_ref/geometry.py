@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_int_scalar
+from ._checks import INT_DTYPES, check_int_scalar, check_tensor, check_world
 
 __all__ = ["DcpGeometry", "local_count"]
 
@@ -85,12 +85,17 @@ def local_count(n: torch.Tensor, world_size: int, rank: int, interleave: int = 1
     counts as ``0``. Same result as :func:`dcp_ref.ownership.local_seq_lens`, which also validates.
 
     Args:
-        n: int32/int64 tensor of global lengths (any shape).
+        n: int32/int64 tensor of global lengths (any shape; a list or a float tensor is a ``TypeError``).
+        world_size, rank, interleave: the geometry (checked as everywhere: ``W >= 1``, ``0 <= rank < W``,
+            ``I >= 1``; ``TypeError`` / ``ValueError`` naming the argument).
     Returns:
-        a tensor of ``n``'s shape and dtype.
+        a tensor of ``n``'s shape and dtype (computed in int64).
     """
-    stripe = world_size * interleave
-    n = n.clamp_min(0)
-    return torch.div(n, stripe, rounding_mode="floor") * interleave + (
-        torch.remainder(n, stripe) - rank * interleave
-    ).clamp(0, interleave)
+    check_tensor(n, "n", dtypes=INT_DTYPES)
+    w, r, i = check_world(world_size, rank, interleave)
+    if r is None:
+        raise ValueError(f"rank must be an int in [0, world_size={w}), got None")
+    stripe = w * i
+    n64 = n.long().clamp_min(0)  # int64: an int32 n with a large W*I must not wrap
+    local = torch.div(n64, stripe, rounding_mode="floor") * i + (torch.remainder(n64, stripe) - r * i).clamp(0, i)
+    return local.to(n.dtype)  # <= n: fits n's dtype

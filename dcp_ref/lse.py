@@ -129,6 +129,9 @@ def _check_partials(outs: torch.Tensor, lses: torch.Tensor) -> None:
 def _weights(lses: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float64 ``(w [W,T,H], merged lse [T,H], empty [W,T,H])``, ``w_r = b^(lse_r - lse)``.
 
+    In float64 throughout, the max subtracted before exponentiating: finite LSEs up to the float32
+    maximum (``3.3e38``) merge to a finite result, and float64 LSEs keep their precision.
+
     ``empty`` is ``lse_r == -inf`` (weight 0, output selected away). A NaN or ``+inf`` LSE in any
     rank makes every weight and the merged LSE of that ``(t, h)`` NaN: corrupt data propagates.
     """
@@ -253,6 +256,8 @@ def dcp_merge_collective(
         ``(out_shard [T, H/W, D] in out.dtype, lse_shard [T, H/W] in lse.dtype)``: the merged
         output and LSE of this rank's heads. ``H`` must be divisible by ``W``.
     """
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be a dcp_ref.group.Group, got {type(group).__name__}")
     b = check_lse_base(base)
     check_tensor(out, "out", dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor(lse, "lse", dtypes=FLOAT_DTYPES, ndim=2)

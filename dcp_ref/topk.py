@@ -39,6 +39,7 @@ from ._checks import (
     check_tensor,
     check_values_readable,
     check_world,
+    host_values,
     max_global_id_bound,
 )
 from .group import Group, SingleGroup
@@ -170,17 +171,23 @@ def _check_pack(
     check_values_readable(idx, "local_topk")
     starts = torch.zeros(rows, dtype=torch.int64, device=logits.device) if row_starts is None else row_starts.long()
     check_values_readable(starts, "row_starts")
-    if bool(((starts < 0) | (starts > cols)).any()):
-        raise ValueError(f"row_starts must lie in [0, cols={cols}]")
-    if bool((idx < -1).any()):
-        raise ValueError(f"local_topk entries must be -1 or >= 0, found {int(idx.min())}")
+    # Every value condition as one device reduction, read back with one transfer.
     valid = idx >= 0
-    if bool((valid & (starts.unsqueeze(1) + idx >= cols)).any()):
+    n_bad_start, n_below, n_past, g_max = host_values(
+        ((starts < 0) | (starts > cols)).sum(),
+        (idx < -1).sum(),
+        (valid & (starts.unsqueeze(1) + idx >= cols)).sum(),
+        idx.max(),
+    )
+    if n_bad_start:
+        raise ValueError(f"row_starts must lie in [0, cols={cols}]")
+    if n_below:
+        raise ValueError(f"local_topk entries must be -1 or >= 0, found {int(idx.min())}")
+    if n_past:
         raise ValueError(f"local_topk + row_starts must be < logits.shape[1]={cols} for valid entries")
     if bound > MAX_EXACT_ID:  # only then can an id be too large: check the largest one
-        gmax = int(idx.max())
-        if gmax >= 0:
-            g = (gmax // i) * (w * i) + r * i + gmax % i
+        if g_max >= 0:
+            g = (g_max // i) * (w * i) + r * i + g_max % i
             if g >= MAX_EXACT_ID:
                 raise ValueError(
                     f"global id {g} >= 2**24 is not exactly representable in float32; "
@@ -205,13 +212,15 @@ def stable_key(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
     Args:
         scores: float32 tensor (any shape; other float dtypes are converted to float32 first).
-        ids: integer or float tensor of the same shape; valid ids in ``[0, 2**24)``.
+        ids: integer or float tensor of the same shape and device. Keys are exact for integer ids in
+            ``[0, 2**32)`` (packed float ids: ``[0, 2**24)``, :func:`check_candidate_ids`); negative
+            ids and NaN are invalid. Values are not read on the host (this runs inside the stages'
+            hot paths): the callers validate their ids.
     Returns:
         int64 tensor of the same shape.
     """
     check_tensor(scores, "scores", dtypes=FLOAT_DTYPES)
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"ids must be a torch.Tensor, got {type(ids).__name__}")
+    check_tensor(ids, "ids", dtypes=INT_DTYPES + FLOAT_DTYPES, device=scores.device)
     if ids.shape != scores.shape:
         raise ValueError(f"ids must have the shape of scores {tuple(scores.shape)}, got {tuple(ids.shape)}")
     s = scores.to(torch.float32)
@@ -242,13 +251,62 @@ def _as_rows(gathered: torch.Tensor) -> torch.Tensor:
     return gathered
 
 
-def check_candidate_ids(ids: torch.Tensor, name: str = "gathered") -> None:
-    """Valid ids are integers in ``[0, 2**24)``; ``-1`` (or NaN) marks an invalid candidate."""
+def _candidate_rows(ids: torch.Tensor) -> torch.Tensor:
+    """Candidate ids as ``[rows, N]``: ``[W, rows, K]`` (the all-gather's ids) or ``[rows, N]`` (one
+    row per query token), a 1-D tensor as one row."""
+    if ids.ndim == 3:
+        return ids.permute(1, 0, 2).reshape(ids.shape[1], -1)
+    if ids.ndim == 2:
+        return ids
+    return ids.reshape(1, -1)
+
+
+def check_candidate_ids(ids: torch.Tensor, name: str = "gathered", *, duplicates: bool = True) -> None:
+    """Valid ids are integers in ``[0, 2**24)``; ``-1`` (or NaN) marks an invalid candidate; and (with
+    ``duplicates``) no valid id appears twice in one row — ranks own disjoint keys, so a repeated id
+    means two ranks packed the same key (a geometry mismatch) or one rank packed it twice.
+
+    ``ids``: the ``[..., 1]`` part of the candidates — ``[W, rows, K]``, ``[rows, N]`` or 1-D (one
+    row). One device reduction and one host read (the error path reads more, to name the culprit).
+    Raises ``ValueError`` naming ``name``.
+    """
     check_values_readable(ids, name)
+    if not ids.numel():
+        return
     ok = torch.isnan(ids) | (ids == -1) | ((ids >= 0) & (ids < MAX_EXACT_ID) & (ids == torch.floor(ids)))
-    if ids.numel() and not bool(ok.all()):
+    rows = _candidate_rows(ids)
+    stats = [(~ok).sum()]
+    if duplicates and rows.shape[1] > 1:
+        stats.append(_duplicate_count(rows, _candidate_rows(ok)))
+    n_bad, *n_dup = host_values(*stats)
+    if n_bad:
         bad = ids[~ok][0].item()
         raise ValueError(f"{name}[..., 1] (ids) must be -1 or an integer in [0, 2**24), found {bad}")
+    if n_dup and n_dup[0]:
+        t, x = _first_duplicate(rows, _candidate_rows(ok))
+        raise ValueError(
+            f"{name}[..., 1] (ids) holds global id {x} twice in row {t}: ranks own disjoint keys, so two ranks "
+            "packed the same key (they disagree on the geometry) or one rank packed it twice"
+        )
+
+
+def _duplicate_sorted(rows: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Each row's valid ids sorted, invalid entries replaced by distinct negative values first."""
+    valid = ok & (rows >= 0)
+    filler = -2.0 - torch.arange(rows.shape[1], device=rows.device, dtype=torch.float64)
+    return torch.sort(torch.where(valid, rows.double(), filler), dim=1).values
+
+
+def _duplicate_count(rows: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    srt = _duplicate_sorted(rows, ok)
+    return ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).sum()
+
+
+def _first_duplicate(rows: torch.Tensor, ok: torch.Tensor) -> tuple[int, int]:
+    srt = _duplicate_sorted(rows, ok)
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    t, j = (int(v) for v in dup.nonzero()[0])
+    return t, int(srt[t, j + 1])
 
 
 def stable_topk(gathered: torch.Tensor, k: int, sorted: bool = False, *, validate: bool = True) -> torch.Tensor:  # noqa: A002
@@ -260,17 +318,19 @@ def stable_topk(gathered: torch.Tensor, k: int, sorted: bool = False, *, validat
         k: how many to select, ``k >= 1`` (``k > N`` is fine: the rest is ``-1``).
         sorted: return the ids in key order (score descending, then id ascending). The
             reference always does; kernels may return another order when ``sorted=False``.
-        validate: check the id values on the host (one sync). ``False``: no host read; an id
-            that is not ``-1`` / NaN / an integer in ``[0, 2**24)`` gives an unspecified (but
-            in-bounds) selection — negative ids and NaN scores are always invalid.
+        validate: check the id values on the host (one device reduction, one read): integers in
+            ``[0, 2**24)`` or ``-1``/NaN, and no valid id twice in a row (:func:`check_candidate_ids`).
+            ``False``: no host read; an id that is not ``-1`` / NaN / an integer in ``[0, 2**24)``
+            gives an unspecified (but in-bounds) selection, and a repeated ``(score, id)`` pair may be
+            selected twice — negative ids and NaN scores are always invalid.
     Returns:
         int32 ``[rows, k]`` global ids; ``-1`` after the last valid one.
 
     Contract: a candidate is invalid when its id is ``-1`` (any negative) or NaN, or its score
     is NaN; invalid candidates are never selected. A row with no valid candidate is all ``-1``.
-    Duplicated ``(score, id)`` pairs are both selectable (the caller's job to avoid).
+    Valid ids are distinct within a row (ranks own disjoint keys): checked when validating.
     Raises: ``TypeError`` (gathered not float32, k not an int), ``ValueError`` (rank / last
-    dimension != 2, ``k < 1``, and — validated — a bad id, naming ``gathered``).
+    dimension != 2, ``k < 1``, and — validated — a bad or repeated id, naming ``gathered``).
     """
     validate = check_bool(validate, "validate")
     c = _as_rows(gathered)
@@ -327,14 +387,21 @@ def merge_topk_global(
         logits, local_topk, group.rank, group.world_size, interleave, row_starts, validate=validate
     )
     gathered = group.all_gather(packed)  # [W, rows, K, 2], rank order
-    return stable_topk(gathered, k, sorted=sorted, validate=validate)
+    if validate and gathered.numel():
+        # The packed ids are in range (pack_candidates checked them); a repeated one can only come from
+        # this group's local_topk (a rank that repeats an index, or ranks that disagree on the geometry).
+        check_candidate_ids(gathered[..., 1], "local_topk (packed and gathered over the group)")
+    return stable_topk(gathered, k, sorted=sorted, validate=False)
 
 
 def unsigned_key(key: torch.Tensor) -> list[int]:
     """The kernel's unsigned 64-bit form of int64 :func:`stable_key` values: ``key + 2**63``.
 
     Invalid (``-2**63``) becomes ``0``; unsigned order equals the signed order. Returns Python ints.
+    ``key``: an int64 tensor (any shape), read on the host.
     """
+    check_tensor(key, "key", dtypes=(torch.int64,))
+    check_values_readable(key, "key")
     return [int(v) + (1 << 63) for v in key.reshape(-1).tolist()]
 
 
@@ -364,8 +431,24 @@ def radix_select_trace(keys: list[int], k: int, bits: int = 8, key_bits: int = 6
 
     Returns ``(winner positions in key order, passes)``. This is the algorithm the CuTeDSL
     kernel runs with a shared-memory histogram; it is tested against a plain sort.
+
+    Args:
+        keys: a list (or tuple) of ints in ``[0, 2**key_bits)``; ``0`` is an invalid candidate.
+        k: how many to select (``>= 1``).  bits: digit width, ``1 <= bits <= key_bits`` and dividing
+            ``key_bits`` (every bit of the key is looked at).  key_bits: key width (``>= 1``).
     """
     k = check_int_scalar(k, "k", min_value=1)
+    key_bits = check_int_scalar(key_bits, "key_bits", min_value=1)
+    bits = check_int_scalar(bits, "bits", min_value=1)
+    if bits > key_bits or key_bits % bits:
+        raise ValueError(f"bits must divide key_bits={key_bits} (a digit per pass, every bit used), got {bits}")
+    if not isinstance(keys, (list, tuple)):
+        raise TypeError(f"keys must be a list of ints, got {type(keys).__name__}")
+    for v in keys:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"keys must contain only ints, got {type(v).__name__}")
+        if not 0 <= v < 1 << key_bits:
+            raise ValueError(f"keys must lie in [0, 2**{key_bits}), got {v}")
     valid = [i for i, v in enumerate(keys) if v != 0]
     passes: list[RadixPass] = []
     nb = 1 << bits
@@ -410,10 +493,16 @@ def global_topk_all_logits(scores: torch.Tensor, k: int) -> torch.Tensor:
         int32 ``[rows, k]`` ids in key order, ``-1`` padded.
     """
     check_tensor(scores, "scores", dtypes=FLOAT_DTYPES, ndim=2)
+    k = check_int_scalar(k, "k", min_value=1)
     rows, n = scores.shape
+    if n > MAX_EXACT_ID:
+        raise ValueError(
+            f"scores has {n} columns: positions >= 2**24 are not exactly representable in float32 (the "
+            "(score, id) packing); at most 16777216 columns"
+        )
     ids = torch.arange(n, dtype=torch.float32, device=scores.device).expand(rows, n)
     packed = torch.stack([scores.to(torch.float32), ids], -1)
-    return stable_topk(packed, k, sorted=True)
+    return stable_topk(packed, k, sorted=True, validate=False)  # ids built here: distinct, in range
 
 
 def local_topk_by_owner(
@@ -432,6 +521,11 @@ def local_topk_by_owner(
     K = check_int_scalar(K, "K", min_value=1)
     check_tensor(scores, "scores", dtypes=FLOAT_DTYPES, ndim=2)
     rows, n = scores.shape
+    if n > MAX_EXACT_ID:
+        raise ValueError(
+            f"scores has {n} columns: positions >= 2**24 are not exactly representable in float32 (the "
+            "(score, id) packing); at most 16777216 columns"
+        )
     pos = torch.arange(n, device=scores.device)
     own = owner_rank(pos, w, i)
     loc = global_to_local(pos, w, i)
@@ -443,7 +537,7 @@ def local_topk_by_owner(
         # Local stable top-K: ties broken by *global* id, consistent with the global order
         # (global id is increasing in local index on one rank, so local index works as well).
         ids = torch.arange(lg.shape[1], dtype=torch.float32, device=scores.device).expand(rows, lg.shape[1])
-        sel = stable_topk(torch.stack([lg.to(torch.float32), ids], -1), K, sorted=True).long()
+        sel = stable_topk(torch.stack([lg.to(torch.float32), ids], -1), K, sorted=True, validate=False).long()
         logits_r.append(lg)
         topk_r.append(sel)
     return logits_r, topk_r
@@ -482,10 +576,26 @@ def sparse_attention_reference(
 ) -> torch.Tensor:
     """float64 softmax attention of ``q`` ``[T, d]`` over the keys ``ids`` (``[T, k]``, -1 skipped).
 
-    ``keys`` ``[L, d]``, ``values`` ``[L, dv]``; no scaling (the counterexample's scores are
-    ``q·k``). Returns float64 ``[T, dv]``; a row with no valid id gives zeros.
+    ``keys`` ``[L, d]``, ``values`` ``[L, dv]`` (float, one device); ``ids`` int ``[T, k]`` with
+    entries in ``[-1, L)`` (read on the host). No scaling (the counterexample's scores are ``q·k``).
+    Returns float64 ``[T, dv]``; a row with no valid id gives zeros.
     """
-    q64, k64, v64 = q.double(), keys.double(), values.double()
+    check_tensor(q, "q", dtypes=FLOAT_DTYPES, ndim=2)
+    check_tensor(keys, "keys", dtypes=FLOAT_DTYPES, ndim=2, device=q.device)
+    check_tensor(values, "values", dtypes=FLOAT_DTYPES, ndim=2, device=q.device)
+    check_tensor(ids, "ids", dtypes=INT_DTYPES, ndim=2, device=q.device)
+    if keys.shape[1] != q.shape[1]:
+        raise ValueError(f"keys must be [L, d={q.shape[1]}] (q's width), got shape {tuple(keys.shape)}")
+    if values.shape[0] != keys.shape[0]:
+        raise ValueError(f"values must have one row per key ({keys.shape[0]}), got shape {tuple(values.shape)}")
+    if ids.shape[0] != q.shape[0]:
+        raise ValueError(f"ids must have one row per query ({q.shape[0]}), got shape {tuple(ids.shape)}")
+    check_values_readable(ids, "ids")
+    if ids.numel():
+        lo, hi = host_values(ids.min(), ids.max())
+        if lo < -1 or hi >= keys.shape[0]:
+            raise ValueError(f"ids must lie in [-1, L={keys.shape[0]}), got min {lo}, max {hi}")
+    q64, k64, v64 = q.double().cpu(), keys.double().cpu(), values.double().cpu()
     out = torch.zeros(q.shape[0], values.shape[1], dtype=torch.float64)
     for t in range(q.shape[0]):
         sel = [int(i) for i in ids[t].tolist() if int(i) >= 0]

@@ -32,12 +32,16 @@ nothing and never synchronises with the host, so it can be captured in a CUDA gr
 
 Validation is the reference's own (:func:`dcp_ref.deinterleave.check_deinterleave_inputs`): the
 same inputs (int32 or int64 ids, request ids and block tables) are accepted and rejected with the
-same messages. ``validate=True`` (the default) also checks values on the host (one sync);
-``validate=False`` — the hot path, CUDA-graph capturable — reads nothing on the host, and values
-are made memory-safe on the device instead, with exactly the reference's ``validate=False``
-answers: a request id outside ``[0, B)`` gives an all-``-1`` row, a block index ``>= M`` or a
-negative block id gives ``-1``, and a slot beyond int32 (a corrupt block id) saturates to
-``2**31 - 1`` (computed in int64, never wrapped into a plausible small slot).
+same messages. ``validate=False`` — the hot path, CUDA-graph capturable — reads nothing on the
+host; out-of-contract metadata is handled on the device with exactly the reference's answer (the
+rule of :mod:`dcp_ref.deinterleave`, written once there): never read out of bounds, and *poisoned*
+with :data:`~dcp_ref.deinterleave.POISON_SLOT` (``2**31 - 1``, counted like a slot, outside every
+cache: the attention stage gives its row NaN) — every entry of a row whose request id is outside
+``[0, B)``, an id this rank owns whose block is past the table or negative, a slot that does not
+fit below ``2**31 - 1`` (computed in int64, never wrapped into a plausible small slot).
+``validate=True`` (the default) runs the same launch, then reads **one** value: the maximum of the
+output, which is :data:`~dcp_ref.deinterleave.POISON_SLOT` exactly when the reference's value checks
+fail — and only then runs the reference's checker, which raises its precise message.
 """
 
 from __future__ import annotations
@@ -46,8 +50,20 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_bool, check_int_scalar, check_tensor, triton_interpreting
-from dcp_ref.deinterleave import check_deinterleave_inputs
+from dcp_ref._checks import (
+    check_bool,
+    check_int_scalar,
+    check_no_aliases,
+    check_pow2,
+    check_tensor,
+    triton_interpreting,
+)
+from dcp_ref.deinterleave import (
+    POISON_SLOT,
+    check_deinterleave_inputs,
+    check_deinterleave_readable,
+    raise_deinterleave_violation,
+)
 from dcp_ref.kernels._util import next_pow2
 
 __all__ = [
@@ -58,6 +74,8 @@ __all__ = [
     "METHODS",
     "DEFAULT_ORDERED_METHOD",
     "DEFAULT_UNORDERED_METHOD",
+    "BLOCK_RANGE",
+    "WARPS_RANGE",
     "deinterleave_kernel",
     "convert_tile",
     "row_setup",
@@ -96,7 +114,13 @@ def convert_tile(
     DCP_INTERLEAVE: tl.constexpr,
     KV_BLOCK: tl.constexpr,
 ):
-    """Slots and validity of ids ``offs`` of one row (masked tail → invalid)."""
+    """Slots and validity of ids ``offs`` of one row (masked tail → invalid).
+
+    ``valid``: the entry is counted — an id this rank owns, or *any* entry of a row whose request id
+    is out of range. ``slot``: its physical slot, or ``POISON_SLOT`` (``2**31 - 1``) where the metadata
+    is out of contract: an owned id with no block (past the table or a negative entry), a slot that
+    does not fit below ``2**31 - 1``, a bad request id. The rule of :mod:`dcp_ref.deinterleave`.
+    """
     in_row = offs < K
     t = tl.load(ids_row_ptr + offs * stride_ik, mask=in_row, other=-1)
     # Do the arithmetic on clamped ids: negative ids are masked out below, and C-style division
@@ -109,14 +133,20 @@ def convert_tile(
         owned = (t >= 0) & (((tc // DCP_INTERLEAVE) % DCP_SIZE) == DCP_RANK)
         local = (tc // (DCP_SIZE * DCP_INTERLEAVE)) * DCP_INTERLEAVE + tc % DCP_INTERLEAVE
     blk_idx = local // KV_BLOCK
-    # Ids beyond the block table (or of a bad request) are invalid, never read out of bounds.
-    # A bad request id is folded into the bound (0 usable blocks) rather than and-ed in as a
-    # scalar bool: one vector compare, and the interpreter rejects broadcast scalar-bool masks.
-    valid = owned & (blk_idx < tl.where(req_ok, n_blocks, 0))
-    blk = tl.load(bt_row_ptr + blk_idx * stride_btc, mask=valid, other=-1)
-    valid = valid & (blk >= 0)
-    # int64, then saturated: a corrupt block id must not wrap into a plausible small int32 slot.
-    slot = tl.minimum(blk.to(tl.int64) * KV_BLOCK + (local % KV_BLOCK).to(tl.int64), 2147483647).to(tl.int32)
+    # Read the table only inside it, never out of bounds. A bad request id is folded into the bound
+    # (0 usable blocks) rather than and-ed in as a scalar bool: one vector compare, and the
+    # interpreter rejects broadcast scalar-bool masks.
+    readable = owned & (blk_idx < tl.where(req_ok, n_blocks, 0))
+    blk = tl.load(bt_row_ptr + blk_idx * stride_btc, mask=readable, other=-1).to(tl.int64)
+    # Saturate the block id before the multiplication (int64): a corrupt block id must neither wrap
+    # into a plausible small slot nor overflow.
+    blk_sat = tl.minimum(blk, 2147483647 // KV_BLOCK + 1)
+    slot = tl.minimum(blk_sat * KV_BLOCK + (local % KV_BLOCK).to(tl.int64), 2147483647)
+    # No block (past the table, a negative entry, or a bad request: nothing was read) -> the poison slot.
+    slot = tl.where(blk >= 0, slot, 2147483647).to(tl.int32)
+    # A bad request poisons its whole row: every entry counts (as the poison slot).
+    bad_req = tl.where(req_ok, 0, 1)
+    valid = in_row & (owned | ((offs * 0 + bad_req) != 0))
     return slot, valid
 
 
@@ -419,33 +449,63 @@ def _default_block(method: str, k: int, rows: int = 1) -> int:
     return _default_config(method, rows, k)[0]
 
 
+#: Launch-parameter ranges (checked on the host): tiles are powers of two from 16 lanes up to 64 Ki
+#: entries, warps a power of two up to 32.
+BLOCK_RANGE = (16, 1 << 16)
+WARPS_RANGE = (1, 32)
+
+
 def workspace_numel(method: str, rows: int, k: int, block: int | None = None) -> int:
     """int64 elements of ``workspace`` that ``method`` needs for ``rows`` rows of width ``k``.
 
     ``"atomic"``: ``rows`` (must be zero before the first launch; each launch leaves it zero).
     ``"twopass"``: ``rows * cdiv(k, block)`` (any contents). ``"rowscan"``: 0.
     """
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    rows = check_int_scalar(rows, "rows", min_value=0)
+    k = check_int_scalar(k, "k", min_value=0)
+    b = (
+        _default_block(method, k, rows)
+        if block is None
+        else check_pow2(block, "block", lo=BLOCK_RANGE[0], hi=BLOCK_RANGE[1])
+    )
     if method == "rowscan":
         return 0
     if method == "atomic":
         return rows
-    b = block or _default_block(method, k, rows)
     return rows * _cdiv(max(k, 1), b)
 
 
 def _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate):
+    """The reference's free checks (shapes, dtypes, devices, geometry; no value read), then the device.
+
+    Returns ``(W, rank, I, block_size, device, validate)``. A validated call also refuses meta tensors
+    here, before any launch; its value checks come *after* the launch (:func:`_validated`)."""
     w, r, i, bs = check_deinterleave_inputs(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
+        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, False
     )
+    validate = check_bool(validate, "validate")
+    if validate and token_ids.numel():
+        check_deinterleave_readable(token_ids, req_of_token, block_table)
     dev = token_ids.device
     if dev.type != "cuda" and not triton_interpreting():
         raise ValueError(
             f"token_ids must be on a CUDA device (or set TRITON_INTERPRET=1 before importing this "
             f"module to run on the CPU), got {dev}"
         )
-    return w, r, i, bs, dev
+    return w, r, i, bs, dev, validate
+
+
+def _validated(out, token_ids, req_of_token, block_table, w, r, i, bs) -> None:
+    """A validated call's value check, after the launch: the kernel wrote :data:`POISON_SLOT` exactly
+    where the reference's value checks fail (a request id outside ``[0, B)``, an owned id without a
+    block, a slot that does not fit below ``2**31 - 1``), so **one** reduction and one host read of
+    ``out`` decide; only then does the reference's checker run, to raise its precise message."""
+    if not out.numel() or int(out.amax()) < POISON_SLOT:
+        return
+    raise_deinterleave_violation(token_ids, req_of_token, block_table, bs, w, r, i)
+    raise AssertionError("the de-interleave kernel poisoned a row that the reference accepts (a kernel bug)")
 
 
 def _check_out(buf, name, shape, dtype, dev):
@@ -456,12 +516,11 @@ def _check_out(buf, name, shape, dtype, dev):
 
 
 def _tiling(method: str, t_rows: int, k: int, block: int | None, num_warps: int | None) -> tuple[int, int]:
-    """``(tile width, warps)``: the caller's (checked) or the method's measured default."""
+    """``(tile width, warps)``: the caller's (checked: powers of two in :data:`BLOCK_RANGE` /
+    :data:`WARPS_RANGE`) or the method's measured default."""
     def_block, def_warps = _default_config(method, t_rows, k)
-    b = def_block if block is None else check_int_scalar(block, "block", min_value=16)
-    if b & (b - 1):
-        raise ValueError(f"block must be a power of two, got {b}")
-    nw = def_warps if num_warps is None else check_int_scalar(num_warps, "num_warps", min_value=1)
+    b = def_block if block is None else check_pow2(block, "block", lo=BLOCK_RANGE[0], hi=BLOCK_RANGE[1])
+    nw = def_warps if num_warps is None else check_pow2(num_warps, "num_warps", lo=WARPS_RANGE[0], hi=WARPS_RANGE[1])
     return b, nw
 
 
@@ -480,6 +539,11 @@ def _slots_and_counts(
         else _check_out(counts, "counts", (t_rows,), torch.int32, dev)
     )
     return out, counts
+
+
+def _check_aliases(token_ids, req_of_token, block_table, **outs) -> None:
+    """No output buffer may share memory with an input or with another output."""
+    check_no_aliases(outs, dict(token_ids=token_ids, req_of_token=req_of_token, block_table=block_table))
 
 
 def _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, nw, compact: bool) -> None:
@@ -521,26 +585,28 @@ def global_ids_to_local_slots_triton(
     *,
     out: torch.Tensor | None = None,
     block: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Conversion only (no compaction): int32 ``[T, K]`` slots, ``-1`` where not local.
+    """Conversion only (no compaction): int32 ``[T, K]`` slots, ``-1`` where not here.
 
-    Same contract as :func:`dcp_ref.deinterleave.global_ids_to_local_slots` (``validate`` too);
-    ``out`` (int32 ``[T, K]``) is written and returned when given.
+    Same contract as :func:`dcp_ref.deinterleave.global_ids_to_local_slots` (``validate`` and the
+    poison rule too); ``out`` (int32 ``[T, K]``, not sharing memory with an input) is written and
+    returned when given. ``block`` / ``num_warps``: tile width and warps (powers of two).
     """
-    w, r, i, bs, dev = _check_common(
+    w, r, i, bs, dev, validate = _check_common(
         token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
     )
     t_rows, k = token_ids.shape
+    b, nw = _tiling("atomic", t_rows, k, block, 4 if num_warps is None else num_warps)
     out = (
         torch.empty((t_rows, k), dtype=torch.int32, device=dev)
         if out is None
         else _check_out(out, "out", (t_rows, k), torch.int32, dev)
     )
+    _check_aliases(token_ids, req_of_token, block_table, out=out)
     if t_rows == 0 or k == 0:
         return out
-    b = block or _default_block("atomic", k, t_rows)
     req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
     deinterleave_kernel[(t_rows, _cdiv(k, b))](
         token_ids,
@@ -565,8 +631,10 @@ def global_ids_to_local_slots_triton(
         KV_BLOCK=bs,
         COMPACT_TO_FRONT=False,
         BLOCK=b,
-        num_warps=num_warps,
+        num_warps=nw,
     )
+    if validate:
+        _validated(out, token_ids, req_of_token, block_table, w, r, i, bs)
     return out
 
 
@@ -593,20 +661,25 @@ def deinterleave_masked_triton(
     tile by tile and carries the count, so no atomics, no workspace and no second pass (a
     separate ``(slots >= 0).sum`` would cost three more launches and two allocations).
     ``out`` / ``counts`` (int32 ``[T, K]`` / ``[T]``) are written and returned when given: then
-    nothing is allocated and, with ``validate=False``, nothing is read on the host.
+    nothing is allocated and, with ``validate=False``, nothing is read on the host. A validated call
+    adds one reduction and one host read of ``out`` after the launch (and on a ``ValueError`` the
+    buffers hold the ``validate=False`` answer).
     """
-    w, r, i, bs, dev = _check_common(
+    w, r, i, bs, dev, validate = _check_common(
         token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
     )
     t_rows, k = token_ids.shape
     b, nw = _tiling("rowscan", t_rows, k, block, num_warps)
     out, counts = _slots_and_counts(out, counts, t_rows, k, dev)
+    _check_aliases(token_ids, req_of_token, block_table, out=out, counts=counts)
     if t_rows == 0:
         return out, counts
     if k == 0:
         counts.zero_()
         return out, counts
     _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, nw, compact=False)
+    if validate:
+        _validated(out, token_ids, req_of_token, block_table, w, r, i, bs)
     return out, counts
 
 
@@ -644,15 +717,20 @@ def deinterleave_compact(
         workspace: optional int64 1-D scratch of at least :func:`workspace_numel` elements. For
             ``"atomic"`` it must hold zeros before its first use; every launch leaves it zeroed.
             Pass all three buffers to make the call allocation-free (CUDA-graph capturable).
-        block, num_warps: tile width (power of two) and warps; the defaults (per method and row
-            count) are the H200 benchmark's best for K = 2048.
-        validate: as in the reference: check values on the host (one sync); ``False`` on the hot
-            path (no host read; bad values handled on the device, module docstring).
+        block, num_warps: tile width and warps, powers of two (:data:`BLOCK_RANGE`,
+            :data:`WARPS_RANGE`); the defaults (per method and row count) are the H200 benchmark's
+            best for K = 2048.
+        validate: as in the reference; the values are checked after the launch with one reduction
+            and one host read of ``out`` (the kernel writes :data:`POISON_SLOT` exactly where the
+            reference's checks fail; on a ``ValueError`` the buffers hold the ``validate=False``
+            answer). ``False`` on the hot path: no host read, out-of-contract metadata poisoned on
+            the device (module docstring).
     Returns:
         ``(out, counts)``: int32 ``[T, K]`` with the valid slots in ``out[i, :counts[i]]`` and
-        ``-1`` after; int32 ``[T]``.
+        ``-1`` after; int32 ``[T]``. No output buffer may share memory with an input or another
+        output (``ValueError``).
     """
-    w, r, i, bs, dev = _check_common(
+    w, r, i, bs, dev, validate = _check_common(
         token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
     )
     ordered = check_bool(ordered, "ordered")
@@ -679,6 +757,7 @@ def deinterleave_compact(
             )
         if need and workspace.stride(0) != 1:
             raise ValueError("workspace must be contiguous")
+    _check_aliases(token_ids, req_of_token, block_table, out=out, counts=counts, workspace=workspace)
     if t_rows == 0:
         return out, counts
     if k == 0:
@@ -740,4 +819,6 @@ def deinterleave_compact(
             TILES_POW2=next_pow2(n_tiles),
             **geo,
         )
+    if validate:
+        _validated(out, token_ids, req_of_token, block_table, w, r, i, bs)
     return out, counts

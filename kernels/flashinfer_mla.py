@@ -93,25 +93,11 @@ def _check_slots_counts(slots: object, counts: object) -> tuple[int, int]:
 
 
 def _check_values(slots: torch.Tensor, counts: torch.Tensor, num_slots: int | None) -> None:
-    """The reference's value checks (:func:`dcp_ref.attention.sparse_mla_attention`), same messages."""
-    from dcp_ref._checks import check_values_readable
+    """The reference's value checks (:func:`dcp_ref.attention.check_attention_slots`: one device
+    reduction, one host read), same messages."""
+    from dcp_ref.attention import check_attention_slots
 
-    check_values_readable(counts, "counts")
-    check_values_readable(slots, "slots")
-    T, K = slots.shape
-    if not T:
-        return
-    cnt = counts.long()
-    if bool((cnt < 0).any()) or bool((cnt > K).any()):
-        raise ValueError(f"counts must satisfy 0 <= counts[t] <= K={K}, got min {int(cnt.min())}, max {int(cnt.max())}")
-    valid = torch.arange(K, device=slots.device).unsqueeze(0) < cnt.unsqueeze(1)
-    used = slots.long()[valid]
-    hi = num_slots if num_slots is not None else 2**31 - 1
-    if used.numel() and (bool((used < 0).any()) or bool((used >= hi).any())):
-        raise ValueError(
-            f"slots[t, :counts[t]] must lie in [0, num_slots={num_slots}), "
-            f"got min {int(used.min())}, max {int(used.max())}"
-        )
+    check_attention_slots(slots, counts, num_slots)
 
 
 @dataclass(frozen=True)
@@ -262,13 +248,17 @@ class FlashInferSparseMLA:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention for the planned rows. Returns ``(out [T, H, 512], lse [T, H] fp32 in lse_base)``.
 
-        ``out``/``lse`` may be caller-provided buffers (no allocation). ``validate``: check that
+        ``out``/``lse`` may be caller-provided buffers (no allocation; sharing no memory with ``q``,
+        ``kv_cache`` or each other). ``validate``: check that
         the planned slots lie in ``[0, num_slots)`` (one host read; the reference's ``ValueError``).
         ``False``: no host sync; out-of-range slots are clamped on the device (never read out
         of bounds) and their rows' output and LSE are NaN. Emptiness is the count: an empty row
         gives 0 / ``-inf``; a non-empty row never gives ``-inf`` (NaN instead), so the merge
         never mistakes corrupt data for an empty rank.
         """
+        from dcp_ref._checks import check_bool
+
+        validate = check_bool(validate, "validate")
         if self._planned_T is None:
             raise ValueError("call plan(slots, counts) before run()")
         if lse_base not in ("e", "2"):
@@ -312,6 +302,10 @@ class FlashInferSparseMLA:
             lse = torch.empty((T, H), dtype=torch.float32, device=self.device)
         elif tuple(lse.shape) != (T, H) or lse.dtype != torch.float32 or lse.device != self.device:
             raise ValueError(f"lse must be a float32 tensor of shape {(T, H)} on {self.device}")
+        from dcp_ref._checks import check_no_alias
+
+        check_no_alias(out, "out", q=q, kv_cache=kv_cache)
+        check_no_alias(lse, "lse", q=q, kv_cache=kv_cache, out=out)
         if self.accepts_out_buffers:
             try:
                 o, l2 = self._wrapper.run(query=q, kv_cache=kv_cache, out=out, lse=lse, return_lse=True)

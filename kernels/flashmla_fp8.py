@@ -46,8 +46,19 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import INT_DTYPES, check_same_device, check_tensor
-from dcp_ref.fp8_cache import FP8_CACHE_DTYPES, FP8_DS_MLA, check_fp8_slots
+from dcp_ref._checks import (
+    INT_DTYPES,
+    check_bool,
+    check_int_scalar,
+    check_no_alias,
+    check_same_device,
+    check_tensor,
+    check_values_readable,
+    host_values,
+)
+from dcp_ref.fp8_cache import FP8_CACHE_DTYPES, FP8_DS_MLA, check_attention_layout, check_fp8_slots
+
+from ._util import next_pow2
 
 __all__ = [
     "TOPK_BLOCK",
@@ -57,6 +68,7 @@ __all__ = [
     "SUPPORTED_HEADS",
     "prepare_indices",
     "finish_outputs",
+    "validate_from_row_state",
     "FlashMLAFp8Decode",
     "sparse_mla_fp8_flashmla",
 ]
@@ -192,14 +204,16 @@ def prepare_indices(
 
     Args:
         slots: int32/int64 ``[T, K]``. counts: ``None`` (masked layout) or int32/int64 ``[T]``.
-        num_slots: rows of the cache.
+        num_slots: rows of the cache (an int ``>= 0``).
         out: optional int32 ``[T, 1, K_pad]`` buffer. row_state: optional int32 ``[T]`` buffer.
+            Neither may share memory with an input or with the other.
     Returns:
         ``(indices, row_state)``: ``row_state[t]`` is :data:`ROW_EMPTY` (nothing to read),
         :data:`ROW_READ` or :data:`ROW_POISONED` (an entry that may not be read: never read, and
         the row's output and LSE become NaN).
     """
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
+    num_slots = check_int_scalar(num_slots, "num_slots", min_value=0)
     T, K = slots.shape
     dev = slots.device
     if counts is not None:
@@ -219,9 +233,11 @@ def prepare_indices(
         check_tensor(row_state, "row_state", dtypes=(torch.int32,), ndim=1, device=dev)
         if row_state.shape != (T,) or not row_state.is_contiguous():
             raise ValueError(f"row_state must be a contiguous int32 [{T}] tensor, got {tuple(row_state.shape)}")
+    check_no_alias(out, "out", slots=slots, counts=counts)
+    check_no_alias(row_state, "row_state", slots=slots, counts=counts, out=out)
     if T == 0:
         return out, row_state
-    block = min(1024, triton.next_power_of_2(k_pad))
+    block = min(1024, next_pow2(k_pad))
     prepare_indices_kernel[(T,)](
         slots,
         counts if counts is not None else slots,
@@ -229,7 +245,7 @@ def prepare_indices(
         row_state,
         K,
         k_pad,
-        int(num_slots),
+        num_slots,
         slots.stride(0),
         slots.stride(1),
         HAS_COUNTS=counts is not None,
@@ -276,6 +292,10 @@ def finish_outputs(
         check_tensor(out_lse, "out_lse", dtypes=(torch.float32,), ndim=2, device=dev)
         if tuple(out_lse.shape) != (T, H):
             raise ValueError(f"out_lse must have shape {(T, H)}, got {tuple(out_lse.shape)}")
+    # Each program reads and writes only its own (row, head): an output may be exactly its source.
+    if out is not None:
+        check_no_alias(out, "out", same_ok=("o_src",), o_src=o_src, lse_src=lse_src, row_state=row_state)
+    check_no_alias(out_lse, "out_lse", same_ok=("lse_src",), o_src=o_src, lse_src=lse_src, row_state=row_state, out=out)
     if T == 0 or H == 0:
         return dst, out_lse
     finish_outputs_kernel[(T, H)](
@@ -291,9 +311,35 @@ def finish_outputs(
         *lse_src.stride(),
         *out_lse.stride(),
         COPY_OUT=copy,
-        BLOCK_D=min(512, triton.next_power_of_2(max(D, 16))),
+        BLOCK_D=min(512, next_pow2(max(D, 16))),
     )
     return dst, out_lse
+
+
+def validate_from_row_state(
+    slots: torch.Tensor,
+    counts: torch.Tensor | None,
+    num_slots: int,
+    attention_layout: str,
+    row_state: torch.Tensor,
+) -> None:
+    """A validated call's value checks, from what :func:`prepare_indices` already computed on the device.
+
+    A row is :data:`ROW_POISONED` exactly when :func:`dcp_ref.fp8_cache.check_fp8_slots` would reject a
+    slot of it; in the compact layout the counts must also lie in ``[0, K]`` (the kernel clamps them).
+    So **one** small reduction and one host read decide; only a failing call runs the reference's
+    checker, which raises its precise message (naming ``slots`` or ``counts``).
+    """
+    if not row_state.numel():
+        return
+    stats = [row_state.max().to(torch.int64)]
+    if counts is not None:
+        stats += [counts.min(), counts.max()]
+    state, *cnt = host_values(*stats)
+    K = slots.shape[1]
+    if state == ROW_POISONED or (cnt and (cnt[0] < 0 or cnt[1] > K)):
+        check_fp8_slots(slots, counts, num_slots, attention_layout)
+        raise AssertionError("prepare_indices poisoned a row that check_fp8_slots accepts (a kernel bug)")
 
 
 def _check_cache(kv_cache: object) -> int:
@@ -391,8 +437,8 @@ class FlashMLAFp8Decode:
         buffers (the kernel's own output is copied into ``out``). ``validate=None`` uses the
         object's setting.
         """
-        if attention_layout not in ("masked", "compact"):
-            raise ValueError(f"attention_layout must be 'masked' or 'compact', got {attention_layout!r}")
+        check_attention_layout(attention_layout)
+        validate = self.validate if validate is None else check_bool(validate, "validate")
         if attention_layout == "masked":
             counts = None  # the masked layout reads every entry; counts (valid per row) are not needed
         elif counts is None:
@@ -420,8 +466,14 @@ class FlashMLAFp8Decode:
             tensors["counts"] = counts
         if check_same_device(**tensors) != self.device:
             raise ValueError(f"tensors must be on {self.device}, got {q.device}")
-        if validate if validate is not None else self.validate:
-            check_fp8_slots(slots, counts, num_slots, attention_layout)
+        if counts is not None:
+            check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1)
+            if counts.shape != (T,):
+                raise ValueError(f"counts must be [T={T}], got shape {tuple(counts.shape)}")
+        if validate:
+            check_values_readable(slots, "slots")
+            if counts is not None:
+                check_values_readable(counts, "counts")
         if out is not None:
             check_tensor(out, "out", dtypes=(torch.bfloat16,), ndim=3, device=self.device)
             if tuple(out.shape) != (T, H, _V_DIM):
@@ -430,8 +482,12 @@ class FlashMLAFp8Decode:
             check_tensor(out_lse, "out_lse", dtypes=(torch.float32,), ndim=2, device=self.device)
             if tuple(out_lse.shape) != (T, H):
                 raise ValueError(f"out_lse must have shape {(T, H)}, got {tuple(out_lse.shape)}")
+        check_no_alias(out, "out", q=q, kv_cache=kv_cache, slots=slots, counts=counts)
+        check_no_alias(out_lse, "out_lse", q=q, kv_cache=kv_cache, slots=slots, counts=counts, out=out)
         K = slots.shape[1]
         if T == 0 or K == 0:  # nothing to attend to (the kernel rejects topk = 0): every row is empty
+            if validate and T:
+                check_fp8_slots(slots, counts, num_slots, attention_layout)  # counts must be 0 here
             o = out if out is not None else torch.empty((T, H, _V_DIM), dtype=torch.bfloat16, device=self.device)
             lse = out_lse if out_lse is not None else torch.empty((T, H), dtype=torch.float32, device=self.device)
             o.zero_()
@@ -449,6 +505,8 @@ class FlashMLAFp8Decode:
         k_pad = max(TOPK_BLOCK, -(-K // TOPK_BLOCK) * TOPK_BLOCK)
         sched, idx, row_state = self._plan(T, H, k_pad, tuple(cache4.shape))
         prepare_indices(slots, counts, num_slots, out=idx, row_state=row_state)
+        if validate:
+            validate_from_row_state(slots, counts, num_slots, attention_layout, row_state)
         o_raw, lse_raw = self._fm.flash_mla_with_kvcache(
             q.unsqueeze(1),
             cache4,

@@ -24,7 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import INT_DTYPES, check_out, check_tensor, triton_interpreting
+from dcp_ref._checks import (
+    INT_DTYPES,
+    check_bool,
+    check_int_scalar,
+    check_no_alias,
+    check_out,
+    check_tensor,
+    check_values_readable,
+    host_values,
+    triton_interpreting,
+)
+from dcp_ref.attention import check_attention_slots, check_sm_scale
 
 from ._util import next_pow2, per_thread
 
@@ -176,6 +187,7 @@ def sparse_mla_flashmla(
     *,
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
+    validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over compacted slots on FlashMLA (the attention stage's contract, :mod:`dcp_ref.stages`).
 
@@ -186,15 +198,26 @@ def sparse_mla_flashmla(
             attends to ``slots[t, :counts[t]]`` (the rest is ignored).
         counts: int32 ``[T]``, ``0 <= counts[t] <= K``.
         sm_scale: softmax scale.  v_dim: must be 512.
-        out: optional bf16 ``[T, H, 512]``.  out_lse: optional float32 ``[T, H]``.
+        out: optional bf16 ``[T, H, 512]``.  out_lse: optional float32 ``[T, H]``. Neither may share
+            memory with an input or with the other (``ValueError``).
+        validate: ``True``: the reference's value checks (:func:`dcp_ref.attention.check_attention_slots`,
+            same messages), read from what the prologue computes on the device anyway: **one** small
+            reduction and one host read, before the attention kernel runs. ``False`` (the default, and
+            the one exception to the wrappers' ``validate=True``: this function *is* the attention
+            stage's hot path, which ``kernels/stages.py`` runs inside the captured step) reads nothing
+            on the host: counts are clamped and a row whose used slots leave the cache (e.g. the
+            de-interleave stage's poison slot ``2**31 - 1``) is poisoned (NaN output and LSE).
     Returns:
         ``(out [T, H, 512] bf16, lse [T, H] float32)``: LSE in base e, ``-inf`` where ``counts == 0``.
     """
+    validate = check_bool(validate, "validate")
     check_tensor(q, "q", dtypes=(torch.bfloat16,), ndim=3)
     check_tensor(kv_cache, "kv_cache", dtypes=(torch.bfloat16,), ndim=(2, 3), device=q.device)
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2, device=q.device)
     check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=q.device)
     T, H, D = q.shape
+    v_dim = check_int_scalar(v_dim, "v_dim", min_value=1)
+    sm_scale = check_sm_scale(sm_scale)
     if (D, v_dim, kv_cache.shape[-1]) != (_DQK, _DV, _DQK):
         raise ValueError(
             f"q and kv_cache must be {_DQK} wide with v_dim={_DV}, got q {tuple(q.shape)}, "
@@ -214,6 +237,11 @@ def sparse_mla_flashmla(
         check_out(out, "out", (T, H, _DV), q.dtype, q.device)
     if out_lse is not None:
         check_out(out_lse, "out_lse", (T, H), torch.float32, q.device)
+    check_no_alias(out, "out", q=q, kv_cache=kv_cache, slots=slots, counts=counts)
+    check_no_alias(out_lse, "out_lse", q=q, kv_cache=kv_cache, slots=slots, counts=counts, out=out)
+    if validate and T:
+        check_values_readable(counts, "counts")
+        check_values_readable(slots, "slots")
     if fused:
         safe, cnt, poisoned = _scratch(q.device, T, KP)
         if T:
@@ -223,6 +251,13 @@ def sparse_mla_flashmla(
             )  # fmt: skip
     else:
         safe, cnt, poisoned = _prologue_torch(slots, counts, S, KP)
+    if validate and T:
+        # The prologue flagged every row with a used slot outside the cache; counts outside [0, K] it
+        # clamped. One read of the three numbers; the reference's checker names the culprit.
+        bad_row, c_min, c_max = host_values(poisoned.max().to(torch.int64), counts.min(), counts.max())
+        if bad_row or c_min < 0 or c_max > K:
+            check_attention_slots(slots, counts, S)
+            raise AssertionError("the FlashMLA prologue poisoned a row that the reference accepts (a kernel bug)")
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
         q,
         kv_cache.reshape(-1, 1, _DQK),

@@ -32,9 +32,17 @@ vLLM's ``correct_attn_out`` 98–104 µs), 6.3–7.6 µs for an isolated launch 
 of the same bytes: 6.5 µs) and 4.2 µs per launch back to back in a CUDA graph; ``lse_merge``
 88–90 % of copy bandwidth at T = 1024.
 
+Numerics: the LSEs are read in their own dtype (float32 or float64) and the max is subtracted in it
+*before* any base conversion or exponentiation, so finite LSEs up to the float32 maximum merge to a
+finite result (``3.3e38 * log2(e)`` would overflow float32) and float64 LSEs are not rounded to
+float32 first; only the differences (``<= 0``) become float32 exponents. A float64 merged LSE may be
+stored into a float64 buffer.
+
 Output buffers are caller-provided (no allocation, no host sync: CUDA-graph safe); shapes,
-dtypes and devices are checked, values are not (that would sync). On a machine without a GPU,
-set ``TRITON_INTERPRET=1`` before importing this module and pass CPU tensors.
+dtypes, devices, memory overlap (an output may not share memory with an input; the correction's
+``corrected`` may be exactly ``out``, in place) and launch parameters are checked, values are not
+(the merge has no value checks: NaN is data). On a machine without a GPU, set
+``TRITON_INTERPRET=1`` before importing this module and pass CPU tensors.
 """
 
 from __future__ import annotations
@@ -43,10 +51,26 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_int_scalar, check_lse_base, triton_interpreting
+from dcp_ref._checks import (
+    check_bool,
+    check_int_scalar,
+    check_lse_base,
+    check_no_alias,
+    check_pow2,
+    triton_interpreting,
+)
+from dcp_ref.kernels._util import next_pow2
 from dcp_ref.lse import LN2
 
-__all__ = ["lse_correct", "lse_merge", "lse_correct_kernel", "lse_merge_kernel", "merge_weights"]
+__all__ = [
+    "lse_correct",
+    "lse_merge",
+    "lse_correct_kernel",
+    "lse_merge_kernel",
+    "merge_weights",
+    "BLOCK_H_RANGE",
+    "WARPS_RANGE",
+]
 
 _INTERPRET = triton_interpreting()  # snapshot: @triton.jit read it at import, too
 _LSE_DTYPES = (torch.float32, torch.float64)
@@ -61,25 +85,30 @@ LOG2E_C: tl.constexpr = tl.constexpr(1.0 / LN2)  # base e -> base 2: lse_2 = lse
 def merge_weights(lse_row, s_lw, offs_hs, mask_h, W: tl.constexpr, BLOCK_W: tl.constexpr, IS_BASE2: tl.constexpr):
     """All W ranks' LSEs for BLOCK_H heads in one [BLOCK_W, BLOCK_H] tile (one load, no second pass).
 
-    Returns ``(e, m_safe, total, empty)`` in the log2 domain: ``e[w, h] = 2^(lse2[w, h] - m_safe[h])``
-    (exactly 0 for an empty rank, NaN for a corrupt — NaN or ``+inf`` — LSE), ``m_safe`` the max
-    of the other LSEs (0 where every rank is empty, so that ``(-inf) - (-inf)`` = NaN never
-    happens), ``total = sum_w e[w]`` (NaN when any rank is corrupt: it poisons that head) and
-    ``empty[w, h]`` = 1.0 where ``lse == -inf``, else 0.0.
+    Returns ``(e, m_safe, total, empty)``: ``e[w, h] = b^(lse[w, h] - m_safe[h])`` as float32 (``b`` the
+    base; exactly 0 for an empty rank, NaN for a corrupt — NaN or ``+inf`` — LSE), ``m_safe`` the max of
+    the other LSEs **in the LSEs' own dtype and base** (0 where every rank is empty, so that
+    ``(-inf) - (-inf)`` = NaN never happens), ``total = sum_w e[w]`` (NaN when any rank is corrupt: it
+    poisons that head) and ``empty[w, h]`` = 1.0 where ``lse == -inf``, else 0.0.
+
+    The max is subtracted *before* any scaling or exponentiation, in the input's dtype: finite LSEs
+    near the float32 maximum (3.3e38, whose base-2 form overflows float32) stay finite, and float64
+    LSEs keep their precision (their differences are rounded to float32 only as exponents, ``<= 0``).
     """
     offs_w = tl.arange(0, BLOCK_W)
     mask = (offs_w < W)[:, None] & mask_h[None, :]
-    x = tl.load(lse_row + offs_w[:, None] * s_lw + offs_hs[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+    x = tl.load(lse_row + offs_w[:, None] * s_lw + offs_hs[None, :], mask=mask, other=float("-inf"))
     empty = tl.where(x == float("-inf"), 1.0, 0.0)
     # x != x only for NaN. NaN / +inf are corrupt data, not "empty": kept out of the max, then
     # given a NaN weight so that they poison their head instead of vanishing.
     corrupt = (x != x) | (x == float("inf"))
     x = tl.where(corrupt, float("-inf"), x)
-    if not IS_BASE2:
-        x = x * LOG2E_C  # base e -> base 2
     m = tl.max(x, axis=0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
-    e = tl.exp2(x - m_safe[None, :])  # 2^-inf = 0: empty ranks weigh exactly 0
+    d = x - m_safe[None, :]  # <= 0 (or -inf): never inf - inf, never an overflow to +inf
+    if not IS_BASE2:
+        d = d * LOG2E_C  # base e -> base 2, after the subtraction (a huge LSE times log2(e) overflows)
+    e = tl.exp2(d.to(tl.float32))  # 2^-inf = 0: empty ranks weigh exactly 0
     e = tl.where(corrupt, float("nan"), e)
     total = tl.sum(e, axis=0)
     return e, m_safe, total, empty
@@ -93,12 +122,15 @@ def weight_row(e, offs_w, w):
 
 @triton.jit
 def store_merged_lse(res_lse_ptr, offs_hs, mask_h, m_safe, total, IS_BASE2: tl.constexpr):
-    # Guard log2(0): all-empty rows get -inf without ever evaluating log2 of 0; a NaN total
-    # (a corrupt rank) gives NaN.
-    merged = tl.where(total == 0, float("-inf"), m_safe + tl.log2(tl.where(total == 0, 1.0, total)))
+    """``merged = m_safe + log_b(total)`` in the LSEs' dtype, stored in the buffer's dtype.
+
+    Guard log2(0): all-empty rows get -inf without ever evaluating log2 of 0; a NaN total (a corrupt
+    rank) gives NaN."""
+    lg = tl.log2(tl.where(total == 0, 1.0, total))
     if not IS_BASE2:
-        merged = merged * LN2_C  # base 2 -> base e
-    tl.store(res_lse_ptr + offs_hs, merged, mask=mask_h)
+        lg = lg * LN2_C  # base 2 -> base e (log_e(total), a small number)
+    merged = tl.where(total == 0, float("-inf"), m_safe + lg.to(m_safe.dtype))
+    tl.store(res_lse_ptr + offs_hs, merged.to(res_lse_ptr.dtype.element_ty), mask=mask_h)
 
 
 @triton.jit
@@ -233,10 +265,27 @@ def _check_device(device: torch.device, name: str) -> None:
         raise ValueError(f"{name} must be on a CUDA device (or the CPU under TRITON_INTERPRET=1), got {device}")
 
 
-def _check_block_h(block_h: object) -> int:
-    if isinstance(block_h, bool) or not isinstance(block_h, int) or block_h < 1 or block_h & (block_h - 1):
-        raise ValueError(f"block_h must be a power of two >= 1, got {block_h!r}")
-    return block_h
+#: Launch-parameter ranges (checked on the host): heads per program and warps, powers of two; a
+#: program's tile (``block_h * next_pow2(D)`` values) must stay within Triton's 2**20 elements.
+BLOCK_H_RANGE = (1, 256)
+WARPS_RANGE = (1, 32)
+_MAX_TILE = 1 << 20
+
+
+def _launch_params(block_h: object, num_warps: object, block_d: int) -> tuple[int, int]:
+    bh = check_pow2(block_h, "block_h", lo=BLOCK_H_RANGE[0], hi=BLOCK_H_RANGE[1])
+    nw = check_pow2(num_warps, "num_warps", lo=WARPS_RANGE[0], hi=WARPS_RANGE[1])
+    if bh * block_d > _MAX_TILE:
+        raise ValueError(
+            f"block_h must keep a program's tile within {_MAX_TILE} values: block_h={bh} x next_pow2(D)={block_d}"
+        )
+    return bh, nw
+
+
+def _lse_out(buf: object, name: str, lses: torch.Tensor, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    """The merged-LSE buffer: float32, or float64 when the LSEs are float64 (their precision kept)."""
+    allowed = (torch.float32, torch.float64) if lses.dtype == torch.float64 else (torch.float32,)
+    return _check(buf, name, allowed, shape, dev)
 
 
 def lse_correct(
@@ -249,21 +298,31 @@ def lse_correct(
     merged_lse: torch.Tensor | None = None,
     block_h: int = 4,
     num_warps: int = 4,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rescale this rank's partial output by its merge weight (the per-rank DCP step).
 
     Args:
         out: ``[T, H, D]`` fp16/bf16/fp32 — this rank's partial attention output (any strides).
-        all_lses: ``[W, T, H]`` fp32/fp64 — all ranks' LSEs in ``base`` (after the all-gather).
+        all_lses: ``[W, T, H]`` fp32/fp64 — all ranks' LSEs in ``base`` (after the all-gather). Read in
+            their own dtype: the max is subtracted in it (finite LSEs up to the float32 maximum stay
+            finite; float64 LSEs are never rounded to float32 before the subtraction).
         rank: this rank, ``0 <= rank < W``.
         base: ``"e"`` or ``"2"``, the base of ``all_lses`` and of ``merged_lse``.
-        corrected: output buffer ``[T, H, D]`` (fp16/bf16/fp32); may be ``out`` itself (in place).
+        corrected: output buffer ``[T, H, D]`` (fp16/bf16/fp32); may be ``out`` itself — exactly the
+            same view — for an in-place correction, and may share memory with nothing else.
             ``None`` allocates one (not CUDA-graph friendly: pass a buffer on the hot path).
-        merged_lse: optional output buffer ``[T, H]`` fp32 for the merged LSE (in ``base``).
-        block_h, num_warps: launch shape (heads per program, warps per program).
+        merged_lse: optional output buffer ``[T, H]`` for the merged LSE (in ``base``): float32, or
+            float64 when ``all_lses`` is float64.
+        block_h, num_warps: launch shape (heads per program, warps per program), powers of two
+            (:data:`BLOCK_H_RANGE`, :data:`WARPS_RANGE`).
+        validate: accepted for the stage's uniform signature (:func:`dcp_ref.lse.correct_partial`):
+            the merge has no value checks (NaN is data, not an error), so nothing is read on the host
+            either way.
     Returns:
         ``(corrected, merged_lse)`` — the buffers written (``merged_lse`` is ``None`` if not given).
     """
+    check_bool(validate, "validate")
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.ndim != 3:
@@ -283,16 +342,19 @@ def lse_correct(
     if not 0 <= rank < W:
         raise ValueError(f"rank must satisfy 0 <= rank < W={W}, got {rank}")
     is_b2 = check_lse_base(base) == "2"
-    bh = _check_block_h(block_h)
+    block_d = next_pow2(D)
+    bh, nw = _launch_params(block_h, num_warps, block_d)
     if corrected is None:
         corrected = torch.empty_like(out)
     _check(corrected, "corrected", _OUT_DTYPES, (T, H, D), dev)
+    check_no_alias(corrected, "corrected", same_ok=("out",), out=out, all_lses=all_lses)
     if merged_lse is not None:
-        _check(merged_lse, "merged_lse", (torch.float32,), (T, H), dev)
+        _lse_out(merged_lse, "merged_lse", all_lses, (T, H), dev)
+        check_no_alias(merged_lse, "merged_lse", out=out, all_lses=all_lses, corrected=corrected)
     if T == 0 or H == 0 or D == 0:
         return corrected, merged_lse
     lse_buf = merged_lse if merged_lse is not None else all_lses  # dummy pointer when not stored
-    grid = (T, triton.cdiv(H, bh))
+    grid = (T, -(-H // bh))
     lse_correct_kernel[grid](
         out,
         all_lses,
@@ -313,12 +375,12 @@ def lse_correct(
         lse_buf.stride(-2) if merged_lse is not None else 0,
         lse_buf.stride(-1) if merged_lse is not None else 0,
         W=W,
-        BLOCK_W=max(2, triton.next_power_of_2(W)),
+        BLOCK_W=max(2, next_pow2(W)),
         BLOCK_H=bh,
-        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_D=block_d,
         IS_BASE2=is_b2,
         STORE_LSE=merged_lse is not None,
-        num_warps=num_warps,
+        num_warps=nw,
     )
     return corrected, merged_lse
 
@@ -332,18 +394,25 @@ def lse_merge(
     merged_lse: torch.Tensor | None = None,
     block_h: int = 4,
     num_warps: int = 4,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge W partial outputs by their LSEs in one pass.
 
     Args:
         outs: ``[W, T, H, D]`` fp16/bf16/fp32 partial outputs (any strides).
-        lses: ``[W, T, H]`` fp32/fp64 LSEs in ``base``; NaN / ``+inf`` mean "empty".
+        lses: ``[W, T, H]`` fp32/fp64 LSEs in ``base`` (read in their own dtype, as in
+            :func:`lse_correct`); ``-inf`` means "empty" (weight 0, output selected away); NaN or
+            ``+inf`` is corrupt data: that ``(t, h)`` comes out NaN.
         base: ``"e"`` or ``"2"``.
-        merged: output buffer ``[T, H, D]`` (fp16/bf16/fp32); ``None`` allocates ``outs.dtype``.
-        merged_lse: optional output buffer ``[T, H]`` fp32 for the merged LSE in ``base``.
+        merged: output buffer ``[T, H, D]`` (fp16/bf16/fp32; no memory shared with an input);
+            ``None`` allocates ``outs.dtype``.
+        merged_lse: optional output buffer ``[T, H]`` for the merged LSE in ``base``: float32, or
+            float64 when ``lses`` is float64.
+        block_h, num_warps, validate: as in :func:`lse_correct`.
     Returns:
         ``(merged, merged_lse)``.
     """
+    check_bool(validate, "validate")
     if not isinstance(outs, torch.Tensor):
         raise TypeError(f"outs must be a torch.Tensor, got {type(outs).__name__}")
     if outs.ndim != 4:
@@ -356,16 +425,19 @@ def lse_merge(
         raise ValueError("outs must hold at least one rank (W >= 1)")
     _check(lses, "lses", _LSE_DTYPES, (W, T, H), dev)
     is_b2 = check_lse_base(base) == "2"
-    bh = _check_block_h(block_h)
+    block_d = next_pow2(D)
+    bh, nw = _launch_params(block_h, num_warps, block_d)
     if merged is None:
         merged = torch.empty((T, H, D), dtype=outs.dtype, device=dev)
     _check(merged, "merged", _OUT_DTYPES, (T, H, D), dev)
+    check_no_alias(merged, "merged", outs=outs, lses=lses)
     if merged_lse is not None:
-        _check(merged_lse, "merged_lse", (torch.float32,), (T, H), dev)
+        _lse_out(merged_lse, "merged_lse", lses, (T, H), dev)
+        check_no_alias(merged_lse, "merged_lse", outs=outs, lses=lses, merged=merged)
     if T == 0 or H == 0 or D == 0:
         return merged, merged_lse
     lse_buf = merged_lse if merged_lse is not None else lses
-    grid = (T, triton.cdiv(H, bh))
+    grid = (T, -(-H // bh))
     lse_merge_kernel[grid](
         outs,
         lses,
@@ -386,11 +458,11 @@ def lse_merge(
         lse_buf.stride(-2) if merged_lse is not None else 0,
         lse_buf.stride(-1) if merged_lse is not None else 0,
         W=W,
-        BLOCK_W=max(2, triton.next_power_of_2(W)),
+        BLOCK_W=max(2, next_pow2(W)),
         BLOCK_H=bh,
-        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_D=block_d,
         IS_BASE2=is_b2,
         STORE_LSE=merged_lse is not None,
-        num_warps=num_warps,
+        num_warps=nw,
     )
     return merged, merged_lse

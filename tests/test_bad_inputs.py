@@ -44,8 +44,8 @@ from dcp_ref import (
     owner_rank,
     sparse_mla_attention,
 )
-from dcp_ref.kernels import topk_backend as tb
 from dcp_ref.group import SimulatedWorld, SingleGroup
+from dcp_ref.kernels import topk_backend as tb
 from dcp_ref.prefill import chunk_scores_from_local
 from dcp_ref.topk import (
     check_candidate_ids,
@@ -60,6 +60,7 @@ from dcp_ref.topk import (
 
 NAN, INF = float("nan"), float("inf")
 META = "meta"
+POISON = 2**31 - 1  # the de-interleave stage's poison slot, written here independently of the code
 
 
 def i64(x) -> torch.Tensor:
@@ -554,6 +555,270 @@ bad(P, TypeError, "meta", "meta not metadata", meta={"cu_seqlens_k": None})
 bad(P, TypeError, "local_scores", "int scores", local_scores=i64([[1]] * 3))
 bad(P, ValueError, "local_scores", "too narrow", local_scores=torch.randn(3, 1))
 
+# ================================================================================================
+# Contracts that hold everywhere (by class): the entry points below the planned step.
+# ================================================================================================
+from dcp_ref.cache_write import build_sharded_caches, token_slots, write_cache_rows  # noqa: E402
+from dcp_ref.fp8_cache import (  # noqa: E402
+    Fp8CacheLayout,
+    check_fp8_slots,
+    dequantize_kv_fp8,
+    quantize_kv_fp8,
+    sparse_mla_attention_fp8,
+)
+from dcp_ref.geometry import DcpGeometry, local_count  # noqa: E402
+from dcp_ref.kernels import deinterleave_triton as dk  # noqa: E402
+from dcp_ref.kernels import flashmla_fp8 as fm8  # noqa: E402
+from dcp_ref.kernels import lse_merge_triton as lk  # noqa: E402
+from dcp_ref.topk import sparse_attention_reference, unsigned_key  # noqa: E402
+
+GEO = DcpGeometry(2, 1, 2, 4)
+KV8 = quantize_kv_fp8(torch.randn(40, 576, generator=G))
+Q8 = torch.randn(2, 2, 576, generator=G)
+DEINT = dict(
+    token_ids=TOKEN_IDS, req_of_token=REQ, block_table=BLOCK_TABLE, block_size=4, world_size=2, rank=1, interleave=2
+)
+LSE_OUT, LSE_ALL = torch.randn(3, 2, 4, generator=G), torch.randn(2, 3, 2, generator=G)
+BASES.update(
+    {
+        "local_count": (local_count, dict(n=i64([5, 9]), world_size=2, rank=1, interleave=2)),
+        "token_slots": (
+            token_slots,
+            dict(geometry=GEO, block_table=BLOCK_TABLE, req_ids=i64([0, 1]), positions=i64([2, 3])),
+        ),
+        "write_cache_rows": (write_cache_rows, dict(cache=torch.zeros(10, 8), slots=i64([1, -1]), kv=torch.ones(2, 8))),
+        "build_sharded_caches": (
+            build_sharded_caches,
+            dict(
+                kv_global=[torch.ones(5, 8)],
+                block_tables=[i32([[0, 1]]), i32([[2, 3]])],
+                geometry=GEO,
+                num_slots=16,
+                fp8=False,
+            ),
+        ),
+        "quantize_kv_fp8": (quantize_kv_fp8, dict(kv=torch.ones(3, 576))),
+        "dequantize_kv_fp8": (dequantize_kv_fp8, dict(rows=KV8[:3])),
+        "check_fp8_slots": (check_fp8_slots, dict(slots=i32([[1, -1], [2, 3]]), counts=None, num_slots=40)),
+        "check_fp8_slots_compact": (
+            check_fp8_slots,
+            dict(slots=i32([[1, -1], [2, 3]]), counts=i32([1, 2]), num_slots=40, attention_layout="compact"),
+        ),
+        "sparse_mla_attention_fp8": (
+            sparse_mla_attention_fp8,
+            dict(q=Q8, kv_cache=KV8, slots=i32([[1, -1], [2, 3]]), counts=None, sm_scale=0.1),
+        ),
+        "unsigned_key": (unsigned_key, dict(key=i64([1, 2]))),
+        "sparse_attention_reference": (
+            sparse_attention_reference,
+            dict(q=torch.randn(1, 2), keys=torch.randn(4, 2), values=torch.randn(4, 3), ids=i64([[0, 2]])),
+        ),
+        "dk.compact": (dk.deinterleave_compact, dict(DEINT)),
+        "dk.masked": (dk.deinterleave_masked_triton, dict(DEINT)),
+        "dk.conversion": (dk.global_ids_to_local_slots_triton, dict(DEINT)),
+        "dk.workspace_numel": (dk.workspace_numel, dict(method="twopass", rows=3, k=100)),
+        "lk.lse_correct": (lk.lse_correct, dict(out=LSE_OUT, all_lses=LSE_ALL, rank=1)),
+        "lk.lse_merge": (lk.lse_merge, dict(outs=OUTS.float(), lses=LSES.float())),
+        "fm8.prepare_indices": (fm8.prepare_indices, dict(slots=i32([[1, -1], [2, 3]]), counts=None, num_slots=40)),
+    }
+)
+
+# ---- class 3: every public entry point validates its arguments (geometry helpers) --------------
+int_tensor_cases("local_count", "n", ndim=None, lists_ok=False, values_read=False)
+geometry_cases("local_count", rank_required=True)
+bad("local_count", TypeError, "n", "n list", n=[5, 9])
+
+# ---- class 3: cache builders --------------------------------------------------------------------
+bad("token_slots", TypeError, "geometry", "geometry tuple", geometry=(2, 1, 2, 4))
+int_tensor_cases("token_slots", "req_ids", ndim=1, lists_ok=False)
+int_tensor_cases("token_slots", "positions", ndim=1, lists_ok=False)
+int_tensor_cases("token_slots", "block_table", ndim=2, lists_ok=False)
+bad("token_slots", ValueError, "req_ids", "req_ids out of range", req_ids=i64([0, 2]))
+bad("token_slots", ValueError, "positions", "positions negative", positions=i64([2, -3]))
+bad("token_slots", ValueError, "block_table", "owned position without a block", positions=i64([2, 50]))
+float_tensor_cases("write_cache_rows", "kv", ndim=2)
+int_tensor_cases("write_cache_rows", "slots", ndim=1, lists_ok=False)
+bad("write_cache_rows", ValueError, "slots", "slot past the cache", slots=i64([10, -1]))
+bad("write_cache_rows", ValueError, "slots", "slot below -1", slots=i64([-2, 1]))
+bad("write_cache_rows", ValueError, "slots", "repeated row", slots=i64([3, 3]))
+_CACHE = torch.zeros(10, 8)
+bad(
+    "write_cache_rows",
+    ValueError,
+    "cache",
+    "kv aliases the cache (class 3: out= aliasing)",
+    cache=_CACHE,
+    kv=_CACHE[2:4],
+)
+bad("build_sharded_caches", TypeError, "kv_global", "kv_global a tensor", kv_global=torch.ones(1, 5, 8))
+bad("build_sharded_caches", TypeError, "kv_global", "kv_global of lists", kv_global=[[1.0] * 8])
+bad("build_sharded_caches", ValueError, "kv_global", "kv_global empty", kv_global=[])
+bad("build_sharded_caches", TypeError, "block_tables", "block_tables a tensor", block_tables=i32([[0, 1]]))
+bad("build_sharded_caches", TypeError, "block_tables", "float table", block_tables=[torch.zeros(1, 2), i32([[2, 3]])])
+bad("build_sharded_caches", ValueError, "block_tables", "one table", block_tables=[i32([[0, 1]])])
+bad(
+    "build_sharded_caches",
+    ValueError,
+    "block_tables",
+    "table rows != requests",
+    block_tables=[i32([[0, 1]] * 2), i32([[2, 3]])],
+)
+bad("build_sharded_caches", TypeError, "num_slots", "num_slots float", num_slots=16.0)
+bad("build_sharded_caches", TypeError, "num_slots", "num_slots None", num_slots=None)
+bad("build_sharded_caches", ValueError, "num_slots", "num_slots one per rank", num_slots=[16])
+flag_cases("build_sharded_caches", "fp8")
+bad("build_sharded_caches", TypeError, "dtype", "dtype string", dtype="float32")
+bad("build_sharded_caches", TypeError, "layout", "layout dict", layout={"nope_dim": 512})
+bad("build_sharded_caches", TypeError, "geometry", "geometry int", geometry=2)
+bad("quantize_kv_fp8", TypeError, "layout", "layout str", layout="fp8_ds_mla")
+bad("dequantize_kv_fp8", TypeError, "layout", "layout None", layout=None)
+bad("dequantize_kv_fp8", TypeError, "dtype", "dtype str", dtype="bfloat16")
+for label, kw, exc in [
+    ("fp8_max str", dict(fp8_max="448"), TypeError),
+    ("scale_inv_floor bool", dict(scale_inv_floor=True), TypeError),
+    ("scale_inv_floor 0", dict(scale_inv_floor=0.0), ValueError),
+    ("tile_size 0", dict(tile_size=0), ValueError),
+]:
+    CASES.append(pytest.param(Fp8CacheLayout, kw, exc, (next(iter(kw)),), id=f"Fp8CacheLayout[{label}]"))
+bad("check_fp8_slots", ValueError, "attention_layout", "layout typo", attention_layout="compacted")
+bad("check_fp8_slots", TypeError, "num_slots", "num_slots float", num_slots=40.0)
+bad("check_fp8_slots", ValueError, "slots", "masked slot past the cache", slots=i32([[1, 40], [2, 3]]))
+bad("check_fp8_slots", ValueError, "slots", "masked slot -2", slots=i32([[1, -2], [2, 3]]))
+bad("check_fp8_slots", ValueError, "slots", "masked poison slot", slots=i32([[1, POISON], [2, 3]]))
+bad("check_fp8_slots", ValueError, "slots", "meta slots", slots=i32([[1, 2]]).to(META))
+bad("check_fp8_slots_compact", ValueError, "counts", "counts > K", counts=i32([3, 2]))
+bad("check_fp8_slots_compact", ValueError, "slots", "used slot -1", counts=i32([2, 2]))
+bad("check_fp8_slots_compact", ValueError, "counts", "counts None", counts=None)
+bad("sparse_mla_attention_fp8", ValueError, "attention_layout", "layout typo", attention_layout="dense")
+bad("sparse_mla_attention_fp8", ValueError, "out", "out on another device", out=torch.empty(2, 2, 512, device=META))
+bad("sparse_mla_attention_fp8", ValueError, "out", "out aliases q (class 3)", out=Q8[:, :, :512])
+_OL = torch.empty(2, 2, 512)
+bad("sparse_mla_attention_fp8", ValueError, "out_lse", "out_lse aliases out (class 3)", out=_OL, out_lse=_OL[:, :, 0])
+
+# ---- class 3: top-K helpers ---------------------------------------------------------------------
+_DUP = GATHERED.clone()
+_DUP[1, 0, 0] = GATHERED[0, 0, 0]  # rank 1 repeats rank 0's first candidate of row 0
+bad("stable_topk", ValueError, "gathered", "an id on two ranks (validated)", gathered=_DUP)
+bad("tb.stable_topk", ValueError, "gathered", "an id on two ranks (validated)", gathered=_DUP)
+bad("check_candidate_ids", ValueError, "gathered", "an id twice", ids=_DUP[..., 1])
+bad(
+    "merge_topk_global",
+    ValueError,
+    "local_topk",
+    "a local index twice (W = 1)",
+    local_topk=i64([[0, 5, 5, -1], [1, 2, -1, -1], [-1] * 4]),
+)
+bad(
+    "global_topk_all_logits",
+    ValueError,
+    "scores",
+    "columns past 2**24 (not packable)",
+    scores=torch.empty(1, 2**24 + 1, device=META),
+)
+bad("local_topk_by_owner", ValueError, "scores", "columns past 2**24", scores=torch.empty(1, 2**24 + 1, device=META))
+bad("stable_key", TypeError, "ids", "bool ids", ids=torch.tensor([True, False]))
+bad("stable_key", ValueError, "ids", "ids on another device", ids=i64([3, 1]).to(META))
+bad("radix_select_trace", TypeError, "keys", "keys a tensor", keys=i64([5, 0]))
+bad("radix_select_trace", TypeError, "keys", "float keys", keys=[5.0, 1.0])
+bad("radix_select_trace", ValueError, "keys", "negative key", keys=[5, -1])
+bad("radix_select_trace", ValueError, "keys", "key past 64 bits", keys=[2**64])
+bad("radix_select_trace", ValueError, "bits", "bits not dividing 64", bits=7)
+bad("unsigned_key", TypeError, "key", "key list", key=[1, 2])
+bad("unsigned_key", TypeError, "key", "int32 key", key=i32([1, 2]))
+bad("unsigned_key", ValueError, "key", "meta key", key=i64([1]).to(META))
+float_tensor_cases("sparse_attention_reference", "q", ndim=2)
+float_tensor_cases("sparse_attention_reference", "keys", ndim=2)
+float_tensor_cases("sparse_attention_reference", "values", ndim=2)
+int_tensor_cases("sparse_attention_reference", "ids", ndim=2, lists_ok=False)
+bad("sparse_attention_reference", ValueError, "ids", "id past the keys", ids=i64([[0, 4]]))
+bad("sparse_attention_reference", ValueError, "keys", "keys width", keys=torch.randn(4, 3))
+
+# ---- class 3: Triton launch parameters and out= aliasing (kernel wrappers) ------------------------
+for b in ("dk.compact", "dk.masked", "dk.conversion"):
+    for label, v, exc in [
+        ("24", 24, ValueError),
+        ("8", 8, ValueError),
+        ("2**17", 2**17, ValueError),
+        ("float", 64.0, TypeError),
+        ("bool", True, TypeError),
+        ("str", "64", TypeError),
+    ]:
+        bad(b, exc, "block", f"block={label}", block=v)
+    for label, v, exc in [
+        ("3", 3, ValueError),
+        ("0", 0, ValueError),
+        ("64", 64, ValueError),
+        ("float", 4.0, TypeError),
+        ("bool", True, TypeError),
+    ]:
+        bad(b, exc, "num_warps", f"num_warps={label}", num_warps=v)
+_IDS = i32([[0, 3, 6, -1], [1, 2, 7, 5], [9, 2, 3, -1]])
+for b in ("dk.compact", "dk.masked", "dk.conversion"):
+    bad(b, ValueError, "out", "out is token_ids (class 3)", token_ids=_IDS, req_of_token=REQ, out=_IDS)
+_BT = i32([[3, 0, 5, 7], [1, 4, -1, 7], [0, 0, 0, 0]])
+bad("dk.compact", ValueError, "out", "out is a view of block_table", block_table=_BT[:2, :3], out=_BT)
+_OUT3 = torch.zeros(3, 4, dtype=torch.int32)
+bad("dk.masked", ValueError, "counts", "counts a row of out", out=_OUT3, counts=_OUT3[0, :3])
+_WS = i64([3, 0, 5, 1, 4, -1])
+bad(
+    "dk.compact",
+    ValueError,
+    "workspace",
+    "workspace aliases block_table",
+    method="twopass",
+    block=16,
+    workspace=_WS,
+    block_table=_WS.view(2, 3),
+)
+bad("dk.workspace_numel", ValueError, "method", "method typo", method="scan")
+bad("dk.workspace_numel", TypeError, "rows", "rows float", rows=3.0)
+bad("dk.workspace_numel", ValueError, "k", "k negative", k=-1)
+bad("dk.workspace_numel", ValueError, "block", "block 24", block=24)
+for b in ("lk.lse_correct", "lk.lse_merge"):
+    for label, v, exc in [
+        ("3", 3, ValueError),
+        ("0", 0, ValueError),
+        ("512", 512, ValueError),
+        ("float", 4.0, TypeError),
+        ("bool", True, TypeError),
+        ("str", "4", TypeError),
+    ]:
+        bad(b, exc, "block_h", f"block_h={label}", block_h=v)
+    for label, v, exc in [("3", 3, ValueError), ("64", 64, ValueError), ("float", 4.0, TypeError)]:
+        bad(b, exc, "num_warps", f"num_warps={label}", num_warps=v)
+    flag_cases(b, "validate")
+_SHIFT = torch.randn(4, 2, 4, generator=G)
+bad(
+    "lk.lse_correct", ValueError, "corrected", "corrected overlaps out (shifted)", out=_SHIFT[:3], corrected=_SHIFT[1:4]
+)
+_AL = LSE_ALL.clone()
+bad("lk.lse_correct", ValueError, "merged_lse", "merged_lse aliases all_lses", all_lses=_AL, merged_lse=_AL[0])
+_LO = LSE_OUT.clone()
+bad(
+    "lk.lse_correct",
+    ValueError,
+    "merged_lse",
+    "merged_lse inside corrected",
+    out=_LO.clone(),
+    corrected=_LO,
+    merged_lse=_LO[:, :, 0],
+)
+bad(
+    "lk.lse_correct",
+    TypeError,
+    "merged_lse",
+    "float64 merged_lse for float32 LSEs",
+    merged_lse=torch.empty(3, 2, dtype=torch.float64),
+)
+_OS = OUTS.float()
+bad("lk.lse_merge", ValueError, "merged", "merged is a partial", outs=_OS, merged=_OS[0])
+_LS = LSES.float()
+bad("lk.lse_merge", ValueError, "merged_lse", "merged_lse is an LSE row", lses=_LS, merged_lse=_LS[1])
+_SL = i32([[1, -1], [2, 3]])
+bad("fm8.prepare_indices", ValueError, "num_slots", "num_slots negative", num_slots=-1)
+bad("fm8.prepare_indices", TypeError, "num_slots", "num_slots float", num_slots=40.0)
+bad("fm8.prepare_indices", ValueError, "row_state", "row_state aliases slots", slots=_SL, row_state=_SL[0])
+
 
 @pytest.mark.parametrize("fn, kwargs, exc, names", CASES)
 def test_bad_input_raises_naming_the_argument(fn, kwargs, exc, names) -> None:
@@ -714,8 +979,8 @@ def test_pack_validate_false_clamps_like_the_kernel(kernel_device) -> None:
 
 @pytest.mark.parametrize("method", ["rowscan", "twopass", "atomic"])
 def test_deinterleave_validate_false_same_answer_as_the_kernel(kernel_device, method) -> None:
-    """Bad request ids (row of -1), ids past the table, -1 blocks and block ids whose slot overflows
-    int32 (saturated to 2**31 - 1, never wrapped to a small slot): reference == kernel, both dtypes."""
+    """Bad request ids, ids past the table, -1 blocks and block ids whose slot overflows int32: the
+    poison slot 2**31 - 1 (never a plausible small slot, never "not here"), reference == kernel, both dtypes."""
     pytest.importorskip("triton")
     from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
 
@@ -739,11 +1004,13 @@ def test_deinterleave_validate_false_same_answer_as_the_kernel(kernel_device, me
             method=method,
             validate=False,
         )
-        # Row 0: id 4 is on block 2**30, whose slot 2**32 overflows int32: saturated, not wrapped to 0;
-        # id 40 is past the table. Rows 1, 2: bad request ids. Row 3: blocks 0 and 2 of request 1.
-        assert got_c.cpu().tolist() == want_c.tolist() == [4, 0, 0, 6]
+        # Row 0: id 4 is on block 2**30, whose slot 2**32 overflows int32: poisoned, not wrapped to 0; id 40
+        # is past the table: poisoned (a selected key without a block). Rows 1, 2: bad request ids: every
+        # entry poisoned. Row 3: blocks 0 and 2 of request 1.
+        assert got_c.cpu().tolist() == want_c.tolist() == [5, 6, 6, 6]
         assert canonicalize(got_s.cpu(), got_c.cpu()).tolist() == canonicalize(want_s, want_c).tolist()
-        assert sorted(want_s[0, :4].tolist()) == [12, 13, 15, 2**31 - 1]
+        assert sorted(want_s[0, :5].tolist()) == [12, 13, 15, POISON, POISON]
+        assert want_s[1].tolist() == want_s[2].tolist() == [POISON] * 6
         assert sorted(want_s[3, :6].tolist()) == [2, 3, 8, 9, 10, 11]
     with pytest.raises(ValueError, match="exceed int32"):  # validated: the overflow is an error
         global_ids_to_local_slots(i64([[4]]), None, i64([[0, 2**30]]), 4, 1, 0)
@@ -864,9 +1131,13 @@ def test_merge_topk_global_w1_no_shortcut_brute_force() -> None:
 
 
 def brute_slots(ids, req, bt, bs, W, r, I):
+    """-1 not here; the slot; POISON for a bad request id (whole row) or an owned id without a block."""
     out = []
     for t, row in enumerate(ids):
         b = req[t]
+        if not 0 <= b < len(bt):
+            out.append([POISON] * len(row))
+            continue
         res = []
         for g in row:
             if g < 0 or (g // I) % W != r:
@@ -875,7 +1146,7 @@ def brute_slots(ids, req, bt, bs, W, r, I):
             loc = (g // (W * I)) * I + g % I
             j = loc // bs
             blk = bt[b][j] if j < len(bt[b]) else -1
-            res.append(blk * bs + loc % bs if blk >= 0 else -1)
+            res.append(min(blk * bs + loc % bs, POISON) if blk >= 0 else POISON)
         out.append(res)
     return out
 
@@ -894,8 +1165,9 @@ def test_deinterleave_int64_inputs_reference_and_kernel(kernel_device, id_dtype,
     bt = [[5, 2, 7, -1], [0, 3, 1, 4]]
     req = [1, 0, 1]
     want = brute_slots(ids, req, bt, bs, W, r, I)
+    assert any(POISON in row for row in want)  # the -1 block is hit: out of contract, poisoned
     ref = global_ids_to_local_slots(
-        torch.tensor(ids, dtype=id_dtype), i64(req), torch.tensor(bt, dtype=bt_dtype), bs, W, r, I
+        torch.tensor(ids, dtype=id_dtype), i64(req), torch.tensor(bt, dtype=bt_dtype), bs, W, r, I, validate=False
     )
     assert ref.tolist() == want
     s, c = deinterleave_compact(
@@ -906,6 +1178,7 @@ def test_deinterleave_int64_inputs_reference_and_kernel(kernel_device, id_dtype,
         W,
         r,
         I,
+        validate=False,
     )
     assert c.cpu().tolist() == [sum(v >= 0 for v in row) for row in want]
     assert s.cpu().tolist() == [[v for v in row if v >= 0] + [-1] * sum(v < 0 for v in row) for row in want]
@@ -1111,8 +1384,8 @@ def test_gpu_flashinfer_rejects_like_the_reference_and_poisons_unvalidated(cuda_
 
 
 def test_check_block_table_catches_a_table_too_short_for_the_local_length() -> None:
-    """Class 2: the de-interleave stage drops keys past the table ("not here"); the step checks
-    coverage with check_block_table (shapes at plan time, values when validating)."""
+    """Class 2: the de-interleave stage poisons keys past the table; the step checks coverage with
+    check_block_table (shapes at plan time, values when validating)."""
     from dcp_ref.deinterleave import check_block_table
 
     bt = i32([[3, 0, -1], [1, -1, -1]])
@@ -1129,5 +1402,356 @@ def test_check_block_table_catches_a_table_too_short_for_the_local_length() -> N
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
             check_block_table(bt, 4, **kwargs)
-    # The stage itself: a key past a too-short table is "not here" (-1), exactly what the check prevents.
-    assert global_ids_to_local_slots(i64([[12]]), None, bt, 4, 1, 0).tolist() == [[-1]]
+    # The stage itself: a key past a too-short table has no block: poisoned (validate=False) or refused.
+    assert global_ids_to_local_slots(i64([[12]]), None, bt, 4, 1, 0, validate=False).tolist() == [[POISON]]
+    with pytest.raises(ValueError, match=r"^block_table has no block"):
+        global_ids_to_local_slots(i64([[12]]), None, bt, 4, 1, 0)
+
+
+# ================================================================================================
+# By class: the contracts below the planned step, on the reference and its Triton twin.
+# ================================================================================================
+def _deint_impls():
+    """Every de-interleave entry point as ``fn(ids, req, bt, bs, W, r, I, validate) -> (masked slots, counts)``,
+    the masked view of a compacting implementation being its slots re-expanded is not possible: compacting
+    ones are compared through canonicalize()."""
+    from dcp_ref.kernels.deinterleave_triton import (
+        deinterleave_compact,
+        deinterleave_masked_triton,
+        global_ids_to_local_slots_triton,
+    )
+
+    def conv(*a, validate):
+        s = global_ids_to_local_slots_triton(*a, validate=validate)
+        return s, (s >= 0).sum(1, dtype=torch.int32)
+
+    impls = {
+        "ref-compact": (lambda *a, validate: deinterleave_and_compact(*a, validate=validate), True),
+        "ref-masked": (lambda *a, validate: deinterleave_masked(*a, validate=validate), False),
+        "triton-masked": (lambda *a, validate: deinterleave_masked_triton(*a, validate=validate), False),
+        "triton-conversion": (conv, False),
+    }
+    for m in ("rowscan", "twopass", "atomic"):
+        impls[f"triton-{m}"] = (
+            lambda *a, validate, m=m: deinterleave_compact(*a, ordered=m != "atomic", method=m, validate=validate),
+            True,
+        )
+    return impls
+
+
+DEINT_IMPLS = sorted(_deint_impls())
+# (label, ids, req, table, bs, W, r, I, the argument a validated call names)
+OUT_OF_CONTRACT = [
+    ("request id past the table", [[2, 3, 0, -1]], [2], [[5, 1]], 2, 2, 1, 1, "req_of_token"),
+    ("negative request id", [[-1, -1, -1, -1]], [-1], [[5, 1]], 2, 2, 1, 1, "req_of_token"),
+    ("owned id on a -1 block", [[1, 3, 5, 0]], [0], [[5, -1]], 2, 2, 1, 1, "block_table"),
+    ("owned id on a -5 block", [[1, 3, 5, 0]], [0], [[5, -5]], 2, 2, 1, 1, "block_table"),
+    ("owned id past the table", [[1, 9, 0, 2]], [0], [[5, 6]], 2, 2, 1, 1, "block_table"),
+    ("owned id, 0-column table", [[1, 0, 2, 4]], [0], [[]], 2, 2, 1, 1, "block_table"),
+    ("slot past int32", [[1, 3, 0, 2]], [0], [[2**30, 1]], 2, 2, 1, 1, "block_table"),
+    ("slot reaching 2**31 - 1", [[3, 1, 0, 2]], [0], [[2**30 - 1, 7]], 2, 2, 1, 1, "block_table"),
+]
+
+
+@pytest.mark.parametrize("impl", DEINT_IMPLS)
+@pytest.mark.parametrize("case", OUT_OF_CONTRACT, ids=[c[0] for c in OUT_OF_CONTRACT])
+def test_class1_validate_false_poisons_out_of_contract_metadata(kernel_device, impl, case) -> None:
+    """validate=False never answers "not here" (-1) for metadata out of contract: the poison slot 2**31 - 1,
+    counted like a slot (reference and kernels, compact and masked); validate=True raises naming the argument."""
+    _label, ids, req, table, bs, W, r, I, name = case
+    fn, compact = _deint_impls()[impl]
+    want = brute_slots(ids, req, table, bs, W, r, I)
+    assert any(POISON in row for row in want)
+    dev = kernel_device if impl.startswith("triton") else torch.device("cpu")
+    args = (i64(ids).to(dev), i32(req).to(dev), i64(table).view(len(table), -1).to(dev), bs, W, r, I)
+    slots, counts = fn(*args, validate=False)
+    slots, counts = slots.cpu(), counts.cpu()
+    assert counts.tolist() == [sum(v >= 0 for v in row) for row in want]
+    if compact:
+        exp = [sorted(v for v in row if v >= 0) + [-1] * sum(v < 0 for v in row) for row in want]
+        assert canonicalize(slots, counts).tolist() == exp
+    else:
+        assert slots.tolist() == want
+    with pytest.raises(ValueError) as info:
+        fn(*args, validate=True)
+    assert str(info.value).startswith(name), str(info.value)
+
+
+def test_class1_poison_slot_is_named_once_and_turns_the_row_into_nan() -> None:
+    """POISON_SLOT is the rule's one constant; every attention reference poisons a row that holds it
+    (compact and masked layouts, float and FP8 caches), so the token's merged output is NaN."""
+    from dcp_ref.deinterleave import POISON_SLOT, poisoned_rows
+
+    assert POISON_SLOT == POISON
+    slots, counts = i32([[1, POISON, -1], [4, 2, -1]]), i32([2, 2])
+    assert poisoned_rows(slots, counts).tolist() == [True, False]
+    assert poisoned_rows(slots, i32([1, 2])).tolist() == [False, False]  # past the count: not read
+    out, lse = sparse_mla_attention(Q, KV, slots, counts, 0.5, v_dim=6, validate=False)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all() and torch.isfinite(lse[1]).all()
+    with pytest.raises(ValueError, match=r"^slots"):
+        sparse_mla_attention(Q, KV, slots, counts, 0.5, v_dim=6)
+    q8 = torch.randn(2, 2, 576, generator=G)
+    kv8 = quantize_kv_fp8(torch.randn(10, 576, generator=G))
+    for layout, c in (("masked", None), ("compact", counts)):
+        o, l = sparse_mla_attention_fp8(q8, kv8, slots, c, 0.1, attention_layout=layout, validate=False)
+        assert torch.isnan(o[0]).all() and torch.isnan(l[0]).all() and torch.isfinite(l[1]).all()
+    # The chain a token goes through: de-interleave (bad request id) -> attention -> merge: NaN for it only.
+    s2, c2 = deinterleave_and_compact(i64([[0, 1], [0, 1]]), i32([0, 5]), i32([[2]]), 2, 1, 0, validate=False)
+    o2, l2 = sparse_mla_attention(Q, KV, s2, c2, 0.5, v_dim=6, validate=False)
+    mo, ml = merge_partials(torch.stack([o2, torch.zeros_like(o2)]), torch.stack([l2, torch.full_like(l2, -INF)]))
+    assert torch.isfinite(ml[0]).all() and torch.isnan(ml[1]).all() and torch.isnan(mo[1]).all()
+
+
+def test_class1_the_kernel_attention_prologues_poison_the_poison_slot(kernel_device) -> None:
+    """FlashMLA's two wrappers hand the kernel an in-range index for the poison slot and flag its row."""
+    from dcp_ref.kernels.flashmla_fp8 import ROW_POISONED, ROW_READ, prepare_indices
+    from dcp_ref.kernels.flashmla_sparse import _prologue_kernel, _prologue_torch
+
+    slots, counts = i32([[1, POISON, -1], [4, 2, -1]]), i32([2, 2])
+    idx, state = prepare_indices(slots.to(kernel_device), None, 10)
+    assert state.cpu().tolist() == [ROW_POISONED, ROW_READ] and int(idx.max()) < 10
+    safe, _cnt, poisoned = _prologue_torch(slots, counts, 10, 128)
+    assert poisoned.tolist() == [1, 0] and int(safe.max()) < 10
+    safe_k = torch.empty(2, 128, dtype=torch.int32, device=kernel_device)
+    cnt_k, pois_k = (
+        torch.empty(2, dtype=torch.int32, device=kernel_device),
+        torch.empty(2, dtype=torch.int32, device=kernel_device),
+    )
+    s_d, c_d = slots.to(kernel_device), counts.to(kernel_device)
+    _prologue_kernel[(2,)](s_d, c_d, safe_k, cnt_k, pois_k, 3, 128, 10, s_d.stride(0), s_d.stride(1), BLOCK=128)
+    assert pois_k.cpu().tolist() == [1, 0] and torch.equal(safe_k.cpu(), safe)
+
+
+# ---- class 2: valid edges -----------------------------------------------------------------------
+@pytest.mark.parametrize("impl", DEINT_IMPLS)
+def test_class2_deinterleave_empty_batches_and_zero_column_tables(kernel_device, impl) -> None:
+    fn, _ = _deint_impls()[impl]
+    dev = kernel_device if impl.startswith("triton") else torch.device("cpu")
+    for ids, req, table in [
+        (i64([]).view(0, 4), i32([]), i64([[3, 1]])),  # T = 0
+        (i64([]).view(0, 4), i32([]), i64([]).view(0, 2)),  # T = 0, B = 0
+        (i64([]).view(0, 0), None, i64([]).view(0, 0)),  # nothing at all
+        (i64([[1, 3, -1]]), i32([0]), i64([]).view(1, 0)),  # a 0-column table, no owned id: valid
+        (i64([[-1] * 3] * 2), None, i64([]).view(2, 0)),  # 0 columns, nothing selected
+        (i64([[], []]).view(2, 0), None, i64([[1], [2]])),  # K = 0
+    ]:
+        for validate in (True, False):
+            s, c = fn(ids.to(dev), None if req is None else req.to(dev), table.to(dev), 2, 2, 0, 1, validate=validate)
+            assert tuple(s.shape) == tuple(ids.shape) and tuple(c.shape) == (ids.shape[0],)
+            assert (s.cpu() == -1).all() and (c.cpu() == 0).all()
+
+
+def test_class2_k_larger_than_the_row_and_w1_brute_force(kernel_device) -> None:
+    g = torch.tensor([[[0.5, 3.0], [-0.0, 1.0]]])  # one row, two candidates
+    assert stable_topk(g, 5, sorted=True).tolist() == [[3, 1, -1, -1, -1]]
+    assert global_topk_all_logits(f32([[0.5, 0.0]]), 4).tolist() == [[0, 1, -1, -1]]
+    assert local_topk(f32([[0.5, -0.0, 1.0]]), 7, i64([3])).tolist() == [[2, 0, 1, -1, -1, -1, -1]]
+    from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
+    from dcp_ref.kernels.lse_merge_triton import lse_correct, lse_merge
+
+    # W = 1 de-interleave: every id is this rank's
+    s, c = deinterleave_compact(i64([[3, -1, 0]]).to(kernel_device), None, i64([[4, 7]]).to(kernel_device), 2, 1, 0)
+    assert s.cpu().tolist() == [[7 * 2 + 1, 4 * 2 + 0, -1]] and c.cpu().tolist() == [2]
+    # W = 1 merge: the output itself, the LSE itself (reference and kernel)
+    o1, l1 = OUTS[:1].float(), LSES[:1].float()
+    mo, ml = lse_merge(o1.to(kernel_device), l1.to(kernel_device), merged_lse=torch.empty(3, 2, device=kernel_device))
+    assert torch.allclose(mo.cpu(), o1[0]) and torch.allclose(ml.cpu(), l1[0])
+    co, cl = lse_correct(
+        o1[0].to(kernel_device), l1.to(kernel_device), 0, merged_lse=torch.empty(3, 2, device=kernel_device)
+    )
+    assert torch.allclose(co.cpu(), o1[0]) and torch.allclose(cl.cpu(), l1[0])
+
+
+# ---- class 3: out= aliasing is refused everywhere, exact in-place where documented ---------------
+def test_class3_check_no_alias_is_exact_about_memory() -> None:
+    from dcp_ref._checks import check_no_alias
+
+    base = torch.zeros(4, 2)
+    check_no_alias(base[:, 0], "out", x=base[:, 1])  # interleaved columns share no byte
+    check_no_alias(base[:2], "out", x=base[2:])  # disjoint slices
+    check_no_alias(torch.zeros(0), "out", x=base)  # empty: nothing to overlap
+    check_no_alias(base, "out", same_ok=("x",), x=base)  # documented in place: exactly the same view
+    for other in (base, base[1:3], base[:, 1], base.t()):
+        with pytest.raises(ValueError, match=r"^out must not share memory with x"):
+            check_no_alias(base, "out", x=other)
+    with pytest.raises(ValueError, match=r"^out must not share memory with x .*exactly"):
+        check_no_alias(base[1:], "out", same_ok=("x",), x=base[:3])  # a shifted in-place view races
+
+
+def test_class3_lse_correct_in_place_is_allowed_exactly() -> None:
+    from dcp_ref.kernels.lse_merge_triton import lse_correct
+
+    x = OUTS[0].float().clone()
+    want, _ = correct_partial(OUTS[0].float(), LSES.float(), 1)
+    res, _ = lse_correct(x, LSES.float(), 1, corrected=x)
+    assert res.data_ptr() == x.data_ptr() and torch.allclose(x, want, atol=1e-6)
+
+
+# ---- class 4: numerical extremes of the merge ---------------------------------------------------
+def _brute_merge(lses: list[float], outs: list[float], base: str) -> tuple[float, float]:
+    b = math.e if base == "e" else 2.0
+    m = max(lses)
+    w = [b ** (x - m) for x in lses]
+    total = sum(w)
+    lse = m + math.log(total, b)
+    return sum(wi / total * o for wi, o in zip(w, outs)), lse
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inside the interpreter: -inf lanes of -3.3e38 - 3.3e38
+@pytest.mark.parametrize("base", ["e", "2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_class4_lses_near_the_float32_maximum_merge_finite(kernel_device, base, dtype) -> None:
+    """3.0e38 and 3.3e38 (finite in float32; 3.3e38 * log2(e) is not): the max is subtracted first."""
+    from dcp_ref.kernels.lse_merge_triton import lse_correct, lse_merge
+
+    lv = [[3.0e38, 3.3e38, -3.3e38], [3.3e38, 3.0e38, 3.3e38]]  # [W=2, H=3]
+    ov = [2.0, -1.0]
+    lses = torch.tensor(lv, dtype=dtype).view(2, 1, 3)
+    outs = torch.tensor(ov).view(2, 1, 1, 1).expand(2, 1, 3, 2).contiguous()
+    want = [_brute_merge([float(torch.tensor(lv[w][h], dtype=dtype)) for w in range(2)], ov, base) for h in range(3)]
+    ref_o, ref_l = merge_partials(outs, lses, base)
+    ker_o, ker_l = lse_merge(
+        outs.to(kernel_device),
+        lses.to(kernel_device),
+        base=base,
+        merged_lse=torch.empty(1, 3, dtype=dtype, device=kernel_device),
+    )
+    for o, l in ((ref_o, ref_l), (ker_o.cpu(), ker_l.cpu())):
+        assert torch.isfinite(o).all() and torch.isfinite(l).all()
+        for h, (wo, wl) in enumerate(want):
+            assert o[0, h, 0].item() == pytest.approx(wo, rel=1e-6)
+            assert l[0, h].item() == pytest.approx(wl, rel=1e-6)
+    acc = sum(
+        lse_correct(outs[r].to(kernel_device), lses.to(kernel_device), r, base=base)[0].cpu().double() for r in range(2)
+    )
+    assert torch.allclose(acc, ref_o.double(), rtol=1e-6)
+    c, m = correct_partial(outs[1], lses, 1, base)
+    assert torch.isfinite(c).all() and torch.isfinite(m).all()
+
+
+def test_class4_float64_lses_are_not_rounded_to_float32(kernel_device) -> None:
+    """1e10 + 0.5 against 1e10: float32 rounds both to 1e10 (weights 1/2, 1/2); the true weights are
+    e^0.5 / (1 + e^0.5) and 1 / (1 + e^0.5). The reference keeps float64; the kernel subtracts in float64."""
+    from dcp_ref.kernels.lse_merge_triton import lse_correct, lse_merge
+
+    lses = torch.tensor([1e10 + 0.5, 1e10], dtype=torch.float64).view(2, 1, 1)
+    outs = torch.tensor([1.0, 0.0]).view(2, 1, 1, 1)
+    w0 = math.exp(0.5) / (1 + math.exp(0.5))
+    lse = 1e10 + 0.5 + math.log(1 + math.exp(-0.5))
+    ref_o, ref_l = merge_partials(outs, lses)
+    assert (
+        ref_o.item() == pytest.approx(w0, rel=1e-6)
+        and ref_l.dtype == torch.float64
+        and ref_l.item() == pytest.approx(lse, rel=1e-15)
+    )
+    ml = torch.empty(1, 1, dtype=torch.float64, device=kernel_device)
+    ker_o, _ = lse_merge(outs.to(kernel_device), lses.to(kernel_device), merged_lse=ml)
+    assert ker_o.item() == pytest.approx(w0, rel=1e-6) and ml.item() == pytest.approx(lse, rel=1e-12)
+    c, _ = lse_correct(outs[0].to(kernel_device), lses.to(kernel_device), 0)
+    assert c.item() == pytest.approx(w0, rel=1e-6)
+
+
+# ---- class 6: a validated call reads the host once ----------------------------------------------
+_SYNC_OPS = {
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::is_nonzero",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::unique",
+    "aten::_unique2",
+    "aten::equal",
+}
+
+
+def _host_reads(fn) -> list[str]:
+    """Host reads of ``fn()``: aten ops that read a value (as dcp_ref.step.HostSyncCounter) plus
+    ``Tensor.tolist`` calls (CPU tensors read by tolist go through no dispatch)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads: list[str] = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func._schema.name in _SYNC_OPS:
+                reads.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    orig = torch.Tensor.tolist
+
+    def tolist(self, *a, **k):  # type: ignore[no-untyped-def]
+        reads.append("tolist")
+        return orig(self, *a, **k)
+
+    torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    try:
+        with Mode():
+            fn()
+    finally:
+        torch.Tensor.tolist = orig  # type: ignore[method-assign]
+    return reads
+
+
+def _validated_calls(dev):
+    from dcp_ref.fp8_cache import check_fp8_slots
+    from dcp_ref.kernels.deinterleave_triton import deinterleave_compact, deinterleave_masked_triton
+    from dcp_ref.kernels.flashmla_fp8 import prepare_indices, validate_from_row_state
+
+    c = lambda t: t.to(dev)  # noqa: E731
+    ids, req, bt = c(TOKEN_IDS), c(REQ), c(BLOCK_TABLE)
+    sl = c(i32([[1, -1], [2, 3]]))
+    _, state = prepare_indices(sl, None, 40)
+    return {
+        "deinterleave (reference)": lambda: deinterleave_and_compact(ids, req, bt, 4, 2, 0, 2),
+        "deinterleave (kernel, compact)": lambda: deinterleave_compact(ids, req, bt, 4, 2, 0, 2),
+        "deinterleave (kernel, masked)": lambda: deinterleave_masked_triton(ids, req, bt, 4, 2, 0, 2),
+        "pack": lambda: pack_candidates(LOGITS, LOCAL_IDS, 1, 2),
+        "select": lambda: stable_topk(GATHERED, 3),
+        "attention": lambda: sparse_mla_attention(Q, KV, SLOTS, COUNTS, 0.5, v_dim=6),
+        "fp8 slots (masked)": lambda: check_fp8_slots(sl, None, 40),
+        "fp8 slots (compact)": lambda: check_fp8_slots(sl, c(i32([1, 2])), 40, "compact"),
+        "FlashMLA FP8 (from the prologue)": lambda: validate_from_row_state(sl, None, 40, "masked", state),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_validated_calls(torch.device("cpu"))))
+def test_class6_a_validated_call_reads_the_host_once(kernel_device, name) -> None:
+    calls = _validated_calls(kernel_device)
+    calls[name]()  # warm (Triton compiles once)
+    assert len(_host_reads(calls[name])) == 1, _host_reads(calls[name])
+
+
+def test_class6_flashmla_sparse_validates_from_its_prologue(monkeypatch) -> None:
+    """The FlashMLA stage's validated call (opt-in: the stage runs it unvalidated) reads what its prologue
+    computed, once, and raises the reference's message; the kernel is never reached with a bad input."""
+    import types
+
+    from dcp_ref.kernels import flashmla_sparse as fm
+
+    reached: list = []
+
+    def fake_fwd(q, kv, indices, sm_scale, d_v, topk_length, use_legacy):  # noqa: ANN001, ANN202
+        reached.append(True)
+        T, H = q.shape[:2]
+        return torch.zeros(T, H, d_v, dtype=q.dtype), torch.zeros(T, H), torch.zeros(T, H)
+
+    monkeypatch.setattr(fm, "_flash_mla", lambda: types.SimpleNamespace(flash_mla_sparse_fwd=fake_fwd))
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    for slots, counts in [
+        (i32([[1, 4, 12], [7, -1, -1]]), i32([3, 1])),  # a used slot past the cache
+        (i32([[1, 4, POISON], [7, -1, -1]]), i32([3, 1])),  # the de-interleave's poison slot
+        (i32([[1, 4, 2], [7, -1, -1]]), i32([4, 1])),  # counts past K
+        (i32([[1, 4, 2], [7, -1, -1]]), i32([3, -1])),  # a negative count
+    ]:
+        with pytest.raises(ValueError) as ref:
+            sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.5, v_dim=512)
+        with pytest.raises(ValueError) as ker:
+            fm.sparse_mla_flashmla(q, kv, slots, counts, 0.5, validate=True)
+        assert str(ker.value) == str(ref.value) and not reached
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.5)  # unvalidated: poisoned on the device, no raise
+        reached.clear()
+    good = (i32([[1, 4, 2], [7, -1, -1]]), i32([3, 1]))
+    fm.sparse_mla_flashmla(q, kv, *good, 0.5, validate=True)
+    assert len(_host_reads(lambda: fm.sparse_mla_flashmla(q, kv, *good, 0.5, validate=True))) == 1
+    assert _host_reads(lambda: fm.sparse_mla_flashmla(q, kv, *good, 0.5)) == []

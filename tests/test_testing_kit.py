@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -262,8 +263,9 @@ def test_triton_deinterleave_conforms(interp: torch.device, method: str, ordered
     from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
 
     def fn(ids, req, table, g):  # type: ignore[no-untyped-def]
-        return deinterleave_compact(
-            ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered, method=method
+        return deinterleave_compact(  # the stage's semantics: validate=False (poison, never raise)
+            ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered, method=method,
+            validate=False,
         )
 
     check_deinterleave(fn, ordered=ordered, device=interp, max_examples=FAST)
@@ -274,7 +276,9 @@ def test_triton_conversion_kernel_conforms_to_the_masked_layout(interp: torch.de
 
     def fn(ids, req, table, g, compact=True):  # type: ignore[no-untyped-def]
         assert compact is False
-        s = global_ids_to_local_slots_triton(ids, req, table, g.block_size, g.world_size, g.rank, g.interleave)
+        s = global_ids_to_local_slots_triton(
+            ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
+        )
         return s, (s >= 0).sum(1, dtype=torch.int32)
 
     check_deinterleave(fn, compact=False, device=interp, max_examples=FAST)
@@ -286,7 +290,9 @@ def test_triton_masked_kernel_conforms_to_the_masked_layout(interp: torch.device
 
     def fn(ids, req, table, g, compact=True):  # type: ignore[no-untyped-def]
         assert compact is False
-        return deinterleave_masked_triton(ids, req, table, g.block_size, g.world_size, g.rank, g.interleave)
+        return deinterleave_masked_triton(
+            ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
+        )
 
     check_deinterleave(fn, compact=False, device=interp, max_examples=FAST)
 
@@ -354,11 +360,14 @@ def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
     from dcp_ref.kernels.lse_merge_triton import lse_correct
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
-    check_pack(pack_candidates_triton, device=cuda_device, dtypes=(torch.float32, torch.bfloat16), max_examples=GPU_EXAMPLES)
+    check_pack(
+        pack_candidates_triton, device=cuda_device, dtypes=(torch.float32, torch.bfloat16), max_examples=GPU_EXAMPLES
+    )
     for method, ordered in (("rowscan", True), ("twopass", True), ("atomic", False)):
         check_deinterleave(
             lambda i, r, t, g, ordered=ordered, method=method: deinterleave_compact(
-                i, r, t, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered, method=method
+                i, r, t, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered, method=method,
+                validate=False,  # the stage's semantics: out-of-contract metadata poisons, never raises
             ),
             ordered=ordered,
             device=cuda_device,
@@ -962,3 +971,519 @@ def test_a_check_does_not_depend_on_which_local_modules_are_loaded(tmp_path, mon
 
     importlib.import_module("kit_consts_mod")
     assert counterexample() == before
+
+
+# ---- the mutation test: >= 30 deliberately wrong stage implementations, each caught by its checker ------
+# Each mutant is a small, plausible bug (the kind a kernel port makes), module-level so that a reproducer
+# could import it. The kit must flag every one with a small budget (a few drawn cases plus the adversarial
+# ones of dcp_ref.testing.strategies), and the correct implementations must pass with the same budget.
+MUT_EXAMPLES, MUT_SHRINK = 12, 0  # no shrinking: the first failing case is enough here
+POISON = 2**31 - 1  # the de-interleave poison slot, restated independently of the code under test
+
+
+def _sel(gathered: torch.Tensor, k: int, **kw: Any) -> torch.Tensor:
+    from dcp_ref.topk import stable_topk
+
+    return stable_topk(gathered, k, sorted=True, **kw)
+
+
+def _rows(gathered: torch.Tensor) -> torch.Tensor:
+    w, t, kk, _ = gathered.shape
+    return gathered.permute(1, 0, 2, 3).reshape(t, w * kk, 2)
+
+
+def mut_select_position_ties(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """Unstable ties: equal scores keep their position in the gathered buffer, not the lower id."""
+    c = _rows(gathered)
+    s, ids = c[..., 0], c[..., 1]
+    valid = (ids >= 0) & ~torch.isnan(s)
+    key = torch.where(valid, s.double(), -math.inf)
+    key = torch.where(key == 0, 0.0, key)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices
+    kk = min(k, c.shape[1])
+    picked = torch.gather(torch.where(valid, ids, -1.0), 1, order[:, :kk]).to(torch.int32)
+    picked = torch.where(torch.gather(valid, 1, order[:, :kk]), picked, -1)
+    out = torch.full((c.shape[0], k), -1, dtype=torch.int32)
+    out[:, :kk] = picked
+    return out
+
+
+def mut_select_signed_zero_below_zero(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """-0.0 ordered below +0.0 (the float's bits taken as they are)."""
+    g = gathered.clone()
+    s = g[..., 0]
+    g[..., 0] = torch.where((s == 0) & torch.signbit(s), torch.tensor(-1e-45), s)
+    return _sel(g, k)
+
+
+def mut_select_nan_as_valid(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """A NaN score read as the largest one (NaN-unaware max)."""
+    g = gathered.clone()
+    g[..., 0] = torch.nan_to_num(g[..., 0], nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    return _sel(g, k)
+
+
+def mut_select_dropping_neg_inf(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """A -inf score taken for "invalid" (it is a valid, very low score)."""
+    g = gathered.clone()
+    g[..., 0] = torch.where(g[..., 0] == -math.inf, math.nan, g[..., 0])
+    return _sel(g, k)
+
+
+def mut_select_k_minus_one(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """An off-by-one bound: k - 1 winners."""
+    out = torch.full((gathered.shape[1], k), -1, dtype=torch.int32)
+    if k > 1:
+        out[:, : k - 1] = _sel(gathered, k - 1)
+    return out
+
+
+def mut_select_invalid_id_selected(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """A candidate with id -1 judged by its score alone (valid when the score is)."""
+    g = gathered.clone()
+    g[..., 1] = torch.where(g[..., 1] < 0, float(2**24 - 1), g[..., 1])
+    return _sel(g, k)
+
+
+def mut_select_int64(gathered: torch.Tensor, k: int) -> torch.Tensor:
+    """The right ids in the wrong dtype (int64, the protocol says int32)."""
+    return _sel(gathered, k).long()
+
+
+def mut_select_ignoring_out(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Accepts out= and returns a new tensor without writing it."""
+    return _sel(gathered, k)
+
+
+def mut_local_topk_ignoring_row_starts(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None
+) -> torch.Tensor:
+    """Reads every row from column 0 (row_starts ignored), clamped to stay in the tensor."""
+    from dcp_ref.indexer import local_topk
+
+    return local_topk(scores, k, torch.minimum(lengths, torch.full_like(lengths, scores.shape[1])), None)
+
+
+def mut_local_topk_nan_as_valid(
+    scores: torch.Tensor, k: int, lengths: torch.Tensor, row_starts: torch.Tensor | None
+) -> torch.Tensor:
+    """NaN scores (masked keys) ranked as the largest."""
+    from dcp_ref.indexer import local_topk
+
+    return local_topk(torch.nan_to_num(scores, nan=math.inf), k, lengths, row_starts)
+
+
+def mut_indexer_ignoring_interleave(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    row_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The local top-K right, the global ids computed with I = 1."""
+    from dcp_ref.indexer import local_topk
+    from dcp_ref.topk import pack_candidates
+
+    g = geometry
+    ids = local_topk(scores, k, lengths, row_starts)
+    return pack_candidates(scores, ids, g.rank, g.world_size, 1, row_starts)
+
+
+def _pack_with_ids(scores, local_ids, rank, world_size, interleave, row_starts, gid_fn):  # type: ignore[no-untyped-def]
+    from dcp_ref.topk import pack_candidates
+
+    out = pack_candidates(scores, local_ids, rank, world_size, interleave, row_starts)
+    j = local_ids.long()
+    out[..., 1] = torch.where(j >= 0, gid_fn(j).to(torch.float32), out[..., 1])
+    return out
+
+
+def mut_pack_swapped_rank_and_world(scores, local_ids, rank, world_size, interleave, row_starts):  # type: ignore[no-untyped-def]
+    """The global id with rank and world size swapped in the formula."""
+    w, r, i = world_size, rank, interleave
+    return _pack_with_ids(scores, local_ids, r, w, i, row_starts, lambda j: (j // i) * (r * i) + w * i + j % i)
+
+
+def mut_pack_wrong_owner_formula(scores, local_ids, rank, world_size, interleave, row_starts):  # type: ignore[no-untyped-def]
+    """rank instead of rank * I: right only for I = 1 or rank 0."""
+    w, r, i = world_size, rank, interleave
+    return _pack_with_ids(scores, local_ids, r, w, i, row_starts, lambda j: (j // i) * (w * i) + r + j % i)
+
+
+def mut_pack_invalid_as_zero(scores, local_ids, rank, world_size, interleave, row_starts):  # type: ignore[no-untyped-def]
+    """An empty slot packed as (0.0, -1) instead of (-inf, -1)."""
+    from dcp_ref.topk import pack_candidates
+
+    out = pack_candidates(scores, local_ids, rank, world_size, interleave, row_starts)
+    out[..., 0] = torch.where(local_ids < 0, 0.0, out[..., 0])
+    return out
+
+
+def _deint(global_ids, req_of_token, block_table, g, compact=True, rank=None, interleave=None):  # type: ignore[no-untyped-def]
+    from dcp_ref.deinterleave import deinterleave_and_compact, deinterleave_masked
+
+    fn = deinterleave_and_compact if compact else deinterleave_masked
+    r = g.rank if rank is None else rank
+    i = g.interleave if interleave is None else interleave
+    return fn(global_ids, req_of_token, block_table, g.block_size, g.world_size, r, i, validate=False)
+
+
+def _recompact(slots: torch.Tensor, compact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from dcp_ref.deinterleave import compact_to_front
+
+    if compact:
+        return compact_to_front(slots, validate=False)
+    return slots, (slots >= 0).sum(1, dtype=torch.int32)
+
+
+def mut_deinterleave_duplicating_a_slot(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """A row with room left repeats its first slot once more (a scatter that writes one entry twice)."""
+    slots, counts = _deint(global_ids, req_of_token, block_table, geometry)
+    slots, counts = slots.clone(), counts.clone()
+    for t in range(slots.shape[0]):
+        c = int(counts[t])
+        if 0 < c < slots.shape[1]:
+            slots[t, c] = slots[t, 0]
+            counts[t] += 1
+    if not compact:
+        return _deint(global_ids, req_of_token, block_table, geometry, compact=False)[0], counts
+    return slots, counts
+
+
+def mut_deinterleave_losing_a_slot(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """The first slot of every non-empty row lost (overwritten with -1), the count unchanged."""
+    slots, counts = _deint(global_ids, req_of_token, block_table, geometry, compact)
+    slots = slots.clone()
+    for t in range(slots.shape[0]):
+        nz = (slots[t] >= 0).nonzero()
+        if nz.numel():
+            slots[t, int(nz[0])] = -1
+    return slots, counts
+
+
+def mut_deinterleave_poison_as_not_here(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """The old rule: a key without a block and a bad request id give -1 ("not here"), a plausible empty row."""
+    slots, _ = _deint(global_ids, req_of_token, block_table, geometry, compact=False)
+    return _recompact(torch.where(slots == POISON, -1, slots), compact)
+
+
+def mut_deinterleave_bad_request_as_empty(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """Only a bad request id reads as an empty row (missing blocks still poisoned)."""
+    slots, _ = _deint(global_ids, req_of_token, block_table, geometry, compact=False)
+    bad = ((req_of_token < 0) | (req_of_token >= block_table.shape[0])).unsqueeze(1)
+    return _recompact(torch.where(bad, -1, slots), compact)
+
+
+def mut_deinterleave_ignoring_interleave(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """Owner and local index computed with I = 1."""
+    return _deint(global_ids, req_of_token, block_table, geometry, compact, interleave=1)
+
+
+def mut_deinterleave_wrong_rank(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """The next rank's ids (rank and world size mixed up: rank + 1 mod W)."""
+    g = geometry
+    return _deint(global_ids, req_of_token, block_table, g, compact, rank=(g.rank + 1) % g.world_size)
+
+
+def mut_deinterleave_table_bound_off_by_one(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """The last block-table column taken for past the table (a `<` that should be `<=`)."""
+    return _deint(global_ids, req_of_token, block_table[:, :-1], geometry, compact)
+
+
+def mut_deinterleave_counts_without_poison(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """Counts that skip the poison slot (the attention then never reads it: poison lost)."""
+    slots, _ = _deint(global_ids, req_of_token, block_table, geometry, compact)
+    return slots, ((slots >= 0) & (slots != POISON)).sum(1, dtype=torch.int32)
+
+
+def mut_deinterleave_counts_int64(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """The right counts in the wrong dtype."""
+    slots, counts = _deint(global_ids, req_of_token, block_table, geometry, compact)
+    return slots, counts.long()
+
+
+def mut_deinterleave_sorted_when_ordered(global_ids, req_of_token, block_table, geometry, compact=True):  # type: ignore[no-untyped-def]
+    """The atomic kernel's canonical form (valid slots ascending) where top-K order is required."""
+    from dcp_ref.deinterleave import compact_to_front
+
+    slots, _ = _deint(global_ids, req_of_token, block_table, geometry, compact=False)
+    return compact_to_front(slots, ordered=False, validate=False)
+
+
+def _attn(q, kv_cache, slots, counts, sm_scale, v_dim, base="e"):  # type: ignore[no-untyped-def]
+    from dcp_ref.attention import sparse_mla_attention
+
+    return sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, base, v_dim=v_dim, validate=False)
+
+
+def mut_attention_without_max_subtraction(q, kv_cache, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
+    """softmax as exp(s) / sum exp(s) in float32: overflows on large scores."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, v_dim)
+    lse = torch.full((T, H), -math.inf)
+    for t in range(T):
+        n = int(counts[t])
+        if not n:
+            continue
+        keys = kv_cache[slots[t, :n].long()].float()
+        s = (q[t].float() @ keys.T) * sm_scale
+        e = torch.exp(s)
+        out[t] = (e / e.sum(-1, keepdim=True)) @ keys[:, :v_dim]
+        lse[t] = torch.log(e.sum(-1))
+    return out, lse
+
+
+def mut_attention_empty_lse_zero(q, kv_cache, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
+    """An empty row's LSE reported as 0 (it must be -inf: the merge's "empty")."""
+    out, lse = _attn(q, kv_cache, slots, counts, sm_scale, v_dim)
+    return out, torch.where((counts == 0).unsqueeze(1), 0.0, lse)
+
+
+def mut_attention_reading_past_counts(q, kv_cache, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
+    """Every in-range entry of the row read, the padding past counts[t] included."""
+    readable = (slots >= 0) & (slots < kv_cache.shape[0])
+    return _attn(q, kv_cache, torch.where(readable, slots, 0), torch.full_like(counts, slots.shape[1]), sm_scale, v_dim)
+
+
+def mut_attention_ignoring_sm_scale(q, kv_cache, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
+    """The softmax scale dropped."""
+    return _attn(q, kv_cache, slots, counts, 1.0, v_dim)
+
+
+def mut_attention_v_dim_short(q, kv_cache, slots, counts, sm_scale, v_dim):  # type: ignore[no-untyped-def]
+    """An off-by-one value width."""
+    out, lse = _attn(q, kv_cache, slots, counts, sm_scale, v_dim)
+    return out[..., : v_dim - 1], lse
+
+
+def _correct(partial, all_lse, rank, base="e"):  # type: ignore[no-untyped-def]
+    from dcp_ref.lse import correct_partial
+
+    return correct_partial(partial, all_lse, rank, base)
+
+
+def mut_merge_plus_inf_as_empty(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+    """NaN and +inf LSEs read as "empty" (sanitize_lse): corrupt data vanishes."""
+    from dcp_ref.lse import sanitize_lse
+
+    return _correct(partial, sanitize_lse(all_lse), rank)
+
+
+def mut_merge_nan_lse_as_empty(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+    """Only a NaN LSE read as "empty"."""
+    return _correct(partial, torch.where(torch.isnan(all_lse), -math.inf, all_lse), rank)
+
+
+def mut_merge_without_max_subtraction(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+    """w_r = exp(lse_r) / sum exp(lse): overflows at LSE 1000."""
+    lse = all_lse.double()
+    e = torch.exp(lse)
+    total = e.sum(0)
+    w = e[rank] / total
+    out = torch.where((lse[rank] == -math.inf).unsqueeze(-1), 0.0, w.unsqueeze(-1) * partial.double())
+    return out.to(partial.dtype), torch.log(total).float()
+
+
+def mut_merge_base2_before_max(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+    """The LSEs turned to base 2 in float32 before the max is subtracted: 3.3e38 * log2(e) overflows."""
+    x = all_lse.float()
+    corrupt = torch.isnan(x) | (x == math.inf)
+    x2 = torch.where(corrupt, -math.inf, x) * (1.0 / math.log(2.0))  # float32
+    m = x2.amax(0)
+    m = torch.where(m > -math.inf, m, 0.0)
+    e = torch.exp2(x2 - m)
+    e = torch.where(corrupt, math.nan, e)
+    total = e.sum(0)
+    out = torch.where((x[rank] == -math.inf).unsqueeze(-1), 0.0, (e[rank] / total).unsqueeze(-1) * partial.float())
+    merged = torch.where(total == 0, -math.inf, (m + torch.log2(total)) * math.log(2.0))
+    return out.to(partial.dtype), merged
+
+
+def mut_merge_ignoring_out(partial, all_lse, rank, *, out=None, out_lse=None):  # type: ignore[no-untyped-def]
+    """Accepts out= / out_lse= and writes neither."""
+    return _correct(partial, all_lse, rank)
+
+
+def _check(name: str) -> Callable[..., None]:
+    kw = dict(max_examples=MUT_EXAMPLES, shrink_budget=MUT_SHRINK)
+    return {
+        "select": lambda fn: check_select(fn, **kw),
+        "local_topk": lambda fn: check_local_topk(fn, **kw),
+        "indexer": lambda fn: check_indexer(fn, **kw),
+        "pack": lambda fn: check_pack(fn, **kw),
+        "deinterleave": lambda fn: check_deinterleave(fn, ordered=True, **kw),
+        "deinterleave_masked": lambda fn: check_deinterleave(fn, compact=False, **kw),
+        "attention": lambda fn: check_attention(fn, **kw),
+        "merge": lambda fn: check_merge(fn, **kw),
+        "merge_base2": lambda fn: check_merge(fn, lse_base="2", **kw),
+    }[name]
+
+
+MUTANTS: list[tuple[str, Callable[..., Any]]] = [
+    ("select", select_ties_to_higher_id),
+    ("select", mut_select_position_ties),
+    ("select", mut_select_signed_zero_below_zero),
+    ("select", mut_select_nan_as_valid),
+    ("select", mut_select_dropping_neg_inf),
+    ("select", mut_select_k_minus_one),
+    ("select", mut_select_invalid_id_selected),
+    ("select", mut_select_int64),
+    ("select", mut_select_ignoring_out),
+    ("local_topk", local_topk_off_by_one),
+    ("local_topk", mut_local_topk_ignoring_row_starts),
+    ("local_topk", mut_local_topk_nan_as_valid),
+    ("indexer", indexer_off_by_one),
+    ("indexer", mut_indexer_ignoring_interleave),
+    ("pack", pack_ignoring_interleave),
+    ("pack", mut_pack_swapped_rank_and_world),
+    ("pack", mut_pack_wrong_owner_formula),
+    ("pack", mut_pack_invalid_as_zero),
+    ("deinterleave", deinterleave_dropping_last),
+    ("deinterleave", mut_deinterleave_duplicating_a_slot),
+    ("deinterleave", mut_deinterleave_losing_a_slot),
+    ("deinterleave", mut_deinterleave_poison_as_not_here),
+    ("deinterleave_masked", mut_deinterleave_poison_as_not_here),
+    ("deinterleave", mut_deinterleave_bad_request_as_empty),
+    ("deinterleave_masked", mut_deinterleave_ignoring_interleave),
+    ("deinterleave", mut_deinterleave_wrong_rank),
+    ("deinterleave", mut_deinterleave_table_bound_off_by_one),
+    ("deinterleave", mut_deinterleave_counts_without_poison),
+    ("deinterleave_masked", mut_deinterleave_counts_int64),
+    ("deinterleave", mut_deinterleave_sorted_when_ordered),
+    ("attention", attention_base2_as_e),
+    ("attention", mut_attention_without_max_subtraction),
+    ("attention", mut_attention_empty_lse_zero),
+    ("attention", mut_attention_reading_past_counts),
+    ("attention", mut_attention_ignoring_sm_scale),
+    ("attention", mut_attention_v_dim_short),
+    ("merge", merge_multiplying_nan),
+    ("merge_base2", merge_base_e_math),
+    ("merge", mut_merge_plus_inf_as_empty),
+    ("merge", mut_merge_nan_lse_as_empty),
+    ("merge", mut_merge_without_max_subtraction),
+    ("merge", mut_merge_base2_before_max),
+    ("merge", mut_merge_ignoring_out),
+]
+
+
+def _correct_impls() -> list[tuple[str, Callable[..., Any]]]:
+    from dcp_ref.indexer import local_topk
+    from dcp_ref.lse import correct_partial
+    from dcp_ref.topk import pack_candidates
+
+    return [
+        ("select", REFERENCE_STAGES.select),
+        ("local_topk", local_topk),
+        ("indexer", REFERENCE_STAGES.indexer),
+        ("pack", pack_candidates),
+        ("deinterleave", _deint),
+        ("deinterleave_masked", _deint),
+        ("attention", _attn),
+        ("merge", lambda p, lse, r: correct_partial(p, lse, r)),  # its first argument is named `out`
+        ("merge_base2", lambda p, lse, r: correct_partial(p, lse, r, "2")),
+    ]
+
+
+def test_the_mutation_table_is_big_enough() -> None:
+    assert len(MUTANTS) >= 30 and len({fn for _, fn in MUTANTS}) >= 30
+
+
+@pytest.mark.parametrize("stage, fn", MUTANTS, ids=[f"{s}-{fn.__name__}" for s, fn in MUTANTS])
+def test_every_mutant_is_caught_by_its_stage_check(stage: str, fn: Callable[..., Any]) -> None:
+    with pytest.raises(ConformanceError) as info:
+        _check(stage)(fn)
+    assert info.value.stage.startswith(stage.split("_")[0] if stage != "local_topk" else "local_topk")
+
+
+@pytest.mark.parametrize("stage, fn", _correct_impls(), ids=[s for s, _ in _correct_impls()])
+def test_the_correct_implementations_pass_the_mutation_budget(stage: str, fn: Callable[..., Any]) -> None:
+    _check(stage)(fn)
+
+
+# ---- the kit's own gaps (class 5): the oracle follows the library's rules, the draws cover the corners --
+def test_oracle_merge_treats_nan_and_plus_inf_lse_as_corrupt_not_empty() -> None:
+    """A NaN or +inf LSE poisons its (t, h): merged LSE NaN, every non-empty rank's share NaN; an empty rank
+    (-inf) still gives exactly 0; other heads are untouched. (The kit used to read them as "empty".)"""
+    nan = math.nan
+    lse = torch.tensor([[[0.0, nan, 1.0]], [[math.inf, 0.0, 1.0]], [[-INF, -INF, -INF]]])  # [W=3, T=1, H=3]
+    outs = torch.ones(3, 1, 3, 2)
+    outs[2] = nan  # the empty rank's garbage
+    merged_out, merged_lse = oracle.merge(outs, lse)
+    assert torch.isnan(merged_lse[0, :2]).all() and torch.isnan(merged_out[0, :2]).all()
+    assert merged_lse[0, 2].item() == pytest.approx(1.0 + math.log(2.0)) and (merged_out[0, 2] == 1.0).all()
+    for r in (0, 1):
+        c, _ = oracle.correct(outs[r], lse, r)
+        assert torch.isnan(c[0, :2]).all() and torch.allclose(c[0, 2], torch.full((2,), 0.5, dtype=torch.float64))
+    c, _ = oracle.correct(outs[2], lse, 2)
+    assert (c == 0).all()  # empty: selected away, even on a corrupt head
+    from dcp_ref.lse import merge_partials
+
+    lib_out, lib_lse = merge_partials(outs.double(), lse.double())
+    assert torch.equal(torch.isnan(lib_lse), torch.isnan(merged_lse))
+    assert torch.allclose(lib_out, merged_out, equal_nan=True)
+
+
+def test_oracle_deinterleave_poisons_out_of_contract_metadata() -> None:
+    P = oracle.POISON_SLOT
+    assert P == 2**31 - 1
+    ids = torch.tensor([[0, 1, 4, 9], [0, 1, 2, 3]])
+    table = torch.tensor([[2, -5]])  # block 1 missing (any negative entry), block 2 past the table
+    got = oracle.deinterleave(ids, torch.tensor([0, 3]), table, 4, 1, 0)
+    assert got.tolist() == [[8, 9, P, P], [P] * 4]  # row 1: request 3 is not a row of the table
+
+
+def _draws(strategy: Any, predicates: dict[str, Callable[[Any], bool]]) -> dict[str, bool]:
+    """Which predicates some case of a default-sized, derandomized run of ``strategy`` satisfies."""
+    from hypothesis import settings as hsettings
+
+    from dcp_ref.testing.checks import DEFAULT_MAX_EXAMPLES
+
+    seen = dict.fromkeys(predicates, False)
+
+    @hsettings(max_examples=DEFAULT_MAX_EXAMPLES, derandomize=True, database=None, deadline=None,
+               suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def run(case: Any) -> None:
+        for name, p in predicates.items():
+            seen[name] |= bool(p(case))
+
+    run()
+    return seen
+
+
+def _signed_zero(t: torch.Tensor) -> bool:
+    return bool(((t == 0) & torch.signbit(t)).any())
+
+
+def test_the_default_draws_cover_the_contract_corners() -> None:
+    """At default settings the strategies draw corrupt (NaN, +inf) and near-maximum LSEs, negative block
+    entries other than -1, request ids outside the block table, and -0.0 index scores."""
+    lse = lambda c: c.values["all_lse"]  # noqa: E731
+    assert all(_draws(dst.merge_cases(), {
+        "nan": lambda c: torch.isnan(lse(c)).any(),
+        "+inf": lambda c: (lse(c) == INF).any(),
+        "near float32 max": lambda c: ((lse(c).abs() > 1e38) & torch.isfinite(lse(c))).any(),
+    }).values())
+    bt = lambda c: c.values["block_table"]  # noqa: E731
+    assert all(_draws(dst.deinterleave_cases(), {
+        "negative entry other than -1": lambda c: (bt(c) < -1).any(),
+        "bad request": lambda c: ((c.values["req_of_token"] < 0) | (c.values["req_of_token"] >= bt(c).shape[0])).any(),
+    }).values())
+    assert _draws(dst.select_cases(), {"-0.0": lambda c: _signed_zero(c.values["gathered"][..., 0])})["-0.0"]
+    for strategy in (dst.local_topk_cases(), dst.pack_cases(), dst.indexer_cases()):
+        assert _draws(strategy, {"-0.0": lambda c: _signed_zero(c.values["scores"])})["-0.0"]
+    step_scores = lambda c: c.values["problem"].index_scores  # noqa: E731
+    assert _draws(dst.step_cases(), {"-0.0": lambda c: any(map(_signed_zero, step_scores(c)))})["-0.0"]
+
+
+def test_the_adversarial_cases_hold_the_corners_and_the_references_pass_them() -> None:
+    sel = dst.adversarial_select_cases()
+    g = sel[0].values["gathered"]
+    assert _signed_zero(g[..., 0]) and (g[..., 0] == -INF).any() and torch.isnan(g[..., 0]).any()
+    de = dst.adversarial_deinterleave_cases()[0].values
+    assert (de["block_table"] < -1).any() and (de["req_of_token"] >= de["block_table"].shape[0]).any()
+    m = dst.adversarial_merge_cases()[0].values["all_lse"]
+    assert torch.isnan(m).any() and (m == INF).any() and (m == torch.tensor(3.3e38)).any()
+    want = oracle.deinterleave(de["global_ids"], de["req_of_token"], de["block_table"], 4, 2, 1, 2)
+    assert (want == oracle.POISON_SLOT).sum() == 7 + 3  # the bad-request row, two no-block ids, one past the table

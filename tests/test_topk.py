@@ -157,6 +157,8 @@ def test_stable_topk_accepts_allgather_layout():
     rng = random.Random(3)
     w, rows, K = 3, 2, 5
     per_rank = [random_candidates(rng, rows, K, ties=True, p_invalid=0.2) for _ in range(w)]
+    for r_, c in enumerate(per_rank):  # ranks own disjoint keys: give each rank its own id range
+        c[..., 1] = torch.where(c[..., 1] >= 0, c[..., 1] * w + r_, c[..., 1])
     gathered = torch.stack(per_rank)  # [W, rows, K, 2]
     got = stable_topk(gathered, 6, sorted=True).tolist()
     want = [brute_topk([c for r_ in range(w) for c in rows_of(per_rank[r_])[row]], 6) for row in range(rows)]

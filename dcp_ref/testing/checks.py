@@ -10,7 +10,12 @@ case conforms. Otherwise it raises :class:`ConformanceError` (an ``AssertionErro
 it, and what differed.
 
 Runs are deterministic (``derandomize=True``, no example database) unless you pass ``seed``;
-``max_examples`` trades time for coverage (the defaults take seconds on a CPU).
+``max_examples`` trades time for coverage (the defaults take seconds on a CPU). After the drawn cases
+pass, every checker also runs a few hand-built adversarial cases (``strategies.adversarial_*``: a
+``-0.0``/``+0.0`` tie, a tie whose lower id sits on the later rank, ``-inf`` and NaN scores, negative
+block entries other than ``-1``, a request id outside the block table, NaN / ``+inf`` / near-``float32``-
+maximum LSEs), so those corners are covered whatever ``max_examples`` is. ``shrink_budget=0`` reports
+the first failing case as drawn (no shrinking: the fastest run, e.g. for mutation tests).
 
 ==============================  ======================================================================
 checker                         calls your ``fn`` as
@@ -219,12 +224,18 @@ def _run(
     seed: int | None,
     shrink_budget: int,
     expected_code: Callable[[Case], str] | None = None,
+    examples: Sequence[Case] = (),
 ) -> None:
-    """Drive Hypothesis; on failure raise :class:`ConformanceError` for the shrunk case."""
+    """Drive Hypothesis; on failure raise :class:`ConformanceError` for the shrunk case.
+
+    ``examples``: hand-built adversarial cases (:mod:`~dcp_ref.testing.strategies`, ``adversarial_*``),
+    run after the drawn ones pass, whatever ``max_examples`` is."""
     __tracebackhide__ = True
     n_examples = DEFAULT_MAX_EXAMPLES if max_examples is None else int(max_examples)
     if n_examples < 1:
         raise ValueError(f"max_examples must be >= 1, got {max_examples}")
+    if isinstance(shrink_budget, bool) or not isinstance(shrink_budget, int) or shrink_budget < 0:
+        raise ValueError(f"shrink_budget must be an int >= 0, got {shrink_budget!r}")
     calls = 0
     first_fail: int | None = None
     failing: set[str] = set()
@@ -254,7 +265,8 @@ def _run(
         print_blob=False,
         report_multiple_bugs=False,
         suppress_health_check=list(HealthCheck),
-        phases=(Phase.explicit, Phase.generate, Phase.shrink),
+        # shrink_budget=0: report the first failing case as drawn (no shrinking at all: fastest).
+        phases=(Phase.explicit, Phase.generate) + ((Phase.shrink,) if shrink_budget > 0 else ()),
         verbosity=Verbosity.quiet,
     )(given(strategy)(prop))
     if seed is not None:
@@ -271,7 +283,18 @@ def _run(
         mismatch = inner[0]
         mismatch.message += "\n  (note: the same case passed on another call: is the implementation deterministic?)"
     else:
-        return
+        # The drawn cases conform: the hand-built adversarial ones must too (a safety net for corners the
+        # draws may miss at a small max_examples; run after, so that a drawn failure is still shrunk).
+        for case in examples:
+            calls += 1
+            try:
+                evaluate(case)
+            except _Mismatch as e:
+                mismatch = e
+                mismatch.message += "\n  (an adversarial case of dcp_ref.testing.strategies, run after the drawn ones)"
+                break
+        else:
+            return
     name, imp = _fn_ref(fn)
     code = mismatch.case.reproducer(name, device, imp)
     if expected_code is not None:
@@ -424,13 +447,15 @@ def check_select(
     """
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
+    with_out = _with_out(fn, out_buffers)
     strategy = S.select_cases(
         max_world=max_world,
         max_candidates=max_candidates,
         presorted=presorted,
         noncontig=noncontig,
-        with_out=_with_out(fn, out_buffers),
+        with_out=with_out,
     )
+    examples = S.adversarial_select_cases(max_world=max_world, max_candidates=max_candidates, with_out=with_out)
 
     def evaluate(case: Case) -> None:
         call = _invoke(fn, case, dev)
@@ -458,6 +483,7 @@ def check_select(
         seed=seed,
         shrink_budget=shrink_budget,
         expected_code=expected,
+        examples=examples,
     )
 
 
@@ -509,6 +535,7 @@ def check_local_topk(
         seed=seed,
         shrink_budget=shrink_budget,
         expected_code=expected,
+        examples=S.adversarial_local_topk_cases(dtype=dtype, index_dtype=next(iter(index_dtypes))),
     )
 
 
@@ -611,8 +638,10 @@ def check_indexer(
     """
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
-    strategy = S.indexer_cases(
-        max_world=max_world, index_dtypes=index_dtypes, noncontig=noncontig, with_out=_with_out(fn, out_buffers)
+    with_out = _with_out(fn, out_buffers)
+    strategy = S.indexer_cases(max_world=max_world, index_dtypes=index_dtypes, noncontig=noncontig, with_out=with_out)
+    adversarial = (
+        S.adversarial_indexer_cases(index_dtype=next(iter(index_dtypes)), with_out=with_out) if max_world >= 2 else []
     )
 
     def oracle_of(case: Case) -> torch.Tensor:
@@ -664,6 +693,7 @@ def check_indexer(
         seed=seed,
         shrink_budget=shrink_budget,
         expected_code=expected,
+        examples=adversarial,
     )
 
 
@@ -685,8 +715,11 @@ def check_deinterleave(
     """Check a de-interleave stage: ``fn(global_ids, req_of_token, block_table, geometry)`` -> ``(slots, counts)``.
 
     Id ``p`` is this rank's when ``(p // I) % W == rank``; its slot is ``block_table[req, l // bs] * bs +
-    l % bs`` with ``l = (p // (W*I))*I + p % I``, or ``-1`` when the block index is past the table or the
-    block id is negative. ``compact=True``: each row's slots first (``ordered=True``: in id order;
+    l % bs`` with ``l = (p // (W*I))*I + p % I``. Out-of-contract metadata is *poisoned* with
+    ``2**31 - 1`` (:data:`dcp_ref.testing.oracle.POISON_SLOT`, a slot like any other for the compaction
+    and the counts): an id this rank owns whose block index is past the table or whose block entry is
+    negative, and every entry of a row whose request id is not a row of the table (never "not here",
+    which would look like an honest empty row). ``compact=True``: each row's slots first (``ordered=True``: in id order;
     ``False``: any order), ``-1`` after, ``counts`` = how many — never a slot dropped or duplicated.
     ``compact=False`` (the masked layout; ``fn`` gets ``compact=False``): ``slots[t, j]`` is ``global_ids[t, j]``'s
     slot or ``-1``, ``counts`` still the number of valid ones.
@@ -753,6 +786,12 @@ def check_deinterleave(
         seed=seed,
         shrink_budget=shrink_budget,
         expected_code=expected,
+        examples=S.adversarial_deinterleave_cases(
+            max_world=max_world,
+            index_dtype=index_dtype,
+            compact=compact,
+            with_out=_with_out(fn, out_buffers, "out_slots"),
+        ),
     )
 
 
@@ -961,7 +1000,10 @@ def check_merge(
     ``corrected = partial * b^(lse[rank] - merged)`` with ``merged = log_b sum_r b^lse[r]`` (``b`` =
     ``lse_base``). A rank with LSE ``-inf`` is empty and contributes *exactly* 0 whatever its partial
     holds (NaN, ``inf``: ``0 * NaN`` is NaN, so select it away); every rank empty -> 0 and ``-inf``; a NaN
-    in a partial that has weight propagates. ``dtype``: of the partial outputs (LSEs are float32).
+    in a partial that has weight propagates. A NaN or ``+inf`` LSE is corrupt data, never "empty": the
+    merged LSE of that ``(t, h)`` is NaN and so is every non-empty rank's output there. Finite LSEs near
+    the float32 maximum (``3.3e38``) must merge to a finite result (subtract the max first). ``dtype``:
+    of the partial outputs (LSEs are float32).
     """
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     if lse_base not in ("e", "2"):
@@ -969,9 +1011,9 @@ def check_merge(
     if form not in ("correct", "merge"):
         raise ValueError(f"form must be 'correct' or 'merge', got {form!r}")
     dev = _dev(device)
-    strategy = S.merge_cases(
-        max_world=max_world, dtype=dtype, form=form, noncontig=noncontig, with_out=_with_out(fn, out_buffers)
-    )
+    with_out = _with_out(fn, out_buffers)
+    strategy = S.merge_cases(max_world=max_world, dtype=dtype, form=form, noncontig=noncontig, with_out=with_out)
+    examples = S.adversarial_merge_cases(max_world=max_world, dtype=dtype, form=form, with_out=with_out)
 
     def oracle_of(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         v = case.values
@@ -995,13 +1037,15 @@ def check_merge(
         out = _written(call, "out", out, case)
         lse = _written(call, "out_lse", lse, case)
         e_out, e_lse = oracle_of(case)
-        fin = lses[torch.isfinite(lses)].double()
-        lmax = float(fin.abs().max()) if fin.numel() else 0.0
+        # The rounding of an LSE difference grows with the LSEs' magnitude: a tolerance per (t, h), so
+        # that one LSE near the float32 maximum does not loosen the check of every other head.
+        l64 = lses.double()
+        lmax = torch.where(torch.isfinite(l64), l64.abs(), 0.0).amax(dim=0)  # [T, H]
         pf = parts.double()[torch.isfinite(parts.double())]
         pmax = max(1.0, float(pf.abs().max()) if pf.numel() else 1.0)
         tol = rtol if rtol is not None else tolerance(dtype, out.dtype)
         eps = _acc_eps(dtype, out.dtype)
-        ok_out = _close(out, e_out, pmax * (tol + 8 * eps * (1 + lmax)), tol)
+        ok_out = _close(out, e_out, (pmax * (tol + 8 * eps * (1 + lmax))).unsqueeze(-1), tol)
         lse_tol = rtol if rtol is not None else tolerance(lse.dtype if lse.dtype != torch.float64 else torch.float32)
         ok_lse = _close(lse, e_lse, lse_tol + 8 * eps * (1 + lmax), lse_tol)
         diffs = _worst(ok_out, out, e_out, "out" if form == "merge" else "corrected") + _worst(
@@ -1035,6 +1079,7 @@ def check_merge(
         seed=seed,
         shrink_budget=shrink_budget,
         expected_code=expected,
+        examples=examples,
     )
 
 
@@ -1184,8 +1229,12 @@ def check_step(
         if stages is not None and not diffs:
             want = stages.impls()
             for r, tr in enumerate(traces):
-                if tr.get("impl") != want:
-                    diffs.append(f"rank {r}: trace['impl'] = {tr.get('impl')}, expected {want}")
+                # The step names the implementation of every stage it ran (which stages run depends on
+                # the step's layout and exchange): each must be the one the Stages value holds.
+                got = tr.get("impl")
+                if not isinstance(got, dict) or not got or any(want.get(k) != v for k, v in got.items()):
+                    shown = {k: want.get(k) for k in got} if isinstance(got, dict) and got else want
+                    diffs.append(f"rank {r}: trace['impl'] = {got}, expected {shown}")
                     break
         if diffs:
             note = f"\n  the oracle's chosen positions per token: {ref.ids.tolist()}"

@@ -36,6 +36,7 @@ __all__ = [
     "pack",
     "indexer",
     "deinterleave",
+    "POISON_SLOT",
     "attention",
     "correct",
     "merge",
@@ -184,6 +185,11 @@ def indexer(
     return pack(scores, local_topk(scores, k, lengths, row_starts), rank, world_size, interleave, row_starts)
 
 
+#: The slot a de-interleave stage writes for out-of-contract metadata (``dcp_ref.deinterleave.POISON_SLOT``,
+#: restated here: the oracle imports no stage module).
+POISON_SLOT = 2**31 - 1
+
+
 def deinterleave(
     global_ids: torch.Tensor,
     req_of_token: torch.Tensor,
@@ -195,9 +201,14 @@ def deinterleave(
 ) -> torch.Tensor:
     """Physical slot of each global id on this rank, position by position (``-1`` when not here).
 
-    Id ``p`` is here when ``p >= 0``, ``(p // I) % W == rank``, its local block ``l // block_size``
-    (``l = (p // (W*I))*I + p % I``) is inside the block table and that block id is ``>= 0``.
-    Returns int64 ``[T, k]`` — the *masked* layout; compact it with ``row[row >= 0]``.
+    Id ``p`` is here when ``p >= 0`` and ``(p // I) % W == rank``; its slot is
+    ``block_table[req, l // block_size] * block_size + l % block_size`` with
+    ``l = (p // (W*I))*I + p % I``. Out-of-contract metadata gives :data:`POISON_SLOT` (``2**31 - 1``,
+    which the attention stage turns into NaN) instead of a plausible "not here": an id this rank owns
+    whose local block is past the table or negative (any negative entry means "no block"), a slot that
+    does not fit below ``2**31 - 1``, and *every* entry of a row whose request id is not a row of the
+    block table. Returns int64 ``[T, k]`` — the *masked* layout; compact it with ``row[row >= 0]``
+    (poisoned entries count as slots).
     """
     ids = _tensor(global_ids, "global_ids", _INT, 2)
     req = _tensor(req_of_token, "req_of_token", _INT, 1)
@@ -209,17 +220,15 @@ def deinterleave(
     for t in range(T):
         b = int(req[t])
         if not 0 <= b < B:
-            raise ValueError(f"req_of_token[{t}] = {b} is not a row of block_table (B={B})")
+            out[t] = POISON_SLOT  # a request the block table does not have: the whole row is poisoned
+            continue
         for c in range(K):
             p = int(ids[t, c])
             if p < 0 or (p // i) % w != rank:
                 continue
             loc = (p // (w * i)) * i + p % i
-            if loc // bs >= M:
-                continue
-            blk = int(bt[b, loc // bs])
-            if blk >= 0:
-                out[t, c] = blk * bs + loc % bs
+            blk = int(bt[b, loc // bs]) if loc // bs < M else -1
+            out[t, c] = min(blk * bs + loc % bs, POISON_SLOT) if blk >= 0 else POISON_SLOT
     return out
 
 
@@ -261,18 +270,27 @@ def attention(
     return out, lse
 
 
-def _merge_weights(all_lse: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``(weights [W, T, H], merged lse [T, H])`` in ``base``; ``-inf`` (or NaN/+inf) = empty."""
+def _merge_weights(all_lse: torch.Tensor, base: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``(weights [W, T, H], merged lse [T, H], corrupt [T, H])`` in ``base``.
+
+    ``-inf`` is an empty rank (weight 0). A NaN or ``+inf`` LSE is *corrupt* data, never "empty": the
+    ``(t, h)`` it belongs to gets NaN weights and a NaN merged LSE (``corrupt[t, h]`` is True).
+    """
     if base not in ("e", "2"):
         raise ValueError(f"base must be 'e' or '2', got {base!r}")
     lse = all_lse.detach().cpu().double()
-    lse = torch.where(torch.isnan(lse) | (lse == math.inf), -math.inf, lse)
     W, T, H = lse.shape
     w = torch.zeros((W, T, H), dtype=torch.float64)
     merged = torch.full((T, H), -math.inf, dtype=torch.float64)
+    corrupt = torch.zeros((T, H), dtype=torch.bool)
     for t in range(T):
         for h in range(H):
             col = [float(x) for x in lse[:, t, h]]
+            if any(math.isnan(x) or x == math.inf for x in col):
+                corrupt[t, h] = True
+                merged[t, h] = math.nan
+                w[:, t, h] = math.nan
+                continue
             m = max(col)
             if m == -math.inf:
                 continue
@@ -282,7 +300,7 @@ def _merge_weights(all_lse: torch.Tensor, base: str) -> tuple[torch.Tensor, torc
             merged[t, h] = m + (math.log(total) if base == "e" else math.log2(total))
             for r in range(W):
                 w[r, t, h] = terms[r] / total
-    return w, merged
+    return w, merged, corrupt
 
 
 def correct(
@@ -290,15 +308,19 @@ def correct(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's share of the LSE merge: ``partial * base^(lse_rank - merged)`` in float64.
 
-    A rank whose weight is 0 (its LSE is ``-inf``: empty) contributes exactly 0, even where its partial
-    holds NaN; with a weight ``> 0`` a NaN in the partial propagates. Returns ``(corrected float64
-    [T, H, v], merged lse float64 [T, H])``, the LSE in ``base``; all ranks empty -> 0 and ``-inf``.
+    An empty rank (its LSE is ``-inf``) contributes exactly 0, even where its partial holds NaN; a rank
+    whose weight underflows to 0 contributes 0 too, unless its partial is NaN (``0 * NaN``: real data
+    propagates). A NaN or ``+inf`` LSE in *any* rank is corrupt: the merged LSE of that ``(t, h)`` is
+    NaN, and so is every non-empty rank's corrected output there (the sum over ranks is NaN).
+    Returns ``(corrected float64 [T, H, v], merged lse float64 [T, H])``, the LSE in ``base``; all ranks
+    empty -> 0 and ``-inf``.
     """
     p = _tensor(partial, "partial", _FLOAT, 3).double()
     lse = _tensor(all_lse, "all_lse", _FLOAT, 3)
-    w, merged = _merge_weights(lse, base)
-    wr = w[rank].unsqueeze(-1)
-    return torch.where(wr > 0, wr * p, 0.0), merged
+    w, merged, _corrupt = _merge_weights(lse, base)
+    wr = w[rank].unsqueeze(-1)  # NaN where the (t, h) is corrupt
+    empty = (lse[rank].double() == -math.inf).unsqueeze(-1)
+    return torch.where(empty, 0.0, wr * p), merged
 
 
 def merge(outs: torch.Tensor, lses: torch.Tensor, base: str = "e") -> tuple[torch.Tensor, torch.Tensor]:

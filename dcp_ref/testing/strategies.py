@@ -54,6 +54,11 @@ __all__ = [
     "step_cases",
     "StepProblem",
     "make_step_problem",
+    "adversarial_select_cases",
+    "adversarial_local_topk_cases",
+    "adversarial_indexer_cases",
+    "adversarial_deinterleave_cases",
+    "adversarial_merge_cases",
 ]
 
 NAN, INF = math.nan, math.inf
@@ -286,6 +291,8 @@ def _noncontig(draw: st.DrawFn, allowed: bool, names: Sequence[str]) -> frozense
 #: True about a quarter of the time, shrinking to False: adversarial choices that shrink away when
 #: a failure does not need them (an empty row, an invalid candidate).
 _RARE = st.sampled_from((False, False, False, True))
+#: A block-table entry without a block: ``-1`` mostly (shrinks to it), any negative value now and then.
+_NO_BLOCK = st.sampled_from((-1, -1, -2, -7, -(2**31)))
 
 
 def _presort_key(e: tuple[float, int]) -> tuple[int, tuple]:
@@ -535,8 +542,11 @@ def deinterleave_cases(
     """The de-interleave stage: ``fn(global_ids, req_of_token, block_table, geometry[, compact=False])``.
 
     Ids are distinct per row with ``-1`` anywhere; mostly this rank's keys of the token's request (rows
-    where every id is local happen), else any position: other ranks' keys, keys past the block table.
-    Block tables hold shuffled physical blocks and ``-1`` past each request's end.
+    where every id is local happen), else any position: other ranks' keys, keys past the block table or
+    on a missing block (out of contract: poisoned). Block tables hold shuffled physical blocks and a
+    negative entry past each request's end (``-1``, or another negative value: any negative entry means
+    "no block"). Now and then a row's request id is not a row of the block table (its whole row is
+    poisoned; see :func:`dcp_ref.testing.oracle.deinterleave`).
     """
     geo = draw(geometries(max_world=max_world))
     W, I, bs = geo.world_size, geo.interleave, geo.block_size
@@ -551,6 +561,8 @@ def deinterleave_cases(
         for j in range(used[b]):
             table[b, j] = phys[nxt]
             nxt += 1
+        for j in range(used[b], M):
+            table[b, j] = draw(_NO_BLOCK)
     K = draw(st.integers(1, max_k))
     span = (M + 1) * bs * W  # positions up to one block past the table
 
@@ -568,6 +580,8 @@ def deinterleave_cases(
                 entries.append(-1)
             else:
                 entries.append(draw(st.integers(0, span - 1)))
+        if draw(_RARE) and draw(_RARE):  # a request id the block table does not have
+            b = draw(st.sampled_from((B, -1, B + 5)))
         return _distinct(entries), b
 
     rows = draw(st.lists(row(), min_size=1, max_size=max_tokens))
@@ -704,6 +718,9 @@ def attention_cases(
 # ---- merge -------------------------------------------------------------------------------------
 #: LSE levels: equal values, spreads that overflow a naive ``exp``, and ``-inf`` (an empty rank).
 LSE_LEVELS = (0.0, 1.0, -1.0, 2.0, 0.5, 90.0, -90.0, 1000.0, -INF)
+#: Rarer LSEs: corrupt data (NaN, ``+inf``: never "empty", they must come out NaN) and finite values near
+#: the float32 maximum (their base-2 form overflows float32 unless the max is subtracted first).
+LSE_EXTREMES = (NAN, INF, 3.0e38, 3.3e38, -3.3e38)
 _LSE_VALUES = st.one_of(st.sampled_from(LSE_LEVELS), st.floats(-100, 100, width=32))
 _EMPTY_PARTIAL = st.sampled_from((NAN, INF, 1e30, 0.0))  # what an empty rank's partial may hold
 
@@ -726,7 +743,9 @@ def merge_cases(
 
     Empty ranks (LSE ``-inf``) hold garbage partials — NaN, ``inf``, ``1e30`` — that must contribute
     exactly 0 (``0 * NaN`` is NaN); rows where every rank is empty; LSE spreads far past ``exp``'s
-    range; NaN in a non-empty partial, which must propagate.
+    range; NaN in a non-empty partial, which must propagate; now and then a NaN or ``+inf`` LSE
+    (corrupt: that ``(t, h)`` must come out NaN, never "empty") and finite LSEs near the float32
+    maximum (:data:`LSE_EXTREMES`).
     """
     W = draw(st.integers(1, max_world))
     H = draw(st.integers(1, max_heads))
@@ -740,12 +759,19 @@ def merge_cases(
         lse = torch.empty((W, H), dtype=torch.float64)
         for w in range(W):
             for h in range(H):
-                lse[w, h] = -INF if w in empty_ranks else draw(_LSE_VALUES)
+                if w in empty_ranks:
+                    lse[w, h] = -INF
+                elif draw(_RARE) and draw(_RARE):
+                    lse[w, h] = draw(st.sampled_from(LSE_EXTREMES))
+                else:
+                    lse[w, h] = draw(_LSE_VALUES)
         outs = torch.empty((len(ranks), H, v), dtype=torch.float64)
         for n, w in enumerate(ranks):
             for h in range(H):
                 empty = lse[w, h] == -INF
-                best = (not empty) and bool(lse[w, h] == lse[:, h].max())  # weight >= 1/W: a NaN shows
+                col = lse[:, h][~torch.isnan(lse[:, h])]
+                # the heaviest rank (weight >= 1/W): a NaN in its partial shows
+                best = (not empty) and bool(col.numel()) and bool(lse[w, h] == col.max())
                 for d in range(v):
                     if empty:
                         outs[n, h, d] = draw(_EMPTY_PARTIAL)
@@ -969,3 +995,168 @@ def step_cases(
         {"problem": "from dcp_ref.testing import make_step_problem\n" + code},
         ("problem",),
     )
+
+
+# ---- adversarial cases every checker runs first ------------------------------------------------
+# Hypothesis draws the corners above at random; these hand-built cases put the ones a wrong kernel
+# most often gets wrong into every run, whatever ``max_examples`` is: signed zeros that tie, ties
+# whose lower id sits in the later position, ``-inf`` scores (valid), NaN scores and ``-1`` ids with a
+# high score (invalid), negative block entries other than ``-1``, a request id the block table does
+# not have, corrupt (NaN / ``+inf``) and near-float32-maximum LSEs. Each respects the checker's
+# parameters (a case that does not fit them is left out).
+def _pairs_tensor(ranks: list[list[list[tuple[float, int]]]]) -> torch.Tensor:
+    """``[W][T][K]`` of ``(score, id)`` -> float32 ``[W, T, K, 2]``."""
+    return torch.tensor([[[[s_, float(i)] for s_, i in row] for row in rank] for rank in ranks], dtype=torch.float32)
+
+
+def adversarial_select_cases(*, max_world: int = 16, max_candidates: int = 6, with_out: bool = False) -> list[Case]:
+    """Select cases: a ``-0.0`` / ``+0.0`` tie won by the lower id (on the ``-0.0`` side), a valid
+    ``-inf`` candidate, a NaN score and a ``-1`` id with a high score (both invalid), and a tie whose
+    lower id comes from the later rank. Every rank's list is sorted as the indexer leaves it."""
+    nan_, inf_ = NAN, INF
+    # rank 0: 1.0 (id 9), -0.0 (id 2), NaN (id 3; invalid) | rank 1: +0.0 (id 5), -inf (id 7), 2.0 with id -1
+    zeros = [[[(1.0, 9), (-0.0, 2), (nan_, 3)]], [[(0.0, 5), (-inf_, 7), (2.0, -1)]]]
+    specs = [
+        (zeros, 2),  # the last place goes to the -0.0 / +0.0 tie: the lower id (2, the -0.0) wins
+        (zeros, 4),  # every valid candidate, the -inf one included
+        ([[[(0.5, 8)]], [[(0.5, 4)]]], 1),  # the same score on both ranks: the lower id (rank 1's) wins
+    ]
+    out = []
+    for ranks, k in specs:
+        g = _pairs_tensor(ranks)
+        W, T, K, _ = g.shape
+        if W > max_world or K > max_candidates:
+            continue
+        values: dict[str, Any] = {}
+        code: dict[str, str] = {}
+        _tensor_case_value(values, code, "gathered", g)
+        _scalar(values, code, "k", k)
+        bufs: dict[str, tuple[tuple[int, ...], torch.dtype, float]] = (
+            {"out": ((T, k), torch.int32, -7)} if with_out else {}
+        )
+        out.append(Case("select", values, code, ("gathered", "k"), out_buffers=bufs))
+    return out
+
+
+def adversarial_local_topk_cases(
+    *, dtype: torch.dtype = torch.float32, index_dtype: torch.dtype = torch.int32
+) -> list[Case]:
+    """Local top-K: ``-0.0`` (key 0) and ``+0.0`` (key 1) tie for the last place (the lower index wins),
+    a NaN key (never chosen), a ``-inf`` key (valid), and a value past the row's length that would win;
+    then a row whose keys start at column 2 (``row_starts``), with winning garbage before them."""
+    cases = []
+    for row, k, length, start in (
+        ([-0.0, 0.0, 1.0, NAN, -INF, 1e30], 2, 5, None),
+        ([9.0, 9.0, 0.5, 2.0, -1.0, 9.0], 1, 3, 2),
+    ):
+        values: dict[str, Any] = {}
+        code: dict[str, str] = {}
+        _tensor_case_value(values, code, "scores", torch.tensor([row], dtype=torch.float64).to(dtype))
+        _scalar(values, code, "k", k)
+        _ints(values, code, "lengths", [length], index_dtype)
+        if start is None:
+            _scalar(values, code, "row_starts", None)
+        else:
+            _ints(values, code, "row_starts", [start], index_dtype)
+        cases.append(Case("local_topk", values, code, ("scores", "k", "lengths", "row_starts")))
+    return cases
+
+
+def adversarial_indexer_cases(*, index_dtype: torch.dtype = torch.int32, with_out: bool = False) -> list[Case]:
+    """The indexer: the local top-K tie of :func:`adversarial_local_topk_cases` on rank 1 of 2 with
+    ``I = 2`` (the ids must follow the interleave)."""
+    scores = torch.tensor([[-0.0, 0.0, 1.0, NAN, -INF, 1e30]], dtype=torch.float32)
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "scores", scores)
+    _ints(values, code, "lengths", [5], index_dtype)
+    _scalar(values, code, "geometry", DcpGeometry(2, 1, 2, 2))
+    _scalar(values, code, "k", 2)
+    bufs: dict[str, tuple[tuple[int, ...], torch.dtype, float]] = (
+        {"out": ((1, 2, 2), torch.float32, NAN)} if with_out else {}
+    )
+    return [Case("indexer", values, code, ("scores", "lengths", "geometry", "k"), out_buffers=bufs)]
+
+
+def adversarial_deinterleave_cases(
+    *,
+    max_world: int = 16,
+    max_k: int = 8,
+    index_dtype: torch.dtype = torch.int32,
+    compact: bool = True,
+    with_out: bool = False,
+) -> list[Case]:
+    """De-interleave on rank 1 of ``W = 2``, ``I = 2``, block size 4: a row with a slot, ids of the other
+    rank, an id on a block entry ``-3`` and one past the table (both poisoned); a row whose request id
+    (3) is not a row of the 2-row table (all poisoned); a row with a ``-1`` block."""
+    if max_world < 2 or max_k < 7:
+        return []
+    geo = DcpGeometry(2, 1, 2, 4)
+    table = [[5, -3, 7], [2, -1, -1]]
+    ids = [[3, 0, 10, 18, -1, 26, 7], [2, 1, -1, 6, 5, 4, 9], [2, 3, 1, -1, 6, 7, 11]]
+    req = [0, 3, 1]
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "global_ids", torch.tensor(ids, dtype=index_dtype))
+    _ints(values, code, "req_of_token", req, index_dtype)
+    _tensor_case_value(values, code, "block_table", torch.tensor(table, dtype=index_dtype))
+    _scalar(values, code, "geometry", geo)
+    kwargs: tuple[str, ...] = ()
+    if not compact:
+        _scalar(values, code, "compact", False)
+        kwargs = ("compact",)
+    T, K = len(ids), len(ids[0])
+    bufs: dict[str, tuple[tuple[int, ...], torch.dtype, float]] = (
+        {"out_slots": ((T, K), torch.int32, -7), "out_counts": ((T,), torch.int32, -7)} if with_out else {}
+    )
+    return [
+        Case(
+            "deinterleave",
+            values,
+            code,
+            ("global_ids", "req_of_token", "block_table", "geometry"),
+            kwargs,
+            out_buffers=bufs,
+        )
+    ]
+
+
+def adversarial_merge_cases(
+    *, max_world: int = 16, dtype: torch.dtype = torch.float32, form: str = "correct", with_out: bool = False
+) -> list[Case]:
+    """The merge over ``W = 3`` ranks (rank 2 empty, its partial NaN): per ``(t, h)`` an ordinary merge,
+    a NaN LSE, a ``+inf`` LSE (both corrupt: NaN out), finite LSEs near the float32 maximum (3.0e38,
+    3.3e38), and spreads that overflow a naive ``exp`` (1000 against 990). ``form="correct"``: one case
+    for rank 0 and one for the empty rank 2."""
+    if max_world < 3:
+        return []
+    lse = torch.tensor(
+        [
+            [[0.0, NAN], [INF, 3.0e38], [1000.0, -90.0]],
+            [[1.0, 2.0], [-1.0, 3.3e38], [990.0, 90.0]],
+            [[-INF, -INF], [-INF, -INF], [-INF, -INF]],
+        ],
+        dtype=torch.float32,
+    )  # [W=3, T=3, H=2]
+    W, T, H = lse.shape
+    v = 2
+    outs = torch.tensor([[0.5, -1.0], [2.0, 0.25]], dtype=torch.float64).expand(W, T, H, v).clone()
+    outs[1] *= -2.0
+    outs[2] = NAN  # the empty rank's garbage
+    bufs = {"out": ((T, H, v), dtype, NAN), "out_lse": ((T, H), torch.float32, NAN)} if with_out else {}
+    cases = []
+    if form == "merge":
+        values: dict[str, Any] = {}
+        code: dict[str, str] = {}
+        _tensor_case_value(values, code, "outs", outs.to(dtype))
+        _tensor_case_value(values, code, "lses", lse)
+        cases.append(Case("merge", values, code, ("outs", "lses"), out_buffers=bufs, meta={"form": form}))
+        return cases
+    for rank in (0, 2):
+        values = {}
+        code = {}
+        _tensor_case_value(values, code, "partial", outs[rank].to(dtype))
+        _tensor_case_value(values, code, "all_lse", lse)
+        _scalar(values, code, "rank", rank)
+        cases.append(Case("merge", values, code, ("partial", "all_lse", "rank"), out_buffers=bufs, meta={"form": form}))
+    return cases
