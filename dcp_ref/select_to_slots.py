@@ -62,6 +62,7 @@ from ._checks import (
     check_tensor,
     check_values_readable,
 )
+from .deinterleave import POISON_SLOT
 from .geometry import DcpGeometry
 from .topk import INVALID_KEY, check_candidate_ids, stable_key
 
@@ -82,7 +83,7 @@ __all__ = [
 ORDERS = ("global_id", "rank_local")
 #: The slot a poisoned winner gets: beyond int32's range of real slots, so the attention stage rejects it
 #: (validated) or turns the row into NaN (``validate=False``).
-SENTINEL_SLOT = 2**31 - 1
+SENTINEL_SLOT = POISON_SLOT  # the one constant of the poison rule (dcp_ref.deinterleave), under this stage's name
 _INT32_MAX = 2**31 - 1
 
 
