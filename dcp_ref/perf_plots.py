@@ -30,6 +30,8 @@ __all__ = [
     "plot_attention",
     "plot_local_topk",
     "plot_fp8_attention",
+    "plot_attention_kernels",
+    "plot_select_to_slots",
     "plot_bandwidth",
     "plot_step_breakdown",
     "plot_step_growth",
@@ -37,6 +39,9 @@ __all__ = [
     "plot_scaling",
     "plot_crossover",
     "deinterleave_best",
+    "attention_kernel",
+    "stage_basis",
+    "plot_layer_per_rank",
     "DPI",
 ]
 
@@ -312,6 +317,84 @@ def plot_fp8_attention(fp8: Mapping[str, Any], dpi: int = DPI) -> Any:
                     ax.plot([r["T"] for r in rs], [r["graph_us"] for r in rs], styles.get(impl, "x:"), label=lab)
         ax.set(xscale="log", yscale="log", title=f"K = {k}", xlabel="T (query tokens)", ylabel="µs")
     return _finish(fig, axes)
+
+
+def _one_legend(axes: Sequence[Any]) -> Any:
+    """Panels that plot the same series: one legend, right of the last panel (the others' removed). Returns the
+    figure."""
+    for ax in axes:
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+    axes[-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return axes[-1].figure
+
+
+def _no_minor_labels(ax: Any) -> None:
+    """No labels on a log axis' minor ticks (they crowd a small panel)."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def plot_attention_kernels(attention: Mapping[str, Any], dpi: int = DPI) -> Any:
+    """Sparse MLA decode of one rank against query tokens T (``attention.json``'s ``summary``, CUDA-graph replays):
+    one panel per top-k ``K`` at H = 128 — the split-KV Triton kernel, FlashMLA's bf16 sparse kernel and its FP8
+    decode — and one panel of the split-KV kernel at the head counts of TP ranks (FlashMLA runs only 64 or 128)."""
+    _need(attention, "attention", ["summary"])
+    rows = [r for r in attention["summary"] if r.get("graph_us") is not None]
+    ks = sorted({r["K"] for r in rows if r["H"] == 128})
+    fig, axes = _figure(
+        len(ks) + 1,
+        "Sparse MLA attention of one rank against query tokens: the split-KV kernel, FlashMLA bf16 and FlashMLA's "
+        "FP8 decode (device time, lower is better).",
+        width=2.6,
+        dpi=dpi,
+    )
+    names = {"splitkv": ("split-KV (Triton)", "o-"), "flashmla_bf16": ("FlashMLA bf16", "s--"),
+             "flashmla_fp8": ("FlashMLA FP8", "^:")}  # fmt: skip
+    for ax, k in zip(axes, ks):
+        for impl, (label, style) in names.items():
+            rs = sorted((r for r in rows if (r["impl"], r["H"], r["K"]) == (impl, 128, k)), key=lambda r: r["T"])
+            if rs:
+                ax.plot([r["T"] for r in rs], [r["graph_us"] for r in rs], style, label=label)
+        ax.set(xscale="log", yscale="log", title=f"H = 128, K = {k}", xlabel="T (query tokens)", ylabel="µs")
+        _no_minor_labels(ax)
+    ax, k = axes[-1], max(ks)
+    for h in sorted({r["H"] for r in rows if r["impl"] == "splitkv" and r["K"] == k}):
+        rs = sorted((r for r in rows if (r["impl"], r["H"], r["K"]) == ("splitkv", h, k)), key=lambda r: r["T"])
+        ax.plot([r["T"] for r in rs], [r["graph_us"] for r in rs], "o-", ms=3, label=f"split-KV, H = {h}")
+    ax.set(xscale="log", yscale="log", title=f"split-KV per head count, K = {k}", xlabel="T (query tokens)",
+           ylabel="µs")  # fmt: skip
+    _no_minor_labels(ax)
+    return _finish(fig, axes)
+
+
+def plot_select_to_slots(exchange: Mapping[str, Any], dpi: int = DPI) -> Any:
+    """The owner-local exchange (``exchange.json``'s ``select_to_slots`` rows, CUDA-graph replays) against rows, one
+    panel per W: ours in both orders against our select + de-interleave and vLLM's stable top-K + convert."""
+    _need(exchange, "exchange", ["summary"])
+    rows = [r for r in exchange["summary"] if r.get("stage") == "select_to_slots"]
+    if not rows:
+        raise ValueError("exchange lacks select_to_slots rows in 'summary' (is it the right file?)")
+    worlds = sorted({r["W"] for r in rows})
+    fig, axes = _figure(
+        len(worlds),
+        "Gathered candidates to this rank's KV slots (K = k = 2048): our one-stage select-to-slots against our "
+        "select + de-interleave and vLLM's chain (device time, lower is better).",
+        width=2.6,
+        dpi=dpi,
+    )
+    for ax, w in zip(axes, worlds):
+        for order, style in (("rank_local", "o-"), ("global_id", "D-")):
+            rs = sorted((r for r in rows if (r["W"], r["order"]) == (w, order)), key=lambda r: r["rows"])
+            ax.plot([r["rows"] for r in rs], [r["ours_us"] for r in rs], style, label=f"ours, {order}")
+        rs = sorted((r for r in rows if (r["W"], r["order"]) == (w, "global_id")), key=lambda r: r["rows"])
+        ax.plot([r["rows"] for r in rs], [r["chain_us"] for r in rs], "s--", label="our select + de-interleave")
+        ax.plot([r["rows"] for r in rs], [r["vllm_chain_us"] for r in rs], "v:", label="vLLM top-K + convert")
+        ax.set(xscale="log", yscale="log", title=f"W = {w}", xlabel="rows (query tokens)", ylabel="µs")
+        _no_minor_labels(ax)
+    _finish(fig, axes)
+    return _one_legend(axes)
 
 
 def plot_bandwidth(results: Mapping[str, Any], w: int = 8, dpi: int = DPI) -> Any:
@@ -646,3 +729,128 @@ def plot_crossover(
         xscale="log", yscale="log", title="throughput DCP / TP", xlabel="context (tokens per request)", ylabel="ratio"
     )
     return _finish(fig, axes, outside=True)
+
+
+# ---- DCP-W against TP-W per rank (the planned layer) -----------------------------------------------------
+_COLLECTIVE_STAGES = {
+    "query_allgather": "all_gather",
+    "candidates_allgather": "all_gather",
+    "lse_allgather": "all_gather",
+    "output_reduce_scatter": "reduce_scatter",
+    "combine_alltoall": "all_to_all",
+}
+_STAGE_FAMILIES = {
+    "indexer": ("local_topk", "pack"),
+    "select": ("select",),
+    "deinterleave": ("deinterleave",),
+    "select_to_slots": ("select_to_slots",),
+    "merge": ("merge",),
+    "combine": ("combine",),
+}
+
+
+def attention_kernel(constants: cm.CostConstants, tokens: int, heads: int) -> str:
+    """``"flashmla"`` or ``"splitkv"``: the attention kernel the cost model (and the planned step) runs for
+    ``tokens`` query tokens and ``heads`` heads — FlashMLA only for 64 or 128 heads and more than
+    ``constants.splitkv_max_tokens`` tokens."""
+    if not isinstance(constants, cm.CostConstants):
+        raise TypeError(f"constants must be a costmodel.CostConstants, got {type(constants).__name__}")
+    return "flashmla" if heads in (64, 128) and tokens > constants.splitkv_max_tokens else "splitkv"
+
+
+def stage_basis(fit: cm.Fit, stage: str, *, tokens: int = 32, heads: int = 128) -> str:
+    """What a stage's modelled time rests on, read from the fit's data: ``"kernel fit"`` (a line fitted to H200
+    kernel measurements), ``"NCCL fit, W = 2"`` (a collective of a kind the fit measured, at those W),
+    ``"all_to_all not measured"`` (a collective of another kind: the ring line extrapolated), ``"roofline"``
+    (``index_scoring``: bytes at the copy bandwidth, FLOPs at the FP8 peak), ``"step fit"`` (the step overhead
+    fitted to ``step.json``) or ``"default"`` (no measurement of that family: the default constant).
+
+    ``tokens`` and ``heads`` pick the attention kernel (:func:`attention_kernel`)."""
+    if not isinstance(fit, cm.Fit):
+        raise TypeError(f"fit must be a costmodel.Fit, got {type(fit).__name__}")
+    measured = {r.family for r in fit.residuals}
+    if stage == "index_scoring":
+        return "roofline"
+    if stage == "step_overhead":
+        return "step fit" if "step" in measured else "default"
+    if stage in _COLLECTIVE_STAGES:
+        kinds: dict[str, set[int]] = {}
+        for r in fit.residuals:
+            if r.family == "collective":
+                kind, _, rest = r.label.partition(" ")
+                kinds.setdefault(kind, set()).add(int(rest.rsplit("W=", 1)[1]))
+        kind = _COLLECTIVE_STAGES[stage]
+        if kind not in kinds:
+            return f"{kind} not measured"
+        return f"NCCL fit, W = {', '.join(map(str, sorted(kinds[kind])))}"
+    if stage == "attention":
+        fams: tuple[str, ...] = ("attention" if attention_kernel(fit.constants, tokens, heads) == "flashmla"
+                                 else "attention_splitkv",)  # fmt: skip
+    elif stage in _STAGE_FAMILIES:
+        fams = _STAGE_FAMILIES[stage]
+    else:
+        raise ValueError(f"stage must be a stage of the cost model (dcp_step_cost / tp_step_cost), got {stage!r}")
+    return "kernel fit" if all(f in measured for f in fams) else "default"
+
+
+def plot_layer_per_rank(
+    fit: cm.Fit,
+    world_sizes: Sequence[int] = (2, 4, 8),
+    tokens: int = 32,
+    contexts: Sequence[int] = (8192, 16384, 32768, 65536, 131072),
+    layer: Mapping[str, Any] | None = cm.PLANNED_LAYER,
+    geometry: cm.MlaGeometry = _GEOMETRY,
+    hardware: cm.Hardware = _HARDWARE,
+    dpi: int = DPI,
+) -> Any:
+    """One rank's modelled time per layer, stage by stage, for DCP-W (left bar of each pair) and TP-W (right bar,
+    hatched) against context, one panel per W (a prediction: the model's lines, ``layer`` the step's options).
+
+    Bar series are labelled ``"DCP: <stage>"`` / ``"TP: <stage>"`` with their own heights in µs; the legend names
+    each stage with :func:`stage_basis`."""
+    if not isinstance(fit, cm.Fit):
+        raise TypeError(f"fit must be a costmodel.Fit, got {type(fit).__name__}")
+    c = fit.constants
+    dkw = dict(layer or {})
+    tkw = {"exchange": dkw["exchange"]} if "exchange" in dkw else {}
+    ctxs = list(contexts)
+    fig, axes = _figure(
+        len(world_sizes),
+        f"One rank's time per layer at T = {tokens}, stage by stage: DCP W (left bars) against TP W (right, hatched) "
+        "over context (model prediction from the fitted lines).",
+        width=2.7,
+        height=2.6,
+        dpi=dpi,
+    )
+    stages: list[str] = []
+    colors: dict[str, Any] = {}
+    for ax, w in zip(axes, world_sizes):
+        costs = {
+            "DCP": [cm.dcp_step_cost(w, tokens, x, geometry, hardware, c, **dkw) for x in ctxs],
+            "TP": [cm.tp_step_cost(w, tokens, x, geometry, hardware, c, **tkw) for x in ctxs],
+        }
+        for mode, shift, hatch in (("DCP", -0.2, None), ("TP", 0.2, "///")):
+            bottom = [0.0] * len(ctxs)
+            for stage in costs[mode][0].stages_s:
+                if stage not in colors:
+                    stages.append(stage)
+                    colors[stage] = f"C{len(colors) % 10}"
+                ys = [cost.stages_s[stage] * 1e6 for cost in costs[mode]]
+                ax.bar([i + shift for i in range(len(ctxs))], ys, 0.38, bottom=bottom, color=colors[stage],
+                       hatch=hatch, edgecolor="white" if hatch else None, lw=0, label=f"{mode}: {stage}")  # fmt: skip
+                bottom = [b + y for b, y in zip(bottom, ys)]
+        ax.set_xticks(range(len(ctxs)), [_short(x) for x in ctxs])
+        ax.set(title=f"W = {w}", xlabel="context (tokens)", ylabel="µs per layer, one rank")
+    _finish(fig, axes)
+    import matplotlib.patches as mpatches
+
+    for ax in axes:
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+    heads = geometry.num_heads
+    handles = [
+        mpatches.Patch(color=colors[s], label=f"{s} ({stage_basis(fit, s, tokens=tokens, heads=heads)})")
+        for s in stages
+    ]
+    axes[-1].legend(handles=handles, fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return fig

@@ -221,3 +221,89 @@ def test_committed_indexer_and_fp8_files_plot() -> None:
     assert s["L = 4K | ours (fused Triton)"][1] == [r["fused_us"] for r in rows]
     g = pp.plotted_series(pp.plot_fp8_attention(fp8))
     assert len(g) == 2 * 2 * 2  # (fp8, bf16) x (W = 1, 2) x (K = 1024, 2048)
+
+
+def test_attention_kernels_series_are_the_committed_rows() -> None:
+    attn = _json("attention")
+    fig = pp.plot_attention_kernels(attn)
+    _check_small(fig)
+    s = pp.plotted_series(fig)
+    rows = [r for r in attn["summary"] if r["graph_us"] is not None]
+    for k in (1024, 2048):
+        for impl, label in (("splitkv", "split-KV (Triton)"), ("flashmla_bf16", "FlashMLA bf16"),
+                            ("flashmla_fp8", "FlashMLA FP8")):
+            rs = sorted((r for r in rows if (r["impl"], r["H"], r["K"]) == (impl, 128, k)), key=lambda r: r["T"])
+            assert s[f"H = 128, K = {k} | {label}"] == ([float(r["T"]) for r in rs], [r["graph_us"] for r in rs])
+    for h in (16, 32, 64, 128):
+        rs = sorted((r for r in rows if (r["impl"], r["H"], r["K"]) == ("splitkv", h, 2048)), key=lambda r: r["T"])
+        assert s[f"split-KV per head count, K = 2048 | split-KV, H = {h}"][1] == [r["graph_us"] for r in rs]
+    with pytest.raises(ValueError, match="summary"):
+        pp.plot_attention_kernels({"rows": []})
+
+
+def test_select_to_slots_series_are_the_committed_rows() -> None:
+    ex = _json("exchange")
+    fig = pp.plot_select_to_slots(ex)
+    _check_small(fig)
+    s = pp.plotted_series(fig)
+    rows = [r for r in ex["summary"] if r["stage"] == "select_to_slots"]
+    for w in (2, 4, 8):
+        for order in ("rank_local", "global_id"):
+            rs = sorted((r for r in rows if (r["W"], r["order"]) == (w, order)), key=lambda r: r["rows"])
+            assert s[f"W = {w} | ours, {order}"] == ([float(r["rows"]) for r in rs], [r["ours_us"] for r in rs])
+        rs = sorted((r for r in rows if (r["W"], r["order"]) == (w, "global_id")), key=lambda r: r["rows"])
+        assert s[f"W = {w} | our select + de-interleave"][1] == [r["chain_us"] for r in rs]
+        assert s[f"W = {w} | vLLM top-K + convert"][1] == [r["vllm_chain_us"] for r in rs]
+    with pytest.raises(ValueError, match="select_to_slots"):
+        pp.plot_select_to_slots({"summary": [{"stage": "combine_merge"}]})
+
+
+def test_attention_kernel_follows_the_cost_model() -> None:
+    c = cm.DEFAULT_CONSTANTS
+    g = cm.MlaGeometry()
+    for t in (1, 8, 9, 32):
+        for h in (16, 32, 64, 128):
+            assert pp.attention_kernel(c, t, h) == cm._attention_s(t, h, 2048.0, g, c)[0]
+    with pytest.raises(TypeError, match="constants"):
+        pp.attention_kernel("c", 1, 128)  # type: ignore[arg-type]
+
+
+def test_stage_basis_reads_the_fit() -> None:
+    fit = cm.fit_constants(RESULTS)
+    assert pp.stage_basis(fit, "index_scoring") == "roofline"
+    assert pp.stage_basis(fit, "candidates_allgather") == "NCCL fit, W = 2"  # NCCL_2XH200_T32: W = 2 only
+    assert pp.stage_basis(fit, "combine_alltoall") == "all_to_all not measured"
+    for stage in ("indexer", "select_to_slots", "combine", "attention", "select", "deinterleave", "merge"):
+        assert pp.stage_basis(fit, stage) == "kernel fit", stage
+    assert pp.stage_basis(fit, "step_overhead") == ("step fit" if (RESULTS / "step.json").exists() else "default")
+    # a fit without attention.json's split-KV rows has no line for the kernel a TP-8 rank runs
+    obs = [o for o in cm.observations_from_results(RESULTS) if o.family != "attention_splitkv"]
+    bare = cm.fit_constants(RESULTS, observations=obs, step_points=[])
+    assert pp.stage_basis(bare, "attention", tokens=32, heads=16) == "default"
+    assert pp.stage_basis(bare, "attention", tokens=32, heads=128) == "kernel fit"
+    assert pp.stage_basis(bare, "step_overhead") == "default"
+    with pytest.raises(ValueError, match="stage"):
+        pp.stage_basis(fit, "moe")
+    with pytest.raises(TypeError, match="fit"):
+        pp.stage_basis("fit", "indexer")  # type: ignore[arg-type]
+
+
+def test_layer_per_rank_bars_are_the_model() -> None:
+    fit = cm.fit_constants(RESULTS)
+    ctxs = (8192, 131072)
+    fig = pp.plot_layer_per_rank(fit, world_sizes=(2, 8), contexts=ctxs)
+    _check_small(fig)
+    s = pp.plotted_series(fig)
+    for w in (2, 8):
+        d = [cm.dcp_step_cost(w, 32, c, constants=fit.constants, **cm.PLANNED_LAYER) for c in ctxs]
+        t = [cm.tp_step_cost(w, 32, c, constants=fit.constants, exchange="owner") for c in ctxs]
+        for stage in d[0].stages_s:
+            assert s[f"W = {w} | DCP: {stage}"][1] == pytest.approx([x.stages_s[stage] * 1e6 for x in d])
+        for stage in t[0].stages_s:
+            assert s[f"W = {w} | TP: {stage}"][1] == pytest.approx([x.stages_s[stage] * 1e6 for x in t])
+        assert f"W = {w} | TP: combine_alltoall" not in s  # TP communicates nothing inside attention
+    legend = [tx.get_text() for tx in fig.axes[-1].get_legend().get_texts()]
+    assert "index_scoring (roofline)" in legend and "combine_alltoall (all_to_all not measured)" in legend
+    assert all(ax.get_legend() is None for ax in fig.axes[:-1])
+    with pytest.raises(TypeError, match="fit"):
+        pp.plot_layer_per_rank(fit.constants)  # type: ignore[arg-type]
