@@ -120,7 +120,9 @@ def _indexer_fused(
     *,
     row_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    order: str = "global_id",
+    out_ids: torch.Tensor | None = None,
+) -> Any:
     from .indexer_triton import indexer_topk_pack, workspace_for
 
     g = geometry
@@ -129,9 +131,10 @@ def _indexer_fused(
     key = (tuple(scores.shape), k, scores.device)
     ws = per_thread(_INDEXER_WORKSPACES, key, lambda: workspace_for(scores, k))
     with _launch(scores.device):
-        return indexer_topk_pack(
-            scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out, validate=False, workspace=ws
-        )
+        return indexer_topk_pack(  # type: ignore[call-overload]  # order is a str here, not a Literal
+            scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out, validate=False, workspace=ws,
+            order=order, out_ids=out_ids,
+        )  # fmt: skip
 
 
 @named_impl("cutedsl")

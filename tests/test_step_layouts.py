@@ -359,7 +359,7 @@ def _assert_rank_local_selection(p, traces, ref_ids) -> None:
             for slot in tr["slots"][t, :n].tolist():
                 blk, off = divmod(slot, p.block_size)
                 j = int((table == blk).nonzero()[0, 0]) * p.block_size + off
-                chosen.append(int(local_to_global(torch.tensor([j]), W, r, p.interleave)[0]))
+                chosen.append(int(local_to_global(torch.tensor([j]), world_size=W, rank=r, interleave=p.interleave)[0]))
         assert len(chosen) == len(set(chosen))
         ref = [x for x in ref_ids[t].tolist() if x >= 0]
         assert len(chosen) == len(ref)
