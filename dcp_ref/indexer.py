@@ -14,16 +14,32 @@ This is the oracle. On a GPU the whole stage — this selection and
 :func:`dcp_ref.topk.pack_candidates` — is one Triton launch,
 ``dcp_ref.kernels.indexer_triton.indexer_topk_pack`` (the same ``(score, id)`` pairs per row,
 bit for bit; tested against ``pack_candidates(scores, local_topk(...))``).
+
+**Rank-local output** (:func:`local_topk_rank_local`, the exchange that carries scores only): the
+same winners, written as their scores in *ascending local index* order (NaN padding) plus their
+local indices (``-1`` padding). The ids never travel: a candidate's position ``w*K + c`` in the
+gathered ``[W, T, K]`` scores is its place among equal scores (lower rank, then lower local index),
+which is the global id order restricted to ties, so the global selection stays exact. ``-inf`` is a
+valid score that can win; only NaN marks padding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_bool, check_int_scalar, check_non_negative, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_bool,
+    check_int_scalar,
+    check_non_negative,
+    check_out,
+    check_tensor,
+)
+from .geometry import DcpGeometry
 from .topk import INVALID_KEY, stable_key
 
-__all__ = ["local_topk"]
+__all__ = ["local_topk", "local_topk_rank_local", "reference_indexer_rank_local"]
 
 
 def local_topk(
@@ -105,3 +121,79 @@ def local_topk(
     local = torch.gather(idx, 1, pos)
     out[:, :kk] = torch.where(top == INVALID_KEY, torch.full_like(pos, -1), local)
     return out
+
+
+def local_topk_rank_local(
+    logits: torch.Tensor,
+    k: int,
+    lengths: torch.Tensor | None = None,
+    row_starts: torch.Tensor | None = None,
+    *,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row's stable top-``k`` for the rank-local exchange: scores in ascending local index order.
+
+    The winners are those of :func:`local_topk` (same arguments, same checks and errors); only the
+    layout differs: no global ids, valid entries first in ascending local index, then padding.
+
+    Returns:
+        ``(scores, ids)``: float32 ``[rows, k]`` — the winners' scores (exact float32 bits of
+        ``logits``, ``-0.0`` stays ``-0.0``), NaN after the row's ``min(k, valid keys)`` winners; and
+        int32 ``[rows, k]`` — their local indices ``j`` (relative to the row's start), ascending, ``-1``
+        padding. An empty row is all NaN / all ``-1``.
+    Raises:
+        as :func:`local_topk`; ``ValueError`` when ``logits`` has ``>= 2**31`` columns (int32 ids).
+    """
+    ids = local_topk(logits, k, lengths, row_starts, validate=validate)
+    rows, cols = logits.shape
+    if cols > 2**31:
+        raise ValueError(f"logits must have at most 2**31 columns (local indices are int32), got {cols}")
+    # Ascending local index with the padding last: -1 sorts as the largest int64.
+    big = torch.iinfo(torch.int64).max
+    srt = torch.sort(torch.where(ids >= 0, ids, big), dim=1).values
+    valid = srt != big
+    local = torch.where(valid, srt, -1)
+    if cols:
+        starts = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        if row_starts is not None:
+            starts = row_starts.long().clamp(min=0, max=cols)  # as local_topk read them (a no-op when validated)
+        col = (starts[:, None] + local.clamp(min=0)).clamp(max=cols - 1)
+        score = torch.gather(logits, 1, col).to(torch.float32)
+    else:  # no key at all: every entry is padding
+        score = torch.zeros(local.shape, dtype=torch.float32, device=logits.device)
+    scores = torch.where(valid, score, torch.full_like(score, float("nan")))
+    return scores, local.to(torch.int32)
+
+
+def reference_indexer_rank_local(
+    scores: torch.Tensor,
+    lengths: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    row_starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer stage with ``order="rank_local"``: :func:`local_topk_rank_local` with ``validate=False``.
+
+    Args:
+        scores: float ``[T, L]`` this rank's index scores.  lengths: int32/int64 ``[T]`` local bounds.
+        geometry: this rank's geometry (part of the stage protocol; the ids stay local, so it is not used).
+        k: candidates per row.  row_starts: optional int ``[T]`` column offsets.
+        out: optional float32 ``[T, k]`` buffer for the scores; out_ids: optional int32 ``[T, k]`` for the ids.
+    Returns:
+        ``(scores float32 [T, k], ids int32 [T, k])`` (``out`` / ``out_ids`` when given): see
+        :func:`local_topk_rank_local`.
+    """
+    if not isinstance(geometry, DcpGeometry):
+        raise TypeError(f"geometry must be a dcp_ref.geometry.DcpGeometry, got {type(geometry).__name__}")
+    check_tensor(scores, "scores", dtypes=FLOAT_DTYPES, ndim=2)
+    k = check_int_scalar(k, "k", min_value=1)
+    rows = scores.shape[0]
+    if out is not None:
+        check_out(out, "out", (rows, k), torch.float32, scores.device)
+    if out_ids is not None:
+        check_out(out_ids, "out_ids", (rows, k), torch.int32, scores.device)
+    s, ids = local_topk_rank_local(scores, k, lengths, row_starts, validate=False)
+    return (s if out is None else out.copy_(s)), (ids if out_ids is None else out_ids.copy_(ids))

@@ -2,19 +2,28 @@
 
 The GPU twin of :func:`dcp_ref.topk.pack_candidates`. One program handles ``BLOCK`` candidates of
 one row; every access is masked, so any ``K`` works and an out-of-range local index can never read
-outside ``logits`` (it is packed as invalid — and rejected up front when ``validate=True``); a row
-start outside ``[0, cols]`` is clamped on the device. The host checks are the reference's own
+outside ``logits`` (it is packed as invalid — and rejected when ``validate=True``); a row start
+outside ``[0, cols]`` is clamped on the device. The checks are the reference's own
 (:func:`dcp_ref.topk._check_pack`): both accept and reject the same inputs with the same message.
+
+``validate=True`` costs one host read, after the launch: the kernel itself checks the values it reads
+(a row start outside ``[0, cols]``, an entry below ``-1``, an entry past its row) and raises a flag —
+an atomic max, issued only by a block that found a bad value — and the call reads that flag back
+once. When it is raised, the reference's host checks run for the precise message (``out`` may then
+hold the clamped result). Only rows wide enough for a global id to reach ``2**24`` (``cols`` near
+``2**24 / W``) take the reference's host checks before the launch, as they always did.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_out
-from dcp_ref.topk import _check_pack
+from dcp_ref._checks import check_bool, check_out, check_values_readable, check_world, max_global_id_bound
+from dcp_ref.topk import MAX_EXACT_ID, _check_pack
 
 __all__ = ["pack_candidates_kernel", "pack_candidates_triton"]
 
@@ -36,16 +45,29 @@ def pack_candidates_kernel(
     INTERLEAVE: tl.constexpr,
     HAS_STARTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    chk_ptr=None,
+    CHECK: tl.constexpr = False,
 ):
+    """Grid ``(rows, cdiv(K, BLOCK))``. ``CHECK`` (``validate=True``): a block that meets a value the
+    reference rejects sets ``chk[0]`` to 1 (a good block writes nothing)."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = j < K
     idx = tl.load(topk_ptr + row * stride_tr + j * stride_tc, mask=in_row, other=-1).to(tl.int64)
     if HAS_STARTS:
+        raw = tl.load(starts_ptr + row).to(tl.int64)
         # Clamped: with validate=False a bad row start must not move the reads outside the row.
-        start = tl.minimum(tl.maximum(tl.load(starts_ptr + row).to(tl.int64), 0), n_cols)
+        start = tl.minimum(tl.maximum(raw, 0), n_cols)
     else:
-        start = 0
+        raw = tl.zeros([], tl.int64)
+        start = tl.zeros([], tl.int64)
+    if CHECK:
+        # _check_pack's value checks: the row start in [0, cols]; entries -1 or >= 0; a valid entry inside its row
+        # (compared without the sum start + idx, which a huge int64 entry would overflow)
+        bad = in_row & ((idx < -1) | ((idx >= 0) & (idx >= n_cols - start)))
+        bad = bad | ((raw < 0) | (raw > n_cols))
+        if tl.max(bad.to(tl.int32), 0) > 0:
+            tl.atomic_max(chk_ptr, 1)
     col = start + idx
     # Masked: a bad index is packed as invalid instead of reading out of bounds (compared without
     # the sum start + idx, which a huge int64 index would overflow).
@@ -75,7 +97,8 @@ def pack_candidates_triton(
 
     Args:
         out: optional float32 ``[rows, K, 2]`` contiguous buffer (CUDA-graph path).
-        validate: check index ranges and the ``2**24`` id bound on the host (one sync). Pass
+        validate: check index ranges and the ``2**24`` id bound: in the kernel, then one host read
+            of its flag (see the module docstring; a bad input raises the reference's message). Pass
             ``False`` inside CUDA graphs: no host read; the kernel still never reads out of
             bounds (row starts clamped to ``[0, cols]``, an out-of-range entry packed as
             invalid). With ``validate=False`` the shapes must rule out ids ``>= 2**24``
@@ -83,15 +106,27 @@ def pack_candidates_triton(
     Returns:
         float32 ``[rows, K, 2]``.
     """
-    w, r, i = _check_pack(logits, local_topk, rank, world_size, interleave, row_starts, validate)
-    rows, cols = logits.shape
-    K = local_topk.shape[1]
+    # The reference's checks, in its order (validate, the geometry, then the tensors). Its value checks run on the
+    # host only for rows whose global ids may reach 2**24 (from the shapes alone); otherwise the kernel runs them
+    # (one flag, one host read).
+    validate = check_bool(validate, "validate")
+    w_, _, i_ = check_world(world_size, rank, interleave)
+    cols = logits.shape[1] if isinstance(logits, torch.Tensor) and logits.ndim == 2 else 0
+    host_values = validate and max_global_id_bound(cols, w_, i_) > MAX_EXACT_ID
+    w, r, i = _check_pack(logits, local_topk, rank, world_size, interleave, row_starts, host_values)
+    rows, K = local_topk.shape
+    fused = validate and not host_values and local_topk.numel() > 0
+    if fused:  # what the reference's value checks would refuse before reading anything
+        check_values_readable(local_topk, "local_topk")
+        if row_starts is not None:
+            check_values_readable(row_starts, "row_starts")
     if out is None:
         out = torch.empty((rows, K, 2), dtype=torch.float32, device=logits.device)
     else:
         check_out(out, "out", (rows, K, 2), torch.float32, logits.device, contiguous=True)
     if rows == 0 or K == 0:
         return out
+    chk = _check_flag(logits.device) if fused else None
     starts = row_starts if row_starts is not None else local_topk  # dummy pointer when absent
     grid = (rows, triton.cdiv(K, block))
     pack_candidates_kernel[grid](
@@ -110,5 +145,25 @@ def pack_candidates_triton(
         INTERLEAVE=i,
         HAS_STARTS=row_starts is not None,
         BLOCK=block,
+        chk_ptr=chk,
+        CHECK=chk is not None,
     )
+    if chk is not None and int(chk.item()):  # the one host read of a validated call
+        chk.zero_()
+        _check_pack(logits, local_topk, rank, world_size, interleave, row_starts, True)  # raises the reference's error
+        raise ValueError("local_topk / row_starts hold values the reference rejects")  # unreachable: the host agrees
     return out
+
+
+_CHECK_FLAGS: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+
+
+def _check_flag(dev: torch.device) -> torch.Tensor:
+    """A zeroed int64 flag for the validated call's in-kernel checks, one per thread, device and stream,
+    made once: a good call leaves it at 0, a call that finds it raised clears it before raising."""
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (threading.get_ident(), dev, stream)
+    flag = _CHECK_FLAGS.get(key)
+    if flag is None:
+        flag = _CHECK_FLAGS[key] = torch.zeros(1, dtype=torch.int64, device=dev)
+    return flag

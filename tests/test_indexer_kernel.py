@@ -5,8 +5,11 @@ local_topk(scores, k, lengths, row_starts), rank, W, I, row_starts)``, itself te
 brute force in test_indexer.py; a pure-Python brute force checks a few rows directly here too.
 Results are compared per row as *sets of bit patterns* of the ``(score, id)`` pairs (so ``-0.0``
 vs ``+0.0`` counts, and so does the padding), and the kernel's documented order (winners by
-increasing id, then padding) is checked separately. CPU runs go through the Triton interpreter
-(small shapes); ``-m gpu`` runs the compiled kernel on ≥ 10 000 adversarial rows.
+increasing id, then padding) is checked separately; the rank-local order
+(``order="rank_local"``) is compared exactly with :func:`dcp_ref.indexer.local_topk_rank_local`.
+CPU runs go through the Triton interpreter (small shapes; small tiles and samples make the streamed,
+compacted and split paths appear on a few hundred keys); ``-m gpu`` runs the compiled kernels on
+≥ 10 000 adversarial rows per path, up to L = 131072 and T = 1024.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_ref.indexer import local_topk
+from dcp_ref.indexer import local_topk, local_topk_rank_local
 from dcp_ref.ownership import local_to_global
 from dcp_ref.topk import pack_candidates
 
@@ -62,6 +65,15 @@ def check(scores, lengths, k, rank, w, i, row_starts=None, **kw) -> torch.Tensor
     assert not bad, f"rows {bad}: got {got[bad[0]].tolist()} want {want[bad[0]].tolist()}"
     assert_kernel_order(got)
     return got
+
+
+def check_rank_local(scores, lengths, k, row_starts=None, **kw) -> None:
+    """``order="rank_local"``: exactly :func:`local_topk_rank_local` (ids equal, scores bit for bit, NaN padding)."""
+    s, ids = ix.indexer_topk_pack(scores, lengths, k, 1, 3, 2, row_starts, order="rank_local", **kw)
+    ws, wi = local_topk_rank_local(scores, k, lengths, row_starts)
+    bad = (~((ids == wi).all(1) & (s.view(torch.int32) == ws.view(torch.int32)).all(1))).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad}: got {ids[bad[0]].tolist()} {s[bad[0]].tolist()} want {wi[bad[0]].tolist()}"
+    assert s.dtype == torch.float32 and ids.dtype == torch.int32 and s.shape == ids.shape == (scores.shape[0], k)
 
 
 def brute_packed(row: list[float], k: int, start: int, length: int, rank: int, w: int, i: int) -> list[tuple]:
@@ -117,12 +129,28 @@ def make_cases(rows: int, cols: int, seed: int, device: torch.device | str = "cp
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tile,split", [(None, 1), (64, 1), (None, 3), (64, 2)])
-def test_adversarial_rows_match_reference(kernel_device, tile, split):
-    """Every flavour, with the row in registers (one tile), streamed (tile 64), and split rows."""
+#: (tile, split, compact, select): the row in registers (radix, search), streamed (tile 64), split rows,
+#: and the compacted path (sampled bound, candidate list; one or three segments per row).
+PATHS = [
+    (None, 1, None, "radix"),
+    (None, 1, None, "search"),
+    (64, 1, False, None),
+    (None, 3, False, None),
+    (64, 2, False, None),
+    (32, 1, True, "search"),
+    (32, 3, True, "radix"),
+]
+
+
+@pytest.mark.parametrize("tile,split,compact,select", PATHS)
+def test_adversarial_rows_match_reference(kernel_device, tile, split, compact, select):
+    """Every flavour, in both orders, on every path."""
     s, lengths, starts = make_cases(8, 100, 1, kernel_device, with_starts=True)
-    for k in ((1, 17, 64, 200) if (tile, split) == (None, 1) else (5, 64)):
-        check(s, lengths, k, 1, 3, 2, starts, tile=tile, split=split)
+    kw = dict(tile=tile, split=split, compact=compact, select=select)
+    ks = (1, 17, 64, 200) if (tile, split) == (None, 1) else (5, 64)
+    for k in ks:
+        check(s, lengths, k, 1, 3, 2, starts, **kw)
+    check_rank_local(s, lengths, ks[-1 if split == 1 else 0], starts, **kw)
 
 
 def test_against_pure_python_brute_force(kernel_device):
@@ -141,8 +169,9 @@ def test_ties_go_to_the_lower_index(kernel_device):
     """All-equal scores (and ±0 mixed): the winners are exactly local keys 0..k-1."""
     zeros = torch.tensor([0.0, -0.0] * 50).reshape(1, 100)
     for row in (torch.full((1, 100), 3.25), zeros, torch.full((1, 100), float("-inf"))):
-        for tile, split in ((None, 1), (32, 1), (None, 4)):
-            got = ix.indexer_topk_pack(row.to(kernel_device), None, 10, 0, 1, 1, tile=tile, split=split).cpu()
+        for tile, split, compact in ((None, 1, None), (32, 1, False), (None, 4, False), (16, 2, True)):
+            got = ix.indexer_topk_pack(row.to(kernel_device), None, 10, 0, 1, 1, tile=tile, split=split,
+                                       compact=compact, sample=16).cpu()
             assert got[0, :, 1].tolist() == [float(j) for j in range(10)]
             # the scores are packed bit for bit: -0.0 stays -0.0
             assert torch.equal(pair_bits(got), pair_bits(reference(row, None, 10, 0, 1, 1)).sort(1).values)
@@ -171,12 +200,19 @@ def test_poisoned_out_is_fully_overwritten(kernel_device):
         got = ix.indexer_topk_pack(s, lengths, 50, 0, 2, 1, out=out, split=split, workspace=ws if split > 1 else None)
         assert got.data_ptr() == out.data_ptr()
         assert bool(same_sets(out, reference(s, lengths, 50, 0, 2, 1)).all())
+    # the compacted path: a poisoned workspace list and output are fully overwritten (its counters start at 0)
+    ws = ix.workspace_for(s, 20, compact=True, tile=32, split=2)
+    ws[:, :-6].fill_(-1)
+    out = torch.full((8, 20, 2), float("nan"), device=kernel_device)
+    ix.indexer_topk_pack(s, lengths, 20, 0, 2, 1, out=out, workspace=ws, compact=True, tile=32, split=2)
+    assert bool(same_sets(out, reference(s, lengths, 20, 0, 2, 1)).all())
 
 
 def test_strided_and_low_precision_scores(kernel_device):
     base = torch.randn(6, 2 * 70, device=kernel_device)
     check(base[:, ::2], None, 16, 1, 2, 3)  # column stride 2
     check(base.t().contiguous().t()[:, :70], None, 16, 1, 2, 3)  # column-major
+    check(base.t().contiguous().t()[:, :70], None, 5, 1, 2, 3, compact=True, tile=16, sample=16, split=2)
     for dt in (torch.float16, torch.bfloat16, torch.float64):
         check(base[:, :70].to(dt), None, 16, 0, 4, 1)
 
@@ -190,7 +226,8 @@ def test_prefill_row_starts(kernel_device):
     assert got[1].tolist() == [[5.0, 3.0], [5.0, 5.0], [3.0, 7.0]]
 
 
-def test_validate_false_never_reads_outside_the_window(kernel_device):
+@pytest.mark.parametrize("kw", [dict(), dict(compact=True, tile=16, sample=16, split=2)], ids=["tile", "compact"])
+def test_validate_false_never_reads_outside_the_window(kernel_device, kw):
     """Bad lengths / row_starts with validate=False: the kernel clamps the window on the device.
 
     The scores are a view into a larger buffer whose other columns hold +inf: any read outside
@@ -201,21 +238,86 @@ def test_validate_false_never_reads_outside_the_window(kernel_device):
     s = big[:, 10:50]
     lengths = torch.tensor([100, -5, 40, 2**40], device=kernel_device)
     starts = torch.tensor([30, 0, -7, 45], device=kernel_device)
-    got = ix.indexer_topk_pack(s, lengths, 8, 0, 1, 1, starts, validate=False)
+    got = ix.indexer_topk_pack(s, lengths, 8, 0, 1, 1, starts, validate=False, **kw)
     cs = starts.clamp(0, 40)
     cl = torch.minimum(lengths.clamp(min=0), 40 - cs)
     assert bool(same_sets(got, reference(s, cl, 8, 0, 1, 1, cs)).all())
     assert not bool(torch.isinf(got[..., 0]).logical_and(got[..., 0] > 0).any())
     with pytest.raises(ValueError, match="row_starts"):
-        ix.indexer_topk_pack(s, lengths, 8, 0, 1, 1, starts)
+        ix.indexer_topk_pack(s, lengths, 8, 0, 1, 1, starts, **kw)
+
+
+@pytest.mark.parametrize("order", ["global_id", "rank_local"])
+def test_validated_call_checks_in_the_kernel_and_raises_the_reference_message(kernel_device, order):
+    """validate=True: the window checks run in the kernel (one flag read back); a bad window raises the host
+    checks' message (the one the reference gives), and the flag is cleared for the next call."""
+    s = torch.randn(3, 30, device=kernel_device)
+    good = torch.tensor([30, 5, 0], device=kernel_device)
+    cases = [  # (lengths, row_starts, message)
+        (torch.tensor([30, -2, 4], device=kernel_device), None, "lengths must be non-negative, found -2"),
+        (torch.tensor([30, 31, 4], device=kernel_device), None, "lengths must be <= scores.shape[1]=30"),
+        (good, torch.tensor([0, 40, -1], device=kernel_device), "row_starts must lie in [0, cols=30], found 40"),
+        (good, torch.tensor([0, 26, 0], device=kernel_device), "row_starts + lengths must be <= cols=30"),
+    ]
+    paths = [dict(), dict(compact=True, tile=16, sample=16)]
+    for kw in paths + ([dict(tile=16, split=2, compact=False)] if order == "global_id" else []):
+        for lengths, starts, msg in cases:
+            with pytest.raises(ValueError) as info:
+                ix.indexer_topk_pack(s, lengths, 4, 0, 2, 1, starts, order=order, **kw)
+            assert str(info.value).startswith(msg)
+            with pytest.raises(ValueError) as ref:  # the reference rejects the same input, naming the same argument
+                local_topk(s, 4, lengths, starts)
+            assert str(ref.value).split(" ")[0] == msg.split(" ")[0]
+        got = ix.indexer_topk_pack(s, good, 4, 0, 2, 1, order=order, **kw)  # the flag was cleared
+        if order == "global_id":
+            assert bool(same_sets(got, reference(s, good, 4, 0, 2, 1)).all())
+
+
+def test_compacted_paths_are_exact_in_both_orders(kernel_device):
+    """Each of the compacted path's four ways (:func:`finish_filtered`), with one and three segments per row: the
+    list (the sampled bound holds every winner); ties at the bound (the constant and few-value rows: the list
+    overflows on keys equal to it, which is the threshold); the keys above the bound listed again (ten high
+    keys where the sample does not look, the rest tied at the bound); and the fallback (the sampled keys are the
+    row's smallest, every other key is larger)."""
+    n = 400
+    g = torch.Generator().manual_seed(0)
+    sampled = (torch.arange(16) * n) // 16  # the keys a 16-key sample of a 400-key row looks at
+    normal = torch.randn(1, n, generator=g)
+    const = torch.full((1, n), 2.5)
+    missed = torch.ones(1, n)
+    missed[0, sampled] = 0.0
+    ties = torch.randint(0, 4, (1, n), generator=g).float()
+    above = torch.ones(1, n)
+    above[0, sampled[:10] + 1] = 5.0
+    s = torch.cat([normal, const, missed, ties, above]).to(kernel_device)
+    seen = set()
+    for split, k, lengths, kw, want_paths in (
+        (1, 5, None, dict(tile=32, sample=16), [1, 2, 4, 2, 3]),
+        (3, 5, None, dict(tile=32, sample=16), [1, 2, 4, 2, 3]),
+        (1, 30, torch.tensor([400, 300, 399, 250, 400]), dict(tile=64, sample=32), None),
+    ):
+        if lengths is not None:
+            lengths = lengths.to(kernel_device)
+        ws = ix.workspace_for(s, k, compact=True, split=split, **kw)
+        assert ws.dtype == torch.int64 and not bool(ws.any())  # zeroed: the arrival counters start at 0
+        check(s, lengths, k, 0, 2, 1, workspace=ws, compact=True, split=split, **kw)
+        paths = ix.compact_paths(ws).tolist()
+        assert want_paths is None or paths == want_paths
+        seen.update(paths)
+        check_rank_local(s, lengths, k, workspace=ws, compact=True, split=split, **kw)
+        assert ix.compact_paths(ws).tolist() == paths
+        assert not bool(ws[:, -2].any())  # every call leaves the rows' arrival counters at 0
+    assert seen == {1, 2, 3, 4}
 
 
 @settings(max_examples=25, deadline=None)
 @given(data=st.data(), rows=st.integers(1, 3), cols=st.integers(0, 130), k=st.integers(1, 70),
        w=st.integers(1, 4), i=st.sampled_from([1, 2, 3, 8]), ties=st.booleans(), use_starts=st.booleans(),
-       use_lengths=st.booleans(), tile=st.sampled_from([None, 32, 64]), split=st.sampled_from([1, 1, 2, 3]))
+       use_lengths=st.booleans(), tile=st.sampled_from([None, 32, 64]), split=st.sampled_from([1, 1, 2, 3]),
+       compact=st.sampled_from([None, False, True]), select=st.sampled_from(["radix", "search"]),
+       rank_local=st.booleans())
 def test_property_matches_reference(kernel_device, data, rows, cols, k, w, i, ties, use_starts, use_lengths, tile,
-                                    split):
+                                    split, compact, select, rank_local):
     rank = data.draw(st.integers(0, w - 1))
     if ties:
         pool = [0.0, -0.0, 1.0, -1.0, float("nan"), float("-inf"), float("inf"), 2.5]
@@ -226,14 +328,21 @@ def test_property_matches_reference(kernel_device, data, rows, cols, k, w, i, ti
     starts = [data.draw(st.integers(0, cols)) if use_starts else 0 for _ in range(rows)]
     lengths = [data.draw(st.integers(0, cols - st0)) for st0 in starts]
     dev = kernel_device
-    check(s.to(dev), torch.tensor(lengths, device=dev) if use_lengths else None, k, rank, w, i,
-          torch.tensor(starts, device=dev) if use_starts else None, tile=tile, split=split)
+    kw = dict(tile=tile, split=split, compact=compact, select=select, sample=16)
+    lens = torch.tensor(lengths, device=dev) if use_lengths else None
+    sts = torch.tensor(starts, device=dev) if use_starts else None
+    if rank_local:
+        check_rank_local(s.to(dev), lens, k, sts, **kw)
+    else:
+        check(s.to(dev), lens, k, rank, w, i, sts, **kw)
 
 
-def test_radix_digit_widths(kernel_device):
+def test_radix_digit_widths_and_search_pivots(kernel_device):
     s, lengths, _ = make_cases(8, 120, 4, kernel_device)
     for bits in (5, 6, 7, 8, 10, 13):
-        check(s, lengths, 33, 0, 2, 1, radix_bits=bits)
+        check(s, lengths, 33, 0, 2, 1, radix_bits=bits, select="radix")
+    for pivots in (1, 3):
+        check(s, lengths, 33, 0, 2, 1, select="search", pivots=pivots)
 
 
 @pytest.mark.parametrize("bits", [5, 6, 8, 11])
@@ -249,30 +358,44 @@ def test_radix_keys_with_zero_top_digits(kernel_device, bits):
     ]
     s = torch.tensor(rows, dtype=torch.float32, device=kernel_device)
     for k in (1, 3, 5, 9, 13):
-        check(s, None, k, 1, 2, 1, radix_bits=bits)
-        check(s, torch.tensor([12, 9, 7], device=kernel_device), k, 0, 3, 2, radix_bits=bits)
+        check(s, None, k, 1, 2, 1, radix_bits=bits, select="radix")
+        check(s, torch.tensor([12, 9, 7], device=kernel_device), k, 0, 3, 2, radix_bits=bits, select="radix")
+        if bits == 5:  # the count search's pivots interpolate between -inf and huge negatives: non-finite widths
+            check(s, None, k, 1, 2, 1, select="search")
+            check(s, torch.tensor([12, 9, 7], device=kernel_device), k, 0, 3, 2, select="search", pivots=1)
 
 
 def test_launch_plan_from_shapes_only():
     cpu = torch.device("cpu")
     assert ix.launch_plan(32, 8192, 2048, cpu)[:4] == (8192, True, 16, 1)
     assert ix.launch_plan(1, 100, 10, cpu)[:4] == (256, True, 4, 1)
+    assert ix.launch_plan(1, 100, 10, cpu).select == ix.DEFAULT_SELECT
+    # a long row: the streamed radix by default (the compacted path is opt-in until it has run on a GPU) ...
     p = ix.launch_plan(1, 131072, 2048, cpu)
-    assert not p.one_chunk and p.split == 1 and p.levels == ()  # never split under the interpreter / on the CPU
-    p = ix.launch_plan(1, 131072, 2048, cpu, split=16)
+    assert not p.compact and not ix.DEFAULT_COMPACT
+    # ... the compacted path when asked for: never split under the interpreter / on the CPU
+    p = ix.launch_plan(1, 131072, 2048, cpu, compact=True)
+    assert p.compact and not p.one_chunk and p.split == 1 and p.levels == () and p.cap == 4096
+    assert p.sample == 8192  # ~180 sample keys at or above the bound: 131072 * 180 / sqrt(2048 * 4096) -> 8192
+    p = ix.launch_plan(1, 131072, 2048, cpu, split=16, compact=True)
+    assert p.compact and p.split == 16
+    # k too large for a candidate list in registers: the streamed path
+    assert not ix.launch_plan(1, 131072, 8192, cpu, compact=True).compact
+    p = ix.launch_plan(1, 131072, 2048, cpu, split=16, compact=False)
     # 16 segments of 8192 keys -> 32768 candidates -> 4 segments -> 8192 candidates -> the last launch
-    assert p.split == 16 and p.one_chunk and p.tile == 8192 and p.levels == (16, 4)
+    assert p.split == 16 and p.one_chunk and p.tile == 8192 and p.levels == (16, 4) and not p.compact
 
 
 def test_multi_level_split(kernel_device):
     """Candidates of the segments split again (small tiles make the levels appear on small rows)."""
     s, lengths, starts = make_cases(4, 400, 12, kernel_device, with_starts=True)
-    p = ix.launch_plan(4, 400, 4, kernel_device, split=12, tile=32)
+    p = ix.launch_plan(4, 400, 4, kernel_device, split=12, tile=32, compact=False)
     assert p.levels == (12, 2)  # 12 segments -> 48 candidates -> 2 segments -> 8 candidates
-    ws = ix.workspace_for(s, 4, split=12, tile=32)
+    ws = ix.workspace_for(s, 4, split=12, tile=32, compact=False)
     assert ws.shape == (4, 14, 4, 2)
     ws.fill_(7.0)
-    check(s, lengths, 4, 1, 2, 2, starts, split=12, tile=32, workspace=ws)
+    check(s, lengths, 4, 1, 2, 2, starts, split=12, tile=32, workspace=ws, compact=False)
+    check_rank_local(s, lengths, 4, starts, split=12, tile=32, workspace=ws, compact=False)
     assert ix.workspace_for(s, 4) is None  # no split: no workspace
 
 
@@ -289,7 +412,7 @@ BAD_INPUTS = [
     ("row_starts shape", dict(row_starts=torch.zeros(1, dtype=torch.int64)), ValueError, "row_starts"),
     ("row_starts past the end", dict(row_starts=torch.tensor([0, 6])), ValueError, "row_starts"),
     ("row_starts + lengths", dict(row_starts=torch.tensor([0, 4]), lengths=torch.tensor([2, 2])), ValueError,
-     "lengths"),
+     "row_starts"),
     ("k = 0", dict(k=0), ValueError, "k"),
     ("k float", dict(k=2.0), TypeError, "k"),
     ("rank out of range", dict(rank=2), ValueError, "rank"),
@@ -305,6 +428,23 @@ BAD_INPUTS = [
     ("tile not a power of two", dict(tile=100), ValueError, "tile"),
     ("num_warps 3", dict(num_warps=3), ValueError, "num_warps"),
     ("split 0", dict(split=0), ValueError, "split"),
+    ("order unknown", dict(order="local"), ValueError, "order"),
+    ("out_ids without rank_local", dict(out_ids=torch.empty(2, 4, dtype=torch.int32)), ValueError, "out_ids"),
+    ("rank_local out shape", dict(order="rank_local", out=torch.empty(2, 4, 2)), ValueError, "out"),
+    ("rank_local out dtype", dict(order="rank_local", out=torch.empty(2, 4, dtype=torch.float64)), TypeError, "out"),
+    ("rank_local out_ids dtype", dict(order="rank_local", out_ids=torch.empty(2, 4, dtype=torch.int64)), TypeError,
+     "out_ids"),
+    ("rank_local out_ids shape", dict(order="rank_local", out_ids=torch.empty(2, 5, dtype=torch.int32)), ValueError,
+     "out_ids"),
+    ("compact not a bool", dict(compact=1), TypeError, "compact"),
+    ("compact with a huge k", dict(compact=True, k=5000), ValueError, "compact"),
+    ("compact workspace dtype", dict(compact=True, workspace=torch.empty(2, 12)), TypeError, "workspace"),
+    ("compact workspace shape", dict(compact=True, workspace=torch.zeros(2, 3, dtype=torch.int64)), ValueError,
+     "workspace"),
+    ("select unknown", dict(select="sort"), ValueError, "select"),
+    ("sample not a power of two", dict(sample=100), ValueError, "sample"),
+    ("pivots 2", dict(pivots=2), ValueError, "pivots"),
+    ("validate not a bool", dict(validate=1), TypeError, "validate"),
 ]
 
 
@@ -314,8 +454,9 @@ def test_bad_inputs_raise_naming_the_argument(kernel_device, desc, change, exc, 
                 row_starts=None)
     args.update(change)
     args = {n: (v.to(kernel_device) if isinstance(v, torch.Tensor) and n != "out" else v) for n, v in args.items()}
-    with pytest.raises(exc, match=frag):
+    with pytest.raises(exc, match=frag) as info:
         ix.indexer_topk_pack(**args)
+    assert str(info.value).startswith(frag)
 
 
 def test_ids_beyond_float32_exact_range_raise_even_without_validate():
@@ -333,47 +474,69 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dcp_ref.kernels.indexer_triton import DEFAULT_RADIX_BITS
-from dcp_ref.kernels.indexer_triton import indexer_topk_pack_kernel as kern
+from dcp_ref.kernels.indexer_triton import DEFAULT_RADIX_BITS, filter_topk_kernel, indexer_topk_pack_kernel
+
+def compile_one(kern, sig, cst, warps, aligned):
+    sig = dict(sig)
+    sig.update({name: "constexpr" for name in cst})
+    names = list(kern.arg_names)
+    # what the launcher specialises: 16-byte aligned pointers and multiples of 16
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    c = triton.compile(ASTSource(kern, signature=sig, constexprs=cst, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return {"ptx_target": "sm_90a" in c.asm["ptx"], "cubin": len(c.asm["cubin"]) > 0, "shared": c.metadata.shared}
 
 report = []
-for tile, one, warps, packed, k1 in json.loads(sys.argv[1]):
-    sig = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "starts_ptr": "*i64", "out_ptr": "*i64", "n_cols": "i32",
+for tile, one, warps, packed, k1, select, split_out in json.loads(sys.argv[1]):
+    sig = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "starts_ptr": "*i64",
+           "out_ptr": "*fp32" if split_out else "*i64", "n_cols": "i32",
            "seg_len": "i32", "stride_r": "i32", "stride_c": "i32" if packed else "constexpr",
-           "out_stride_r": "constexpr" if k1 else "i32", "k": "constexpr" if k1 else "i32", "rank": "i32"}
+           "out_stride_r": "constexpr" if k1 else "i32", "k": "constexpr" if k1 else "i32", "rank": "i32",
+           "ids_ptr": "*i32" if split_out else "constexpr", "chk_ptr": "*i64"}
     cst = {"HAS_LENGTHS": not packed, "HAS_STARTS": not packed, "WORLD": 2, "INTERLEAVE": 4, "PACKED_INPUT": packed,
            "NAN_PAD": packed, "RADIX_BITS": DEFAULT_RADIX_BITS, "TILE": tile, "ONE_CHUNK": one,
-           "PAD_BLOCK": 1 if k1 else 1024}
+           "PAD_BLOCK": 1 if k1 else 1024, "LOCAL_IDS": split_out, "SPLIT_OUT": split_out, "SELECT": select,
+           "PIVOTS": 3, "CHECK": not packed}
     cst.update({} if packed else {"stride_c": 1})
     cst.update({"k": 1, "out_stride_r": 1} if k1 else {})
-    sig.update({name: "constexpr" for name in cst})
-    src = ASTSource(kern, signature=sig, constexprs=cst)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    report.append({"ptx_target": "sm_90a" in c.asm["ptx"], "cubin": len(c.asm["cubin"]) > 0,
-                   "shared": c.metadata.shared})
+    cst.update({} if split_out else {"ids_ptr": None})
+    report.append(compile_one(indexer_topk_pack_kernel, sig, cst, warps, ("scores_ptr", "out_ptr", "stride_r")))
+for segments, tile, cap, sample, warps, select, split_out in json.loads(sys.argv[2]):
+    sig = {"scores_ptr": "*fp32", "lengths_ptr": "*i32", "starts_ptr": "*i64",
+           "out_ptr": "*fp32" if split_out else "*i64", "ids_ptr": "*i32", "ws_ptr": "*i64", "chk_ptr": "*i64",
+           "n_cols": "i32", "seg_len": "i32", "stride_r": "i32", "ws_stride_r": "i32", "k": "i32", "rank": "i32",
+           "mid": "i32"}
+    cst = {"HAS_LENGTHS": True, "HAS_STARTS": True, "WORLD": 2, "INTERLEAVE": 4, "SEGMENTS": segments,
+           "SEG_POW2": triton.next_power_of_2(segments), "TILE": tile, "CAP": cap, "SAMPLE": sample, "SELECT": select,
+           "PIVOTS": 3, "RADIX_BITS": DEFAULT_RADIX_BITS, "PAD_BLOCK": 1024, "SPLIT_OUT": split_out, "CHECK": True,
+           "stride_c": 1}
+    report.append(compile_one(filter_topk_kernel, sig, cst, warps, ("scores_ptr", "ws_ptr", "stride_r", "seg_len")))
 print(json.dumps(report))
 """
 
 
 def test_compiles_for_sm90a_on_the_cpu():
-    """The interpreter does not type-check like the compiler: compile the kernel's main variants
+    """The interpreter does not type-check like the compiler: compile the kernels' main variants
     to sm_90a PTX and cubin (no GPU needed), in a fresh process without TRITON_INTERPRET."""
     import json
     import os
     import subprocess
     import sys
 
-    # (tile, one_chunk, warps, packed input, k = 1): the decode row in registers, a streamed row,
-    # a split row's last launch with k specialised to 1
-    configs = [(8192, True, 32, False, False), (4096, False, 16, False, False), (256, True, 4, True, True)]
+    # indexer_topk_pack_kernel: (tile, one_chunk, warps, packed input, k = 1, select, rank-local output): the decode
+    # row in registers (radix; search + rank-local), a streamed row, a split row's last launch with k specialised to 1
+    configs = [(8192, True, 32, False, False, 0, False), (8192, True, 16, False, False, 1, True),
+               (4096, False, 16, False, False, 0, False), (256, True, 4, True, True, 0, False)]
+    # filter_topk_kernel: (segments, tile, cap, sample, warps, select, rank-local output)
+    filters = [(1, 2048, 4096, 2048, 8, 1, False), (16, 2048, 4096, 8192, 16, 0, True)]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(configs)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(configs), json.dumps(filters)],
+                          capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode and ("ModuleNotFoundError" in proc.stderr or "ImportError" in proc.stderr):
         pytest.skip(f"this Triton cannot compile ahead of time here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == len(configs)
+    assert len(report) == len(configs) + len(filters)
     for r in report:
         assert r["ptx_target"] and r["cubin"] and r["shared"] <= 64 * 1024, r
 
@@ -403,15 +566,24 @@ GPU_CONFIGS = [
     (600, 1024, 128, 4, 2, 3, True, None),  # brings the total past 10 000 rows (it was 9 512)
 ]
 
+#: The paths the differential test runs every config through: the default plan (rows in registers by the
+#: count search, long rows compacted), and the streamed radix path with its split levels (today's fallback).
+GPU_PATHS = {"default": dict(), "streamed": dict(compact=False, select="radix")}
+
 
 @pytest.mark.gpu
-def test_gpu_differential_10k_adversarial_rows(cuda_device):
+@pytest.mark.parametrize("path", sorted(GPU_PATHS))
+def test_gpu_differential_10k_adversarial_rows(cuda_device, path):
+    """Every config on the default plan (≥ 10 000 rows); the streamed path on the configs whose rows do not fit
+    a tile (the ones it runs for: the rest would only add compilations)."""
     total, failures = 0, []
     for c, (rows, cols, k, w, i, rank, with_starts, split) in enumerate(GPU_CONFIGS):
+        if path == "streamed" and cols <= ix.MAX_TILE:
+            continue
         s, lengths, starts = make_cases(rows, cols, 100 + c, cuda_device, with_starts)
         want = reference(s, lengths, k, rank, w, i, starts)
         out = torch.full((rows, k, 2), float("nan"), device=cuda_device)  # poison
-        got = ix.indexer_topk_pack(s, lengths, k, rank, w, i, starts, out=out, split=split)
+        got = ix.indexer_topk_pack(s, lengths, k, rank, w, i, starts, out=out, split=split, **GPU_PATHS[path])
         bad = ~same_sets(got, want)
         if bool(bad.any()):
             r = int(bad.nonzero()[0])
@@ -420,6 +592,62 @@ def test_gpu_differential_10k_adversarial_rows(cuda_device):
         assert_kernel_order(got)
         total += rows
     assert not failures, failures
+    assert total >= (10_000 if path == "default" else 1_500)
+
+
+@pytest.mark.gpu
+def test_gpu_rank_local_matches_the_reference(cuda_device):
+    """order="rank_local" on every path: exactly local_topk_rank_local (ids, score bits, NaN / -1 padding)."""
+    for c, (rows, cols, k, split, kw) in enumerate([
+        (1000, 4096, 2048, None, dict()),  # a row in registers (search)
+        (1000, 8192, 2048, None, dict(select="radix")),
+        (400, 32768, 2048, None, dict()),  # compacted, one program per row
+        (32, 131072, 2048, 16, dict()),  # compacted, 16 segments per row
+        (200, 20000, 777, 3, dict(compact=False)),  # streamed, split levels
+    ]):
+        s, lengths, starts = make_cases(rows, cols, 300 + c, cuda_device, with_starts=c % 2 == 1)
+        check_rank_local(s, lengths, k, starts, split=split, **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_compacted_paths_at_scale(cuda_device):
+    """The compacted path on long rows, T up to 1024: every flavour, one and many segments per row, and its ways
+    taken (the list; ties at the bound: the constant and few-value rows; the fallback: rows whose sampled keys
+    are their smallest; the keys above the bound listed again, when some tied rows call for it)."""
+    seen = {1: 0, 2: 0, 3: 0, 4: 0}
+    for c, (rows, cols, k, split, hide) in enumerate([
+        (1024, 32768, 2048, 1, False),
+        (128, 131072, 2048, 2, False),
+        (8, 131072, 2048, 16, True),
+        (256, 12000, 1000, 1, True),
+        (64, 65536, 4096, 4, False),
+    ]):
+        s, lengths, starts = make_cases(rows, cols, 400 + c, cuda_device, with_starts=c % 2 == 1)
+        plan = ix.launch_plan(rows, cols, k, cuda_device, split=split)
+        assert plan.compact
+        if hide:  # the sampled keys of every row made its smallest: the bound misses, the fallback runs
+            for r in range(0, rows, 3):
+                n = int(lengths[r])
+                pos = (torch.arange(plan.sample, device=cuda_device) * n) // plan.sample
+                base = 0 if starts is None else int(starts[r])
+                s[r, base + pos[pos < n]] = -1e30
+        ws = ix.workspace_for(s, k, split=split)
+        check(s, lengths, k, 1, 2, 1, starts, split=split, workspace=ws)
+        for p, cnt in zip(*torch.unique(ix.compact_paths(ws), return_counts=True)):
+            seen[int(p)] += int(cnt)
+    assert seen[1] and seen[2] and seen[4], seen
+
+
+@pytest.mark.gpu
+def test_gpu_search_and_radix_select_rows_in_registers(cuda_device):
+    """Both selects of a row held in registers, every tile size the plan uses, on ≥ 10 000 adversarial rows."""
+    total = 0
+    for c, (rows, cols, k) in enumerate([(2000, 300, 64), (2000, 1024, 128), (2000, 4096, 2048), (2000, 8192, 2048),
+                                         (2000, 8192, 1), (1000, 5000, 4096)]):  # fmt: skip
+        s, lengths, starts = make_cases(rows, cols, 500 + c, cuda_device, with_starts=c % 2 == 0)
+        for kw in (dict(select="search"), dict(select="search", pivots=1), dict(select="radix")):
+            check(s, lengths, k, 1, 2, 1, starts, **kw)
+        total += rows
     assert total >= 10_000
 
 
@@ -436,15 +664,21 @@ def test_gpu_spot_check_against_brute_force(cuda_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cols,split", [(8192, 1), (32768, 1), (131072, 16)])
-def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split):
-    """Captured once with out= (and workspace=); replayed on new scores and lengths in place."""
+@pytest.mark.parametrize("cols,split,compact,order", [
+    (8192, 1, None, "global_id"), (32768, 1, None, "global_id"), (32768, 1, None, "rank_local"),
+    (131072, 16, None, "global_id"), (131072, 4, None, "rank_local"), (131072, 16, False, "global_id"),
+])  # fmt: skip
+def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, order):
+    """Captured once with out= (and the planned workspace=); replayed on new scores and lengths in place. The
+    compacted path's split rows meet at an atomic counter in the workspace: every replay must leave it at 0."""
     rows, k = 32, 2048
     s, lengths, _ = make_cases(rows, cols, 7, cuda_device)
-    out = torch.empty((rows, k, 2), device=cuda_device)
-    ws = ix.workspace_for(s, k, split=split)
+    rank_local = order == "rank_local"
+    out = torch.empty((rows, k) if rank_local else (rows, k, 2), device=cuda_device)
+    out_ids = torch.empty((rows, k), dtype=torch.int32, device=cuda_device) if rank_local else None
+    ws = ix.workspace_for(s, k, split=split, compact=compact)
     call = lambda: ix.indexer_topk_pack(s, lengths, k, 1, 2, 1, out=out, validate=False,  # noqa: E731
-                                        split=split, workspace=ws)
+                                        split=split, workspace=ws, compact=compact, order=order, out_ids=out_ids)
     call()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -457,19 +691,25 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split):
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert bool(same_sets(out, reference(s, lengths, k, 1, 2, 1)).all())
+        if rank_local:
+            ws_, wi = local_topk_rank_local(s, k, lengths)
+            assert torch.equal(out_ids, wi) and torch.equal(out.view(torch.int32), ws_.view(torch.int32))
+        else:
+            assert bool(same_sets(out, reference(s, lengths, k, 1, 2, 1)).all())
+        if ws is not None and ws.dtype == torch.int64:
+            assert not bool(ws[:, -2].any())  # the arrival counters are back at 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [1, 4])
-def test_gpu_validate_false_makes_no_host_sync(cuda_device, split):
+@pytest.mark.parametrize("split,compact", [(1, None), (4, None), (4, False)])
+def test_gpu_validate_false_makes_no_host_sync(cuda_device, split, compact):
     """validate=False with out= and workspace=: no synchronising CUDA call (sync debug mode raises)."""
     rows, cols, k = 8, 40000, 512
     s, lengths, starts = make_cases(rows, cols, 11, cuda_device, with_starts=True)
     out = torch.empty((rows, k, 2), device=cuda_device)
-    ws = ix.workspace_for(s, k, split=split)
+    ws = ix.workspace_for(s, k, split=split, compact=compact)
     call = lambda: ix.indexer_topk_pack(s, lengths, k, 0, 2, 1, starts, out=out, validate=False,  # noqa: E731
-                                        split=split, workspace=ws)
+                                        split=split, workspace=ws, compact=compact)
     call()  # compile first (compilation itself may synchronise)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -478,3 +718,16 @@ def test_gpu_validate_false_makes_no_host_sync(cuda_device, split):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert bool(same_sets(out, reference(s, lengths, k, 0, 2, 1, starts)).all())
+
+
+@pytest.mark.gpu
+def test_gpu_validated_call_raises_and_recovers(cuda_device):
+    """validate=True on the GPU: one flag read back; a bad window raises the host message, the next good call
+    (same thread and stream: same flag) passes."""
+    s, lengths, _ = make_cases(64, 20000, 12, cuda_device)
+    bad = lengths.clone()
+    bad[17] = 20001
+    with pytest.raises(ValueError, match=r"^lengths must be <= scores.shape\[1\]=20000"):
+        ix.indexer_topk_pack(s, bad, 2048, 0, 2, 1)
+    got = ix.indexer_topk_pack(s, lengths, 2048, 0, 2, 1)
+    assert bool(same_sets(got, reference(s, lengths, 2048, 0, 2, 1)).all())
