@@ -39,6 +39,8 @@ CONTEXT = 65536
 from _graphs import capture  # noqa: E402
 from _progress import progress  # noqa: E402  (the benchmarks' folder is on sys.path)
 
+from dcp_ref.geometry import DcpGeometry  # noqa: E402
+
 # (method, block, num_warps). Kept short: every entry is a compile per geometry.
 CONFIGS = [
     ("atomic", 256, 4),
@@ -109,7 +111,7 @@ def check(method, o, c, ids, req, bt, w, r, i):
     from dcp_ref.deinterleave import canonicalize, deinterleave_and_compact
 
     want, want_n = deinterleave_and_compact(
-        ids.cpu(), req.cpu(), bt.cpu(), BLOCK_SIZE, w, r, i, ordered=method != "atomic"
+        ids.cpu(), req.cpu(), bt.cpu(), DcpGeometry(w, r, i, BLOCK_SIZE), ordered=method != "atomic"
     )
     o, c = o.cpu(), c.cpu()
     ok = torch.equal(c, want_n)
@@ -177,17 +179,14 @@ def run(args) -> dict:
                         fn = lambda: torch_baseline(ids, req, bt, BLOCK_SIZE, w, 0, i)  # noqa: E731
                     elif method == "convert":
                         fn = lambda: dk.global_ids_to_local_slots_triton(  # noqa: E731
-                            ids, req, bt, BLOCK_SIZE, w, 0, i, out=out, block=block
+                            ids, req, bt, DcpGeometry(w, 0, i, BLOCK_SIZE), out=out, block=block
                         )
                     else:
                         fn = lambda m=method, b=block, n=nw: dk.deinterleave_compact(  # type: ignore[misc]  # noqa: E731
                             ids,
                             req,
                             bt,
-                            BLOCK_SIZE,
-                            w,
-                            0,
-                            i,
+                            DcpGeometry(w, 0, i, BLOCK_SIZE),
                             ordered=m != "atomic",
                             method=m,
                             out=out,
@@ -204,7 +203,8 @@ def run(args) -> dict:
                         from dcp_ref.deinterleave import global_ids_to_local_slots
 
                         ok = torch.equal(
-                            res.cpu(), global_ids_to_local_slots(ids.cpu(), req.cpu(), bt.cpu(), BLOCK_SIZE, w, 0, i)
+                            res.cpu(),
+                            global_ids_to_local_slots(ids.cpu(), req.cpu(), bt.cpu(), DcpGeometry(w, 0, i, BLOCK_SIZE)),
                         )
                     else:
                         ok = check(method if method != "torch" else "rowscan", res[0], res[1], ids, req, bt, w, 0, i)

@@ -9,7 +9,7 @@
   → this rank's slots + counts, one launch (``order="global_id"``: (score, id) pairs ``[W, T, K, 2]``;
   ``"rank_local"``: scores ``[W, T, K]`` + ``own_ids``);
 * ``chain_us`` — today's two stages: the CuTeDSL stable top-K (``stable_topk_cutedsl``, unsorted) + the Triton
-  de-interleave (``deinterleave_compact``, its default method), on the pairs;
+  deinterleave (``deinterleave_compact``, its default method), on the pairs;
 * ``vllm_chain_us`` — vLLM's: its stable top-K (``vllm_dcp_topk.stable_topk_from_gathered_candidates``, CuTeDSL,
   on the pairs laid out ``[T, W*K, 2]`` as it wants them; the re-layout is not timed) + its convert
   (``vllm_convert.triton_filter_and_convert_dcp_index``, compacting, with counts; it allocates its outputs per
@@ -202,9 +202,7 @@ def bench_select(rows: int, world: int, peers: dict[str, Any]) -> list[dict[str,
 
     def chain() -> None:
         stable_topk_cutedsl(x["pairs"], k, out=ids, validate=False)
-        deinterleave_compact(
-            ids, x["req"], x["table"], BLOCK_SIZE, world, 0, 1, ordered=False, out=ch_s, counts=ch_n, validate=False
-        )
+        deinterleave_compact(ids, x["req"], x["table"], geo, ordered=False, out=ch_s, counts=ch_n, validate=False)
 
     want_g = select_to_slots(x["pairs"], x["req"], x["table"], geo, k, validate=False)
     chain()

@@ -54,6 +54,7 @@ from _graphs import capture  # noqa: E402  (the benchmarks' folder is on sys.pat
 
 from dcp_ref.attention import sparse_mla_attention  # noqa: E402
 from dcp_ref.fp8_cache import FP8_DS_MLA, quantize_kv_fp8, sparse_mla_attention_fp8  # noqa: E402
+from dcp_ref.geometry import DcpGeometry  # noqa: E402
 
 H, DQK, DV = 128, 576, 512
 SM_SCALE = 192**-0.5  # DeepSeek V3.2: 1 / sqrt(128 + 64)
@@ -265,12 +266,12 @@ def bench_config(T: int, K: int, W: int, data: dict, gen: torch.Generator, quick
             c_out = torch.empty(T, dtype=torch.int32, device=dev)
             ws = torch.zeros(max(workspace_numel(m, T, K) for m in METHODS) + 1, dtype=torch.int64, device=dev)
             det["slots_convert_only_graph_us"] = timer(
-                lambda: global_ids_to_local_slots_triton(ids, req, table, bs, W, 0, 1, out=s_out)
+                lambda: global_ids_to_local_slots_triton(ids, req, table, DcpGeometry(W, 0, 1, bs), out=s_out)
             )
             for ordered in (False, True):
                 det[f"slots_convert_compact_{'ordered' if ordered else 'unordered'}_graph_us"] = timer(
                     lambda o=ordered: deinterleave_compact(
-                        ids, req, table, bs, W, 0, 1, ordered=o, out=s_out, counts=c_out, workspace=ws
+                        ids, req, table, DcpGeometry(W, 0, 1, bs), ordered=o, out=s_out, counts=c_out, workspace=ws
                     )
                 )
         except Exception as e:

@@ -45,6 +45,8 @@ import time
 import torch
 from _graphs import capture  # the benchmarks' folder is on sys.path
 
+from dcp_ref.geometry import DcpGeometry
+
 SHAPES = [(t, n) for t in (1, 32, 128, 1024) for n in (4096, 8192, 32768, 131072)]
 QUICK = [(32, 8192), (1, 131072), (1024, 32768), (128, 32768)]
 TIES = [(32, 8192), (1024, 32768), (1, 131072)]
@@ -166,7 +168,7 @@ def reference(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     from dcp_ref.indexer import local_topk
     from dcp_ref.topk import pack_candidates
 
-    return pack_candidates(scores, local_topk(scores, K, lengths), RANK, W, I)
+    return pack_candidates(scores, local_topk(scores, K, lengths), DcpGeometry(W, RANK, I, I))
 
 
 class Peers:
@@ -204,7 +206,7 @@ class Peers:
         else:
             from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
-            pack_candidates_triton(scores, idx, RANK, W, I, out=out, validate=False)
+            pack_candidates_triton(scores, idx, DcpGeometry(W, RANK, I, I), out=out, validate=False)
 
 
 def run_fused(scores, lengths, want, tune: dict, *, time_it: bool = True) -> dict:
@@ -223,7 +225,7 @@ def run_fused(scores, lengths, want, tune: dict, *, time_it: bool = True) -> dic
         ws = workspace_for(scores, K, **ws_args)
         out = torch.full((t, K, 2), float("nan"), device=DEV)
         fn = lambda: indexer_topk_pack(  # noqa: E731
-            scores, lengths, K, RANK, W, I, out=out, validate=False, workspace=ws, **tune
+            scores, lengths, K, DcpGeometry(W, RANK, I, I), out=out, validate=False, workspace=ws, **tune
         )
         t0 = time.monotonic()
         fn()
@@ -273,7 +275,9 @@ def run_shape(t: int, n: int, bw: float, floor_us: float, peers: Peers, dist: st
 
     def torch_path():
         masked = torch.where(col < lengths[:, None], scores, float("-inf"))
-        pack_candidates_triton(scores, torch.topk(masked, K, dim=1).indices, RANK, W, I, out=pout, validate=False)
+        pack_candidates_triton(
+            scores, torch.topk(masked, K, dim=1).indices, DcpGeometry(W, RANK, I, I), out=pout, validate=False
+        )
 
     torch_path()
     rec["torch_same_result"] = same_rows(pout, want)  # informative: torch.topk's ties are unordered
@@ -361,7 +365,7 @@ def validation_cost(shapes: list[tuple[int, int]]) -> list[dict]:
         times = {}
         for v in (False, True):
             fn = lambda v=v: indexer_topk_pack(  # noqa: E731
-                scores, lengths, K, RANK, W, I, out=out, validate=v, workspace=ws
+                scores, lengths, K, DcpGeometry(W, RANK, I, I), out=out, validate=v, workspace=ws
             )
             fn()
             times["validated" if v else "unvalidated"] = bench(fn)["median_us"]
@@ -384,7 +388,15 @@ def rank_local_times(shapes: list[tuple[int, int]]) -> list[dict]:
         so = torch.full((t, K), 7.0, device=DEV)
         io = torch.full((t, K), 7, dtype=torch.int32, device=DEV)
         fn = lambda: indexer_topk_pack(  # noqa: E731
-            scores, lengths, K, RANK, W, I, out=so, out_ids=io, order="rank_local", validate=False, workspace=ws
+            scores,
+            lengths,
+            K,
+            DcpGeometry(W, RANK, I, I),
+            out=so,
+            out_ids=io,
+            order="rank_local",
+            validate=False,
+            workspace=ws,
         )
         fn()
         ws_, wi = local_topk_rank_local(scores, K, lengths)

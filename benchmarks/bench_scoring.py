@@ -166,7 +166,7 @@ def run_shape(t: int, n: int, bw: float, peers: dict[str, Any]) -> dict[str, Any
     # ---- ours, unfused chain: scores + indexer_topk_pack
     chain_out = torch.empty((t, k, 2), device=DEV)
     ws = workspace_for(scores, k)
-    chain = lambda: (ours(), indexer_topk_pack(scores, bounds, k, RANK, W, I, out=chain_out, validate=False,  # noqa: E731
+    chain = lambda: (ours(), indexer_topk_pack(scores, bounds, k, g, out=chain_out, validate=False,  # noqa: E731
                                                workspace=ws))  # fmt: skip
     chain()
     torch.cuda.synchronize()

@@ -45,6 +45,7 @@ import triton.testing
 from _graphs import capture
 from _progress import progress
 
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.topk import stable_topk as ref_topk
 
 SHAPES = [(r, w, k) for r in (1, 32, 128, 1024) for w in (2, 4, 8) for k in (512, 2048)]
@@ -257,7 +258,9 @@ def main() -> None:
         logits = torch.randn(rows, 65536, device="cuda", dtype=torch.bfloat16)
         ltk = torch.randint(0, 65536, (rows, K), device="cuda", dtype=torch.int32)
         pout = torch.empty(rows, K, 2, device="cuda")
-        rec["pack_triton"] = bench(lambda: pack_candidates_triton(logits, ltk, 1, w, 1, out=pout, validate=False))
+        rec["pack_triton"] = bench(
+            lambda: pack_candidates_triton(logits, ltk, DcpGeometry(w, 1), out=pout, validate=False)
+        )
         floor_us = rows * (w * K * 8 + k * 4) / 4.23e12 * 1e6
         rec["traffic_floor_us"] = floor_us
         rec["vllm_cutedsl_us"] = VLLM.get((rows, w)) if K == 2048 else None

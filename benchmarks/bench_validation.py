@@ -5,15 +5,15 @@
     python3 benchmarks/bench_validation.py --out DIR --quick
 
 A validated call runs the same launch(es) and then reads **one** small result back to the host (one
-device reduction, one transfer): the de-interleave kernel writes the poison slot exactly where the
+device reduction, one transfer): the deinterleave kernel writes the poison slot exactly where the
 reference's value checks fail, so its maximum decides; FlashMLA's prologues flag the rows that leave
 the cache; the reference checks (``dcp_ref.deinterleave`` / ``topk`` / ``attention`` / ``fp8_cache``)
 build their statistics on the device and read them with one ``tolist``. The target (issue: 516-1276 µs
-validated against 15-48 µs unvalidated for the de-interleave): **validated <= 1.5 x unvalidated + 10 µs**
+validated against 15-48 µs unvalidated for the deinterleave): **validated <= 1.5 x unvalidated + 10 µs**
 per eager call; each row records whether it holds.
 
 Measured per wrapper (each import guarded: a wrapper that cannot run here is recorded with the reason):
-de-interleave compact (row scan) and masked layout, the conversion kernel, LSE correct and merge,
+deinterleave compact (row scan) and masked layout, the conversion kernel, LSE correct and merge,
 Triton pack, the fused indexer, FlashMLA's sparse (bf16) and FP8 decode stages. Shapes are the step's:
 T = 1 and 32 query rows, K = 2048, W = 2, 64K context, H = 128, D = 512 (576 for the attention).
 
@@ -40,6 +40,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from dcp_ref.geometry import DcpGeometry  # noqa: E402
 
 TARGET_RATIO, TARGET_SLACK_US = 1.5, 10.0
 
@@ -129,21 +131,33 @@ def bench_deinterleave(T: int, n: int, reps: int) -> list[dict]:
         row(
             "deinterleave_compact (rowscan)",
             shape,
-            lambda v: lambda: dk.deinterleave_compact(ids, req, bt, bs, W, 0, out=out, counts=counts, validate=v),
+            lambda v: (
+                lambda: dk.deinterleave_compact(
+                    ids, req, bt, DcpGeometry(W, 0, block_size=bs), out=out, counts=counts, validate=v
+                )
+            ),
             n,
             reps,
         ),
         row(
             "deinterleave_masked_triton",
             shape,
-            lambda v: lambda: dk.deinterleave_masked_triton(ids, req, bt, bs, W, 0, out=out, counts=counts, validate=v),
+            lambda v: (
+                lambda: dk.deinterleave_masked_triton(
+                    ids, req, bt, DcpGeometry(W, 0, block_size=bs), out=out, counts=counts, validate=v
+                )
+            ),
             n,
             reps,
         ),
         row(
             "global_ids_to_local_slots_triton",
             shape,
-            lambda v: lambda: dk.global_ids_to_local_slots_triton(ids, req, bt, bs, W, 0, out=out, validate=v),
+            lambda v: (
+                lambda: dk.global_ids_to_local_slots_triton(
+                    ids, req, bt, DcpGeometry(W, 0, block_size=bs), out=out, validate=v
+                )
+            ),
             n,
             reps,
         ),
@@ -190,7 +204,7 @@ def bench_pack_indexer(T: int, n: int, reps: int) -> list[dict]:
     def pack(v: bool) -> Callable[[], object]:
         from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
-        return lambda: pack_candidates_triton(logits, local, 0, W, 1, None, out=out, validate=v)
+        return lambda: pack_candidates_triton(logits, local, DcpGeometry(W, 0), None, out=out, validate=v)
 
     rows.append(row("pack_candidates_triton", {"T": T, "K": K, "cols": cols, "W": W}, pack, n, reps))
 
@@ -198,7 +212,7 @@ def bench_pack_indexer(T: int, n: int, reps: int) -> list[dict]:
         from dcp_ref.kernels.indexer_triton import indexer_topk_pack, workspace_for
 
         ws = workspace_for(logits, K)
-        return lambda: indexer_topk_pack(logits, lengths, K, 0, W, 1, None, out=out, validate=v, workspace=ws)
+        return lambda: indexer_topk_pack(logits, lengths, K, DcpGeometry(W, 0), None, out=out, validate=v, workspace=ws)
 
     rows.append(row("indexer_topk_pack", {"T": T, "K": K, "cols": cols, "W": W}, indexer, n, reps))
     return rows

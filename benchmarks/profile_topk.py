@@ -19,6 +19,8 @@ import argparse
 
 import torch
 
+from dcp_ref.geometry import DcpGeometry
+
 
 def parse_indexer(spec: str) -> tuple[int, int, dict]:
     """``"TxL[:name=value,...]"`` -> ``(T, L, tuning)`` (values: ``true``/``false``, ints, else strings)."""
@@ -44,13 +46,13 @@ def profile_indexer(spec: str, k: int) -> None:
     ws = workspace_for(scores, k, **ws_args)
     out = torch.empty((t, k, 2), device="cuda")
     for _ in range(3):
-        indexer_topk_pack(scores, lengths, k, 0, 2, 1, out=out, validate=False, workspace=ws, **tune)
-    want = pack_candidates(scores, local_topk(scores, k, lengths), 0, 2, 1)
+        indexer_topk_pack(scores, lengths, k, DcpGeometry(2, 0), out=out, validate=False, workspace=ws, **tune)
+    want = pack_candidates(scores, local_topk(scores, k, lengths), DcpGeometry(2, 0))
     same = torch.equal(out.view(torch.int64).sort(1).values, want.view(torch.int64).sort(1).values)
     assert same, spec
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    indexer_topk_pack(scores, lengths, k, 0, 2, 1, out=out, validate=False, workspace=ws, **tune)
+    indexer_topk_pack(scores, lengths, k, DcpGeometry(2, 0), out=out, validate=False, workspace=ws, **tune)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     print(f"profiled indexer {spec}: k={k}")

@@ -6,7 +6,7 @@
     python benchmarks/sanitize_all.py --out benchmarks/results        # + sanitize_all.json
     python benchmarks/sanitize_all.py --only pack,deinterleave          # some families
 
-Kernels: the Triton pack, the Triton de-interleave (conversion; atomic, rowscan and two-pass
+Kernels: the Triton pack, the Triton deinterleave (conversion; atomic, rowscan and two-pass
 compaction), the Triton LSE merge (correct and merge), the CuTeDSL stable top-K, the Triton
 indexer (``kernels/indexer_triton.py``), FlashInfer's sparse MLA and FlashMLA's sparse decode
 (each family skipped, and said so, when its package or file is missing).
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dcp_ref import canonicalize, deinterleave_and_compact, deinterleave_masked, global_ids_to_local_slots, local_topk
 from dcp_ref.attention import sparse_mla_attention
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.lse import correct_partial, merge_partials
 from dcp_ref.topk import pack_candidates, stable_topk
 
@@ -84,17 +85,17 @@ def fam_pack(f: Family) -> None:
         starts = torch.randint(-cols, 2 * cols + 2, (rows,), generator=g).to(torch.int32)  # clamped to [0, cols]
         for dtype in (torch.int32, torch.int64):
             idx = ids.clamp(min=-(2**31), max=2**31 - 1).to(dtype)
-            want = pack_candidates(logits, idx, W - 1, W, I, starts, validate=False)
+            want = pack_candidates(logits, idx, DcpGeometry(W, W - 1, I, I), starts, validate=False)
             out = torch.full((rows, K, 2), NAN, device=DEV)
             got = pack_candidates_triton(
-                logits.to(DEV), idx.to(DEV), W - 1, W, I, starts.to(DEV), out=out, validate=False
+                logits.to(DEV), idx.to(DEV), DcpGeometry(W, W - 1, I, I), starts.to(DEV), out=out, validate=False
             )
             f.check(f"rows={rows} cols={cols} K={K} W={W} I={I} {dtype} bad starts/ids", torch.equal(got.cpu(), want))
         # a strided logits view, no row starts
         wide = torch.randn(rows, 2 * cols, generator=g)
         ok_ids = torch.randint(-1, cols, (rows, K), generator=g)
-        want = pack_candidates(wide[:, ::2], ok_ids, 0, W, I)
-        got = pack_candidates_triton(wide.to(DEV)[:, ::2], ok_ids.to(DEV), 0, W, I, validate=False)
+        want = pack_candidates(wide[:, ::2], ok_ids, DcpGeometry(W, 0, I, I))
+        got = pack_candidates_triton(wide.to(DEV)[:, ::2], ok_ids.to(DEV), DcpGeometry(W, 0, I, I), validate=False)
         f.check(f"strided logits rows={rows} cols={cols}", torch.equal(got.cpu(), want))
 
 
@@ -109,23 +110,30 @@ def fam_deinterleave(f: Family) -> None:
         bt[0, 0] = 2**30  # its slots overflow int32: saturated, never wrapped
         for dt in (torch.int32, torch.int64):
             ids_d, bt_d = ids.to(dt), bt.to(dt)
-            want_s = global_ids_to_local_slots(ids_d, req, bt_d, bs, W, W - 1, I, validate=False)
+            want_s = global_ids_to_local_slots(ids_d, req, bt_d, DcpGeometry(W, W - 1, I, bs), validate=False)
             got_s = dk.global_ids_to_local_slots_triton(
-                ids_d.to(DEV), req.to(DEV), bt_d.to(DEV), bs, W, W - 1, I, validate=False
+                ids_d.to(DEV), req.to(DEV), bt_d.to(DEV), DcpGeometry(W, W - 1, I, bs), validate=False
             )
             f.check(f"convert T={T} K={K} W={W} {dt}", torch.equal(got_s.cpu(), want_s))
             # the masked layout: conversion + counts in one row-scan launch, poisoned buffers
-            want_m, want_mn = deinterleave_masked(ids_d, req, bt_d, bs, W, W - 1, I, validate=False)
+            want_m, want_mn = deinterleave_masked(ids_d, req, bt_d, DcpGeometry(W, W - 1, I, bs), validate=False)
             out = torch.full((T, K), 12345, dtype=torch.int32, device=DEV)
             cnt = torch.full((T,), 777, dtype=torch.int32, device=DEV)
             o, c = dk.deinterleave_masked_triton(
-                ids_d.to(DEV), req.to(DEV), bt_d.to(DEV), bs, W, W - 1, I, out=out, counts=cnt, block=16, validate=False
+                ids_d.to(DEV),
+                req.to(DEV),
+                bt_d.to(DEV),
+                DcpGeometry(W, W - 1, I, bs),
+                out=out,
+                counts=cnt,
+                block=16,
+                validate=False,
             )
             f.check(f"masked T={T} K={K} W={W} {dt}", torch.equal(o.cpu(), want_m) and torch.equal(c.cpu(), want_mn))
             for method in dk.METHODS:
                 ordered = method != "atomic"
                 want, want_n = deinterleave_and_compact(
-                    ids_d, req, bt_d, bs, W, W - 1, I, ordered=ordered, validate=False
+                    ids_d, req, bt_d, DcpGeometry(W, W - 1, I, bs), ordered=ordered, validate=False
                 )
                 out = torch.full((T, K), 12345, dtype=torch.int32, device=DEV)
                 cnt = torch.full((T,), 777, dtype=torch.int32, device=DEV)
@@ -134,10 +142,7 @@ def fam_deinterleave(f: Family) -> None:
                     ids_d.to(DEV),
                     req.to(DEV),
                     bt_d.to(DEV),
-                    bs,
-                    W,
-                    W - 1,
-                    I,
+                    DcpGeometry(W, W - 1, I, bs),
                     ordered=ordered,
                     method=method,
                     out=out,
@@ -157,15 +162,25 @@ def fam_deinterleave(f: Family) -> None:
     bt = torch.arange(20).view(2, 10).to(torch.int32)
     ws = torch.full((2,), 5 | (3 << 21), dtype=torch.int64, device=DEV)
     dk.deinterleave_compact(
-        ids.to(DEV), None, bt.to(DEV), 4, 1, 0, ordered=False, method="atomic", workspace=ws, block=16, validate=False
+        ids.to(DEV),
+        None,
+        bt.to(DEV),
+        DcpGeometry(1, 0, block_size=4),
+        ordered=False,
+        method="atomic",
+        workspace=ws,
+        block=16,
+        validate=False,
     )
     f.check("atomic, non-zero workspace (counts wrong by contract, memory intact)", True)
     # Strided ids and block table views.
     ids = torch.randint(-1, 64, (6, 30), generator=g)
     bt = torch.randint(0, 40, (3, 8), generator=g).to(torch.int32)
     req = torch.randint(0, 3, (3,), generator=g).to(torch.int32)
-    want, want_n = deinterleave_and_compact(ids[::2, ::3], req, bt[:, ::2], 4, 2, 1, 2)
-    o, c = dk.deinterleave_compact(ids.to(DEV)[::2, ::3], req.to(DEV), bt.to(DEV)[:, ::2], 4, 2, 1, 2, validate=False)
+    want, want_n = deinterleave_and_compact(ids[::2, ::3], req, bt[:, ::2], DcpGeometry(2, 1, 2, 4))
+    o, c = dk.deinterleave_compact(
+        ids.to(DEV)[::2, ::3], req.to(DEV), bt.to(DEV)[:, ::2], DcpGeometry(2, 1, 2, 4), validate=False
+    )
     f.check("strided ids / block table", torch.equal(o.cpu(), want) and torch.equal(c.cpu(), want_n))
 
 
@@ -247,9 +262,15 @@ def fam_indexer(f: Family) -> None:
         scores[torch.rand(rows, cols, generator=g) < 0.1] = NAN
         lengths = torch.randint(-5, cols + 10, (rows,), generator=g)  # negative and past the row: clamped
         starts = torch.randint(-3, cols + 3, (rows,), generator=g).to(torch.int32)
-        got = indexer_topk_pack(scores.to(DEV), lengths.to(DEV), k, 1, W, I, starts.to(DEV), validate=False)
+        got = indexer_topk_pack(
+            scores.to(DEV), lengths.to(DEV), k, DcpGeometry(W, 1, I, I), starts.to(DEV), validate=False
+        )
         want = pack_candidates(
-            scores, local_topk(scores, k, lengths, starts, validate=False), 1, W, I, starts, validate=False
+            scores,
+            local_topk(scores, k, lengths, starts, validate=False),
+            DcpGeometry(W, 1, I, I),
+            starts,
+            validate=False,
         )
 
         def as_set(x: torch.Tensor) -> list:

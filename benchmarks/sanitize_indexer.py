@@ -24,6 +24,7 @@ if not torch.cuda.is_available():  # a CPU smoke run goes through the Triton int
 sys.path.insert(0, "tests")
 from test_indexer_kernel import make_cases, reference, same_sets
 
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.kernels.indexer_triton import indexer_topk_pack
 
 # (rows, cols, k, W, I, rank, row_starts, tuning)
@@ -50,17 +51,19 @@ def main() -> int:
             continue
         s, lengths, starts = make_cases(rows, cols, 70 + c, dev, with_starts)
         out = torch.full((rows, k, 2), float("nan"), device=dev)
-        got = indexer_topk_pack(s, lengths, k, rank, w, i, starts, out=out, validate=False, **tune)
-        ok = bool(same_sets(got, reference(s, lengths, k, rank, w, i, starts)).all())
+        got = indexer_topk_pack(s, lengths, k, DcpGeometry(w, rank, i, i), starts, out=out, validate=False, **tune)
+        ok = bool(same_sets(got, reference(s, lengths, k, DcpGeometry(w, rank, i, i), starts)).all())
         bad += not ok
         print(f"config {c} rows={rows} cols={cols} k={k} W={w} I={i} {tune}: {'ok' if ok else 'MISMATCH'}", flush=True)
     # Bad windows, no host checks: the device clamps must keep every read inside `scores`.
     s, _, _ = make_cases(4, 900, 99, dev)
     lengths = torch.tensor([5000, -3, 900, 2**40], device=dev)
     starts = torch.tensor([800, 0, -9, 950], device=dev)
-    got = indexer_topk_pack(s, lengths, 64, 0, 2, 1, starts, validate=False)
+    got = indexer_topk_pack(s, lengths, 64, DcpGeometry(2, 0), starts, validate=False)
     cs = starts.clamp(0, 900)
-    ok = bool(same_sets(got, reference(s, torch.minimum(lengths.clamp(min=0), 900 - cs), 64, 0, 2, 1, cs)).all())
+    ok = bool(
+        same_sets(got, reference(s, torch.minimum(lengths.clamp(min=0), 900 - cs), 64, DcpGeometry(2, 0), cs)).all()
+    )
     bad += not ok
     print(f"clamped windows: {'ok' if ok else 'MISMATCH'}", flush=True)
     if dev.type == "cuda":

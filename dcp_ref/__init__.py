@@ -12,18 +12,28 @@ The plain-PyTorch reference of every stage (the oracle), CPU-first:
 single-device sparse attention; :mod:`dcp_ref.prefill` runs them for a prefill chunk, whose indexer
 scores cover all the chunk's requests side by side.
 
-Fast kernels live in :mod:`dcp_ref.kernels` (Triton, CuTeDSL, FlashInfer); importing
-:mod:`dcp_ref` needs only torch and numpy.
+The contract types are exported here: :class:`DcpGeometry` (one rank's geometry, validated once),
+:class:`StepSpec` / :class:`ScoringSpec` (what a planned step runs), :class:`Stages` with
+:data:`REFERENCE_STAGES` and :data:`STAGE_MAP` (the stage protocol), :class:`PlannedStep`,
+:class:`StepMetadata`, :class:`RankShard`, :func:`decode_metadata` / :func:`prefill_metadata`, and
+:data:`POISON_SLOT`. The teaching examples of deliberate bugs stay in their modules
+(:func:`dcp_ref.ownership.localize_decode_bounds_wrong_order`, :func:`dcp_ref.lse.merge_partials_naive_add`,
+:func:`dcp_ref.topk.union_counterexample`).
+
+Fast kernels live in :mod:`dcp_ref.kernels` (Triton, CuTeDSL, FlashMLA, FlashInfer); importing
+:mod:`dcp_ref` needs only torch and numpy, and never imports :mod:`dcp_ref.kernels`.
 """
 
 from .attention import sparse_mla_attention
 from .deinterleave import (
+    POISON_SLOT,
     canonicalize,
     compact_to_front,
     deinterleave_and_compact,
     deinterleave_masked,
     global_ids_to_local_slots,
 )
+from .geometry import DcpGeometry
 from .group import Group, SimulatedWorld, SingleGroup, TorchDistributedGroup
 from .indexer import local_topk
 from .lse import (
@@ -42,10 +52,13 @@ from .ownership import (
     local_seq_lens,
     local_to_global,
     localize_decode_bounds,
-    localize_decode_bounds_wrong_order,
     localize_prefill_chunk,
     owner_rank,
 )
+from .scoring import index_scores
+from .select_to_slots import select_to_slots
+from .stages import REFERENCE_STAGES, STAGE_MAP, ScoringSpec, Stages, StepSpec
+from .step import PlannedStep, RankShard, StepMetadata, decode_metadata, prefill_metadata
 from .topk import (
     INVALID_KEY,
     MAX_EXACT_ID,
@@ -54,12 +67,27 @@ from .topk import (
     pack_candidates,
     stable_key,
     stable_topk,
-    union_counterexample,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # the contract types
+    "DcpGeometry",
+    "StepSpec",
+    "ScoringSpec",
+    "Stages",
+    "REFERENCE_STAGES",
+    "STAGE_MAP",
+    "PlannedStep",
+    "StepMetadata",
+    "RankShard",
+    "decode_metadata",
+    "prefill_metadata",
+    "POISON_SLOT",
+    # the stages' reference functions
+    "select_to_slots",
+    "index_scores",
     "INVALID_KEY",
     "LN2",
     "MAX_EXACT_ID",
@@ -86,13 +114,11 @@ __all__ = [
     "sparse_mla_attention",
     "stable_key",
     "stable_topk",
-    "union_counterexample",
     "expand_decode_bounds",
     "global_to_local",
     "local_seq_lens",
     "local_to_global",
     "localize_decode_bounds",
-    "localize_decode_bounds_wrong_order",
     "localize_prefill_chunk",
     "owner_rank",
 ]

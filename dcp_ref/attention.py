@@ -12,7 +12,7 @@ dims. Scores use all 576 dims; values are the first 512 dims of the same row::
 
 DCP: which slots a row attends to
 ---------------------------------
-After the global top-K and the de-interleave stage, rank ``r`` holds, for every query token
+After the global top-K and the deinterleave stage, rank ``r`` holds, for every query token
 ``t``, ``slots[t, :counts[t]]`` — the *physical* KV slots of the chosen tokens that live on this
 rank, compacted to the front; entries at ``j >= counts[t]`` are padding (``-1``) and are never
 read. A row with ``counts[t] == 0`` (every chosen token lives elsewhere) is *empty*: output 0 and

@@ -15,7 +15,7 @@ context ``c`` tokens; ``H`` heads; every query attends to its request's top ``k`
            no communication inside attention
     DCP W  KV cache split by token (each rank stores about c/W), all H heads on every rank
            all-gather q over heads -> index scoring over c/W keys -> local top-K + pack
-           -> all-gather candidates -> stable global select -> de-interleave
+           -> all-gather candidates -> stable global select -> deinterleave
            -> attention(H heads, ~k/W keys) -> all-gather LSEs -> merge (correct)
            -> reduce-scatter the output over heads (H/W per rank)
 
@@ -32,7 +32,7 @@ partials and leaves ``2*H*D/W`` (an all-reduce would leave all ``2*H*D`` and mov
 The query all-gather sends ``2*(H/W)*576`` and gathers ``2*H*576``. See :func:`communication_bytes`.
 
 **Time of a stage** is a fitted line ``fixed_s + per_unit_s * x`` (:class:`LineCost`) where ``x``
-is the stage's bytes (select, de-interleave, merge, pack, local top-K) or FLOPs (attention),
+is the stage's bytes (select, deinterleave, merge, pack, local top-K) or FLOPs (attention),
 fitted to the committed H200 kernel benchmarks (``benchmarks/results/*.json``, see
 :func:`observations_from_results`). A collective on a ring of ``W`` ranks costs
 ``collective_s + (W - 1) * (hop_s + chunk_bytes / link_Bps)`` (``chunk`` = what one ring step
@@ -734,7 +734,7 @@ def dcp_step_cost(
             query all-gather and the indexer's scoring (``LAYER_ONLY_STAGES``).
         graph: ``False`` adds each collective's eager host latency.
         exchange, combine, order, q_replicate: the planned step's options (:class:`dcp_ref.stages.StepSpec`):
-            ``exchange="owner"`` runs the owner-local select-to-slots instead of select + de-interleave,
+            ``exchange="owner"`` runs the owner-local select-to-slots instead of select + deinterleave,
             ``order="rank_local"`` moves 4 bytes per candidate instead of 8, ``combine="alltoall"`` one all-to-all
             of partials + LSEs and a merge of ``W`` partials over ``H/W`` heads instead of the LSE all-gather, the
             correction and the reduce-scatter; ``q_replicate=True`` drops the query all-gather. The defaults are

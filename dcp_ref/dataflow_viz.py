@@ -139,7 +139,7 @@ def layer_dataflow(world_size: int = 4, geometry: MlaGeometry | None = None) -> 
         ),
         FlowStep("stable top-K (select)", f"ids [T, {k}] int32", note="the same k global ids on every rank"),
         FlowStep(
-            "de-interleave + compaction",
+            "deinterleave + compaction",
             f"slots [T, {k}] int32, counts [T]",
             note=f"about k/W = {k // w} of them on this rank",
         ),

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INT_DTYPES, check_bool, check_int_scalar, check_tensor, check_values_readable, check_world
+from ._checks import INT_DTYPES, check_bool, check_int_scalar, check_tensor, check_values_readable
+from .geometry import DcpGeometry, check_geometry
 
 __all__ = [
     "POISON_SLOT",
@@ -56,55 +57,33 @@ __all__ = [
 ]
 
 _INT32_MAX = 2**31 - 1
-#: The slot a de-interleave stage writes where the metadata is out of contract (a request id outside the
+#: The slot a deinterleave stage writes where the metadata is out of contract (a request id outside the
 #: block table, a selected key that has no block, a slot that does not fit int32). No cache holds it
 #: (valid slots are ``< 2**31 - 1``, checked when validating), so the attention stage, which treats a
 #: slot outside its cache as poison, gives that row NaN output and NaN LSE: never a plausible answer.
 POISON_SLOT = _INT32_MAX
 
 
-def _check_block_geometry(block_size: object, interleave: int) -> int:
-    bs = check_int_scalar(block_size, "block_size", min_value=1)
-    if bs % interleave:
-        # vLLM's DCP layout keeps each rank's interleave stripe inside one KV block; a stripe that
-        # straddles blocks is a configuration error, not something to silently support.
-        raise ValueError(
-            f"block_size must be a multiple of interleave (block_size % interleave == 0), "
-            f"got block_size={bs}, interleave={interleave}"
-        )
-    return bs
-
-
-def _check_geometry(
-    world_size: object, rank: object, interleave: object, block_size: object
-) -> tuple[int, int, int, int]:
-    w, r, i = check_world(world_size, rank, interleave)
-    if r is None:
-        raise ValueError(f"rank must be an int in [0, world_size={w}), got None")
-    return w, r, i, _check_block_geometry(block_size, i)
-
-
 def check_deinterleave_inputs(
     token_ids: object,
     req_of_token: object,
     block_table: object,
-    block_size: object,
-    world_size: object,
-    rank: object,
-    interleave: object,
+    geometry: object,
     validate: object,
-) -> tuple[int, int, int, int]:
+) -> DcpGeometry:
     """Every check of :func:`global_ids_to_local_slots`, shared with the Triton kernels so that both
-    accept and reject the same inputs with the same message. Returns ``(W, rank, I, block_size)``.
+    accept and reject the same inputs with the same message. Returns the geometry.
 
-    Always (free): types, dtypes (int32/int64), ranks, shapes, devices, the geometry. When
+    Always (free): types, dtypes (int32/int64), ranks, shapes, devices, that ``geometry`` is a
+    :class:`~dcp_ref.geometry.DcpGeometry` (validated when it was built: ``W >= 1``,
+    ``0 <= rank < W``, ``I >= 1``, ``block_size`` a multiple of ``I``). When
     ``validate``: the values, with **one** device reduction and one host read (the maximum of the
     slots :func:`_slots64` computes — :data:`POISON_SLOT` marks every violation), and on a violation a
     precise message (:func:`raise_deinterleave_violation`): request ids in ``[0, B)``, slots below
     ``2**31 - 1``, and a block for every id this rank owns.
     """
     validate = check_bool(validate, "validate")
-    w, r, i, bs = _check_geometry(world_size, rank, interleave, block_size)
+    g = check_geometry(geometry)
     check_tensor(token_ids, "token_ids", dtypes=INT_DTYPES, ndim=2)
     assert isinstance(token_ids, torch.Tensor)
     check_tensor(block_table, "block_table", dtypes=INT_DTYPES, ndim=2, device=token_ids.device)
@@ -126,12 +105,12 @@ def check_deinterleave_inputs(
                 f"got {tuple(req_of_token.shape)}"
             )
     if not validate or not token_ids.numel():
-        return w, r, i, bs
+        return g
     check_deinterleave_readable(token_ids, req_of_token, block_table)
-    slots = _slots64(token_ids, req_of_token, block_table, bs, w, r, i)
+    slots = _slots64(token_ids, req_of_token, block_table, g)
     if int(slots.max()) >= POISON_SLOT:  # the one host read of the validated path
-        raise_deinterleave_violation(token_ids, req_of_token, block_table, bs, w, r, i)
-    return w, r, i, bs
+        raise_deinterleave_violation(token_ids, req_of_token, block_table, g)
+    return g
 
 
 def check_deinterleave_readable(
@@ -145,18 +124,13 @@ def check_deinterleave_readable(
 
 
 def raise_deinterleave_violation(
-    token_ids: torch.Tensor,
-    req_of_token: torch.Tensor | None,
-    block_table: torch.Tensor,
-    bs: int,
-    w: int,
-    r: int,
-    i: int,
+    token_ids: torch.Tensor, req_of_token: torch.Tensor | None, block_table: torch.Tensor, geometry: DcpGeometry
 ) -> None:
     """Raise the precise ``ValueError`` for inputs whose slots hold :data:`POISON_SLOT` (the error path:
     it may read the host several times). In order: a request id outside ``[0, B)``, a slot that does not
     fit below ``2**31 - 1``, an id this rank owns without a block (past the table, or a negative entry).
     Returns only if the inputs are in fact valid."""
+    bs = geometry.block_size
     t_rows = token_ids.shape[0]
     n_req, n_blocks = block_table.shape
     req = torch.arange(t_rows, device=token_ids.device) if req_of_token is None else req_of_token.long()
@@ -166,7 +140,7 @@ def raise_deinterleave_violation(
             f"req_of_token values must be in [0, {n_req}) (rows of block_table), "
             f"got min {int(req.min())}, max {int(req.max())}"
         )
-    owned, local, blk_idx, blocks = _lookup(token_ids, req, block_table, bs, w, r, i)
+    owned, local, blk_idx, blocks = _lookup(token_ids, req, block_table, geometry)
     has_block = owned & (blk_idx < n_blocks) & (blocks >= 0)
     raw = blocks.clamp(max=(1 << 62) // bs) * bs + local % bs  # unsaturated (clamped only against int64 overflow)
     raw = torch.where(has_block, raw, -1)
@@ -192,10 +166,11 @@ def raise_deinterleave_violation(
 
 
 def _lookup(
-    token_ids: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, bs: int, w: int, r: int, i: int
+    token_ids: torch.Tensor, req: torch.Tensor, block_table: torch.Tensor, geometry: DcpGeometry
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(owned, local, blk_idx, blocks)`` of every id, int64, no checks and no host read: ``blocks`` is
     the block-table entry (``-1`` where none is read: not owned, past the table, or a bad request)."""
+    w, r, i, bs = geometry.world_size, geometry.rank, geometry.interleave, geometry.block_size
     n_req, n_blocks = block_table.shape
     req_ok = (req >= 0) & (req < n_req)
     t = token_ids.long()
@@ -214,13 +189,7 @@ def _lookup(
 
 
 def _slots64(
-    token_ids: torch.Tensor,
-    req_of_token: torch.Tensor | None,
-    block_table: torch.Tensor,
-    bs: int,
-    w: int,
-    r: int,
-    i: int,
+    token_ids: torch.Tensor, req_of_token: torch.Tensor | None, block_table: torch.Tensor, geometry: DcpGeometry
 ) -> torch.Tensor:
     """int64 slots in ``[-1, POISON_SLOT]``, no checks and no host read — the rule of the stage, exactly
     what the Triton kernels compute:
@@ -231,6 +200,7 @@ def _slots64(
       the table or whose entry is negative (a selected key with no KV row), a slot that would not fit
       below ``2**31 - 1``, and *every* entry of a row whose request id is outside ``[0, B)``.
     """
+    bs = geometry.block_size
     t_rows = token_ids.shape[0]
     n_req = block_table.shape[0]
     if req_of_token is None:
@@ -238,7 +208,7 @@ def _slots64(
     else:
         req = req_of_token.long()
     req_ok = (req >= 0) & (req < n_req)
-    owned, local, _blk_idx, blocks = _lookup(token_ids, req, block_table, bs, w, r, i)
+    owned, local, _blk_idx, blocks = _lookup(token_ids, req, block_table, geometry)
     # Saturate the block id before the multiplication: a corrupt int64 block id must not wrap into a
     # plausible small slot.
     slot = (blocks.clamp(max=POISON_SLOT // bs + 1) * bs + local % bs).clamp(max=POISON_SLOT)
@@ -248,7 +218,7 @@ def _slots64(
 
 
 def poisoned_rows(slots: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """bool ``[T]``: the rows of a de-interleave result that hold :data:`POISON_SLOT` (out-of-contract
+    """bool ``[T]``: the rows of a deinterleave result that hold :data:`POISON_SLOT` (out-of-contract
     metadata; the attention stage turns them into NaN). ``counts`` given (the compact layout): only the
     first ``counts[t]`` entries of row ``t`` are looked at. No host read."""
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
@@ -265,10 +235,7 @@ def global_ids_to_local_slots(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
     block_table: torch.Tensor,
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -283,9 +250,8 @@ def global_ids_to_local_slots(
         block_table: int32/int64 ``[B, M]`` (``M`` may be 0): physical block ids of each request's
             *local* KV (block ``j`` holds local indices ``[j*block_size, (j+1)*block_size)``); a
             negative entry means "no block".
-        block_size: tokens per KV block, ``>= 1`` and a multiple of ``interleave``.
-        world_size, rank, interleave: the DCP geometry (``W >= 1``, ``0 <= rank < W`` — an int,
-            ``None`` is rejected — and ``I >= 1``).
+        geometry: this rank's :class:`~dcp_ref.geometry.DcpGeometry` (``world_size``, ``rank``,
+            ``interleave`` and the cache's ``block_size``); anything else is a ``TypeError``.
         validate: check values on the host (one device reduction, one read). ``False``: no host read;
             out-of-contract metadata *poisons* instead (below) — exactly what the Triton kernels do.
     Returns:
@@ -300,20 +266,18 @@ def global_ids_to_local_slots(
     Raises:
         TypeError / ValueError naming the argument: wrong dtype, rank, shape, device, and — validated —
         request ids out of range, a slot that does not fit below ``2**31 - 1``, an owned id without a
-        block (all named after ``req_of_token`` / ``block_table``); ``block_size % interleave != 0``.
+        block (all named after ``req_of_token`` / ``block_table``); ``geometry`` not a ``DcpGeometry``.
 
     The stage does not know the local lengths: that the block table covers every request's local
     length is a plan-time check of the caller (:func:`check_block_table`); a selected key past it is
     poisoned here, never silently dropped.
     """
-    w, r, i, bs = check_deinterleave_inputs(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, False
-    )
-    slots = _slots64(token_ids, req_of_token, block_table, bs, w, r, i)
+    g = check_deinterleave_inputs(token_ids, req_of_token, block_table, geometry, False)
+    slots = _slots64(token_ids, req_of_token, block_table, g)
     if check_bool(validate, "validate") and token_ids.numel():
         check_deinterleave_readable(token_ids, req_of_token, block_table)
         if int(slots.max()) >= POISON_SLOT:  # one reduction, one host read
-            raise_deinterleave_violation(token_ids, req_of_token, block_table, bs, w, r, i)
+            raise_deinterleave_violation(token_ids, req_of_token, block_table, g)
     return slots.to(torch.int32)
 
 
@@ -363,10 +327,7 @@ def deinterleave_and_compact(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
     block_table: torch.Tensor,
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     *,
     ordered: bool = True,
     validate: bool = True,
@@ -381,9 +342,7 @@ def deinterleave_and_compact(
     covers them), so the attention stage poisons the row.
     """
     ordered = check_bool(ordered, "ordered")
-    slots = global_ids_to_local_slots(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate=validate
-    )
+    slots = global_ids_to_local_slots(token_ids, req_of_token, block_table, geometry, validate=validate)
     return compact_to_front(slots, ordered=ordered, validate=False)
 
 
@@ -391,10 +350,7 @@ def deinterleave_masked(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
     block_table: torch.Tensor,
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     *,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,9 +366,7 @@ def deinterleave_masked(
     entries included). Arguments (``validate`` keyword-only) and errors as in
     :func:`global_ids_to_local_slots`.
     """
-    slots = global_ids_to_local_slots(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate=validate
-    )
+    slots = global_ids_to_local_slots(token_ids, req_of_token, block_table, geometry, validate=validate)
     return slots, (slots >= 0).sum(dim=1, dtype=torch.int32)
 
 
@@ -425,7 +379,7 @@ def check_block_table(
 ) -> None:
     """Check that a block table covers every request's local length (what the stages cannot see).
 
-    The de-interleave stage poisons an id this rank owns whose block is past the table or ``-1``
+    The deinterleave stage poisons an id this rank owns whose block is past the table or ``-1``
     (:data:`POISON_SLOT`: the row becomes NaN), so a table that is too short turns valid tokens into
     NaN. The step knows the lengths and checks them with this function:
 

@@ -1,4 +1,4 @@
-"""Pictures and small simulations for the de-interleave / compaction chapters (04, 05).
+"""Pictures and small simulations for the deinterleave / compaction chapters (04, 05).
 
 Plain functions with tests of their own (``tests/test_deinterleave.py``); the notebooks only call
 them. Drawing needs matplotlib (a dependency of the package); nothing here needs a GPU.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ._checks import check_int_scalar, check_world
+from ._checks import check_int_scalar
+from .geometry import DcpGeometry, check_geometry
 from .ownership import global_to_local, owner_rank
 
 __all__ = ["mapping_table", "draw_id_to_slot_map", "simulate_tile_race", "draw_tile_race"]
@@ -17,26 +18,19 @@ __all__ = ["mapping_table", "draw_id_to_slot_map", "simulate_tile_race", "draw_t
 _RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
 
 
-def mapping_table(
-    token_ids: Sequence[int],
-    block_table_row: Sequence[int],
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
-) -> list[dict]:
+def mapping_table(token_ids: Sequence[int], block_table_row: Sequence[int], geometry: DcpGeometry) -> list[dict]:
     """Each selected id's path: owner rank → local index → block index → block → slot.
 
     Args:
         token_ids: one row of selected global ids (Python ints; negative = none).
-        block_table_row: the request's block-table row on ``rank`` (Python ints).
-        block_size, world_size, rank, interleave: the DCP geometry.
+        block_table_row: the request's block-table row on this rank (Python ints).
+        geometry: this rank's :class:`~dcp_ref.geometry.DcpGeometry` (world size, rank, interleave, block size).
     Returns:
         One dict per id with keys ``id, owner, local, block_idx, block, slot`` (``None`` for the
         steps that do not apply; ``slot`` is ``-1`` unless the id is a valid local slot).
     """
-    w, r, i = check_world(world_size, rank, interleave)
-    bs = check_int_scalar(block_size, "block_size", min_value=1)
+    g = check_geometry(geometry)
+    w, r, i, bs = g.world_size, g.rank, g.interleave, g.block_size
     rows = []
     for t in token_ids:
         t = int(t)
@@ -56,10 +50,7 @@ def mapping_table(
 def draw_id_to_slot_map(
     token_ids: Sequence[int],
     block_table_row: Sequence[int],
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     dpi: int = 70,
 ):
     """Figure: selected global ids (coloured by owner rank) → this rank's local index → slot.
@@ -70,7 +61,8 @@ def draw_id_to_slot_map(
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    table = mapping_table(token_ids, block_table_row, block_size, world_size, rank, interleave)
+    table = mapping_table(token_ids, block_table_row, geometry)
+    rank, world_size = geometry.rank, geometry.world_size
     n = len(table)
     fig, ax = plt.subplots(figsize=(max(4.0, 0.7 * n + 1.5), 2.6), dpi=min(dpi, 80))
     lanes = [(2.0, "global id"), (1.0, f"local on r{rank}"), (0.0, "slot")]

@@ -6,11 +6,13 @@ cache's ``block_size``. Passing them around as loose ints invites two bugs: argu
 between functions with different orders, and a shard built for one geometry run with another
 (which is silently wrong: every slot lookup lands on someone else's token). :class:`DcpGeometry`
 is validated once, at construction, and carried by the rank's shard
-(:class:`dcp_ref.pipeline.RankShard`) and by the planned step (:class:`dcp_ref.step.PlannedStep`).
+(:class:`dcp_ref.step.RankShard`) and by the planned step (:class:`dcp_ref.step.PlannedStep`).
+Every function that feeds a stage, and every kernel wrapper, takes a ``geometry: DcpGeometry``
+(checked by :func:`check_geometry`): the deinterleave family, the pack, the indexer.
 
-Stage functions that keep loose ints take them in this one order: ``world_size, rank, interleave``
-(then ``block_size`` where it matters), the order vLLM uses for
-``dcp_size, dcp_rank, cp_kv_cache_interleave_size``.
+Loose ints remain only inside the ownership formulas (:mod:`dcp_ref.ownership`, :func:`local_count`)
+and the jit kernels, always in this one order: ``world_size, rank, interleave`` (then ``block_size``
+where it matters), the order vLLM uses for ``dcp_size, dcp_rank, cp_kv_cache_interleave_size``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ._checks import INT_DTYPES, check_int_scalar, check_tensor, check_world
 
-__all__ = ["DcpGeometry", "local_count"]
+__all__ = ["DcpGeometry", "check_geometry", "local_count"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,14 @@ class DcpGeometry:
     def local_count(self, n: torch.Tensor) -> torch.Tensor:
         """How many of the positions ``[0, n)`` this rank owns; see :func:`local_count`."""
         return local_count(n, self.world_size, self.rank, self.interleave)
+
+
+def check_geometry(geometry: object, name: str = "geometry") -> DcpGeometry:
+    """``geometry`` itself if it is a :class:`DcpGeometry` (validated when it was built), else a ``TypeError``
+    naming ``name``. Every function that takes a geometry checks it with this first."""
+    if not isinstance(geometry, DcpGeometry):
+        raise TypeError(f"{name} must be a dcp_ref.geometry.DcpGeometry, got {type(geometry).__name__}")
+    return geometry
 
 
 def local_count(n: torch.Tensor, world_size: int, rank: int, interleave: int = 1) -> torch.Tensor:

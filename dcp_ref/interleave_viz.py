@@ -103,11 +103,15 @@ def draw_per_rank_load(
 
 
 def deal_slot(
-    pos: int, block_table_row: Sequence[int], block_size: int, world_size: int, rank: int, interleave: int = 1
+    pos: int, block_table_row: Sequence[int], world_size: int, rank: int, interleave: int = 1, *, block_size: int
 ) -> int:
     """This project's slot of global position ``pos`` on ``rank`` (``-1`` if another rank owns it or its local
     block is past the row): the global deal, then the rank's own block table of *local* indices —
-    ``block_table_row[local // block_size] * block_size + local % block_size``. Any ``block_size >= 1``."""
+    ``block_table_row[local // block_size] * block_size + local % block_size``. Any ``block_size >= 1``.
+
+    Loose ints, not a :class:`~dcp_ref.geometry.DcpGeometry`: the chapter also draws block sizes that are not a
+    multiple of ``I``, which a geometry refuses. The geometry in the project's order (``world_size, rank,
+    interleave``), ``block_size`` keyword-only."""
     w, r, i = check_world(world_size, rank, interleave)
     bs = check_int_scalar(block_size, "block_size", min_value=1)
     p = check_int_scalar(pos, "pos", min_value=0)
@@ -119,7 +123,7 @@ def deal_slot(
 
 
 def shared_table_slot(
-    pos: int, block_table_row: Sequence[int], block_size: int, world_size: int, rank: int, interleave: int = 1
+    pos: int, block_table_row: Sequence[int], world_size: int, rank: int, interleave: int = 1, *, block_size: int
 ) -> int:
     """vLLM's slot of global position ``pos`` on ``rank``, ``-1`` when it is not this rank's (see the module doc).
 

@@ -110,12 +110,14 @@ def global_to_local(pos, world_size, interleave=1):
 
 
 @overload
-def local_to_global(local: int, rank: int, world_size: int, interleave: int = 1) -> int: ...
+def local_to_global(local: int, world_size: int, rank: int, interleave: int = 1) -> int: ...
 @overload
-def local_to_global(local: torch.Tensor, rank: int, world_size: int, interleave: int = 1) -> torch.Tensor: ...
-def local_to_global(local, rank, world_size, interleave=1):
+def local_to_global(local: torch.Tensor, world_size: int, rank: int, interleave: int = 1) -> torch.Tensor: ...
+def local_to_global(local, world_size, rank, interleave=1):
     """Global position of local index ``local`` on ``rank``: ``(l // I)*(W*I) + rank*I + l % I``.
 
+    The geometry in the project's one order, ``world_size, rank, interleave``. (A call in the old order
+    ``local, rank, world_size`` raises: a valid rank is below its world size, so swapped it is not.)
     Exact inverse of ``(owner_rank, global_to_local)`` for every ``I >= 1``. The global position
     is about ``W`` times the local one: a result that does not fit ``local``'s dtype (int32, or
     int64) raises ``ValueError`` naming ``local`` (pass int64 tensors) instead of wrapping.

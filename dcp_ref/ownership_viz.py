@@ -21,12 +21,15 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ownership_grid", "ownership_figure", "prefill_bounds_grid", "prefill_bounds_figure", "ownership_widget"]
 
 
-def ownership_grid(seq_len: int, world_size: int, interleave: int = 1, rank: int | None = None, width: int = 16) -> str:
+def ownership_grid(
+    seq_len: int, world_size: int, *, rank: int | None = None, interleave: int = 1, width: int = 16
+) -> str:
     """Text picture of the interleaved layout of positions ``0 .. seq_len-1``.
 
     Three rows per block of ``width`` positions: global position, owner rank, local index. When
     ``rank`` is given, that rank's tokens are marked with ``*`` and a summary line lists its local
-    length and positions.
+    length and positions. ``rank`` and ``interleave`` are keyword-only (the geometry's order is
+    ``world_size, rank, interleave``; keywords keep an old positional call from being read in another).
 
     Example (W=2, I=2, L=8)::
 
@@ -57,7 +60,7 @@ def ownership_grid(seq_len: int, world_size: int, interleave: int = 1, rank: int
 
 
 def ownership_figure(
-    seq_len: int, world_size: int, interleave: int = 1, rank: int | None = None, width: int = 32
+    seq_len: int, world_size: int, *, rank: int | None = None, interleave: int = 1, width: int = 32
 ) -> Figure:
     """Colour-coded grid of the layout: one cell per position, colour = owner, text = local index."""
     import matplotlib.pyplot as plt
@@ -128,7 +131,7 @@ def prefill_bounds_figure(context_len: int, query_len: int, world_size: int, int
     return fig
 
 
-def ownership_widget(seq_len: int = 24, world_size: int = 2, interleave: int = 2, rank: int = 1) -> Any:
+def ownership_widget(seq_len: int = 24, world_size: int = 2, *, rank: int = 1, interleave: int = 2) -> Any:
     """An ipywidgets control (W, I, L, rank) redrawing :func:`ownership_grid` into an HTML ``<pre>``.
 
     Returns ``(controls, html_widget)`` packed in a ``VBox``; ``.children[1].value`` holds the
@@ -144,7 +147,7 @@ def ownership_widget(seq_len: int = 24, world_size: int = 2, interleave: int = 2
 
     def redraw(_: object = None) -> None:
         r_s.max = w_s.value - 1  # clamps r_s.value too
-        text = ownership_grid(l_s.value, w_s.value, i_s.value, r_s.value)
+        text = ownership_grid(l_s.value, w_s.value, rank=r_s.value, interleave=i_s.value)
         out.value = f'<pre id="ownership-grid">{html.escape(text)}</pre>'
 
     for s in (w_s, i_s, l_s, r_s):

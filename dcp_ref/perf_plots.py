@@ -190,13 +190,13 @@ def deinterleave_best(de: Mapping[str, Any], rows: int, w: int, i: int = 1) -> d
 
 
 def plot_deinterleave(de: Mapping[str, Any], interleave: int = 1, dpi: int = DPI) -> Any:
-    """De-interleave + compaction time against rows, one panel per W: our best Triton kernel (CUDA graph,
+    """Deinterleave + compaction time against rows, one panel per W: our best Triton kernel (CUDA graph,
     L2 flushed) vs the plain torch path (eager). vLLM's times are issue quotes, not in the JSON."""
     _need(de, "deinterleave", ["results"])
     worlds = sorted({r["W"] for r in de["results"]})
     fig, axes = _figure(
         len(worlds),
-        "De-interleave + compaction of k = 2048 global ids per row: our Triton kernel "
+        "Deinterleave + compaction of k = 2048 global ids per row: our Triton kernel "
         "(best method, cold graph) against plain torch (eager).",
         dpi=dpi,
     )
@@ -371,7 +371,7 @@ def plot_attention_kernels(attention: Mapping[str, Any], dpi: int = DPI) -> Any:
 
 def plot_select_to_slots(exchange: Mapping[str, Any], dpi: int = DPI) -> Any:
     """The owner-local exchange (``exchange.json``'s ``select_to_slots`` rows, CUDA-graph replays) against rows, one
-    panel per W: ours in both orders against our select + de-interleave and vLLM's stable top-K + convert."""
+    panel per W: ours in both orders against our select + deinterleave and vLLM's stable top-K + convert."""
     _need(exchange, "exchange", ["summary"])
     rows = [r for r in exchange["summary"] if r.get("stage") == "select_to_slots"]
     if not rows:
@@ -380,7 +380,7 @@ def plot_select_to_slots(exchange: Mapping[str, Any], dpi: int = DPI) -> Any:
     fig, axes = _figure(
         len(worlds),
         "Gathered candidates to this rank's KV slots (K = k = 2048): our one-stage select-to-slots against our "
-        "select + de-interleave and vLLM's chain (device time, lower is better).",
+        "select + deinterleave and vLLM's chain (device time, lower is better).",
         width=2.6,
         dpi=dpi,
     )
@@ -389,7 +389,7 @@ def plot_select_to_slots(exchange: Mapping[str, Any], dpi: int = DPI) -> Any:
             rs = sorted((r for r in rows if (r["W"], r["order"]) == (w, order)), key=lambda r: r["rows"])
             ax.plot([r["rows"] for r in rs], [r["ours_us"] for r in rs], style, label=f"ours, {order}")
         rs = sorted((r for r in rows if (r["W"], r["order"]) == (w, "global_id")), key=lambda r: r["rows"])
-        ax.plot([r["rows"] for r in rs], [r["chain_us"] for r in rs], "s--", label="our select + de-interleave")
+        ax.plot([r["rows"] for r in rs], [r["chain_us"] for r in rs], "s--", label="our select + deinterleave")
         ax.plot([r["rows"] for r in rs], [r["vllm_chain_us"] for r in rs], "v:", label="vLLM top-K + convert")
         ax.set(xscale="log", yscale="log", title=f"W = {w}", xlabel="rows (query tokens)", ylabel="µs")
         _no_minor_labels(ax)
@@ -399,7 +399,7 @@ def plot_select_to_slots(exchange: Mapping[str, Any], dpi: int = DPI) -> Any:
 
 def plot_bandwidth(results: Mapping[str, Any], w: int = 8, dpi: int = DPI) -> Any:
     """Effective bandwidth (bytes of each kernel's traffic model / its time) against rows at one W, with the
-    copy bandwidth measured in the same sessions: top-K (graph), de-interleave (cold graph), merge and
+    copy bandwidth measured in the same sessions: top-K (graph), deinterleave (cold graph), merge and
     correction (do_bench)."""
     _need(results, "results", ["topk", "deinterleave", "lse_merge"])
     topk, de, lse = results["topk"], results["deinterleave"], results["lse_merge"]
@@ -425,7 +425,7 @@ def plot_bandwidth(results: Mapping[str, Any], w: int = 8, dpi: int = DPI) -> An
         rows,
         [n * (8 * k + 4) / deinterleave_best(de, n, w)["graph_cold_us"] / 1e6 for n in rows],
         "s-",
-        label="de-interleave",
+        label="deinterleave",
     )
     ls = sorted((r for r in lse["rows"] if r["W"] == w), key=lambda r: r["T"])
     ax.plot([r["T"] for r in ls], [r["merge_best"]["eff_TBps"] for r in ls], "D-", label="merge")

@@ -132,7 +132,7 @@ ORDERS = ("global_id", "rank_local")
 COMBINES = ("reduce_scatter", "alltoall")
 #: ``"compact"``: attention reads ``slots[t, :counts[t]]`` (valid slots compacted to the front).
 #: ``"masked"``: attention reads every entry of ``slots[t]`` and skips ``-1`` itself (FlashMLA's FP8
-#: decode); the de-interleave stage then need not compact, but must still give ``-1`` for others' keys.
+#: decode); the deinterleave stage then need not compact, but must still give ``-1`` for others' keys.
 ATTENTION_LAYOUTS = ("compact", "masked")
 #: KV cache formats a step can run on: ``"native"`` (float rows ``[S, Dqk]``, e.g. bf16) and ``"fp8_ds_mla"``
 #: (DeepSeek V3.2 / FlashMLA's FP8 rows, 656 bytes per token: :mod:`dcp_ref.fp8_cache`).
@@ -453,7 +453,7 @@ class AttentionStage(Protocol):
 
         Args:
             q: ``[T, H, Dqk]``.  kv_cache: ``[S, Dqk]`` (values: the first ``v_dim`` columns).
-            slots, counts: from the de-interleave stage (layout per ``Stages.attention_layout``).
+            slots, counts: from the deinterleave stage (layout per ``Stages.attention_layout``).
             out: optional ``[T, H, v_dim]``.  out_lse: optional float32 ``[T, H]``.
         Returns:
             ``(out [T, H, v_dim], lse float32 [T, H])``: the LSE in base e; a row with ``counts[t] == 0``
@@ -557,7 +557,7 @@ class SelectToSlotsStage(Protocol):
             gathered: ``order="global_id"``: float32 ``[W, T, K, 2]`` (score, global id); ``"rank_local"``:
                 float32 ``[W, T, K]`` scores (NaN = none), each rank's in ascending local-index order.
             own_ids: ``"rank_local"``: int32 ``[T, K]`` local indices of this rank's own candidates; else ``None``.
-            req_of_token, block_table, geometry: as the de-interleave stage.  k: the global top-k.
+            req_of_token, block_table, geometry: as the deinterleave stage.  k: the global top-k.
             out_slots: optional int32 ``[T, k]``.  out_counts: optional int32 ``[T]``.
         Returns:
             ``(slots int32 [T, k], counts int32 [T])``: this rank's winners' slots first, ``-1`` after. Over
@@ -684,7 +684,7 @@ def reference_indexer(
     if order != "global_id":
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     ids = local_topk(scores, k, lengths, row_starts, validate=False)
-    return write_into(pack_candidates(scores, ids, g.rank, g.world_size, g.interleave, row_starts, validate=False), out)
+    return write_into(pack_candidates(scores, ids, g, row_starts, validate=False), out)
 
 
 @named_impl("torch")
@@ -736,13 +736,9 @@ def reference_deinterleave(
 
     g = geometry
     if compact:
-        slots, counts = deinterleave_and_compact(
-            global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
-        )
+        slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, g, validate=False)
     else:
-        slots, counts = deinterleave_masked(
-            global_ids, req_of_token, block_table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
-        )
+        slots, counts = deinterleave_masked(global_ids, req_of_token, block_table, g, validate=False)
     return write_into(slots, out_slots), write_into(counts, out_counts)
 
 
@@ -854,7 +850,7 @@ def compose_indexer(
     """An indexer stage from a local top-K and a pack, each with the reference's signature.
 
     ``select_local(scores, k, lengths, row_starts) -> int [T, k]`` local indices (``-1`` padded), as
-    :func:`dcp_ref.indexer.local_topk`; ``pack(scores, ids, rank, world_size, interleave, row_starts, out=)``
+    :func:`dcp_ref.indexer.local_topk`; ``pack(scores, ids, geometry, row_starts, out=)``
     as :func:`dcp_ref.topk.pack_candidates` (``out`` may be ignored: the result is copied in).
     """
     label = name or f"{impl_name(select_local)}+{impl_name(pack)}"
@@ -870,11 +866,10 @@ def compose_indexer(
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         ids = select_local(scores, k, lengths, row_starts)
-        g = geometry
         try:
-            packed = pack(scores, ids, g.rank, g.world_size, g.interleave, row_starts, out=out)
+            packed = pack(scores, ids, geometry, row_starts, out=out)
         except TypeError:  # a pack without out=
-            packed = pack(scores, ids, g.rank, g.world_size, g.interleave, row_starts)
+            packed = pack(scores, ids, geometry, row_starts)
         return packed if out is None or packed is out else write_into(packed, out)
 
     return indexer
@@ -888,7 +883,7 @@ class Stages:
         scoring, scored_indexer, indexer, select, deinterleave, select_to_slots, attention, guard, merge, combine:
             the stage callables (:data:`STAGE_NAMES`); a step calls the ones its :class:`StepSpec` needs.
         attention_layout: ``"compact"`` or ``"masked"`` (see :data:`ATTENTION_LAYOUTS`): what the
-            attention stage reads, hence whether the step asks the de-interleave stage to compact.
+            attention stage reads, hence whether the step asks the deinterleave stage to compact.
         partial_dtype: the dtype of the attention stage's output buffer for a query dtype (a kernel
             writes bf16 for bf16 queries; the reference keeps the query dtype).
         prepare: optional hook ``prepare(spec)`` run once at plan time (compile and warm kernels, choose a

@@ -42,6 +42,7 @@ from ._checks import (
     host_values,
     max_global_id_bound,
 )
+from .geometry import DcpGeometry, check_geometry
 from .group import Group, SingleGroup
 from .ownership import global_to_local, owner_rank
 
@@ -73,9 +74,7 @@ _U32 = 0xFFFFFFFF
 def pack_candidates(
     logits: torch.Tensor,
     local_topk: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None = None,
     *,
     validate: bool = True,
@@ -86,7 +85,8 @@ def pack_candidates(
         logits: float16/bfloat16/float32/float64 ``[rows, cols]`` — this rank's indexer scores;
             column ``row_starts[r] + j`` holds local key ``j`` of row ``r``.
         local_topk: int32/int64 ``[rows, K]`` local key indices, ``-1`` for an empty slot.
-        rank, world_size, interleave: the DCP geometry (the ownership layout); ``rank`` is required.
+        geometry: this rank's :class:`~dcp_ref.geometry.DcpGeometry` (its world size, rank and interleave
+            give the ownership layout; the block size is not used); anything else is a ``TypeError``.
         row_starts: optional int32/int64 ``[rows]`` tensor of column offsets (prefill chunks pack
             several requests' keys into one logits row space); ``None`` means 0.
         validate: check index values on the host (one sync). ``False``: no host read; on the
@@ -94,7 +94,7 @@ def pack_candidates(
             ``[0, cols - row_start)`` is packed as invalid (never read out of bounds).
     Returns:
         float32 ``[rows, K, 2]``: ``[..., 0]`` the score (as float32), ``[..., 1]`` the global id
-        ``local_to_global(j, rank, W, I)``. Empty slots get ``(-inf, -1)``. A NaN score is packed
+        ``local_to_global(j, W, rank, I)``. Empty slots get ``(-inf, -1)``. A NaN score is packed
         as is (the selection treats it as invalid).
     Raises:
         ValueError: (validated) a local index outside ``[-1, cols - row_start)``, a row start
@@ -103,7 +103,8 @@ def pack_candidates(
             (``cols`` local keys) with ``validate=False``; wrong shapes / devices / geometry.
         TypeError: wrong dtypes, a non-tensor ``row_starts``.
     """
-    w, r, i = _check_pack(logits, local_topk, rank, world_size, interleave, row_starts, validate)
+    g = _check_pack(logits, local_topk, geometry, row_starts, validate)
+    w, r, i = g.world_size, g.rank, g.interleave
     rows, cols = logits.shape
     starts = torch.zeros(rows, dtype=torch.int64, device=logits.device) if row_starts is None else row_starts.long()
     starts = starts.clamp(min=0, max=cols)  # a no-op for validated values
@@ -126,21 +127,18 @@ def pack_candidates(
 def _check_pack(
     logits: object,
     local_topk: object,
-    rank: object,
-    world_size: object,
-    interleave: object,
+    geometry: object,
     row_starts: object,
     validate: object,
-) -> tuple[int, int, int]:
+) -> DcpGeometry:
     """Every check of :func:`pack_candidates` (shared with the Triton kernel: same inputs, same errors).
 
     Shapes, dtypes, devices and the geometry always; values (one host sync) when ``validate``.
-    Returns ``(W, rank, I)``.
+    Returns the geometry.
     """
     validate = check_bool(validate, "validate")
-    w, r, i = check_world(world_size, rank, interleave)
-    if r is None:
-        raise ValueError(f"rank must be an int in [0, world_size={w}), got None")
+    g = check_geometry(geometry)
+    w, r, i = g.world_size, g.rank, g.interleave
     check_tensor(logits, "logits", dtypes=FLOAT_DTYPES, ndim=2)
     check_tensor(local_topk, "local_topk", dtypes=INT_DTYPES, ndim=2)
     assert isinstance(logits, torch.Tensor) and isinstance(local_topk, torch.Tensor)
@@ -164,9 +162,9 @@ def _check_pack(
                 "representable in float32; with validate=False the shapes must rule that out "
                 "(validate=True checks the actual ids)"
             )
-        return w, r, i
+        return g
     if not local_topk.numel():
-        return w, r, i
+        return g
     idx = local_topk.long()
     check_values_readable(idx, "local_topk")
     starts = torch.zeros(rows, dtype=torch.int64, device=logits.device) if row_starts is None else row_starts.long()
@@ -187,13 +185,13 @@ def _check_pack(
         raise ValueError(f"local_topk + row_starts must be < logits.shape[1]={cols} for valid entries")
     if bound > MAX_EXACT_ID:  # only then can an id be too large: check the largest one
         if g_max >= 0:
-            g = (g_max // i) * (w * i) + r * i + g_max % i
-            if g >= MAX_EXACT_ID:
+            gid = (g_max // i) * (w * i) + r * i + g_max % i
+            if gid >= MAX_EXACT_ID:
                 raise ValueError(
-                    f"global id {g} >= 2**24 is not exactly representable in float32; "
-                    "the (score, id) packing needs ids < 16777216"
+                    f"local_topk holds local index {g_max}: its global id {gid} is >= 2**24, not exactly "
+                    f"representable in float32; the (score, id) packing needs ids < 16777216 ({g!r})"
                 )
-    return w, r, i
+    return g
 
 
 def stable_key(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -383,9 +381,10 @@ def merge_topk_global(
             f"group must be a dcp_ref.group.Group (rank, world_size, all_gather) or None, got {type(group).__name__}"
         )
     k = check_int_scalar(k, "k", min_value=1)
-    packed = pack_candidates(
-        logits, local_topk, group.rank, group.world_size, interleave, row_starts, validate=validate
-    )
+    i = check_int_scalar(interleave, "interleave", min_value=1)
+    # The group gives the world size and the rank; the pack needs no block size (any multiple of I will do).
+    geometry = DcpGeometry(group.world_size, group.rank, i, block_size=i)
+    packed = pack_candidates(logits, local_topk, geometry, row_starts, validate=validate)
     gathered = group.all_gather(packed)  # [W, rows, K, 2], rank order
     if validate and gathered.numel():
         # The packed ids are in range (pack_candidates checked them); a repeated one can only come from

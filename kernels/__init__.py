@@ -1,6 +1,6 @@
 """GPU kernels for dcp-ref, installed as ``dcp_ref.kernels`` (this folder is mapped by setuptools).
 
-Modules here import Triton / CuTeDSL / FlashInfer lazily or at their own import time; importing
+Modules here import Triton / CuTeDSL / FlashMLA / FlashInfer lazily or at their own import time; importing
 :mod:`dcp_ref` never imports this package's heavy dependencies. The plain-PyTorch reference in
 :mod:`dcp_ref` is the oracle every kernel is tested against.
 

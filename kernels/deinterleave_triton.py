@@ -64,6 +64,7 @@ from dcp_ref.deinterleave import (
     check_deinterleave_readable,
     raise_deinterleave_violation,
 )
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.kernels._util import next_pow2
 
 __all__ = [
@@ -477,14 +478,16 @@ def workspace_numel(method: str, rows: int, k: int, block: int | None = None) ->
     return rows * _cdiv(max(k, 1), b)
 
 
-def _check_common(token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate):
+def _check_common(
+    token_ids: object, req_of_token: object, block_table: object, geometry: object, validate: object
+) -> tuple[DcpGeometry, torch.device, bool]:
     """The reference's free checks (shapes, dtypes, devices, geometry; no value read), then the device.
 
-    Returns ``(W, rank, I, block_size, device, validate)``. A validated call also refuses meta tensors
-    here, before any launch; its value checks come *after* the launch (:func:`_validated`)."""
-    w, r, i, bs = check_deinterleave_inputs(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, False
-    )
+    Returns ``(geometry, device, validate)``. A validated call also refuses meta tensors here, before any
+    launch; its value checks come *after* the launch (:func:`_validated`)."""
+    g = check_deinterleave_inputs(token_ids, req_of_token, block_table, geometry, False)
+    assert isinstance(token_ids, torch.Tensor) and isinstance(block_table, torch.Tensor)
+    assert req_of_token is None or isinstance(req_of_token, torch.Tensor)
     validate = check_bool(validate, "validate")
     if validate and token_ids.numel():
         check_deinterleave_readable(token_ids, req_of_token, block_table)
@@ -494,18 +497,23 @@ def _check_common(token_ids, req_of_token, block_table, block_size, world_size, 
             f"token_ids must be on a CUDA device (or set TRITON_INTERPRET=1 before importing this "
             f"module to run on the CPU), got {dev}"
         )
-    return w, r, i, bs, dev, validate
+    return g, dev, validate
 
 
-def _validated(out, token_ids, req_of_token, block_table, w, r, i, bs) -> None:
+def _constexprs(g: DcpGeometry) -> dict[str, int]:
+    """The geometry as the kernels' compile-time constants (the divisions become shifts/multiplies)."""
+    return dict(DCP_SIZE=g.world_size, DCP_RANK=g.rank, DCP_INTERLEAVE=g.interleave, KV_BLOCK=g.block_size)
+
+
+def _validated(out, token_ids, req_of_token, block_table, g: DcpGeometry) -> None:
     """A validated call's value check, after the launch: the kernel wrote :data:`POISON_SLOT` exactly
     where the reference's value checks fail (a request id outside ``[0, B)``, an owned id without a
     block, a slot that does not fit below ``2**31 - 1``), so **one** reduction and one host read of
     ``out`` decide; only then does the reference's checker run, to raise its precise message."""
     if not out.numel() or int(out.amax()) < POISON_SLOT:
         return
-    raise_deinterleave_violation(token_ids, req_of_token, block_table, bs, w, r, i)
-    raise AssertionError("the de-interleave kernel poisoned a row that the reference accepts (a kernel bug)")
+    raise_deinterleave_violation(token_ids, req_of_token, block_table, g)
+    raise AssertionError("the deinterleave kernel poisoned a row that the reference accepts (a kernel bug)")
 
 
 def _check_out(buf, name, shape, dtype, dev):
@@ -546,7 +554,7 @@ def _check_aliases(token_ids, req_of_token, block_table, **outs) -> None:
     check_no_aliases(outs, dict(token_ids=token_ids, req_of_token=req_of_token, block_table=block_table))
 
 
-def _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, nw, compact: bool) -> None:
+def _rowscan(token_ids, req_of_token, block_table, out, counts, g: DcpGeometry, b, nw, compact: bool) -> None:
     """One :func:`rowscan_kernel` launch over all rows (``compact``: ordered compaction; else the masked layout)."""
     rowscan_kernel[(token_ids.shape[0],)](
         token_ids,
@@ -564,13 +572,10 @@ def _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, 
         out.stride(0),
         out.stride(1),
         HAS_REQ=req_of_token is not None,
-        DCP_SIZE=w,
-        DCP_RANK=r,
-        DCP_INTERLEAVE=i,
-        KV_BLOCK=bs,
         BLOCK=b,
         COMPACT=compact,
         num_warps=nw,
+        **_constexprs(g),
     )
 
 
@@ -578,10 +583,7 @@ def global_ids_to_local_slots_triton(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
     block_table: torch.Tensor,
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     *,
     out: torch.Tensor | None = None,
     block: int | None = None,
@@ -594,9 +596,7 @@ def global_ids_to_local_slots_triton(
     poison rule too); ``out`` (int32 ``[T, K]``, not sharing memory with an input) is written and
     returned when given. ``block`` / ``num_warps``: tile width and warps (powers of two).
     """
-    w, r, i, bs, dev, validate = _check_common(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
-    )
+    g, dev, validate = _check_common(token_ids, req_of_token, block_table, geometry, validate)
     t_rows, k = token_ids.shape
     b, nw = _tiling("atomic", t_rows, k, block, 4 if num_warps is None else num_warps)
     out = (
@@ -625,16 +625,13 @@ def global_ids_to_local_slots_triton(
         out.stride(0),
         out.stride(1),
         HAS_REQ=req_of_token is not None,
-        DCP_SIZE=w,
-        DCP_RANK=r,
-        DCP_INTERLEAVE=i,
-        KV_BLOCK=bs,
         COMPACT_TO_FRONT=False,
         BLOCK=b,
         num_warps=nw,
+        **_constexprs(g),
     )
     if validate:
-        _validated(out, token_ids, req_of_token, block_table, w, r, i, bs)
+        _validated(out, token_ids, req_of_token, block_table, g)
     return out
 
 
@@ -642,10 +639,7 @@ def deinterleave_masked_triton(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
     block_table: torch.Tensor,
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     *,
     out: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
@@ -665,9 +659,7 @@ def deinterleave_masked_triton(
     adds one reduction and one host read of ``out`` after the launch (and on a ``ValueError`` the
     buffers hold the ``validate=False`` answer).
     """
-    w, r, i, bs, dev, validate = _check_common(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
-    )
+    g, dev, validate = _check_common(token_ids, req_of_token, block_table, geometry, validate)
     t_rows, k = token_ids.shape
     b, nw = _tiling("rowscan", t_rows, k, block, num_warps)
     out, counts = _slots_and_counts(out, counts, t_rows, k, dev)
@@ -677,9 +669,9 @@ def deinterleave_masked_triton(
     if k == 0:
         counts.zero_()
         return out, counts
-    _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, nw, compact=False)
+    _rowscan(token_ids, req_of_token, block_table, out, counts, g, b, nw, compact=False)
     if validate:
-        _validated(out, token_ids, req_of_token, block_table, w, r, i, bs)
+        _validated(out, token_ids, req_of_token, block_table, g)
     return out, counts
 
 
@@ -687,10 +679,7 @@ def deinterleave_compact(
     token_ids: torch.Tensor,
     req_of_token: torch.Tensor | None,
     block_table: torch.Tensor,
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     *,
     ordered: bool = True,
     method: str | None = None,
@@ -707,8 +696,8 @@ def deinterleave_compact(
         token_ids: int32/int64 ``[T, K]`` selected global ids (``-1`` = none), any strides.
         req_of_token: int32/int64 ``[T]`` request of each row, or ``None`` (row ``i`` is request ``i``).
         block_table: int32/int64 ``[B, M]`` physical block ids of each request's local KV, any strides.
-        block_size, world_size, rank, interleave: as in the reference
-            (:func:`dcp_ref.deinterleave.deinterleave_and_compact`).
+        geometry: this rank's :class:`~dcp_ref.geometry.DcpGeometry` (world size, rank, interleave, block
+            size), as in the reference (:func:`dcp_ref.deinterleave.deinterleave_and_compact`).
         ordered: keep the valid slots in top-K order (deterministic). ``False`` allows the atomic
             kernel, whose order of valid slots is unspecified (compare as sets).
         method: ``"atomic"`` (unordered only), ``"rowscan"`` or ``"twopass"``; ``None`` picks
@@ -730,9 +719,7 @@ def deinterleave_compact(
         ``-1`` after; int32 ``[T]``. No output buffer may share memory with an input or another
         output (``ValueError``).
     """
-    w, r, i, bs, dev, validate = _check_common(
-        token_ids, req_of_token, block_table, block_size, world_size, rank, interleave, validate
-    )
+    g, dev, validate = _check_common(token_ids, req_of_token, block_table, geometry, validate)
     ordered = check_bool(ordered, "ordered")
     if method is None:
         method = DEFAULT_ORDERED_METHOD if ordered else DEFAULT_UNORDERED_METHOD
@@ -765,9 +752,7 @@ def deinterleave_compact(
         return out, counts
     n_tiles = _cdiv(k, b)
     req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
-    geo = dict(
-        HAS_REQ=req_of_token is not None, DCP_SIZE=w, DCP_RANK=r, DCP_INTERLEAVE=i, KV_BLOCK=bs, BLOCK=b, num_warps=nw
-    )
+    geo = dict(HAS_REQ=req_of_token is not None, BLOCK=b, num_warps=nw, **_constexprs(g))
     n_reqs, n_blocks = block_table.shape
     in_strides = (token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1))
     if method == "atomic":
@@ -788,7 +773,7 @@ def deinterleave_compact(
             **geo,
         )
     elif method == "rowscan":
-        _rowscan(token_ids, req_of_token, block_table, out, counts, w, r, i, bs, b, nw, compact=True)
+        _rowscan(token_ids, req_of_token, block_table, out, counts, g, b, nw, compact=True)
     else:
         twopass_count_kernel[(t_rows, n_tiles)](
             token_ids,
@@ -820,5 +805,5 @@ def deinterleave_compact(
             **geo,
         )
     if validate:
-        _validated(out, token_ids, req_of_token, block_table, w, r, i, bs)
+        _validated(out, token_ids, req_of_token, block_table, g)
     return out, counts

@@ -2,7 +2,7 @@
 
 What this wraps
 ---------------
-After the de-interleave stage each rank has, per query token ``t``, the physical slots of the
+After the deinterleave stage each rank has, per query token ``t``, the physical slots of the
 chosen tokens it owns compacted to the front of ``slots[t, :]`` (``-1`` after) and their number
 ``counts[t]``. FlashInfer's ``BatchMLAPagedAttentionWrapper`` wants CSR metadata over *pages*;
 with ``page_size = 1`` a page is a slot, so each query token becomes its own CSR "request"::

@@ -14,7 +14,7 @@ Facts (verified on the H200 with sgl-flash-mla 1.0.0, and in FlashMLA's source):
 
 * it **refuses per-row lengths** for this layout ("V3.2 does not support dynamic topk length")
   and masks ``-1`` entries **anywhere** in a row itself. So the DCP step feeds it the
-  *uncompacted* slots of the de-interleave stage — no compaction — and the kernel walks all
+  *uncompacted* slots of the deinterleave stage — no compaction — and the kernel walks all
   ``K`` entries of every row: :attr:`FlashMLAFp8Decode.attention_layout` is ``"masked"``;
 * only ``-1`` means "none": any other out-of-range index is read (no bounds check). The wrapper
   hands the kernel ``-1`` for every entry outside ``[0, num_slots)``, so it never reads out of

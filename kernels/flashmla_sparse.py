@@ -1,7 +1,7 @@
 """FlashMLA's SM90 sparse MLA kernel as the attention stage: no host-side plan, capturable.
 
 ``flash_mla.flash_mla_sparse_fwd`` (PyPI ``sgl-flash-mla``, SGLang's packaging of deepseek-ai/FlashMLA)
-reads the compacted ``(slots, counts)`` of the de-interleave stage directly: ``indices [T, 1, K]``
+reads the compacted ``(slots, counts)`` of the deinterleave stage directly: ``indices [T, 1, K]``
 with the valid slots first and ``topk_length = counts``. Unlike FlashInfer's MLA wrapper it has no
 ``plan()`` that reads lengths on the host, so it can run inside a CUDA graph.
 
@@ -206,7 +206,7 @@ def sparse_mla_flashmla(
             the one exception to the wrappers' ``validate=True``: this function *is* the attention
             stage's hot path, which ``kernels/stages.py`` runs inside the captured step) reads nothing
             on the host: counts are clamped and a row whose used slots leave the cache (e.g. the
-            de-interleave stage's poison slot ``2**31 - 1``) is poisoned (NaN output and LSE).
+            deinterleave stage's poison slot ``2**31 - 1``) is poisoned (NaN output and LSE).
     Returns:
         ``(out [T, H, 512] bf16, lse [T, H] float32)``: LSE in base e, ``-inf`` where ``counts == 0``.
     """

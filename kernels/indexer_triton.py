@@ -1,6 +1,6 @@
 """Triton kernel: the indexer stage's local top-K, fused with the candidate pack.
 
-The GPU twin of ``pack_candidates(scores, local_topk(scores, k, lengths, row_starts), rank, W, I,
+The GPU twin of ``pack_candidates(scores, local_topk(scores, k, lengths, row_starts), geometry,
 row_starts)`` (:mod:`dcp_ref.indexer`, :mod:`dcp_ref.topk`): each row of this rank's indexer scores
 gets its top-``k`` local keys by the stable order (score descending as float32 with
 ``-0.0 == +0.0``, NaN invalid, then lower index), written straight into the all-gather buffer as
@@ -78,9 +78,9 @@ from dcp_ref._checks import (
     check_bool,
     check_int_scalar,
     check_tensor,
-    check_world,
     triton_interpreting,
 )
+from dcp_ref.geometry import DcpGeometry, check_geometry
 
 __all__ = [
     # keys and windows
@@ -1158,9 +1158,7 @@ def indexer_topk_pack(
     scores: torch.Tensor,
     lengths: torch.Tensor | None,
     k: int,
-    rank: int,
-    world_size: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
@@ -1184,9 +1182,7 @@ def indexer_topk_pack(
     scores: torch.Tensor,
     lengths: torch.Tensor | None,
     k: int,
-    rank: int,
-    world_size: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
@@ -1209,9 +1205,7 @@ def indexer_topk_pack(
     scores: torch.Tensor,
     lengths: torch.Tensor | None,
     k: int,
-    rank: int,
-    world_size: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
@@ -1231,7 +1225,7 @@ def indexer_topk_pack(
     """Local stable top-``k`` of each score row, packed for the all-gather (the indexer stage).
 
     ``order="global_id"``: same result as ``pack_candidates(scores, local_topk(scores, k, lengths,
-    row_starts), rank, world_size, interleave, row_starts)`` as a *set* of ``(score, id)`` pairs per row
+    row_starts), geometry, row_starts)`` as a *set* of ``(score, id)`` pairs per row
     (bit for bit); the kernel writes the winners ordered by local index, then the padding.
     ``order="rank_local"``: the result of :func:`dcp_ref.indexer.local_topk_rank_local` exactly (the
     winners' scores in ascending local index order, NaN padding; their local indices, ``-1`` padding).
@@ -1243,7 +1237,8 @@ def indexer_topk_pack(
         lengths: int32/int64 ``[T]``: only local keys ``j < lengths[r]`` are valid (the causal
             bound from the ownership stage), or ``None`` for every column from the row's start on.
         k: candidates per row, ``k >= 1``; rows with fewer valid keys are padded.
-        rank, world_size, interleave: the DCP geometry (``local_to_global``).
+        geometry: this rank's :class:`~dcp_ref.geometry.DcpGeometry` (world size, rank and interleave give
+            the global ids, ``local_to_global``; ``order="rank_local"`` does not use them).
         row_starts: optional int32/int64 ``[T]`` column offsets (prefill rows).
         out: ``"global_id"``: optional float32 ``[T, k, 2]`` contiguous, 8-byte aligned buffer;
             ``"rank_local"``: optional float32 ``[T, k]`` contiguous buffer for the scores (CUDA graphs).
@@ -1274,8 +1269,7 @@ def indexer_topk_pack(
         TypeError / ValueError naming the argument (as the reference does for the same input).
     """
     validate = check_bool(validate, "validate")
-    w, r_checked, i = check_world(world_size, rank, interleave)
-    r = int(r_checked)  # type: ignore[arg-type]  # never None: a rank was given
+    g = check_geometry(geometry)
     k = check_int_scalar(k, "k", min_value=1)
     check_tensor(scores, "scores", dtypes=FLOAT_DTYPES, ndim=2)
     dev = scores.device
@@ -1328,9 +1322,9 @@ def indexer_topk_pack(
         out = _check_pairs(out, "out", (rows, k, 2), dev)
     # Largest global id the shapes allow: no sync needed when it is exactly representable (rank-local ids
     # are int32 local indices: no bound).
-    host_check = not rank_local and (cols // i + 1) * w * i > _MAX_EXACT_ID
+    host_check = not rank_local and (cols // g.interleave + 1) * g.stripe > _MAX_EXACT_ID
     if host_check:
-        _validate_values(cols, lengths, row_starts, r, w, i)
+        _validate_values(cols, lengths, row_starts, g)
     fused_check = validate and not host_check and rows > 0 and (lengths is not None or row_starts is not None)
     if cols * scores.stride(1) >= 2**31:
         # The kernel's per-key column offsets are int32 (the row's base offset is int64): a column
@@ -1358,11 +1352,11 @@ def indexer_topk_pack(
     # conformance kit found a strided `lengths` read wrongly).
     lens = lengths.contiguous() if lengths is not None else dummy
     starts = row_starts.contiguous() if row_starts is not None else dummy
-    _launch(plan, scores, lens, starts, out, out_ids, workspace, chk, k, r, w, i, radix_bits, rank_local,
+    _launch(plan, scores, lens, starts, out, out_ids, workspace, chk, k, g, radix_bits, rank_local,
             lengths is not None, row_starts is not None, tile)  # fmt: skip
     if chk is not None and int(chk.item()):  # the one host read of a validated call
         chk.zero_()
-        _validate_values(cols, lengths, row_starts, r, w, i, ids=not rank_local)  # raises the precise message
+        _validate_values(cols, lengths, row_starts, g, ids=not rank_local)  # raises the precise message
         raise ValueError("lengths / row_starts put a row's window outside scores")  # unreachable: the host agrees
     return (out, out_ids) if rank_local else out  # type: ignore[return-value]
 
@@ -1377,9 +1371,7 @@ def _launch(
     workspace: torch.Tensor | None,
     chk: torch.Tensor | None,
     k: int,
-    r: int,
-    w: int,
-    i: int,
+    g: DcpGeometry,
     radix_bits: int,
     rank_local: bool,
     has_lengths: bool,
@@ -1387,6 +1379,7 @@ def _launch(
     tile: int | None,
 ) -> None:
     """The launches of one call (shapes checked, plan made)."""
+    r, w, i = g.rank, g.world_size, g.interleave  # the kernels' loose ints: rank at run time, W and I constexpr
     rows, cols = scores.shape
     pad_block = min(triton.next_power_of_2(k), 1024)
     sel = SELECTS.index(plan.select)
@@ -1498,7 +1491,7 @@ def _check_words(buf: torch.Tensor | None, shape: tuple[int, int], dev: torch.de
 
 
 def _validate_values(
-    cols: int, lengths: torch.Tensor | None, row_starts: torch.Tensor | None, r: int, w: int, i: int, ids: bool = True
+    cols: int, lengths: torch.Tensor | None, row_starts: torch.Tensor | None, geometry: DcpGeometry, ids: bool = True
 ) -> None:
     """Host checks of the window values (the reference's), and (``ids``) the float32-exact id bound."""
     starts = None if row_starts is None else row_starts.long()
@@ -1523,9 +1516,11 @@ def _validate_values(
         n_max = 0
     if ids and n_max > 0:
         j = n_max - 1  # local_to_global is increasing in j
-        g = (j // i) * (w * i) + r * i + j % i
-        if g >= _MAX_EXACT_ID:
+        w, r, i = geometry.world_size, geometry.rank, geometry.interleave
+        gid = (j // i) * (w * i) + r * i + j % i
+        if gid >= _MAX_EXACT_ID:
+            name = "lengths" if lengths is not None else "scores"  # what makes the window this long
             raise ValueError(
-                f"global id {g} of local key {j} >= 2**24 is not exactly representable in float32; the "
-                "(score, id) packing needs ids < 16777216 (lengths / row_starts too long for this geometry)"
+                f"{name} reach local key {j}, whose global id {gid} for {geometry!r} is >= 2**24: not exactly "
+                "representable in float32; the (score, id) packing needs ids < 16777216"
             )

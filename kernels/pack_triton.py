@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_bool, check_out, check_values_readable, check_world, max_global_id_bound
+from dcp_ref._checks import check_bool, check_out, check_values_readable, max_global_id_bound
+from dcp_ref.geometry import DcpGeometry, check_geometry
 from dcp_ref.topk import MAX_EXACT_ID, _check_pack
 
 __all__ = ["pack_candidates_kernel", "pack_candidates_triton"]
@@ -85,10 +86,9 @@ def pack_candidates_kernel(
 def pack_candidates_triton(
     logits: torch.Tensor,
     local_topk: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None = None,
+    *,
     out: torch.Tensor | None = None,
     validate: bool = True,
     block: int = 256,
@@ -96,6 +96,8 @@ def pack_candidates_triton(
     """Triton :func:`~dcp_ref.topk.pack_candidates`; same arguments, result and errors.
 
     Args:
+        logits, local_topk, geometry, row_starts: as in the reference (``geometry`` a
+            :class:`~dcp_ref.geometry.DcpGeometry`: world size, rank and interleave give the global ids).
         out: optional float32 ``[rows, K, 2]`` contiguous buffer (CUDA-graph path).
         validate: check index ranges and the ``2**24`` id bound: in the kernel, then one host read
             of its flag (see the module docstring; a bad input raises the reference's message). Pass
@@ -110,10 +112,10 @@ def pack_candidates_triton(
     # host only for rows whose global ids may reach 2**24 (from the shapes alone); otherwise the kernel runs them
     # (one flag, one host read).
     validate = check_bool(validate, "validate")
-    w_, _, i_ = check_world(world_size, rank, interleave)
+    g0 = check_geometry(geometry)
     cols = logits.shape[1] if isinstance(logits, torch.Tensor) and logits.ndim == 2 else 0
-    host_values = validate and max_global_id_bound(cols, w_, i_) > MAX_EXACT_ID
-    w, r, i = _check_pack(logits, local_topk, rank, world_size, interleave, row_starts, host_values)
+    host_values = validate and max_global_id_bound(cols, g0.world_size, g0.interleave) > MAX_EXACT_ID
+    g = _check_pack(logits, local_topk, geometry, row_starts, host_values)
     rows, K = local_topk.shape
     fused = validate and not host_values and local_topk.numel() > 0
     if fused:  # what the reference's value checks would refuse before reading anything
@@ -140,9 +142,9 @@ def pack_candidates_triton(
         logits.stride(1),
         local_topk.stride(0),
         local_topk.stride(1),
-        r,
-        WORLD=w,
-        INTERLEAVE=i,
+        g.rank,
+        WORLD=g.world_size,
+        INTERLEAVE=g.interleave,
         HAS_STARTS=row_starts is not None,
         BLOCK=block,
         chk_ptr=chk,
@@ -150,7 +152,7 @@ def pack_candidates_triton(
     )
     if chk is not None and int(chk.item()):  # the one host read of a validated call
         chk.zero_()
-        _check_pack(logits, local_topk, rank, world_size, interleave, row_starts, True)  # raises the reference's error
+        _check_pack(logits, local_topk, geometry, row_starts, True)  # raises the reference's error
         raise ValueError("local_topk / row_starts hold values the reference rejects")  # unreachable: the host agrees
     return out
 

@@ -1,6 +1,6 @@
 """Triton kernel: scoring -> local top-K -> pack, fused, so that the ``[T, L]`` index scores never reach HBM.
 
-The GPU twin of ``indexer_topk_pack(index_scores(...), local_bounds, k, rank, W, I, row_starts)``
+The GPU twin of ``indexer_topk_pack(index_scores(...), local_bounds, k, geometry, row_starts)``
 (:mod:`.scoring_triton` then :mod:`.indexer_triton`; the oracle is
 ``pack_candidates(s, local_topk(s, k, local_bounds, row_starts), ...)`` on the reference scores
 :func:`dcp_ref.scoring.index_scores`): the same ``(score, global id)`` pairs per row, as a set, bit
@@ -379,10 +379,10 @@ def scored_topk_pack(
     """Scoring, local stable top-``k`` and pack in one pass: this rank's candidates for the all-gather.
 
     Same result, as a set of ``(score, id)`` pairs per row, bit for bit, as
-    ``indexer_topk_pack(index_scores_triton(..., out=[T, n_cols]), local_bounds, k, rank, W, I, row_starts)``
+    ``indexer_topk_pack(index_scores_triton(..., out=[T, n_cols]), local_bounds, k, geometry, row_starts)``
     with the same scoring tile (and hence as ``pack_candidates(s, local_topk(s, k, local_bounds,
-    row_starts))`` of those scores); the winners of each row are written in increasing id order, then
-    ``(-inf, -1)`` padding.
+    row_starts), geometry, row_starts)`` of those scores); the winners of each row are written in increasing
+    id order, then ``(-inf, -1)`` padding.
 
     Args:
         index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts:

@@ -31,7 +31,7 @@ a thread-block cluster of ``C`` CTAs whose histograms are summed through distrib
 <= 33 rows for ``global_id``).
 
 **Where the time goes, and what was measured** (H200, CUDA-graph replay, W = 8, K = k = 2048, 32 rows;
-``benchmarks/results/exchange.md``). Today's chain (stable top-K 9.6 µs + de-interleave 3.3 µs) is 12.8 µs;
+``benchmarks/results/exchange.md``). Today's chain (stable top-K 9.6 µs + deinterleave 3.3 µs) is 12.8 µs;
 this kernel is 8.4 µs (``rank_local``) and 10.3 µs (``global_id``). Nsight Compute of the first version
 (33.8k warp instructions per row, like the stable top-K's 34.0k): the commit was the largest phase (37 %)
 because every thread scanned all its items — ``rank_local`` now scans only the chunks in this rank's slice

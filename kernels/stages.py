@@ -6,11 +6,14 @@ device and dtype, and the reference otherwise (the reason is logged once on
 
 - indexer: the fused Triton local top-K + pack (:mod:`.indexer_triton`), else torch's local top-K + the
   Triton pack (:mod:`.pack_triton`) — needs CUDA, or the CPU with ``TRITON_INTERPRET=1``;
-- select: the CuTeDSL stable radix top-K (:mod:`.topk_cutedsl`) — needs CUDA and nvidia-cutlass-dsl;
-- deinterleave: the Triton de-interleave + compaction (:mod:`.deinterleave_triton`) — as the indexer;
-- attention: FlashMLA's sparse kernel (:mod:`.flashmla_sparse`; no host plan), else FlashInfer fa3
-  (:mod:`.flashinfer_mla`; plans on the host) — needs CUDA, bf16, 576/512, H in {64, 128}; on an FP8
-  cache FlashMLA's FP8 decode (:mod:`.flashmla_fp8`), masked layout;
+- select: the CuTeDSL stable radix top-K (:mod:`.topk_cutedsl`) — needs CUDA and nvidia-cutlass-dsl, and at
+  most :data:`~.topk_cutedsl.MAX_CANDIDATES` gathered candidates per row (a step planned past it, or a call
+  past it, runs the reference, logged);
+- deinterleave: the Triton deinterleave + compaction (:mod:`.deinterleave_triton`) — as the indexer;
+- attention: FlashMLA's sparse kernel (:mod:`.flashmla_sparse`; no host plan) or the split-KV Triton kernel
+  (:mod:`.attention_splitkv_triton`), chosen per planned shape (below), else FlashInfer fa3
+  (:mod:`.flashinfer_mla`; plans on the host) — needs CUDA, bf16, 576/512; on an FP8 cache FlashMLA's FP8
+  decode (:mod:`.flashmla_fp8`), masked layout;
 - merge: the Triton LSE correction (:mod:`.lse_merge_triton`) — as the indexer;
 - scoring: the Triton FP8 index scoring (:mod:`.scoring_triton`), and the fused scoring -> top-K + pack
   (:mod:`.scored_indexer_triton`) — as the indexer;
@@ -87,16 +90,14 @@ def _log_fallback(stage: str, reason: str) -> None:
 def _pack_triton(
     scores: torch.Tensor,
     ids: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from .pack_triton import pack_candidates_triton
 
     with _launch(scores.device):
-        return pack_candidates_triton(scores, ids, rank, world_size, interleave, row_starts, out=out, validate=False)
+        return pack_candidates_triton(scores, ids, geometry, row_starts, out=out, validate=False)
 
 
 @named_impl("torch")
@@ -125,22 +126,37 @@ def _indexer_fused(
 ) -> Any:
     from .indexer_triton import indexer_topk_pack, workspace_for
 
-    g = geometry
     # Long rows are split over programs through a workspace: made once per thread (rank) and shape, on the first
     # (warm-up) run, so that later runs — and a captured graph — allocate nothing.
     key = (tuple(scores.shape), k, scores.device)
     ws = per_thread(_INDEXER_WORKSPACES, key, lambda: workspace_for(scores, k))
     with _launch(scores.device):
         return indexer_topk_pack(  # type: ignore[call-overload]  # order is a str here, not a Literal
-            scores, lengths, k, g.rank, g.world_size, g.interleave, row_starts, out=out, validate=False, workspace=ws,
-            order=order, out_ids=out_ids,
+            scores, lengths, k, geometry, row_starts, out=out, validate=False, workspace=ws, order=order,
+            out_ids=out_ids,
         )  # fmt: skip
+
+
+def _select_too_big(world_size: int, kloc: int) -> str:
+    """Why the CuTeDSL top-K cannot take ``W * K`` candidates per row (``""`` when it can)."""
+    from .topk_cutedsl import MAX_CANDIDATES
+
+    n = world_size * kloc
+    if n <= MAX_CANDIDATES:
+        return ""
+    return f"{n} gathered candidates per row > {MAX_CANDIDATES} (the CuTeDSL top-K's limit)"
 
 
 @named_impl("cutedsl")
 def _select_cutedsl(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     from .topk_cutedsl import stable_topk_cutedsl
 
+    # More candidates than the kernel holds in registers: the reference, logged once (a shape, not a value:
+    # no host read). A planned step never gets here: prepare swaps the stage for the reference.
+    too_big = _select_too_big(gathered.shape[0], gathered.shape[-2]) if gathered.ndim == 4 else ""
+    if too_big:
+        _log_fallback("select", too_big)
+        return reference_select(gathered, k, out=out)
     # The compile cache is filled at plan time (prepare, under the step's lock); a lookup is cheap, and the
     # lock makes a first compile from several rank threads safe.
     # The kernel reads (score, id) pairs as aligned 8-byte words: a strided view (a caller's, not the step's,
@@ -164,23 +180,11 @@ def _deinterleave_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from .deinterleave_triton import deinterleave_compact, deinterleave_masked_triton
 
-    g = geometry
     req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
     # compact: the ordered row scan; masked: the same scan with compaction off (slots and counts, one launch)
     fn = functools.partial(deinterleave_compact, ordered=True) if compact else deinterleave_masked_triton
     with _launch(global_ids.device):
-        return fn(
-            global_ids,
-            req,
-            block_table,
-            g.block_size,
-            g.world_size,
-            g.rank,
-            g.interleave,
-            out=out_slots,
-            counts=out_counts,
-            validate=False,
-        )
+        return fn(global_ids, req, block_table, geometry, out=out_slots, counts=out_counts, validate=False)
 
 
 @named_impl("flashmla")
@@ -420,14 +424,20 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
     """Plan-time work, under the step's lock: compile and warm what compiles (the CuTeDSL kernels) for the planned
     shape, and pick the faster bf16 attention for it where two can run (:data:`SPLITKV_MAX_TOKENS`)."""
     W, T, k = spec.cache_geometry.world_size, spec.max_tokens, spec.topk
+    chosen = stages
     if impl["select"] == "cutedsl" and spec.exchange == "allgather":
         from .topk_cutedsl import stable_topk_cutedsl
 
-        gathered = torch.zeros((W, T, k, 2), dtype=torch.float32, device=spec.device)
-        gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
-        with KERNEL_LOCK:
-            stable_topk_cutedsl(gathered, k, validate=False)
-    chosen = stages
+        too_big = _select_too_big(W, k)
+        if too_big:  # the reference, logged, and named in the trace
+            _log_fallback("select", too_big)
+            notes = tuple(sorted((*(n for n in chosen.notes if n[0] != "select"), ("select", too_big))))
+            chosen = dataclasses.replace(chosen, select=reference_select, notes=notes)
+        else:
+            gathered = torch.zeros((W, T, k, 2), dtype=torch.float32, device=spec.device)
+            gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
+            with KERNEL_LOCK:
+                stable_topk_cutedsl(gathered, k, validate=False)
     if impl["select_to_slots"] == "cutedsl" and spec.exchange == "owner":
         from .select_to_slots_cutedsl import make_config
 
@@ -441,7 +451,7 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
         f"planned for T <= {T} query tokens: the split-KV kernel is faster up to {SPLITKV_MAX_TOKENS}, FlashMLA "
         "beyond (measured on the H200, benchmarks/results/attention.json)"
     )
-    notes = tuple(sorted((*(n for n in stages.notes if n[0] != "attention"), ("attention", why))))
+    notes = tuple(sorted((*(n for n in chosen.notes if n[0] != "attention"), ("attention", why))))
     return dataclasses.replace(chosen, attention=alternatives[best], notes=notes)
 
 

@@ -59,8 +59,8 @@ capturable).
 
 Limits (both tested on the H200): ``N = W*K <= 32768`` candidates per row (keys live in
 registers: 32 per thread at most) and, for ``sorted=True``, ``min(k, N) <= 4096`` winners (their
-keys are sorted in 32 KiB of static shared memory). :mod:`dcp_ref.kernels.topk_backend` falls back to the
-reference beyond them, logged.
+keys are sorted in 32 KiB of static shared memory). The kernels' select stage (:mod:`dcp_ref.kernels.stages`)
+falls back to the reference beyond the first, logged (the stage's selection is unsorted).
 """
 
 from __future__ import annotations

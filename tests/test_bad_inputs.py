@@ -5,7 +5,7 @@
    by :func:`test_every_base_call_is_valid`) and changes one argument; the test asserts the
    exception type **and** that the message names the offending argument.
 2. **Reference and kernel agree**: the same bad input raises the same type with the same message
-   on the reference and on its Triton twin (pack, de-interleave), validated or not.
+   on the reference and on its Triton twin (pack, deinterleave), validated or not.
 3. **validate=False** reads nothing on the host (proved with meta tensors, which have no values)
    and still never reads out of bounds: the reference and the kernels return the same documented
    answer for out-of-range values.
@@ -44,8 +44,8 @@ from dcp_ref import (
     owner_rank,
     sparse_mla_attention,
 )
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.group import SimulatedWorld, SingleGroup
-from dcp_ref.kernels import topk_backend as tb
 from dcp_ref.prefill import chunk_scores_from_local
 from dcp_ref.topk import (
     check_candidate_ids,
@@ -60,7 +60,7 @@ from dcp_ref.topk import (
 
 NAN, INF = float("nan"), float("inf")
 META = "meta"
-POISON = 2**31 - 1  # the de-interleave stage's poison slot, written here independently of the code
+POISON = 2**31 - 1  # the deinterleave stage's poison slot, written here independently of the code
 
 
 def i64(x) -> torch.Tensor:
@@ -81,7 +81,7 @@ def f32(x) -> torch.Tensor:
 G = torch.Generator().manual_seed(0)
 LOGITS = torch.randn(3, 8, generator=G)
 LOCAL_IDS = i64([[0, 5, 7, -1], [1, 2, -1, -1], [-1, -1, -1, -1]])
-GATHERED = torch.stack([pack_candidates(LOGITS, LOCAL_IDS, r, 2) for r in range(2)])  # [2, 3, 4, 2]
+GATHERED = torch.stack([pack_candidates(LOGITS, LOCAL_IDS, DcpGeometry(2, r)) for r in range(2)])  # [2, 3, 4, 2]
 TOKEN_IDS = i64([[0, 3, 6, -1], [9, 2, -1, -1], [1, 7, 12, 5]])
 BLOCK_TABLE = i32([[3, 0, 5], [1, 4, -1]])
 REQ = i32([0, 1, 1])
@@ -96,7 +96,7 @@ CHUNK = localize_prefill_chunk(i64([3, 0]), i64([2, 1]), 2, 0)
 BASES = {
     "owner_rank": (owner_rank, dict(pos=torch.arange(10), world_size=2, interleave=2)),
     "global_to_local": (global_to_local, dict(pos=torch.arange(10), world_size=2, interleave=2)),
-    "local_to_global": (local_to_global, dict(local=torch.arange(5), rank=1, world_size=2, interleave=2)),
+    "local_to_global": (local_to_global, dict(local=torch.arange(5), world_size=2, rank=1, interleave=2)),
     "local_seq_lens": (local_seq_lens, dict(seq_lens=i64([5, 9]), world_size=2, rank=1, interleave=2)),
     "expand_decode_bounds": (expand_decode_bounds, dict(seq_lens=i64([5, 9]), query_lens=2)),
     "localize_decode_bounds": (
@@ -109,15 +109,13 @@ BASES = {
     ),
     "local_topk": (local_topk, dict(logits=LOGITS, k=4, lengths=i64([8, 3, 0]))),
     "local_topk_rs": (local_topk, dict(logits=LOGITS, k=2, lengths=i64([3, 2, 0]), row_starts=i32([0, 5, 8]))),
-    "pack_candidates": (pack_candidates, dict(logits=LOGITS, local_topk=LOCAL_IDS, rank=1, world_size=2, interleave=1)),
+    "pack_candidates": (pack_candidates, dict(logits=LOGITS, local_topk=LOCAL_IDS, geometry=DcpGeometry(2, 1))),
     "pack_candidates_rs": (
         pack_candidates,
         dict(
             logits=LOGITS,
             local_topk=i64([[0, 1], [2, -1], [-1, -1]]),
-            rank=0,
-            world_size=2,
-            interleave=1,
+            geometry=DcpGeometry(2, 0),
             row_starts=i32([0, 5, 8]),
         ),
     ),
@@ -128,51 +126,17 @@ BASES = {
     "global_topk_all_logits": (global_topk_all_logits, dict(scores=LOGITS, k=3)),
     "local_topk_by_owner": (local_topk_by_owner, dict(scores=LOGITS, K=2, world_size=2, interleave=2)),
     "radix_select_trace": (radix_select_trace, dict(keys=[5, 0, 9, 3], k=2)),
-    "tb.resolve_backend": (tb.resolve_backend, dict(backend="torch", device=torch.device("cpu"))),
-    "tb.pack_candidates": (
-        tb.pack_candidates,
-        dict(logits=LOGITS, local_topk=LOCAL_IDS, rank=1, world_size=2, backend="torch"),
-    ),
-    "tb.stable_topk": (tb.stable_topk, dict(gathered=GATHERED, k=3, backend="torch")),
-    "tb.merge_topk_global": (
-        tb.merge_topk_global,
-        dict(group=None, logits=LOGITS, local_topk=LOCAL_IDS, k=4, backend="torch"),
-    ),
     "global_ids_to_local_slots": (
         global_ids_to_local_slots,
-        dict(
-            token_ids=TOKEN_IDS,
-            req_of_token=REQ,
-            block_table=BLOCK_TABLE,
-            block_size=4,
-            world_size=2,
-            rank=1,
-            interleave=2,
-        ),
+        dict(token_ids=TOKEN_IDS, req_of_token=REQ, block_table=BLOCK_TABLE, geometry=DcpGeometry(2, 1, 2, 4)),
     ),
     "deinterleave_and_compact": (
         deinterleave_and_compact,
-        dict(
-            token_ids=TOKEN_IDS,
-            req_of_token=REQ,
-            block_table=BLOCK_TABLE,
-            block_size=4,
-            world_size=2,
-            rank=0,
-            interleave=2,
-        ),
+        dict(token_ids=TOKEN_IDS, req_of_token=REQ, block_table=BLOCK_TABLE, geometry=DcpGeometry(2, 0, 2, 4)),
     ),
     "deinterleave_masked": (
         deinterleave_masked,
-        dict(
-            token_ids=TOKEN_IDS,
-            req_of_token=REQ,
-            block_table=BLOCK_TABLE,
-            block_size=4,
-            world_size=2,
-            rank=1,
-            interleave=2,
-        ),
+        dict(token_ids=TOKEN_IDS, req_of_token=REQ, block_table=BLOCK_TABLE, geometry=DcpGeometry(2, 1, 2, 4)),
     ),
     "compact_to_front": (compact_to_front, dict(slots=SLOTS)),
     "canonicalize": (canonicalize, dict(slots=SLOTS, counts=i32([2, 1]))),
@@ -235,6 +199,28 @@ def geometry_cases(base: str, *, rank_required: bool, has_rank: bool = True) -> 
             bad(base, exc, "rank", f"rank={label}", rank=v)
         if rank_required:
             bad(base, ValueError, "rank", "rank=None", rank=None)
+
+
+def geometry_arg_cases(base: str) -> None:
+    """A function that takes ``geometry: DcpGeometry``: anything else is a ``TypeError`` naming ``geometry``
+    (never read as loose ints or duck-typed: a tuple in the old ``W, rank, I, block_size`` order, an object with
+    the right attribute names, the ints themselves)."""
+    from types import SimpleNamespace
+
+    g = BASES[base][1]["geometry"]
+    for label, v in [
+        ("tuple", (g.world_size, g.rank, g.interleave, g.block_size)),
+        ("dict", dict(world_size=g.world_size, rank=g.rank, interleave=g.interleave, block_size=g.block_size)),
+        (
+            "namespace",
+            SimpleNamespace(world_size=g.world_size, rank=g.rank, interleave=g.interleave, block_size=g.block_size),
+        ),
+        ("int", g.world_size),
+        ("none", None),
+        ("str", "dcp"),
+        ("tensor", i64([g.world_size, g.rank, g.interleave, g.block_size])),
+    ]:
+        bad(base, TypeError, "geometry", f"geometry={label}", geometry=v)
 
 
 def int_tensor_cases(
@@ -361,8 +347,8 @@ bad("local_topk_rs", ValueError, ("row_starts", "lengths"), "window past cols", 
 bad("local_topk_rs", ValueError, "row_starts", "row_starts wrong rows", row_starts=i32([0, 5]))
 
 # ---- top-K -------------------------------------------------------------------------------------
-for b in ("pack_candidates", "pack_candidates_rs", "tb.pack_candidates"):
-    geometry_cases(b, rank_required=True)
+for b in ("pack_candidates", "pack_candidates_rs"):
+    geometry_arg_cases(b)
     float_tensor_cases(b, "logits", ndim=2)
     int_tensor_cases(b, "local_topk", ndim=2, lists_ok=False)
     bad(b, ValueError, "local_topk", "local_topk < -1", local_topk=torch.where(BASES[b][1]["local_topk"] < 0, -2, 0))
@@ -388,18 +374,23 @@ for b in ("pack_candidates", "pack_candidates_rs", "tb.pack_candidates"):
 bad(
     "pack_candidates",
     ValueError,
-    ("global id", "2**24"),
+    "local_topk",
     "id >= 2**24 by value",
     logits=torch.zeros(1, 2**23 + 8),
     local_topk=i64([[2**23 + 7, -1]]),
 )
-bad("tb.pack_candidates", ValueError, "backend", "unknown backend", backend="cuda")
-bad("tb.pack_candidates", ValueError, "out", "out wrong shape (no broadcast)", out=torch.empty(1, 4, 2))
-bad("tb.pack_candidates", TypeError, "out", "out wrong dtype", out=torch.empty(3, 4, 2, dtype=torch.float64))
-bad("tb.pack_candidates", ValueError, "out", "out not contiguous", out=torch.empty(3, 2, 4).transpose(1, 2))
-bad("tb.pack_candidates", TypeError, "logits", "logits not a tensor (before the backend)", logits=[[0.0]])
+# A valid geometry the data does not fit: so many ranks that this rank's keys have global ids >= 2**24.
+bad("pack_candidates", ValueError, "local_topk", "geometry W=2**22: ids >= 2**24 by value", geometry=DcpGeometry(2**22, 1))
+bad(
+    "pack_candidates",
+    ValueError,
+    "logits",
+    "geometry W=2**22: ids may pass 2**24 with validate=False",
+    geometry=DcpGeometry(2**22, 1),
+    validate=False,
+)
 
-for b in ("stable_topk", "tb.stable_topk"):
+for b in ("stable_topk",):
     t = BASES[b][1]["gathered"]
     bad(b, TypeError, "gathered", "float64", gathered=t.double())
     bad(b, TypeError, "gathered", "int", gathered=t.long())
@@ -414,17 +405,13 @@ for b in ("stable_topk", "tb.stable_topk"):
     scalar_int_cases(b, "k", min_value=1)
     flag_cases(b, "sorted")
     flag_cases(b, "validate")
-bad("tb.stable_topk", ValueError, "out", "out wrong shape (no broadcast)", out=torch.empty(1, 3, dtype=torch.int32))
-bad("tb.stable_topk", TypeError, "out", "out wrong dtype", out=torch.empty(3, 3, dtype=torch.int64))
-bad("tb.stable_topk", ValueError, "backend", "unknown backend", backend="numpy")
-bad("tb.stable_topk", ValueError, "backend", "cutedsl on the CPU", backend="cutedsl")
 bad("stable_key", TypeError, "ids", "ids list", ids=[3, 1])
 bad("stable_key", ValueError, "ids", "ids shape", ids=i64([3, 1, 2]))
 bad("stable_key", TypeError, "scores", "scores int", scores=i64([1, 2]))
 bad("check_candidate_ids", ValueError, "gathered", "fractional", ids=f32([0.5]))
 bad("check_candidate_ids", ValueError, "gathered", "meta", ids=f32([1.0]).to(META))
 
-for b in ("merge_topk_global", "tb.merge_topk_global"):
+for b in ("merge_topk_global",):
     bad(b, TypeError, "group", "group str", group="world")
     bad(b, TypeError, "group", "group int", group=2)
     scalar_int_cases(b, "k", min_value=1)
@@ -435,7 +422,6 @@ for b in ("merge_topk_global", "tb.merge_topk_global"):
     bad(b, ValueError, "local_topk", "W=1 shortcut: id < -1", local_topk=LOCAL_IDS.clone().fill_(-5))
     bad(b, TypeError, "local_topk", "W=1 shortcut: float ids", local_topk=LOCAL_IDS.float())
     bad(b, ValueError, "interleave", "interleave 0", interleave=0)
-bad("tb.merge_topk_global", ValueError, "backend", "unknown backend", backend="gpu")
 bad("global_topk_all_logits", TypeError, "scores", "int", scores=LOCAL_IDS)
 bad("global_topk_all_logits", ValueError, "k", "k 0", k=0)
 bad("local_topk_by_owner", ValueError, "K", "K 0", K=0)
@@ -443,17 +429,17 @@ bad("local_topk_by_owner", ValueError, "world_size", "W 0", world_size=0)
 bad("local_topk_by_owner", ValueError, "scores", "1-D", scores=LOGITS[0])
 bad("radix_select_trace", ValueError, "k", "k 0", k=0)
 bad("radix_select_trace", TypeError, "k", "k float", k=2.0)
-bad("tb.resolve_backend", ValueError, "backend", "unknown", backend="fast")
-bad("tb.resolve_backend", ValueError, "backend", "triton without interpreter on cpu? no: cutedsl", backend="cutedsl")
 
-# ---- de-interleave -----------------------------------------------------------------------------
+# ---- deinterleave -----------------------------------------------------------------------------
 for b in ("global_ids_to_local_slots", "deinterleave_and_compact", "deinterleave_masked"):
-    geometry_cases(b, rank_required=True)
+    geometry_arg_cases(b)
+    # Valid geometries the data does not fit: blocks of one token (every id this rank owns needs more blocks
+    # than the table has), and every id owned by W = 1 (its local index past the table).
+    bad(b, ValueError, "block_table", "geometry block_size=1: the table too short for it", geometry=DcpGeometry(2, 1))
+    bad(b, ValueError, "block_table", "geometry W=1: ids past the table", geometry=DcpGeometry(1, 0, 2, 4))
     int_tensor_cases(b, "token_ids", ndim=2, lists_ok=False, meta_with=("block_table", "req_of_token"))
     int_tensor_cases(b, "block_table", ndim=2, lists_ok=False)
     int_tensor_cases(b, "req_of_token", ndim=1, lists_ok=False)
-    scalar_int_cases(b, "block_size", min_value=1)
-    bad(b, ValueError, "block_size", "not a multiple of interleave", block_size=6, interleave=4)
     bad(b, ValueError, "req_of_token", "req out of range", req_of_token=i32([0, 2, 1]))
     bad(b, ValueError, "req_of_token", "req negative", req_of_token=i32([0, -1, 1]))
     bad(b, ValueError, "req_of_token", "req wrong length", req_of_token=i32([0, 1]))
@@ -566,7 +552,7 @@ from dcp_ref.fp8_cache import (  # noqa: E402
     quantize_kv_fp8,
     sparse_mla_attention_fp8,
 )
-from dcp_ref.geometry import DcpGeometry, local_count  # noqa: E402
+from dcp_ref.geometry import local_count  # noqa: E402
 from dcp_ref.kernels import deinterleave_triton as dk  # noqa: E402
 from dcp_ref.kernels import flashmla_fp8 as fm8  # noqa: E402
 from dcp_ref.kernels import lse_merge_triton as lk  # noqa: E402
@@ -575,9 +561,7 @@ from dcp_ref.topk import sparse_attention_reference, unsigned_key  # noqa: E402
 GEO = DcpGeometry(2, 1, 2, 4)
 KV8 = quantize_kv_fp8(torch.randn(40, 576, generator=G))
 Q8 = torch.randn(2, 2, 576, generator=G)
-DEINT = dict(
-    token_ids=TOKEN_IDS, req_of_token=REQ, block_table=BLOCK_TABLE, block_size=4, world_size=2, rank=1, interleave=2
-)
+DEINT = dict(token_ids=TOKEN_IDS, req_of_token=REQ, block_table=BLOCK_TABLE, geometry=GEO)
 LSE_OUT, LSE_ALL = torch.randn(3, 2, 4, generator=G), torch.randn(2, 3, 2, generator=G)
 BASES.update(
     {
@@ -699,7 +683,6 @@ bad("sparse_mla_attention_fp8", ValueError, "out_lse", "out_lse aliases out (cla
 _DUP = GATHERED.clone()
 _DUP[1, 0, 0] = GATHERED[0, 0, 0]  # rank 1 repeats rank 0's first candidate of row 0
 bad("stable_topk", ValueError, "gathered", "an id on two ranks (validated)", gathered=_DUP)
-bad("tb.stable_topk", ValueError, "gathered", "an id on two ranks (validated)", gathered=_DUP)
 bad("check_candidate_ids", ValueError, "gathered", "an id twice", ids=_DUP[..., 1])
 bad(
     "merge_topk_global",
@@ -896,7 +879,7 @@ NO_HOST_READ = {
         _meta(5, 9), 4, _meta(5, dtype=torch.int64), _meta(5, dtype=torch.int32), validate=False
     ),
     "pack_candidates": lambda: pack_candidates(
-        _meta(5, 9), _meta(5, 4, dtype=torch.int64), 1, 4, 2, _meta(5, dtype=torch.int32), validate=False
+        _meta(5, 9), _meta(5, 4, dtype=torch.int64), DcpGeometry(4, 1, 2, 2), _meta(5, dtype=torch.int32), validate=False
     ),
     "stable_topk": lambda: stable_topk(_meta(4, 5, 4, 2), 4, validate=False),
     "merge_topk_global": lambda: merge_topk_global(
@@ -906,30 +889,21 @@ NO_HOST_READ = {
         _meta(5, 4, dtype=torch.int64),
         _meta(5, dtype=torch.int32),
         _meta(3, 4, dtype=torch.int32),
-        8,
-        4,
-        1,
-        2,
+        DcpGeometry(4, 1, 2, 8),
         validate=False,
     ),
     "deinterleave_and_compact": lambda: deinterleave_and_compact(
         _meta(5, 4, dtype=torch.int64),
         _meta(5, dtype=torch.int32),
         _meta(3, 4, dtype=torch.int32),
-        8,
-        4,
-        1,
-        2,
+        DcpGeometry(4, 1, 2, 8),
         validate=False,
     ),
     "deinterleave_masked": lambda: deinterleave_masked(
         _meta(5, 4, dtype=torch.int64),
         _meta(5, dtype=torch.int32),
         _meta(3, 4, dtype=torch.int32),
-        8,
-        4,
-        1,
-        2,
+        DcpGeometry(4, 1, 2, 8),
         validate=False,
     ),
     "compact_to_front": lambda: compact_to_front(_meta(5, 4, dtype=torch.int64), ordered=False, validate=False),
@@ -970,9 +944,9 @@ def test_pack_validate_false_clamps_like_the_kernel(kernel_device) -> None:
             ok = 0 <= j < 8 - s
             row.append([float(logits[r, s + j]) if ok else -INF, float((j // 1) * 2 + 1) if ok else -1.0])
         want.append(row)
-    ref = pack_candidates(logits, ids, 1, 2, 1, starts, validate=False)
+    ref = pack_candidates(logits, ids, DcpGeometry(2, 1), starts, validate=False)
     ker = pack_candidates_triton(
-        logits.to(kernel_device), ids.to(kernel_device), 1, 2, 1, starts.to(kernel_device), validate=False
+        logits.to(kernel_device), ids.to(kernel_device), DcpGeometry(2, 1), starts.to(kernel_device), validate=False
     )
     assert ref.tolist() == want and ker.cpu().tolist() == want
 
@@ -990,16 +964,14 @@ def test_deinterleave_validate_false_same_answer_as_the_kernel(kernel_device, me
     ordered = method != "atomic"
     for dtype in (torch.int32, torch.int64):
         ids_d, bt_d = ids.to(dtype), (bt.to(dtype) if dtype == torch.int64 else bt.clamp(max=2**31 - 1).to(dtype))
-        want_s, want_c = deinterleave_and_compact(ids_d, req, bt_d, 4, 1, 0, ordered=ordered, validate=False)
+        want_s, want_c = deinterleave_and_compact(ids_d, req, bt_d, DcpGeometry(1, 0, block_size=4), ordered=ordered, validate=False)
         with pytest.raises(ValueError, match="req_of_token"):
-            deinterleave_and_compact(ids_d, req, bt_d, 4, 1, 0, ordered=ordered)
+            deinterleave_and_compact(ids_d, req, bt_d, DcpGeometry(1, 0, block_size=4), ordered=ordered)
         got_s, got_c = deinterleave_compact(
             ids_d.to(kernel_device),
             req.to(kernel_device),
             bt_d.to(kernel_device),
-            4,
-            1,
-            0,
+            DcpGeometry(1, 0, block_size=4),
             ordered=ordered,
             method=method,
             validate=False,
@@ -1013,7 +985,7 @@ def test_deinterleave_validate_false_same_answer_as_the_kernel(kernel_device, me
         assert want_s[1].tolist() == want_s[2].tolist() == [POISON] * 6
         assert sorted(want_s[3, :6].tolist()) == [2, 3, 8, 9, 10, 11]
     with pytest.raises(ValueError, match="exceed int32"):  # validated: the overflow is an error
-        global_ids_to_local_slots(i64([[4]]), None, i64([[0, 2**30]]), 4, 1, 0)
+        global_ids_to_local_slots(i64([[4]]), None, i64([[0, 2**30]]), DcpGeometry(1, 0, block_size=4))
 
 
 def test_attention_validate_false_poisons_bad_rows() -> None:
@@ -1063,7 +1035,7 @@ def test_ownership_int32_never_wraps() -> None:
         ((2**31 - 1) // (W * I)) * I + (2**31 - 1) % I,
     ]
     assert owner_rank(pos, W, I).dtype == torch.int32
-    big = local_to_global(i64([2**31 + 3]), 1, 4, 2)  # int64 in: fine beyond int32
+    big = local_to_global(i64([2**31 + 3]), 4, 1, 2)  # int64 in: fine beyond int32
     assert big.tolist() == [((2**31 + 3) // 2) * 8 + 2 + (2**31 + 3) % 2]
 
 
@@ -1073,7 +1045,7 @@ def test_ownership_small_brute_force_and_numpy_ints(W: int, I: int) -> None:
         o, l = brute_owner_local(p, W, I)
         assert owner_rank(np.int64(p), np.int32(W), np.int16(I)) == o
         assert global_to_local(p, W, I) == l
-        assert local_to_global(np.int64(l), np.int64(o), W, I) == p
+        assert local_to_global(np.int64(l), W, np.int64(o), I) == p
     L = np.array([0, 1, 7, 39])
     got = local_seq_lens(L, W, None, I)
     for b, n in enumerate(L.tolist()):
@@ -1089,9 +1061,9 @@ def test_empty_batch_is_valid_everywhere() -> None:
     meta = localize_prefill_chunk(e, e, 2, 1)
     assert meta.local_total == 0 and meta.cu_seqlens_q.tolist() == [0]
     assert local_topk(torch.zeros(0, 5), 3, i64([])).shape == (0, 3)
-    assert pack_candidates(torch.zeros(0, 5), i64([]).view(0, 3), 0, 2).shape == (0, 3, 2)
+    assert pack_candidates(torch.zeros(0, 5), i64([]).view(0, 3), DcpGeometry(2, 0)).shape == (0, 3, 2)
     assert stable_topk(torch.zeros(2, 0, 3, 2), 4).shape == (0, 4)
-    s, c = deinterleave_and_compact(i64([]).view(0, 4), i32([]), i32([[1]]), 4, 2, 0)
+    s, c = deinterleave_and_compact(i64([]).view(0, 4), i32([]), i32([[1]]), DcpGeometry(2, 0, block_size=4))
     assert s.shape == (0, 4) and c.shape == (0,)
     o, l = sparse_mla_attention(Q[:0], KV, SLOTS[:0], COUNTS[:0], 0.5, v_dim=6)
     assert o.shape == (0, 2, 6) and l.shape == (0, 2)
@@ -1126,7 +1098,6 @@ def test_merge_topk_global_w1_no_shortcut_brute_force() -> None:
     ids = i64([[-1, 1, 2, 0, 3]])  # -1 first; id 1 has a NaN score
     got = merge_topk_global(None, logits, ids, 5)
     assert got.tolist() == [[3, 0, 2, -1, -1]]  # 0.9, then the 0.5 tie by lower id; NaN and -1 invalid
-    assert tb.merge_topk_global(None, logits, ids, 5, backend="torch").tolist() == got.tolist()
     assert global_topk_all_logits(f32([[0.5, NAN, 0.5, 0.9, -1.0]]), 3).tolist() == [[3, 0, 2]]
 
 
@@ -1167,17 +1138,14 @@ def test_deinterleave_int64_inputs_reference_and_kernel(kernel_device, id_dtype,
     want = brute_slots(ids, req, bt, bs, W, r, I)
     assert any(POISON in row for row in want)  # the -1 block is hit: out of contract, poisoned
     ref = global_ids_to_local_slots(
-        torch.tensor(ids, dtype=id_dtype), i64(req), torch.tensor(bt, dtype=bt_dtype), bs, W, r, I, validate=False
+        torch.tensor(ids, dtype=id_dtype), i64(req), torch.tensor(bt, dtype=bt_dtype), DcpGeometry(W, r, I, bs), validate=False
     )
     assert ref.tolist() == want
     s, c = deinterleave_compact(
         torch.tensor(ids, dtype=id_dtype).to(kernel_device),
         i64(req).to(kernel_device),
         torch.tensor(bt, dtype=bt_dtype).to(kernel_device),
-        bs,
-        W,
-        r,
-        I,
+        DcpGeometry(W, r, I, bs),
         validate=False,
     )
     assert c.cpu().tolist() == [sum(v >= 0 for v in row) for row in want]
@@ -1217,7 +1185,7 @@ def test_compact_ordered_is_keyword_only_on_both() -> None:
     with pytest.raises(TypeError):
         compact_to_front(SLOTS, False)  # type: ignore[misc]
     with pytest.raises(TypeError):
-        deinterleave_and_compact(TOKEN_IDS, REQ, BLOCK_TABLE, 4, 2, 1, 2, False)  # type: ignore[misc]
+        deinterleave_and_compact(TOKEN_IDS, REQ, BLOCK_TABLE, DcpGeometry(2, 1, 2, 4), False)  # type: ignore[misc]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1249,11 +1217,11 @@ def _gpu_stage_calls(dev):
     return {
         "localize": lambda: localize_decode_bounds(seq, qn, 2, 1, num_tokens=3, validate=False),
         "local_topk": lambda: local_topk(logits, 8, lens, starts, validate=False),
-        "pack": lambda: pack_candidates(logits, ids, 1, 2, 1, starts, validate=False),
+        "pack": lambda: pack_candidates(logits, ids, DcpGeometry(2, 1), starts, validate=False),
         "stable_topk": lambda: stable_topk(
-            torch.stack([pack_candidates(logits, ids, r, 2, validate=False) for r in (0, 1)]), 5, validate=False
+            torch.stack([pack_candidates(logits, ids, DcpGeometry(2, r), validate=False) for r in (0, 1)]), 5, validate=False
         ),
-        "deinterleave": lambda: deinterleave_and_compact(ids, req, bt, 4, 2, 1, 2, validate=False),
+        "deinterleave": lambda: deinterleave_and_compact(ids, req, bt, DcpGeometry(2, 1, 2, 4), validate=False),
         "attention": lambda: sparse_mla_attention(q, kv, sl, cn, 0.5, v_dim=6, validate=False),
         "merge": lambda: merge_partials(outs, lses, validate=False),
         "correct": lambda: correct_partial(out0, lses, 1, validate=False),
@@ -1291,10 +1259,7 @@ def test_gpu_kernels_validate_false_never_sync(cuda_device) -> None:
             tok,
             req,
             bt,
-            4,
-            2,
-            0,
-            2,
+            DcpGeometry(2, 0, 2, 4),
             ordered=method != "atomic",
             method=method,
             out=slots,
@@ -1302,20 +1267,17 @@ def test_gpu_kernels_validate_false_never_sync(cuda_device) -> None:
             workspace=ws,
             validate=False,
         )
-    pack_candidates_triton(logits, ids, 1, 2, out=pout, validate=False)
+    pack_candidates_triton(logits, ids, DcpGeometry(2, 1), out=pout, validate=False)
     lse_correct(part, lses, 1, corrected=res, merged_lse=mlse)
 
     def run():
-        pack_candidates_triton(logits, ids, 1, 2, out=pout, validate=False)
+        pack_candidates_triton(logits, ids, DcpGeometry(2, 1), out=pout, validate=False)
         for method in ("rowscan", "atomic"):
             deinterleave_compact(
                 tok,
                 req,
                 bt,
-                4,
-                2,
-                0,
-                2,
+                DcpGeometry(2, 0, 2, 4),
                 ordered=method != "atomic",
                 method=method,
                 out=slots,
@@ -1326,7 +1288,7 @@ def test_gpu_kernels_validate_false_never_sync(cuda_device) -> None:
         lse_correct(part, lses, 1, corrected=res, merged_lse=mlse)
 
     _no_sync(run)
-    assert torch.equal(pout.cpu(), pack_candidates(LOGITS, LOCAL_IDS, 1, 2))
+    assert torch.equal(pout.cpu(), pack_candidates(LOGITS, LOCAL_IDS, DcpGeometry(2, 1)))
 
 
 @pytest.mark.gpu
@@ -1384,7 +1346,7 @@ def test_gpu_flashinfer_rejects_like_the_reference_and_poisons_unvalidated(cuda_
 
 
 def test_check_block_table_catches_a_table_too_short_for_the_local_length() -> None:
-    """Class 2: the de-interleave stage poisons keys past the table; the step checks coverage with
+    """Class 2: the deinterleave stage poisons keys past the table; the step checks coverage with
     check_block_table (shapes at plan time, values when validating)."""
     from dcp_ref.deinterleave import check_block_table
 
@@ -1403,16 +1365,16 @@ def test_check_block_table_catches_a_table_too_short_for_the_local_length() -> N
         with pytest.raises((ValueError, TypeError), match=match):
             check_block_table(bt, 4, **kwargs)
     # The stage itself: a key past a too-short table has no block: poisoned (validate=False) or refused.
-    assert global_ids_to_local_slots(i64([[12]]), None, bt, 4, 1, 0, validate=False).tolist() == [[POISON]]
+    assert global_ids_to_local_slots(i64([[12]]), None, bt, DcpGeometry(1, 0, block_size=4), validate=False).tolist() == [[POISON]]
     with pytest.raises(ValueError, match=r"^block_table has no block"):
-        global_ids_to_local_slots(i64([[12]]), None, bt, 4, 1, 0)
+        global_ids_to_local_slots(i64([[12]]), None, bt, DcpGeometry(1, 0, block_size=4))
 
 
 # ================================================================================================
 # By class: the contracts below the planned step, on the reference and its Triton twin.
 # ================================================================================================
 def _deint_impls():
-    """Every de-interleave entry point as ``fn(ids, req, bt, bs, W, r, I, validate) -> (masked slots, counts)``,
+    """Every deinterleave entry point as ``fn(ids, req, bt, geometry, validate) -> (masked slots, counts)``,
     the masked view of a compacting implementation being its slots re-expanded is not possible: compacting
     ones are compared through canonicalize()."""
     from dcp_ref.kernels.deinterleave_triton import (
@@ -1463,7 +1425,7 @@ def test_class1_validate_false_poisons_out_of_contract_metadata(kernel_device, i
     want = brute_slots(ids, req, table, bs, W, r, I)
     assert any(POISON in row for row in want)
     dev = kernel_device if impl.startswith("triton") else torch.device("cpu")
-    args = (i64(ids).to(dev), i32(req).to(dev), i64(table).view(len(table), -1).to(dev), bs, W, r, I)
+    args = (i64(ids).to(dev), i32(req).to(dev), i64(table).view(len(table), -1).to(dev), DcpGeometry(W, r, I, bs))
     slots, counts = fn(*args, validate=False)
     slots, counts = slots.cpu(), counts.cpu()
     assert counts.tolist() == [sum(v >= 0 for v in row) for row in want]
@@ -1495,8 +1457,8 @@ def test_class1_poison_slot_is_named_once_and_turns_the_row_into_nan() -> None:
     for layout, c in (("masked", None), ("compact", counts)):
         o, l = sparse_mla_attention_fp8(q8, kv8, slots, c, 0.1, attention_layout=layout, validate=False)
         assert torch.isnan(o[0]).all() and torch.isnan(l[0]).all() and torch.isfinite(l[1]).all()
-    # The chain a token goes through: de-interleave (bad request id) -> attention -> merge: NaN for it only.
-    s2, c2 = deinterleave_and_compact(i64([[0, 1], [0, 1]]), i32([0, 5]), i32([[2]]), 2, 1, 0, validate=False)
+    # The chain a token goes through: deinterleave (bad request id) -> attention -> merge: NaN for it only.
+    s2, c2 = deinterleave_and_compact(i64([[0, 1], [0, 1]]), i32([0, 5]), i32([[2]]), DcpGeometry(1, 0, block_size=2), validate=False)
     o2, l2 = sparse_mla_attention(Q, KV, s2, c2, 0.5, v_dim=6, validate=False)
     mo, ml = merge_partials(torch.stack([o2, torch.zeros_like(o2)]), torch.stack([l2, torch.full_like(l2, -INF)]))
     assert torch.isfinite(ml[0]).all() and torch.isnan(ml[1]).all() and torch.isnan(mo[1]).all()
@@ -1536,7 +1498,8 @@ def test_class2_deinterleave_empty_batches_and_zero_column_tables(kernel_device,
         (i64([[], []]).view(2, 0), None, i64([[1], [2]])),  # K = 0
     ]:
         for validate in (True, False):
-            s, c = fn(ids.to(dev), None if req is None else req.to(dev), table.to(dev), 2, 2, 0, 1, validate=validate)
+            geo = DcpGeometry(2, 0, 1, 2)
+            s, c = fn(ids.to(dev), None if req is None else req.to(dev), table.to(dev), geo, validate=validate)
             assert tuple(s.shape) == tuple(ids.shape) and tuple(c.shape) == (ids.shape[0],)
             assert (s.cpu() == -1).all() and (c.cpu() == 0).all()
 
@@ -1549,8 +1512,8 @@ def test_class2_k_larger_than_the_row_and_w1_brute_force(kernel_device) -> None:
     from dcp_ref.kernels.deinterleave_triton import deinterleave_compact
     from dcp_ref.kernels.lse_merge_triton import lse_correct, lse_merge
 
-    # W = 1 de-interleave: every id is this rank's
-    s, c = deinterleave_compact(i64([[3, -1, 0]]).to(kernel_device), None, i64([[4, 7]]).to(kernel_device), 2, 1, 0)
+    # W = 1 deinterleave: every id is this rank's
+    s, c = deinterleave_compact(i64([[3, -1, 0]]).to(kernel_device), None, i64([[4, 7]]).to(kernel_device), DcpGeometry(1, 0, block_size=2))
     assert s.cpu().tolist() == [[7 * 2 + 1, 4 * 2 + 0, -1]] and c.cpu().tolist() == [2]
     # W = 1 merge: the output itself, the LSE itself (reference and kernel)
     o1, l1 = OUTS[:1].float(), LSES[:1].float()
@@ -1702,10 +1665,10 @@ def _validated_calls(dev):
     sl = c(i32([[1, -1], [2, 3]]))
     _, state = prepare_indices(sl, None, 40)
     return {
-        "deinterleave (reference)": lambda: deinterleave_and_compact(ids, req, bt, 4, 2, 0, 2),
-        "deinterleave (kernel, compact)": lambda: deinterleave_compact(ids, req, bt, 4, 2, 0, 2),
-        "deinterleave (kernel, masked)": lambda: deinterleave_masked_triton(ids, req, bt, 4, 2, 0, 2),
-        "pack": lambda: pack_candidates(LOGITS, LOCAL_IDS, 1, 2),
+        "deinterleave (reference)": lambda: deinterleave_and_compact(ids, req, bt, DcpGeometry(2, 0, 2, 4)),
+        "deinterleave (kernel, compact)": lambda: deinterleave_compact(ids, req, bt, DcpGeometry(2, 0, 2, 4)),
+        "deinterleave (kernel, masked)": lambda: deinterleave_masked_triton(ids, req, bt, DcpGeometry(2, 0, 2, 4)),
+        "pack": lambda: pack_candidates(LOGITS, LOCAL_IDS, DcpGeometry(2, 1)),
         "select": lambda: stable_topk(GATHERED, 3),
         "attention": lambda: sparse_mla_attention(Q, KV, SLOTS, COUNTS, 0.5, v_dim=6),
         "fp8 slots (masked)": lambda: check_fp8_slots(sl, None, 40),
@@ -1740,7 +1703,7 @@ def test_class6_flashmla_sparse_validates_from_its_prologue(monkeypatch) -> None
     kv = torch.zeros(10, 576, dtype=torch.bfloat16)
     for slots, counts in [
         (i32([[1, 4, 12], [7, -1, -1]]), i32([3, 1])),  # a used slot past the cache
-        (i32([[1, 4, POISON], [7, -1, -1]]), i32([3, 1])),  # the de-interleave's poison slot
+        (i32([[1, 4, POISON], [7, -1, -1]]), i32([3, 1])),  # the deinterleave's poison slot
         (i32([[1, 4, 2], [7, -1, -1]]), i32([4, 1])),  # counts past K
         (i32([[1, 4, 2], [7, -1, -1]]), i32([3, -1])),  # a negative count
     ]:

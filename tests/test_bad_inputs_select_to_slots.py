@@ -22,7 +22,7 @@ G = torch.Generator().manual_seed(0)
 GEO = DcpGeometry(2, 1, 1, 4)
 LOGITS = torch.randn(3, 8, generator=G)
 LOCAL = torch.tensor([[0, 5, 7, -1], [1, 2, -1, -1], [-1, -1, -1, -1]])
-PAIRS = torch.stack([pack_candidates(LOGITS, LOCAL, r, 2) for r in range(2)])  # [2, 3, 4, 2]
+PAIRS = torch.stack([pack_candidates(LOGITS, LOCAL, DcpGeometry(2, r)) for r in range(2)])  # [2, 3, 4, 2]
 # rank_local: each rank's candidates in ascending local order, NaN padding; rank 1's own local indices
 OWN = torch.tensor([[0, 5, 7, -1], [1, 2, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32)
 SC1 = torch.where(OWN >= 0, torch.gather(LOGITS, 1, OWN.clamp(min=0).long()), torch.tensor(float("nan")))

@@ -117,13 +117,13 @@ def test_ownership_widget_renders_and_responds_in_jupyterlab(jupyter_lab) -> Non
             grid.scroll_into_view_if_needed()
             # textContent, not innerText: JupyterLab may skip laying out cells outside the view.
             first = grid.text_content()
-            assert first.rstrip() == ownership_grid(24, 2, 2, 1).rstrip()
+            assert first.rstrip() == ownership_grid(24, 2, rank=1, interleave=2).rstrip()
             # Move the "seq len" slider one step with the keyboard (24 -> 25) and read the redraw.
             slider = page.locator(".widget-slider", has=page.locator("label", has_text="seq len"))
             handle = slider.locator(".noUi-handle")
             handle.focus()
             handle.press("ArrowRight")
-            want = ownership_grid(25, 2, 2, 1).rstrip()
+            want = ownership_grid(25, 2, rank=1, interleave=2).rstrip()
             page.wait_for_function(
                 "w => { const e = document.querySelector('pre#ownership-grid'); return e && e.textContent.trimEnd() === w; }",
                 arg=want,

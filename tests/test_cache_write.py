@@ -65,7 +65,7 @@ def test_write_slot_is_where_the_read_side_looks(geo, lens, seed) -> None:
     for r, shard in enumerate(p.shards):
         wrote = token_slots(g.with_rank(r), shard.block_table, req, pos)
         # the read side: the same positions as "selected ids", one row per token
-        read = global_ids_to_local_slots(pos[:, None], req, shard.block_table, g.block_size, W, r, I)[:, 0]
+        read = global_ids_to_local_slots(pos[:, None], req, shard.block_table, DcpGeometry(W, r, I, g.block_size))[:, 0]
         assert torch.equal(wrote, read.long())
         hits += (wrote >= 0).long()
     assert hits.tolist() == [1] * req.numel()  # every token on exactly one rank
@@ -89,7 +89,7 @@ def test_fp8_dcp_attention_on_simulated_ranks_equals_single_device(geo, lens, K,
     sm = 192**-0.5
     outs, lses = [], []
     for r, shard in enumerate(p.shards):
-        slots = global_ids_to_local_slots(ids, req, shard.block_table, g.block_size, W, r, I)  # masked: no compaction
+        slots = global_ids_to_local_slots(ids, req, shard.block_table, DcpGeometry(W, r, I, g.block_size))  # masked: no compaction
         o, l = sparse_mla_attention_fp8(q, caches[r], slots, None, sm)
         outs.append(o)
         lses.append(l)

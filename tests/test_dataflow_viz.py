@@ -30,7 +30,7 @@ ORDER = [
     "pack (score, global id)",
     "candidates all-gather",
     "stable top-K (select)",
-    "de-interleave + compaction",
+    "deinterleave + compaction",
     "attention (all H heads, this rank's keys)",
     "LSE all-gather",
     "correct (rescale by its weight)",

@@ -22,6 +22,7 @@ from dcp_ref.deinterleave import (
     deinterleave_masked,
     global_ids_to_local_slots,
 )
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.ownership import global_to_local, owner_rank
 
 dk = pytest.importorskip("dcp_ref.kernels.deinterleave_triton")
@@ -106,19 +107,19 @@ def test_reference_matches_brute_force(t_rows, k, w, i, bs_mult, n_blocks, seed,
     if poisoned(want):  # out-of-contract metadata: validated, every entry point raises naming block_table
         for fn in (global_ids_to_local_slots, deinterleave_and_compact, deinterleave_masked):
             with pytest.raises(ValueError, match="^block_table"):
-                fn(ids, req, bt, bs, w, r, i)
+                fn(ids, req, bt, DcpGeometry(w, r, i, bs))
     else:
-        assert global_ids_to_local_slots(ids, req, bt, bs, w, r, i).tolist() == want
-    slots = global_ids_to_local_slots(ids, req, bt, bs, w, r, i, validate=False)
+        assert global_ids_to_local_slots(ids, req, bt, DcpGeometry(w, r, i, bs)).tolist() == want
+    slots = global_ids_to_local_slots(ids, req, bt, DcpGeometry(w, r, i, bs), validate=False)
     assert slots.dtype == torch.int32 and slots.shape == ids.shape
     assert slots.tolist() == want
     want_c, want_n = brute_compact(want)
-    out, counts = deinterleave_and_compact(ids, req, bt, bs, w, r, i, ordered=True, validate=False)
+    out, counts = deinterleave_and_compact(ids, req, bt, DcpGeometry(w, r, i, bs), ordered=True, validate=False)
     assert out.tolist() == want_c and counts.tolist() == want_n
-    out_u, counts_u = deinterleave_and_compact(ids, req, bt, bs, w, r, i, ordered=False, validate=False)
+    out_u, counts_u = deinterleave_and_compact(ids, req, bt, DcpGeometry(w, r, i, bs), ordered=False, validate=False)
     assert counts_u.tolist() == want_n
     assert out_u.tolist() == [sorted(row[:n]) + row[n:] for row, n in zip(want_c, want_n)]
-    masked, counts_m = deinterleave_masked(ids, req, bt, bs, w, r, i, validate=False)
+    masked, counts_m = deinterleave_masked(ids, req, bt, DcpGeometry(w, r, i, bs), validate=False)
     assert masked.dtype == counts_m.dtype == torch.int32
     assert masked.tolist() == want and counts_m.tolist() == want_n
 
@@ -127,27 +128,27 @@ def test_reference_small_example_by_hand():
     # W=2, I=2, block_size=2, rank 1: rank 1 owns positions 2,3 | 6,7 | 10,11 ... (local 0,1 | 2,3 | 4,5)
     ids = torch.tensor([[3, 6, 0, -1, 11, 2]], dtype=torch.int32)
     bt = torch.tensor([[7, 5]], dtype=torch.int32)  # local 0,1 -> block 7 ; local 2,3 -> block 5
-    slots = global_ids_to_local_slots(ids, None, bt, 2, 2, 1, 2, validate=False)
+    slots = global_ids_to_local_slots(ids, None, bt, DcpGeometry(2, 1, 2, 2), validate=False)
     # 3 -> local 1 -> 7*2+1=15 ; 6 -> local 2 -> 5*2+0=10 ; 0 remote ; -1 ;
     # 11 -> local 5 -> block idx 2 past the table: a selected key without a block -> poisoned ; 2 -> local 0 -> 14
     assert slots.tolist() == [[15, 10, -1, -1, POISON, 14]]
     with pytest.raises(ValueError, match=r"^block_table has no block .* token_ids\[0, 4\] = 11"):
-        global_ids_to_local_slots(ids, None, bt, 2, 2, 1, 2)
+        global_ids_to_local_slots(ids, None, bt, DcpGeometry(2, 1, 2, 2))
     out, n = compact_to_front(slots, ordered=True)
     assert out.tolist() == [[15, 10, POISON, 14, -1, -1]] and n.tolist() == [4]
     out_u, n_u = compact_to_front(slots, ordered=False)
     assert out_u.tolist() == [[10, 14, 15, POISON, -1, -1]] and n_u.tolist() == [4]
     ok = torch.tensor([[3, 6, 0, -1, 2]], dtype=torch.int32)
-    assert global_ids_to_local_slots(ok, None, bt, 2, 2, 1, 2).tolist() == [[15, 10, -1, -1, 14]]
+    assert global_ids_to_local_slots(ok, None, bt, DcpGeometry(2, 1, 2, 2)).tolist() == [[15, 10, -1, -1, 14]]
 
 
 def test_reference_world_size_one_is_plain_conversion():
     ids = torch.tensor([[0, 5, 9, -1, 64]], dtype=torch.int32)
     bt = torch.tensor([[3, 1]], dtype=torch.int32)
     # bs=4: id 5 -> block idx 1 -> 1*4+1 ; 9, 64 -> past the 2-entry table: poisoned (W = 1 owns every id)
-    got = global_ids_to_local_slots(ids, None, bt, 4, 1, 0, 1, validate=False)
+    got = global_ids_to_local_slots(ids, None, bt, DcpGeometry(1, 0, 1, 4), validate=False)
     assert got.tolist() == [[12, 5, POISON, -1, POISON]]
-    assert global_ids_to_local_slots(ids[:, :2], None, bt, 4, 1, 0, 1).tolist() == [[12, 5]]
+    assert global_ids_to_local_slots(ids[:, :2], None, bt, DcpGeometry(1, 0, 1, 4)).tolist() == [[12, 5]]
 
 
 def test_canonicalize_equal_for_permuted_prefixes():
@@ -160,22 +161,24 @@ def test_canonicalize_equal_for_permuted_prefixes():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(block_size=6, interleave=4), ValueError, "block_size must be a multiple of interleave"),
-        (dict(rank=2, world_size=2), ValueError, "rank"),
-        (dict(interleave=0), ValueError, "interleave"),
+        (dict(geometry=(2, 0, 1, 4)), TypeError, "^geometry must be a dcp_ref.geometry.DcpGeometry, got tuple"),
+        (dict(geometry=None), TypeError, "^geometry must be a dcp_ref.geometry.DcpGeometry, got NoneType"),
+        (dict(geometry=DcpGeometry(1, 0, 1, 1)), ValueError, "^block_table has no block"),  # the table is too short
         (dict(token_ids=torch.zeros(2, 3)), TypeError, "token_ids"),
         (dict(token_ids=torch.zeros(6, dtype=torch.int32)), ValueError, "token_ids must be 2-D"),
         (dict(block_table=torch.zeros(2, 2, dtype=torch.float32)), TypeError, "block_table"),
         (dict(req_of_token=torch.tensor([0, 2], dtype=torch.int32)), ValueError, r"req_of_token values must be in \[0, 2\)"),
         (dict(req_of_token=torch.tensor([0], dtype=torch.int32)), ValueError, r"req_of_token must have shape \[T\]"),
-        (dict(block_size=True), TypeError, "block_size"),
     ],
 )
 def test_reference_bad_input(kwargs, exc, match):
     args = dict(
-        token_ids=torch.zeros(2, 3, dtype=torch.int32), req_of_token=torch.tensor([0, 1], dtype=torch.int32),
-        block_table=torch.zeros(2, 2, dtype=torch.int32), block_size=4, world_size=2, rank=0, interleave=1,
+        token_ids=torch.tensor([[0, 2, 6], [4, -1, 8]], dtype=torch.int32),
+        req_of_token=torch.tensor([0, 1], dtype=torch.int32),
+        block_table=torch.zeros(2, 2, dtype=torch.int32),
+        geometry=DcpGeometry(2, 0, 1, 4),
     )
+    global_ids_to_local_slots(**args)  # the base call is valid: each row changes one argument
     args.update(kwargs)
     with pytest.raises(exc, match=match):
         global_ids_to_local_slots(**args)
@@ -184,12 +187,12 @@ def test_reference_bad_input(kwargs, exc, match):
 def test_reference_rejects_slot_overflowing_int32():
     bt = torch.tensor([[2**31 // 4]], dtype=torch.int64)
     with pytest.raises(ValueError, match="exceed int32"):
-        global_ids_to_local_slots(torch.tensor([[0]]), None, bt, 4, 1, 0)
+        global_ids_to_local_slots(torch.tensor([[0]]), None, bt, DcpGeometry(1, 0, block_size=4))
 
 
 def test_reference_req_none_needs_enough_rows():
     with pytest.raises(ValueError, match="req_of_token=None"):
-        global_ids_to_local_slots(torch.zeros(3, 2, dtype=torch.int32), None, torch.zeros(2, 2, dtype=torch.int32), 4, 1, 0)
+        global_ids_to_local_slots(torch.zeros(3, 2, dtype=torch.int32), None, torch.zeros(2, 2, dtype=torch.int32), DcpGeometry(1, 0, block_size=4))
 
 
 def test_compact_bad_input():
@@ -208,7 +211,7 @@ def check_kernel_result(out, counts, ids, req, bt, bs, w, r, i, ordered):
     """Exact for ordered; sets + counts + -1 tail for unordered. Inputs on any device."""
     ids_c, bt_c = ids.cpu(), bt.cpu()
     req_c = None if req is None else req.cpu()
-    want, want_n = deinterleave_and_compact(ids_c, req_c, bt_c, bs, w, r, i, ordered=ordered, validate=False)
+    want, want_n = deinterleave_and_compact(ids_c, req_c, bt_c, DcpGeometry(w, r, i, bs), ordered=ordered, validate=False)
     out, counts = out.cpu(), counts.cpu()
     assert counts.tolist() == want_n.tolist()
     if ordered:
@@ -228,7 +231,7 @@ def run_method(method, ids, req, bt, bs, w, r, i, dev, block=None, poison=True, 
     out = torch.full((t_rows, k), 12345, dtype=torch.int32, device=dev) if poison else None
     counts = torch.full((t_rows,), 777, dtype=torch.int32, device=dev) if poison else None
     o, c = dk.deinterleave_compact(
-        ids, req, bt, bs, w, r, i, ordered=method != "atomic", method=method, out=out, counts=counts, block=block,
+        ids, req, bt, DcpGeometry(w, r, i, bs), ordered=method != "atomic", method=method, out=out, counts=counts, block=block,
         validate=validate,
     )
     if poison:
@@ -256,7 +259,7 @@ def test_kernel_matches_reference_hypothesis(kernel_device, method, t_rows, k, w
         with pytest.raises(ValueError) as ker:
             run_method(method, ids, req, bt, bs, w, r, i, kernel_device, block=block, validate=True)
         with pytest.raises(ValueError) as ref:
-            deinterleave_and_compact(ids, req, bt, bs, w, r, i, ordered=method != "atomic")
+            deinterleave_and_compact(ids, req, bt, DcpGeometry(w, r, i, bs), ordered=method != "atomic")
         assert str(ker.value) == str(ref.value) and str(ref.value).startswith("block_table")
     else:
         o2, c2 = run_method(method, ids, req, bt, bs, w, r, i, kernel_device, block=block, validate=True)
@@ -316,7 +319,7 @@ def test_kernel_strided_inputs_and_output(kernel_device, method):
     out_full = torch.full((3, 60), 99, dtype=torch.int32, device=dev)
     out = out_full[:, 5:50]
     o, c = dk.deinterleave_compact(
-        ids.to(dev), req.to(dev), bt.to(dev), bs, w, r, i, ordered=method != "atomic", method=method, out=out, block=16,
+        ids.to(dev), req.to(dev), bt.to(dev), DcpGeometry(w, r, i, bs), ordered=method != "atomic", method=method, out=out, block=16,
         validate=False,
     )
     check_kernel_result(o, c, ids, req, bt, bs, w, r, i, ordered=method != "atomic")
@@ -328,7 +331,7 @@ def test_conversion_kernel_matches_reference(kernel_device):
     for w, r, i, bs in [(1, 0, 1, 4), (2, 1, 2, 4), (4, 2, 4, 8)]:
         ids, req, bt = make_case(gen, 3, 70, w, i, bs, 2, 5)
         got = dk.global_ids_to_local_slots_triton(
-            ids.to(kernel_device), req.to(kernel_device), bt.to(kernel_device), bs, w, r, i, block=32, validate=False
+            ids.to(kernel_device), req.to(kernel_device), bt.to(kernel_device), DcpGeometry(w, r, i, bs), block=32, validate=False
         )
         assert got.cpu().tolist() == brute_slots(ids, req, bt, bs, w, r, i)
 
@@ -352,7 +355,7 @@ def test_masked_kernel_matches_brute_force(kernel_device, t_rows, k, w, i, bs_mu
     out = torch.full((t_rows, k), 12345, dtype=torch.int32, device=dev)  # poison: every entry must be written
     counts = torch.full((t_rows,), 777, dtype=torch.int32, device=dev)
     o, c = dk.deinterleave_masked_triton(
-        ids.to(dev), None if req is None else req.to(dev), bt.to(dev), bs, w, r, i, out=out, counts=counts, block=block,
+        ids.to(dev), None if req is None else req.to(dev), bt.to(dev), DcpGeometry(w, r, i, bs), out=out, counts=counts, block=block,
         validate=False,
     )
     assert o.data_ptr() == out.data_ptr() and c.data_ptr() == counts.data_ptr()
@@ -367,27 +370,27 @@ def test_masked_kernel_edges(kernel_device):
     # strided ids (every other column) and a strided output (a column slice of a wider buffer)
     ids_full = torch.tensor([[0, 9, 4, 9, 11, 9, 12, 9, -1, 9, 2**30, 9, 3, 9]], dtype=torch.int32, device=dev)
     out_full = torch.full((1, 12), 99, dtype=torch.int32, device=dev)
-    o, c = dk.deinterleave_masked_triton(ids_full[:, ::2], None, bt, 4, 1, 0, out=out_full[:, 2:9], block=16, validate=False)
+    o, c = dk.deinterleave_masked_triton(ids_full[:, ::2], None, bt, DcpGeometry(1, 0, block_size=4), out=out_full[:, 2:9], block=16, validate=False)
     assert o.cpu().tolist() == [[8, POISON, 27, POISON, -1, POISON, 11]] and c.cpu().tolist() == [6]
     assert out_full[:, :2].eq(99).all() and out_full[:, 9:].eq(99).all()  # nothing written outside
     # no rows; rows of width 0 (count 0, written even into a poisoned buffer)
-    o, c = dk.deinterleave_masked_triton(torch.zeros(0, 5, dtype=torch.int32, device=dev), None, bt, 4, 1, 0)
+    o, c = dk.deinterleave_masked_triton(torch.zeros(0, 5, dtype=torch.int32, device=dev), None, bt, DcpGeometry(1, 0, block_size=4))
     assert o.shape == (0, 5) and c.shape == (0,)
     cnt = torch.full((2,), 5, dtype=torch.int32, device=dev)
-    o, c = dk.deinterleave_masked_triton(torch.zeros(2, 0, dtype=torch.int32, device=dev), None, bt.expand(2, 3), 4, 1, 0, counts=cnt)
+    o, c = dk.deinterleave_masked_triton(torch.zeros(2, 0, dtype=torch.int32, device=dev), None, bt.expand(2, 3), DcpGeometry(1, 0, block_size=4), counts=cnt)
     assert o.shape == (2, 0) and c.cpu().tolist() == [0, 0]
     # validate=False: a bad request id poisons its whole row (no host read), as the reference
     ids = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]], dtype=torch.int32)
     req = torch.tensor([0, 9], dtype=torch.int32)
     bt2 = torch.tensor([[4, 5]], dtype=torch.int32)
     with pytest.raises(ValueError, match="req_of_token values must be in"):
-        dk.deinterleave_masked_triton(ids.to(dev), req.to(dev), bt2.to(dev), 2, 1, 0)
-    want = deinterleave_masked(ids, req, bt2, 2, 1, 0, validate=False)
-    got = dk.deinterleave_masked_triton(ids.to(dev), req.to(dev), bt2.to(dev), 2, 1, 0, validate=False)
+        dk.deinterleave_masked_triton(ids.to(dev), req.to(dev), bt2.to(dev), DcpGeometry(1, 0, block_size=2))
+    want = deinterleave_masked(ids, req, bt2, DcpGeometry(1, 0, block_size=2), validate=False)
+    got = dk.deinterleave_masked_triton(ids.to(dev), req.to(dev), bt2.to(dev), DcpGeometry(1, 0, block_size=2), validate=False)
     assert [g.cpu().tolist() for g in got] == [w.tolist() for w in want]
     assert want[0].tolist() == [[8, 9, 10, 11], [POISON] * 4] and want[1].tolist() == [4, 4]
     with pytest.raises(ValueError, match="block must be a power of two"):
-        dk.deinterleave_masked_triton(ids.to(dev), None, bt.expand(2, 3), 4, 1, 0, block=24)
+        dk.deinterleave_masked_triton(ids.to(dev), None, bt.expand(2, 3), DcpGeometry(1, 0, block_size=4), block=24)
 
 
 @pytest.mark.parametrize("method", dk.METHODS)
@@ -414,7 +417,7 @@ def test_atomic_workspace_is_left_zeroed_and_reusable(kernel_device):
     ws = torch.zeros(dk.workspace_numel("atomic", 4, 100), dtype=torch.int64, device=dev)
     for rnk in (0, 1, 0):  # reuse: a non-zero leftover would shift every base offset
         o, c = dk.deinterleave_compact(
-            ids.to(dev), req.to(dev), bt.to(dev), 4, 2, rnk, 1, ordered=False, method="atomic", workspace=ws, block=16,
+            ids.to(dev), req.to(dev), bt.to(dev), DcpGeometry(2, rnk, 1, 4), ordered=False, method="atomic", workspace=ws, block=16,
             validate=False,
         )
         check_kernel_result(o, c, ids, req, bt, 4, 2, rnk, 1, ordered=False)
@@ -425,9 +428,9 @@ def test_kernel_empty_shapes(kernel_device):
     dev = kernel_device
     bt = torch.zeros(2, 2, dtype=torch.int32, device=dev)
     for method in dk.METHODS:
-        o, c = dk.deinterleave_compact(torch.zeros(0, 5, dtype=torch.int32, device=dev), None, bt, 4, 1, 0, ordered=method != "atomic", method=method)
+        o, c = dk.deinterleave_compact(torch.zeros(0, 5, dtype=torch.int32, device=dev), None, bt, DcpGeometry(1, 0, block_size=4), ordered=method != "atomic", method=method)
         assert o.shape == (0, 5) and c.shape == (0,)
-        o, c = dk.deinterleave_compact(torch.zeros(2, 0, dtype=torch.int32, device=dev), None, bt, 4, 1, 0, ordered=method != "atomic", method=method)
+        o, c = dk.deinterleave_compact(torch.zeros(2, 0, dtype=torch.int32, device=dev), None, bt, DcpGeometry(1, 0, block_size=4), ordered=method != "atomic", method=method)
         assert o.shape == (2, 0) and c.cpu().tolist() == [0, 0]
 
 
@@ -444,8 +447,8 @@ def test_defaults_are_valid():
         (dict(block_table=torch.zeros(2, 2, dtype=torch.float32)), TypeError, "block_table"),
         (dict(req_of_token=torch.zeros(2, dtype=torch.int16)), TypeError, "req_of_token"),
         (dict(req_of_token=torch.zeros(3, dtype=torch.int32)), ValueError, "req_of_token must have shape"),
-        (dict(block_size=6, interleave=4), ValueError, "block_size must be a multiple of interleave"),
-        (dict(rank=5), ValueError, "rank"),
+        (dict(geometry=(2, 0, 1, 4)), TypeError, "^geometry must be a dcp_ref.geometry.DcpGeometry, got tuple"),
+        (dict(geometry=2), TypeError, "^geometry must be a dcp_ref.geometry.DcpGeometry, got int"),
         (dict(out=torch.zeros(2, 4, dtype=torch.int32)), ValueError, "out must have shape"),
         (dict(out=torch.zeros(2, 3, dtype=torch.int64)), TypeError, "out"),
         (dict(counts=torch.zeros(3, dtype=torch.int32)), ValueError, "counts must have shape"),
@@ -461,7 +464,7 @@ def test_kernel_bad_input(kernel_device, kwargs, exc, match):
     dev = kernel_device
     args = dict(
         token_ids=torch.zeros(2, 3, dtype=torch.int32), req_of_token=torch.zeros(2, dtype=torch.int32),
-        block_table=torch.zeros(2, 2, dtype=torch.int32), block_size=4, world_size=2, rank=0, interleave=1,
+        block_table=torch.zeros(2, 2, dtype=torch.int32), geometry=DcpGeometry(2, 0, 1, 4),
     )
     args.update(kwargs)
     args = {n: (v.to(dev) if isinstance(v, torch.Tensor) else v) for n, v in args.items()}
@@ -473,14 +476,14 @@ def test_kernel_rejects_too_wide_rows_for_atomic(kernel_device):
     ids = torch.empty((1, 2**21), dtype=torch.int32, device=kernel_device)
     bt = torch.zeros(1, 1, dtype=torch.int32, device=kernel_device)
     with pytest.raises(ValueError, match="K <= 2097151"):
-        dk.deinterleave_compact(ids, None, bt, 4, 1, 0, ordered=False, method="atomic")
+        dk.deinterleave_compact(ids, None, bt, DcpGeometry(1, 0, block_size=4), ordered=False, method="atomic")
 
 
 def test_kernel_rejects_mixed_devices(kernel_device):
     if kernel_device.type != "cuda":
         pytest.skip("needs two devices (CPU + CUDA)")
     with pytest.raises(ValueError, match="block_table must be on device"):
-        dk.deinterleave_compact(torch.zeros(2, 3, dtype=torch.int32, device="cuda"), None, torch.zeros(2, 2, dtype=torch.int32), 4, 1, 0)
+        dk.deinterleave_compact(torch.zeros(2, 3, dtype=torch.int32, device="cuda"), None, torch.zeros(2, 2, dtype=torch.int32), DcpGeometry(1, 0, block_size=4))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -518,7 +521,7 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, method):
     ws = torch.zeros(max(1, dk.workspace_numel(method, t_rows, k, 64)), dtype=torch.int64, device=dev)
 
     def step():  # the hot path: validate=False (a host value check would sync inside the capture)
-        dk.deinterleave_compact(s_ids, s_req, s_bt, bs, w, r, i, ordered=ordered, method=method, out=out, counts=counts,
+        dk.deinterleave_compact(s_ids, s_req, s_bt, DcpGeometry(w, r, i, bs), ordered=ordered, method=method, out=out, counts=counts,
                                 workspace=ws, block=64, validate=False)
 
     # Warm up (compiles) on a side stream, as torch recommends before capture.
@@ -550,7 +553,7 @@ def test_gpu_masked_benchmark_shape_and_graph(cuda_device):
     w, i, bs, k, t_rows = 2, 1, 64, 2048, 33
     ids0, req0, bt0 = make_case(gen, t_rows, k, w, i, bs, 8, 65536 // (w * bs), p_invalid=0.05, beyond=0.05)
     for rnk in range(w):
-        o, c = dk.deinterleave_masked_triton(ids0.to(dev), req0.to(dev), bt0.to(dev), bs, w, rnk, i, validate=False)
+        o, c = dk.deinterleave_masked_triton(ids0.to(dev), req0.to(dev), bt0.to(dev), DcpGeometry(w, rnk, i, bs), validate=False)
         want = brute_slots(ids0, req0, bt0, bs, w, rnk, i)
         assert o.cpu().tolist() == want and c.cpu().tolist() == [sum(x >= 0 for x in row) for row in want]
     s_ids, s_req, s_bt = ids0.to(dev), req0.to(dev), bt0.to(dev)
@@ -558,7 +561,7 @@ def test_gpu_masked_benchmark_shape_and_graph(cuda_device):
     counts = torch.empty((t_rows,), dtype=torch.int32, device=dev)
 
     def step():  # validate=False: no host read inside the capture
-        dk.deinterleave_masked_triton(s_ids, s_req, s_bt, bs, w, 1, i, out=out, counts=counts, validate=False)
+        dk.deinterleave_masked_triton(s_ids, s_req, s_bt, DcpGeometry(w, 1, i, bs), out=out, counts=counts, validate=False)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -590,7 +593,7 @@ def test_mapping_table_matches_brute_force():
     gen = torch.Generator().manual_seed(9)
     ids, _, bt = make_case(gen, 1, 60, 4, 2, 4, 1, 5)
     bt[0, 1] = -1
-    table = mapping_table(ids[0].tolist(), bt[0].tolist(), 4, 4, 2, 2)
+    table = mapping_table(ids[0].tolist(), bt[0].tolist(), DcpGeometry(4, 2, 2, 4))
     # The picture (dcp_ref.deinterleave_viz) still draws a poisoned entry (an owned id without a block)
     # as -1: compare it with the stage's rule up to that.
     want = [-1 if v == POISON else v for v in brute_slots(ids, None, bt, 4, 4, 2, 2)[0]]
@@ -626,8 +629,8 @@ def test_simulate_tile_race_program_order_equals_interpreter_kernel(kernel_devic
         pytest.skip("program order is only guaranteed by the interpreter")
     gen = torch.Generator().manual_seed(4)
     ids, req, bt = make_case(gen, 1, 70, 2, 1, 4, 1, 9)
-    slots = global_ids_to_local_slots(ids, req, bt, 4, 2, 1, 1, validate=False)[0].tolist()
-    o, c = dk.deinterleave_compact(ids, req, bt, 4, 2, 1, 1, ordered=False, method="atomic", block=16, validate=False)
+    slots = global_ids_to_local_slots(ids, req, bt, DcpGeometry(2, 1, 1, 4), validate=False)[0].tolist()
+    o, c = dk.deinterleave_compact(ids, req, bt, DcpGeometry(2, 1, 1, 4), ordered=False, method="atomic", block=16, validate=False)
     sim = simulate_tile_race(slots, 16, arrival=list(range(5)))
     assert o[0].tolist() == sim["out"] and int(c[0]) == sim["count"]
 
@@ -651,7 +654,7 @@ def test_drawing_functions_return_small_figures():
 
     from dcp_ref.deinterleave_viz import draw_id_to_slot_map, draw_tile_race
 
-    fig = draw_id_to_slot_map([13, 2, 6, -1, 26], [7, 3, 9], 4, 2, 1, 2)
+    fig = draw_id_to_slot_map([13, 2, 6, -1, 26], [7, 3, 9], DcpGeometry(2, 1, 2, 4))
     texts = {t.get_text() for t in fig.axes[0].texts}
     assert {"13", "2", "28", "30", "×"} <= texts and fig.dpi <= 80  # slots 28, 30 drawn; 26 crossed out
     plt.close(fig)
@@ -665,4 +668,4 @@ def test_kernel_rejects_cpu_tensors_without_interpreter(monkeypatch):
     # Without TRITON_INTERPRET a CPU tensor cannot reach a GPU kernel: a clear error, not a crash.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="token_ids must be on a CUDA device"):
-        dk.deinterleave_compact(torch.zeros(2, 3, dtype=torch.int32), None, torch.zeros(2, 2, dtype=torch.int32), 4, 1, 0)
+        dk.deinterleave_compact(torch.zeros(2, 3, dtype=torch.int32), None, torch.zeros(2, 2, dtype=torch.int32), DcpGeometry(1, 0, block_size=4))

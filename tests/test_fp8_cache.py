@@ -655,7 +655,7 @@ def test_flashmla_fp8_dcp_two_ranks_merged_equals_single_device(cuda_device) -> 
     attn = FlashMLAFp8Decode(cuda_device, validate=True)
     outs, lses = [], []
     for r, shard in enumerate(p.shards):
-        slots = global_ids_to_local_slots(ids, req, shard.block_table, BS, W, r, I)  # masked layout
+        slots = global_ids_to_local_slots(ids, req, shard.block_table, DcpGeometry(W, r, I, BS))  # masked layout
         o, l = attn.attention(q, caches[r].to(cuda_device), slots.to(cuda_device), None, 192**-0.5)
         outs.append(o.double())
         lses.append(l.double())

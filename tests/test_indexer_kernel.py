@@ -1,7 +1,7 @@
 """The fused indexer kernel (kernels/indexer_triton.py) against local_topk + pack_candidates.
 
 The oracle is the plain-PyTorch reference of the indexer stage, ``pack_candidates(scores,
-local_topk(scores, k, lengths, row_starts), rank, W, I, row_starts)``, itself tested against a
+local_topk(scores, k, lengths, row_starts), geometry, row_starts)``, itself tested against a
 brute force in test_indexer.py; a pure-Python brute force checks a few rows directly here too.
 Results are compared per row as *sets of bit patterns* of the ``(score, id)`` pairs (so ``-0.0``
 vs ``+0.0`` counts, and so does the padding), and the kernel's documented order (winners by
@@ -21,6 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.indexer import local_topk, local_topk_rank_local
 from dcp_ref.ownership import local_to_global
 from dcp_ref.topk import pack_candidates
@@ -28,9 +29,9 @@ from dcp_ref.topk import pack_candidates
 ix = pytest.importorskip("dcp_ref.kernels.indexer_triton")
 
 
-def reference(scores, lengths, k, rank, w, i, row_starts=None) -> torch.Tensor:
+def reference(scores, lengths, k, geometry, row_starts=None) -> torch.Tensor:
     """The indexer stage in plain PyTorch: local stable top-k, then pack."""
-    return pack_candidates(scores, local_topk(scores, k, lengths, row_starts), rank, w, i, row_starts)
+    return pack_candidates(scores, local_topk(scores, k, lengths, row_starts), geometry, row_starts)
 
 
 def pair_bits(packed: torch.Tensor) -> torch.Tensor:
@@ -58,9 +59,9 @@ def assert_kernel_order(got: torch.Tensor) -> None:
     assert bool((pad[:, 0] == float("-inf")).all()) and bool((pad[:, 1] == -1).all())
 
 
-def check(scores, lengths, k, rank, w, i, row_starts=None, **kw) -> torch.Tensor:
-    got = ix.indexer_topk_pack(scores, lengths, k, rank, w, i, row_starts, **kw)
-    want = reference(scores, lengths, k, rank, w, i, row_starts)
+def check(scores, lengths, k, geometry, row_starts=None, **kw) -> torch.Tensor:
+    got = ix.indexer_topk_pack(scores, lengths, k, geometry, row_starts, **kw)
+    want = reference(scores, lengths, k, geometry, row_starts)
     bad = (~same_sets(got, want)).nonzero().flatten().tolist()
     assert not bad, f"rows {bad}: got {got[bad[0]].tolist()} want {want[bad[0]].tolist()}"
     assert_kernel_order(got)
@@ -69,18 +70,18 @@ def check(scores, lengths, k, rank, w, i, row_starts=None, **kw) -> torch.Tensor
 
 def check_rank_local(scores, lengths, k, row_starts=None, **kw) -> None:
     """``order="rank_local"``: exactly :func:`local_topk_rank_local` (ids equal, scores bit for bit, NaN padding)."""
-    s, ids = ix.indexer_topk_pack(scores, lengths, k, 1, 3, 2, row_starts, order="rank_local", **kw)
+    s, ids = ix.indexer_topk_pack(scores, lengths, k, DcpGeometry(3, 1, 2, 2), row_starts, order="rank_local", **kw)
     ws, wi = local_topk_rank_local(scores, k, lengths, row_starts)
     bad = (~((ids == wi).all(1) & (s.view(torch.int32) == ws.view(torch.int32)).all(1))).nonzero().flatten().tolist()
     assert not bad, f"rows {bad}: got {ids[bad[0]].tolist()} {s[bad[0]].tolist()} want {wi[bad[0]].tolist()}"
     assert s.dtype == torch.float32 and ids.dtype == torch.int32 and s.shape == ids.shape == (scores.shape[0], k)
 
 
-def brute_packed(row: list[float], k: int, start: int, length: int, rank: int, w: int, i: int) -> list[tuple]:
+def brute_packed(row: list[float], k: int, start: int, length: int, w: int, rank: int, i: int) -> list[tuple]:
     """Pure Python: the top-k (score, global id) of one row, by (score desc, j asc), NaN skipped."""
     cand = [(row[start + j] + 0.0, j) for j in range(length) if not math.isnan(row[start + j])]
     cand.sort(key=lambda c: (-c[0], c[1]))
-    pairs = [(row[start + j], float(local_to_global(j, rank, w, i))) for _, j in cand[:k]]
+    pairs = [(row[start + j], float(local_to_global(j, w, rank, i))) for _, j in cand[:k]]
     return sorted(pairs) + [(-math.inf, -1.0)] * (k - len(pairs))
 
 
@@ -149,16 +150,16 @@ def test_adversarial_rows_match_reference(kernel_device, tile, split, compact, s
     kw = dict(tile=tile, split=split, compact=compact, select=select)
     ks = (1, 17, 64, 200) if (tile, split) == (None, 1) else (5, 64)
     for k in ks:
-        check(s, lengths, k, 1, 3, 2, starts, **kw)
+        check(s, lengths, k, DcpGeometry(3, 1, 2, 2), starts, **kw)
     check_rank_local(s, lengths, ks[-1 if split == 1 else 0], starts, **kw)
 
 
 def test_against_pure_python_brute_force(kernel_device):
     s, lengths, starts = make_cases(8, 40, 2, "cpu", with_starts=True)
     k, rank, w, i = 9, 2, 3, 4
-    got = ix.indexer_topk_pack(s.to(kernel_device), lengths.to(kernel_device), k, rank, w, i, starts.to(kernel_device))
+    got = ix.indexer_topk_pack(s.to(kernel_device), lengths.to(kernel_device), k, DcpGeometry(w, rank, i, i), starts.to(kernel_device))
     for r in range(8):
-        want = brute_packed(s[r].tolist(), k, int(starts[r]), int(lengths[r]), rank, w, i)
+        want = brute_packed(s[r].tolist(), k, int(starts[r]), int(lengths[r]), w, rank, i)
         row = got[r].cpu().tolist()
         valid = sorted(tuple(p) for p in row if p[1] >= 0)
         assert [tuple(p) for p in row[len(valid):]] == want[len(valid):]
@@ -170,25 +171,25 @@ def test_ties_go_to_the_lower_index(kernel_device):
     zeros = torch.tensor([0.0, -0.0] * 50).reshape(1, 100)
     for row in (torch.full((1, 100), 3.25), zeros, torch.full((1, 100), float("-inf"))):
         for tile, split, compact in ((None, 1, None), (32, 1, False), (None, 4, False), (16, 2, True)):
-            got = ix.indexer_topk_pack(row.to(kernel_device), None, 10, 0, 1, 1, tile=tile, split=split,
+            got = ix.indexer_topk_pack(row.to(kernel_device), None, 10, DcpGeometry(1, 0), tile=tile, split=split,
                                        compact=compact, sample=16).cpu()
             assert got[0, :, 1].tolist() == [float(j) for j in range(10)]
             # the scores are packed bit for bit: -0.0 stays -0.0
-            assert torch.equal(pair_bits(got), pair_bits(reference(row, None, 10, 0, 1, 1)).sort(1).values)
+            assert torch.equal(pair_bits(got), pair_bits(reference(row, None, 10, DcpGeometry(1, 0))).sort(1).values)
     # a tie straddling the threshold: 5.0 x 6 at local keys 2, 3, 5, 8, 9, 11; k = 4 takes 9.0 and 2, 3, 5
     row = torch.tensor([[1.0, 9.0, 5.0, 5.0, 0.0, 5.0, 1.0, 1.0, 5.0, 5.0, 0.0, 5.0]])
-    got = ix.indexer_topk_pack(row.to(kernel_device), None, 4, 0, 2, 1).cpu()
+    got = ix.indexer_topk_pack(row.to(kernel_device), None, 4, DcpGeometry(2, 0)).cpu()
     assert got[0].tolist() == [[9.0, 2.0], [5.0, 4.0], [5.0, 6.0], [5.0, 10.0]]
 
 
 def test_short_rows_and_k_larger_than_row(kernel_device):
     s = torch.randn(3, 20)
     for k in (19, 20, 21, 300):
-        got = check(s.to(kernel_device), torch.tensor([20, 3, 0], dtype=torch.int32, device=kernel_device), k, 0, 2, 1)
+        got = check(s.to(kernel_device), torch.tensor([20, 3, 0], dtype=torch.int32, device=kernel_device), k, DcpGeometry(2, 0))
         assert (got[:, :, 1] >= 0).sum(1).tolist() == [min(k, 20), min(k, 3), 0]
     # no columns at all, and no rows
-    check(torch.empty(2, 0, device=kernel_device), None, 5, 0, 1, 1)
-    assert ix.indexer_topk_pack(torch.empty(0, 7, device=kernel_device), None, 5, 0, 1, 1).shape == (0, 5, 2)
+    check(torch.empty(2, 0, device=kernel_device), None, 5, DcpGeometry(1, 0))
+    assert ix.indexer_topk_pack(torch.empty(0, 7, device=kernel_device), None, 5, DcpGeometry(1, 0)).shape == (0, 5, 2)
 
 
 def test_poisoned_out_is_fully_overwritten(kernel_device):
@@ -197,31 +198,31 @@ def test_poisoned_out_is_fully_overwritten(kernel_device):
         out = torch.full((8, 50, 2), float("nan"), device=kernel_device)
         out.view(torch.int32)[..., 1] = 0x7FC00123  # a NaN payload no kernel writes
         ws = torch.full((8, 2, 50, 2), 12345.0, device=kernel_device)
-        got = ix.indexer_topk_pack(s, lengths, 50, 0, 2, 1, out=out, split=split, workspace=ws if split > 1 else None)
+        got = ix.indexer_topk_pack(s, lengths, 50, DcpGeometry(2, 0), out=out, split=split, workspace=ws if split > 1 else None)
         assert got.data_ptr() == out.data_ptr()
-        assert bool(same_sets(out, reference(s, lengths, 50, 0, 2, 1)).all())
+        assert bool(same_sets(out, reference(s, lengths, 50, DcpGeometry(2, 0))).all())
     # the compacted path: a poisoned workspace list and output are fully overwritten (its counters start at 0)
     ws = ix.workspace_for(s, 20, compact=True, tile=32, split=2)
     ws[:, :-6].fill_(-1)
     out = torch.full((8, 20, 2), float("nan"), device=kernel_device)
-    ix.indexer_topk_pack(s, lengths, 20, 0, 2, 1, out=out, workspace=ws, compact=True, tile=32, split=2)
-    assert bool(same_sets(out, reference(s, lengths, 20, 0, 2, 1)).all())
+    ix.indexer_topk_pack(s, lengths, 20, DcpGeometry(2, 0), out=out, workspace=ws, compact=True, tile=32, split=2)
+    assert bool(same_sets(out, reference(s, lengths, 20, DcpGeometry(2, 0))).all())
 
 
 def test_strided_and_low_precision_scores(kernel_device):
     base = torch.randn(6, 2 * 70, device=kernel_device)
-    check(base[:, ::2], None, 16, 1, 2, 3)  # column stride 2
-    check(base.t().contiguous().t()[:, :70], None, 16, 1, 2, 3)  # column-major
-    check(base.t().contiguous().t()[:, :70], None, 5, 1, 2, 3, compact=True, tile=16, sample=16, split=2)
+    check(base[:, ::2], None, 16, DcpGeometry(2, 1, 3, 3))  # column stride 2
+    check(base.t().contiguous().t()[:, :70], None, 16, DcpGeometry(2, 1, 3, 3))  # column-major
+    check(base.t().contiguous().t()[:, :70], None, 5, DcpGeometry(2, 1, 3, 3), compact=True, tile=16, sample=16, split=2)
     for dt in (torch.float16, torch.bfloat16, torch.float64):
-        check(base[:, :70].to(dt), None, 16, 0, 4, 1)
+        check(base[:, :70].to(dt), None, 16, DcpGeometry(4, 0))
 
 
 def test_prefill_row_starts(kernel_device):
     # two requests side by side: columns 0-2 are request 0's keys, 3-6 request 1's
     s = torch.tensor([[9.0, 8.0, 7.0, 1.0, 5.0, 5.0, 3.0]] * 2, device=kernel_device)
     starts = torch.tensor([0, 3], device=kernel_device)
-    got = check(s, torch.tensor([2, 4], device=kernel_device), 3, 1, 2, 1, starts)
+    got = check(s, torch.tensor([2, 4], device=kernel_device), 3, DcpGeometry(2, 1), starts)
     # row 1: local keys 1, 2 (the tie 5.0, 5.0) and 3 on rank 1 of W=2 -> global 3, 5, 7
     assert got[1].tolist() == [[5.0, 3.0], [5.0, 5.0], [3.0, 7.0]]
 
@@ -238,13 +239,13 @@ def test_validate_false_never_reads_outside_the_window(kernel_device, kw):
     s = big[:, 10:50]
     lengths = torch.tensor([100, -5, 40, 2**40], device=kernel_device)
     starts = torch.tensor([30, 0, -7, 45], device=kernel_device)
-    got = ix.indexer_topk_pack(s, lengths, 8, 0, 1, 1, starts, validate=False, **kw)
+    got = ix.indexer_topk_pack(s, lengths, 8, DcpGeometry(1, 0), starts, validate=False, **kw)
     cs = starts.clamp(0, 40)
     cl = torch.minimum(lengths.clamp(min=0), 40 - cs)
-    assert bool(same_sets(got, reference(s, cl, 8, 0, 1, 1, cs)).all())
+    assert bool(same_sets(got, reference(s, cl, 8, DcpGeometry(1, 0), cs)).all())
     assert not bool(torch.isinf(got[..., 0]).logical_and(got[..., 0] > 0).any())
     with pytest.raises(ValueError, match="row_starts"):
-        ix.indexer_topk_pack(s, lengths, 8, 0, 1, 1, starts, **kw)
+        ix.indexer_topk_pack(s, lengths, 8, DcpGeometry(1, 0), starts, **kw)
 
 
 @pytest.mark.parametrize("order", ["global_id", "rank_local"])
@@ -263,14 +264,14 @@ def test_validated_call_checks_in_the_kernel_and_raises_the_reference_message(ke
     for kw in paths + ([dict(tile=16, split=2, compact=False)] if order == "global_id" else []):
         for lengths, starts, msg in cases:
             with pytest.raises(ValueError) as info:
-                ix.indexer_topk_pack(s, lengths, 4, 0, 2, 1, starts, order=order, **kw)
+                ix.indexer_topk_pack(s, lengths, 4, DcpGeometry(2, 0), starts, order=order, **kw)
             assert str(info.value).startswith(msg)
             with pytest.raises(ValueError) as ref:  # the reference rejects the same input, naming the same argument
                 local_topk(s, 4, lengths, starts)
             assert str(ref.value).split(" ")[0] == msg.split(" ")[0]
-        got = ix.indexer_topk_pack(s, good, 4, 0, 2, 1, order=order, **kw)  # the flag was cleared
+        got = ix.indexer_topk_pack(s, good, 4, DcpGeometry(2, 0), order=order, **kw)  # the flag was cleared
         if order == "global_id":
-            assert bool(same_sets(got, reference(s, good, 4, 0, 2, 1)).all())
+            assert bool(same_sets(got, reference(s, good, 4, DcpGeometry(2, 0))).all())
 
 
 def test_compacted_paths_are_exact_in_both_orders(kernel_device):
@@ -300,7 +301,7 @@ def test_compacted_paths_are_exact_in_both_orders(kernel_device):
             lengths = lengths.to(kernel_device)
         ws = ix.workspace_for(s, k, compact=True, split=split, **kw)
         assert ws.dtype == torch.int64 and not bool(ws.any())  # zeroed: the arrival counters start at 0
-        check(s, lengths, k, 0, 2, 1, workspace=ws, compact=True, split=split, **kw)
+        check(s, lengths, k, DcpGeometry(2, 0), workspace=ws, compact=True, split=split, **kw)
         paths = ix.compact_paths(ws).tolist()
         assert want_paths is None or paths == want_paths
         seen.update(paths)
@@ -334,15 +335,15 @@ def test_property_matches_reference(kernel_device, data, rows, cols, k, w, i, ti
     if rank_local:
         check_rank_local(s.to(dev), lens, k, sts, **kw)
     else:
-        check(s.to(dev), lens, k, rank, w, i, sts, **kw)
+        check(s.to(dev), lens, k, DcpGeometry(w, rank, i, i), sts, **kw)
 
 
 def test_radix_digit_widths_and_search_pivots(kernel_device):
     s, lengths, _ = make_cases(8, 120, 4, kernel_device)
     for bits in (5, 6, 7, 8, 10, 13):
-        check(s, lengths, 33, 0, 2, 1, radix_bits=bits, select="radix")
+        check(s, lengths, 33, DcpGeometry(2, 0), radix_bits=bits, select="radix")
     for pivots in (1, 3):
-        check(s, lengths, 33, 0, 2, 1, select="search", pivots=pivots)
+        check(s, lengths, 33, DcpGeometry(2, 0), select="search", pivots=pivots)
 
 
 @pytest.mark.parametrize("bits", [5, 6, 8, 11])
@@ -358,11 +359,11 @@ def test_radix_keys_with_zero_top_digits(kernel_device, bits):
     ]
     s = torch.tensor(rows, dtype=torch.float32, device=kernel_device)
     for k in (1, 3, 5, 9, 13):
-        check(s, None, k, 1, 2, 1, radix_bits=bits, select="radix")
-        check(s, torch.tensor([12, 9, 7], device=kernel_device), k, 0, 3, 2, radix_bits=bits, select="radix")
+        check(s, None, k, DcpGeometry(2, 1), radix_bits=bits, select="radix")
+        check(s, torch.tensor([12, 9, 7], device=kernel_device), k, DcpGeometry(3, 0, 2, 2), radix_bits=bits, select="radix")
         if bits == 5:  # the count search's pivots interpolate between -inf and huge negatives: non-finite widths
-            check(s, None, k, 1, 2, 1, select="search")
-            check(s, torch.tensor([12, 9, 7], device=kernel_device), k, 0, 3, 2, select="search", pivots=1)
+            check(s, None, k, DcpGeometry(2, 1), select="search")
+            check(s, torch.tensor([12, 9, 7], device=kernel_device), k, DcpGeometry(3, 0, 2, 2), select="search", pivots=1)
 
 
 def test_launch_plan_from_shapes_only():
@@ -394,7 +395,7 @@ def test_multi_level_split(kernel_device):
     ws = ix.workspace_for(s, 4, split=12, tile=32, compact=False)
     assert ws.shape == (4, 14, 4, 2)
     ws.fill_(7.0)
-    check(s, lengths, 4, 1, 2, 2, starts, split=12, tile=32, workspace=ws, compact=False)
+    check(s, lengths, 4, DcpGeometry(2, 1, 2, 2), starts, split=12, tile=32, workspace=ws, compact=False)
     check_rank_local(s, lengths, 4, starts, split=12, tile=32, workspace=ws, compact=False)
     assert ix.workspace_for(s, 4) is None  # no split: no workspace
 
@@ -415,9 +416,12 @@ BAD_INPUTS = [
      "row_starts"),
     ("k = 0", dict(k=0), ValueError, "k"),
     ("k float", dict(k=2.0), TypeError, "k"),
-    ("rank out of range", dict(rank=2), ValueError, "rank"),
-    ("world_size 0", dict(world_size=0), ValueError, "world_size"),
-    ("interleave 0", dict(interleave=0), ValueError, "interleave"),
+    ("geometry a tuple", dict(geometry=(2, 1, 1, 1)), TypeError, "geometry"),
+    ("geometry an int", dict(geometry=2), TypeError, "geometry"),
+    ("geometry None", dict(geometry=None), TypeError, "geometry"),
+    # A valid geometry the data does not fit: rank 1 of 2**22 ranks, its local key 4 is global id 2**24 + 1.
+    ("geometry W=2**22: ids past 2**24", dict(geometry=DcpGeometry(2**22, 1)), ValueError, "lengths"),
+    ("geometry W=2**22, no lengths", dict(geometry=DcpGeometry(2**22, 1), lengths=None), ValueError, "scores"),
     ("out shape", dict(out=torch.empty(2, 3, 2)), ValueError, "out"),
     ("out dtype", dict(out=torch.empty(2, 4, 2, dtype=torch.float64)), TypeError, "out"),
     ("out not contiguous", dict(out=torch.empty(2, 2, 4).transpose(1, 2)), ValueError, "out"),
@@ -450,8 +454,7 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("desc,change,exc,frag", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_inputs_raise_naming_the_argument(kernel_device, desc, change, exc, frag):
-    args = dict(scores=torch.randn(2, 5), lengths=torch.tensor([5, 3]), k=4, rank=1, world_size=2, interleave=1,
-                row_starts=None)
+    args = dict(scores=torch.randn(2, 5), lengths=torch.tensor([5, 3]), k=4, geometry=DcpGeometry(2, 1), row_starts=None)
     args.update(change)
     args = {n: (v.to(kernel_device) if isinstance(v, torch.Tensor) and n != "out" else v) for n, v in args.items()}
     with pytest.raises(exc, match=frag) as info:
@@ -464,9 +467,9 @@ def test_ids_beyond_float32_exact_range_raise_even_without_validate():
     s = torch.zeros(1, 2**21 + 1)
     for validate in (True, False):
         with pytest.raises(ValueError, match="2\\*\\*24"):
-            ix.indexer_topk_pack(s, None, 4, 1, 8, 1, validate=validate)
+            ix.indexer_topk_pack(s, None, 4, DcpGeometry(8, 1), validate=validate)
     with pytest.raises(ValueError, match="2\\*\\*24"):
-        ix.indexer_topk_pack(s, torch.tensor([2**21 + 1]), 4, 1, 8, 1)
+        ix.indexer_topk_pack(s, torch.tensor([2**21 + 1]), 4, DcpGeometry(8, 1))
 
 
 COMPILE_SCRIPT = r"""
@@ -581,9 +584,9 @@ def test_gpu_differential_10k_adversarial_rows(cuda_device, path):
         if path == "streamed" and cols <= ix.MAX_TILE:
             continue
         s, lengths, starts = make_cases(rows, cols, 100 + c, cuda_device, with_starts)
-        want = reference(s, lengths, k, rank, w, i, starts)
+        want = reference(s, lengths, k, DcpGeometry(w, rank, i, i), starts)
         out = torch.full((rows, k, 2), float("nan"), device=cuda_device)  # poison
-        got = ix.indexer_topk_pack(s, lengths, k, rank, w, i, starts, out=out, split=split, **GPU_PATHS[path])
+        got = ix.indexer_topk_pack(s, lengths, k, DcpGeometry(w, rank, i, i), starts, out=out, split=split, **GPU_PATHS[path])
         bad = ~same_sets(got, want)
         if bool(bad.any()):
             r = int(bad.nonzero()[0])
@@ -632,7 +635,7 @@ def test_gpu_compacted_paths_at_scale(cuda_device):
                 base = 0 if starts is None else int(starts[r])
                 s[r, base + pos[pos < n]] = -1e30
         ws = ix.workspace_for(s, k, split=split)
-        check(s, lengths, k, 1, 2, 1, starts, split=split, workspace=ws)
+        check(s, lengths, k, DcpGeometry(2, 1), starts, split=split, workspace=ws)
         for p, cnt in zip(*torch.unique(ix.compact_paths(ws), return_counts=True)):
             seen[int(p)] += int(cnt)
     assert seen[1] and seen[2] and seen[4], seen
@@ -646,7 +649,7 @@ def test_gpu_search_and_radix_select_rows_in_registers(cuda_device):
                                          (2000, 8192, 1), (1000, 5000, 4096)]):  # fmt: skip
         s, lengths, starts = make_cases(rows, cols, 500 + c, cuda_device, with_starts=c % 2 == 0)
         for kw in (dict(select="search"), dict(select="search", pivots=1), dict(select="radix")):
-            check(s, lengths, k, 1, 2, 1, starts, **kw)
+            check(s, lengths, k, DcpGeometry(2, 1), starts, **kw)
         total += rows
     assert total >= 10_000
 
@@ -655,12 +658,12 @@ def test_gpu_search_and_radix_select_rows_in_registers(cuda_device):
 def test_gpu_spot_check_against_brute_force(cuda_device):
     s, lengths, starts = make_cases(16, 300, 5, "cpu", with_starts=True)
     k, rank, w, i = 20, 1, 2, 2
-    got = ix.indexer_topk_pack(s.to(cuda_device), lengths.to(cuda_device), k, rank, w, i, starts.to(cuda_device)).cpu()
+    got = ix.indexer_topk_pack(s.to(cuda_device), lengths.to(cuda_device), k, DcpGeometry(w, rank, i, i), starts.to(cuda_device)).cpu()
     for r in range(16):
         row = got[r].tolist()
         n = sum(p[1] >= 0 for p in row)
         assert sorted(tuple(p) for p in row[:n]) + [tuple(p) for p in row[n:]] == brute_packed(
-            s[r].tolist(), k, int(starts[r]), int(lengths[r]), rank, w, i)
+            s[r].tolist(), k, int(starts[r]), int(lengths[r]), w, rank, i)
 
 
 @pytest.mark.gpu
@@ -677,7 +680,7 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, or
     out = torch.empty((rows, k) if rank_local else (rows, k, 2), device=cuda_device)
     out_ids = torch.empty((rows, k), dtype=torch.int32, device=cuda_device) if rank_local else None
     ws = ix.workspace_for(s, k, split=split, compact=compact)
-    call = lambda: ix.indexer_topk_pack(s, lengths, k, 1, 2, 1, out=out, validate=False,  # noqa: E731
+    call = lambda: ix.indexer_topk_pack(s, lengths, k, DcpGeometry(2, 1), out=out, validate=False,  # noqa: E731
                                         split=split, workspace=ws, compact=compact, order=order, out_ids=out_ids)
     call()  # compile outside the capture
     torch.cuda.synchronize()
@@ -695,7 +698,7 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, or
             ws_, wi = local_topk_rank_local(s, k, lengths)
             assert torch.equal(out_ids, wi) and torch.equal(out.view(torch.int32), ws_.view(torch.int32))
         else:
-            assert bool(same_sets(out, reference(s, lengths, k, 1, 2, 1)).all())
+            assert bool(same_sets(out, reference(s, lengths, k, DcpGeometry(2, 1))).all())
         if ws is not None and ws.dtype == torch.int64:
             assert not bool(ws[:, -2].any())  # the arrival counters are back at 0
 
@@ -708,7 +711,7 @@ def test_gpu_validate_false_makes_no_host_sync(cuda_device, split, compact):
     s, lengths, starts = make_cases(rows, cols, 11, cuda_device, with_starts=True)
     out = torch.empty((rows, k, 2), device=cuda_device)
     ws = ix.workspace_for(s, k, split=split, compact=compact)
-    call = lambda: ix.indexer_topk_pack(s, lengths, k, 0, 2, 1, starts, out=out, validate=False,  # noqa: E731
+    call = lambda: ix.indexer_topk_pack(s, lengths, k, DcpGeometry(2, 0), starts, out=out, validate=False,  # noqa: E731
                                         split=split, workspace=ws, compact=compact)
     call()  # compile first (compilation itself may synchronise)
     torch.cuda.synchronize()
@@ -717,7 +720,7 @@ def test_gpu_validate_false_makes_no_host_sync(cuda_device, split, compact):
         call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert bool(same_sets(out, reference(s, lengths, k, 0, 2, 1, starts)).all())
+    assert bool(same_sets(out, reference(s, lengths, k, DcpGeometry(2, 0), starts)).all())
 
 
 @pytest.mark.gpu
@@ -728,6 +731,6 @@ def test_gpu_validated_call_raises_and_recovers(cuda_device):
     bad = lengths.clone()
     bad[17] = 20001
     with pytest.raises(ValueError, match=r"^lengths must be <= scores.shape\[1\]=20000"):
-        ix.indexer_topk_pack(s, bad, 2048, 0, 2, 1)
-    got = ix.indexer_topk_pack(s, lengths, 2048, 0, 2, 1)
-    assert bool(same_sets(got, reference(s, lengths, 2048, 0, 2, 1)).all())
+        ix.indexer_topk_pack(s, bad, 2048, DcpGeometry(2, 0))
+    got = ix.indexer_topk_pack(s, lengths, 2048, DcpGeometry(2, 0))
+    assert bool(same_sets(got, reference(s, lengths, 2048, DcpGeometry(2, 0))).all())

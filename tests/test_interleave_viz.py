@@ -72,16 +72,16 @@ def test_the_shared_table_equals_the_deal_when_block_size_is_a_multiple_of_inter
     for p, (owner, local) in enumerate(dealt):
         for r in range(W):
             want = row[local // bs] * bs + local % bs if r == owner else -1
-            assert deal_slot(p, row, bs, W, r, I) == want
-            assert shared_table_slot(p, row, bs, W, r, I) == want
+            assert deal_slot(p, row, W, r, I, block_size=bs) == want
+            assert shared_table_slot(p, row, W, r, I, block_size=bs) == want
 
 
 def test_the_shared_table_breaks_when_block_size_is_not_a_multiple_of_interleave() -> None:
     """W = 2, I = 2, block size 3: the deal restarts at each virtual block of 6 positions; rank 0 gets 4 of
     the first 6 (offset 3 = the first slot of the *next* physical block) and position 6 changes owner."""
     W, I, bs, row = 2, 2, 3, [7, 3]
-    owners = [next(r for r in range(W) if shared_table_slot(p, row, bs, W, r, I) >= 0) for p in range(12)]
+    owners = [next(r for r in range(W) if shared_table_slot(p, row, W, r, I, block_size=bs) >= 0) for p in range(12)]
     assert owners == [0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0]
     assert [r for r, _ in _deal(12, W, I)] == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
-    assert shared_table_slot(5, row, bs, W, 0, I) == 7 * bs + 3 == 8 * bs  # block 8's first slot
-    assert deal_slot(5, row, bs, W, 0, I) == 3 * bs + 0  # the deal: local index 3 -> local block 1 -> block 3
+    assert shared_table_slot(5, row, W, 0, I, block_size=bs) == 7 * bs + 3 == 8 * bs  # block 8's first slot
+    assert deal_slot(5, row, W, 0, I, block_size=bs) == 3 * bs + 0  # the deal: local index 3 -> local block 1 -> block 3

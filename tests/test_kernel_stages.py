@@ -45,6 +45,28 @@ def test_prepare_plans_the_attention_by_token_count(T, expected) -> None:
     assert ks._prepare(spec, REFERENCE_STAGES, impl, {"flashmla": mla}) is None  # one candidate: nothing to pick
 
 
+def test_prepare_runs_the_reference_select_past_the_cutedsl_limit(caplog) -> None:
+    """A step planned for more gathered candidates per row (W * k) than the CuTeDSL top-K holds: the select stage
+    becomes the reference, logged and named in the notes (no compile, no warm-up launch); within the limit the
+    kernels' stage stays (checked on the GPU by the planned-step tests)."""
+    import logging
+
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels.topk_cutedsl import MAX_CANDIDATES
+
+    ks._log_fallback.cache_clear()
+    k = MAX_CANDIDATES // 2 + 1
+    spec = StepSpec(DcpGeometry(2, 0), max_tokens=1, topk=k, num_heads=128, head_dim=576, v_dim=512, sm_scale=0.1,
+                    dtype=torch.bfloat16, device="cpu")  # fmt: skip
+    stages = REFERENCE_STAGES.with_(select=ks._select_cutedsl)
+    impl = {"select": "cutedsl", "select_to_slots": "torch"}
+    with caplog.at_level(logging.WARNING, logger="dcp_ref.kernels.stages"):
+        chosen = ks._prepare(spec, stages, impl, {})
+    assert chosen is not None and chosen.select is REFERENCE_STAGES.select
+    assert f"{2 * k} gathered candidates per row > {MAX_CANDIDATES}" in dict(chosen.notes)["select"]
+    assert any("'select' runs the torch reference" in r.getMessage() for r in caplog.records)
+
+
 def test_interpreted_kernels_cover_the_new_stages(kernel_device) -> None:
     if kernel_device.type != "cpu":
         pytest.skip("the interpreter's choice")

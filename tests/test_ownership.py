@@ -17,10 +17,10 @@ from dcp_ref import (
     local_seq_lens,
     local_to_global,
     localize_decode_bounds,
-    localize_decode_bounds_wrong_order,
     localize_prefill_chunk,
     owner_rank,
 )
+from dcp_ref.ownership import localize_decode_bounds_wrong_order  # a teaching bug: not in the top level
 
 W_ST = st.integers(1, 16)
 I_ST = st.integers(1, 8)
@@ -65,28 +65,45 @@ def test_bijection_global_local(w: int, i: int, n: int) -> None:
     # global -> (rank, local) -> global is the identity ...
     for r in range(w):
         sel = ranks == r
-        assert torch.equal(local_to_global(locs[sel], r, w, i), pos[sel])
+        assert torch.equal(local_to_global(locs[sel], w, r, i), pos[sel])
         # ... and each rank's local indices are exactly 0..count-1 (no gap, no duplicate).
         assert torch.equal(locs[sel], torch.arange(int(sel.sum())))
     # (rank, local) -> global -> (rank, local) is the identity too.
     for r in range(w):
         loc = torch.arange(n)
-        g = local_to_global(loc, r, w, i)
+        g = local_to_global(loc, w, r, i)
         assert torch.equal(owner_rank(g, w, i), torch.full_like(g, r))
         assert torch.equal(global_to_local(g, w, i), loc)
+
+
+@given(w=W_ST, i=I_ST, data=st.data())
+def test_local_to_global_old_argument_order_always_raises(w: int, i: int, data: st.DataObject) -> None:
+    """``local_to_global(local, world_size, rank, interleave)``: a call written in the old order
+    ``(local, rank, world_size, interleave)`` with a valid geometry can never answer: the old rank is
+    below the old world size, so read as ``world_size, rank`` it is out of range (rank 0 as a world
+    size of 0, any other as a rank past its world size). Never a silently wrong position."""
+    r = data.draw(st.integers(0, w - 1))
+    loc = data.draw(st.integers(0, 1000))
+    want = (loc // i) * (w * i) + r * i + loc % i  # the formula, independent of the code under test
+    assert local_to_global(loc, w, r, i) == want
+    assert local_to_global(loc, world_size=w, rank=r, interleave=i) == want
+    with pytest.raises(ValueError, match=r"^(world_size|rank)"):
+        local_to_global(loc, r, w, i)  # the old order
+    with pytest.raises(ValueError, match=r"^(world_size|rank)"):
+        local_to_global(torch.tensor([loc]), r, w, i)
 
 
 def test_python_ints_in_and_out() -> None:
     assert owner_rank(5, 2, 2) == 0 and isinstance(owner_rank(5, 2, 2), int)
     assert global_to_local(5, 2, 2) == 3
-    assert local_to_global(3, 0, 2, 2) == 5
+    assert local_to_global(3, 2, 0, 2) == 5
     assert local_seq_lens(10, 2, 1) == 5 and isinstance(local_seq_lens(10, 2, 1), int)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_dtype_and_shape_preserved(dtype: torch.dtype) -> None:
     x = torch.arange(24, dtype=dtype).reshape(2, 3, 4)
-    for out in (owner_rank(x, 3, 2), global_to_local(x, 3, 2), local_to_global(x, 1, 3, 2), local_seq_lens(x, 3, 1, 2)):
+    for out in (owner_rank(x, 3, 2), global_to_local(x, 3, 2), local_to_global(x, 3, 1, 2), local_seq_lens(x, 3, 1, 2)):
         assert out.dtype == dtype and out.shape == x.shape
     assert local_seq_lens(x, 3, None, 2).shape == (2, 3, 4, 3)
 
@@ -247,8 +264,9 @@ def test_prefill_int32_on_request() -> None:
         (lambda: owner_rank("3", 2), TypeError, "pos"),
         (lambda: global_to_local(torch.tensor([0, -5]), 2), ValueError, "pos"),
         (lambda: local_to_global(0, 2, 2), ValueError, "rank"),
-        (lambda: local_to_global(0, -1, 2), ValueError, "rank"),
-        (lambda: local_to_global(-1, 0, 2), ValueError, "local"),
+        (lambda: local_to_global(0, 2, 5), ValueError, "rank"),
+        (lambda: local_to_global(0, 2, -1), ValueError, "rank"),
+        (lambda: local_to_global(-1, 2, 0), ValueError, "local"),
         (lambda: local_seq_lens(torch.tensor([-1]), 2, 0), ValueError, "seq_lens"),
         (lambda: local_seq_lens(torch.tensor([1], dtype=torch.int16), 2, 0), TypeError, "seq_lens"),
         (lambda: local_seq_lens(5, 2, 2), ValueError, "rank"),

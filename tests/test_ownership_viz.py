@@ -29,7 +29,7 @@ def _rows(text: str, label: str) -> list[int]:
 
 @pytest.mark.parametrize("w,i,n", [(2, 2, 8), (3, 1, 20), (4, 3, 37), (1, 5, 9)])
 def test_grid_rows_follow_dealing(w: int, i: int, n: int) -> None:
-    text = ownership_grid(n, w, i, width=7)
+    text = ownership_grid(n, w, interleave=i, width=7)
     assert _rows(text, "pos") == list(range(n))
     # Independent oracle: deal runs of i to w ranks by hand.
     ranks, locals_, counts = [], [], [0] * w
@@ -43,7 +43,7 @@ def test_grid_rows_follow_dealing(w: int, i: int, n: int) -> None:
 
 
 def test_grid_marks_and_summarises_rank() -> None:
-    text = ownership_grid(10, 2, 1, rank=1)
+    text = ownership_grid(10, 2, rank=1, interleave=1)
     assert "rank 1: 5 local tokens -> positions [1, 3, 5, 7, 9]" in text
     pos_line = next(line for line in text.splitlines() if line.startswith("pos"))
     assert pos_line.count("*") == 5
@@ -71,7 +71,7 @@ def test_widget_redraws_synchronously() -> None:
 def test_figures_build() -> None:
     import matplotlib.pyplot as plt
 
-    fig = ownership_figure(20, 3, 2, rank=1)
+    fig = ownership_figure(20, 3, rank=1, interleave=2)
     assert len(fig.axes[0].patches) == 20
     fig2 = prefill_bounds_figure(5, 4, 3, 1)
     assert len(fig2.axes) == 3
@@ -82,4 +82,4 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="seq_len"):
         ownership_grid(-1, 2)
     with pytest.raises(ValueError, match="rank"):
-        ownership_grid(4, 2, 1, rank=2)
+        ownership_grid(4, 2, rank=2, interleave=1)

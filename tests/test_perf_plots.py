@@ -252,7 +252,7 @@ def test_select_to_slots_series_are_the_committed_rows() -> None:
             rs = sorted((r for r in rows if (r["W"], r["order"]) == (w, order)), key=lambda r: r["rows"])
             assert s[f"W = {w} | ours, {order}"] == ([float(r["rows"]) for r in rs], [r["ours_us"] for r in rs])
         rs = sorted((r for r in rows if (r["W"], r["order"]) == (w, "global_id")), key=lambda r: r["rows"])
-        assert s[f"W = {w} | our select + de-interleave"][1] == [r["chain_us"] for r in rs]
+        assert s[f"W = {w} | our select + deinterleave"][1] == [r["chain_us"] for r in rs]
         assert s[f"W = {w} | vLLM top-K + convert"][1] == [r["vllm_chain_us"] for r in rs]
     with pytest.raises(ValueError, match="select_to_slots"):
         pp.plot_select_to_slots({"summary": [{"stage": "combine_merge"}]})

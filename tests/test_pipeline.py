@@ -75,7 +75,7 @@ def test_stage_invariants_across_ranks(world_size: int, interleave: int) -> None
 
 @pytest.mark.parametrize("world_size,interleave,next_n", [(1, 1, 1), (2, 1, 2), (3, 2, 1), (4, 4, 2)])
 def test_kernels_backend_equals_single_device(world_size: int, interleave: int, next_n: int, caplog) -> None:
-    """The kernel path (Triton pack, de-interleave, LSE correction; references where no kernel can
+    """The kernel path (Triton pack, deinterleave, LSE correction; references where no kernel can
     run here) against the unsharded float64 oracle; the global ids must equal the oracle's exactly."""
     from dcp_ref.kernels.stages import kernel_stage_impls
 

@@ -287,8 +287,7 @@ def test_owner_only_writes_land_where_the_read_side_looks(W, I, mult, lens, pref
             owner = int(owner_rank(pos, W, I))
             for r in range(W):
                 slot = global_ids_to_local_slots(
-                    torch.tensor([[pos]]), torch.tensor([b]), tables[r], bs, W, r, I
-                ).item()  # fmt: skip
+                    torch.tensor([[pos]]), torch.tensor([b]), tables[r], DcpGeometry(W, r, I, bs)).item()  # fmt: skip
                 if r != owner:
                     assert slot == -1
                     continue
@@ -495,8 +494,7 @@ def assert_kernel_order(got: torch.Tensor) -> None:
 
 
 def oracle_candidates(scores, bounds, k, g, rs=None) -> torch.Tensor:
-    return pack_candidates(scores, local_topk(scores, k, bounds, rs, validate=False), g.rank, g.world_size,
-                           g.interleave, rs, validate=False)  # fmt: skip
+    return pack_candidates(scores, local_topk(scores, k, bounds, rs, validate=False), g, rs, validate=False)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -536,7 +534,7 @@ def test_fused_equals_unfused_kernels_on_random_inputs(kernel_device) -> None:
     L = bt.shape[1] * 4
     scores = st_kernel.index_scores_triton(*args, g, out=torch.empty(4, L, device=kernel_device), block_n=16)
     for k, seg in ((9, 16), (9, 64), (30, 32)):
-        want = indexer_topk_pack(scores, args[5], k, g.rank, g.world_size, g.interleave)
+        want = indexer_topk_pack(scores, args[5], k, g)
         got = fused.scored_topk_pack(*args, g, k, n_cols=L, seg=seg, block_n=16)
         assert bool(same_sets(got, want).all()), (k, seg)
     # and the oracle agrees wherever its float64 scores round to the kernel's float32 ones

@@ -91,21 +91,19 @@ def indexer_off_by_one(
 
     g = geometry
     ids = local_topk_off_by_one(scores, k, lengths, row_starts)
-    return pack_candidates(scores, ids, g.rank, g.world_size, g.interleave, row_starts)
+    return pack_candidates(scores, ids, g, row_starts)
 
 
 def pack_ignoring_interleave(
     scores: torch.Tensor,
     local_ids: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None,
 ) -> torch.Tensor:
     """Global id j*W + rank, right only for I = 1 (bug)."""
     from dcp_ref.topk import pack_candidates
 
-    return pack_candidates(scores, local_ids, rank, world_size, 1, row_starts)
+    return pack_candidates(scores, local_ids, DcpGeometry(geometry.world_size, geometry.rank), row_starts)
 
 
 def deinterleave_dropping_last(
@@ -264,7 +262,7 @@ def test_triton_deinterleave_conforms(interp: torch.device, method: str, ordered
 
     def fn(ids, req, table, g):  # type: ignore[no-untyped-def]
         return deinterleave_compact(  # the stage's semantics: validate=False (poison, never raise)
-            ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered, method=method,
+            ids, req, table, DcpGeometry(g.world_size, g.rank, g.interleave, g.block_size), ordered=ordered, method=method,
             validate=False,
         )
 
@@ -277,7 +275,7 @@ def test_triton_conversion_kernel_conforms_to_the_masked_layout(interp: torch.de
     def fn(ids, req, table, g, compact=True):  # type: ignore[no-untyped-def]
         assert compact is False
         s = global_ids_to_local_slots_triton(
-            ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
+            ids, req, table, g, validate=False
         )
         return s, (s >= 0).sum(1, dtype=torch.int32)
 
@@ -291,7 +289,7 @@ def test_triton_masked_kernel_conforms_to_the_masked_layout(interp: torch.device
     def fn(ids, req, table, g, compact=True):  # type: ignore[no-untyped-def]
         assert compact is False
         return deinterleave_masked_triton(
-            ids, req, table, g.block_size, g.world_size, g.rank, g.interleave, validate=False
+            ids, req, table, g, validate=False
         )
 
     check_deinterleave(fn, compact=False, device=interp, max_examples=FAST)
@@ -366,7 +364,7 @@ def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
     for method, ordered in (("rowscan", True), ("twopass", True), ("atomic", False)):
         check_deinterleave(
             lambda i, r, t, g, ordered=ordered, method=method: deinterleave_compact(
-                i, r, t, g.block_size, g.world_size, g.rank, g.interleave, ordered=ordered, method=method,
+                i, r, t, g, ordered=ordered, method=method,
                 validate=False,  # the stage's semantics: out-of-contract metadata poisons, never raises
             ),
             ordered=ordered,
@@ -498,7 +496,7 @@ def test_pack_bug_ignoring_interleave_is_caught() -> None:
     with pytest.raises(ConformanceError) as info:
         check_pack(pack_ignoring_interleave)
     e = info.value
-    assert e.case.values["interleave"] > 1 and "global id" in str(e)
+    assert e.case.values["geometry"].interleave > 1 and "global id" in str(e)
     ns = _run_reproducer(e)
     assert not torch.equal(ns["got"], ns["expected"])
 
@@ -751,7 +749,7 @@ def test_oracle_local_topk_and_pack_by_hand() -> None:
     # keys j = 0..3 are columns 1..4: scores 1, 1, NaN (never chosen), 5; column 0 (9.0) is another row's
     assert oracle.local_topk(s, 3, torch.tensor([4]), torch.tensor([1])).tolist() == [[3, 0, 1]]
     assert oracle.local_topk(s, 4, torch.tensor([3]), torch.tensor([1])).tolist() == [[0, 1, -1, -1]]
-    packed = oracle.pack(s, torch.tensor([[1, -1]]), rank=1, world_size=2, interleave=2, row_starts=torch.tensor([1]))
+    packed = oracle.pack(s, torch.tensor([[1, -1]]), DcpGeometry(2, 1, 2, 2), row_starts=torch.tensor([1]))
     assert packed.tolist() == [[[1.0, 3.0], [-INF, -1.0]]]  # local 1 on rank 1 with I=2 is global 3
 
 
@@ -776,7 +774,7 @@ def test_oracle_decode_equals_the_single_device_oracle(w: int, i: int, next_n: i
     assert torch.equal(got.ids, ref_ids)
     torch.testing.assert_close(got.out, ref_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got.lse, ref_lse, rtol=1e-12, atol=1e-12)
-    o, lse = got.head_shard(0, 1)
+    o, lse = got.head_shard(1, 0)
     assert torch.equal(o, got.out) and torch.equal(lse, got.lse)
 
 
@@ -978,7 +976,7 @@ def test_a_check_does_not_depend_on_which_local_modules_are_loaded(tmp_path, mon
 # could import it. The kit must flag every one with a small budget (a few drawn cases plus the adversarial
 # ones of dcp_ref.testing.strategies), and the correct implementations must pass with the same budget.
 MUT_EXAMPLES, MUT_SHRINK = 12, 0  # no shrinking: the first failing case is enough here
-POISON = 2**31 - 1  # the de-interleave poison slot, restated independently of the code under test
+POISON = 2**31 - 1  # the deinterleave poison slot, restated independently of the code under test
 
 
 def _sel(gathered: torch.Tensor, k: int, **kw: Any) -> torch.Tensor:
@@ -1087,35 +1085,35 @@ def mut_indexer_ignoring_interleave(
 
     g = geometry
     ids = local_topk(scores, k, lengths, row_starts)
-    return pack_candidates(scores, ids, g.rank, g.world_size, 1, row_starts)
+    return pack_candidates(scores, ids, DcpGeometry(g.world_size, g.rank), row_starts)
 
 
-def _pack_with_ids(scores, local_ids, rank, world_size, interleave, row_starts, gid_fn):  # type: ignore[no-untyped-def]
+def _pack_with_ids(scores, local_ids, geometry, row_starts, gid_fn):  # type: ignore[no-untyped-def]
     from dcp_ref.topk import pack_candidates
 
-    out = pack_candidates(scores, local_ids, rank, world_size, interleave, row_starts)
+    out = pack_candidates(scores, local_ids, geometry, row_starts)
     j = local_ids.long()
     out[..., 1] = torch.where(j >= 0, gid_fn(j).to(torch.float32), out[..., 1])
     return out
 
 
-def mut_pack_swapped_rank_and_world(scores, local_ids, rank, world_size, interleave, row_starts):  # type: ignore[no-untyped-def]
+def mut_pack_swapped_rank_and_world(scores, local_ids, geometry, row_starts):  # type: ignore[no-untyped-def]
     """The global id with rank and world size swapped in the formula."""
-    w, r, i = world_size, rank, interleave
-    return _pack_with_ids(scores, local_ids, r, w, i, row_starts, lambda j: (j // i) * (r * i) + w * i + j % i)
+    w, r, i = geometry.world_size, geometry.rank, geometry.interleave
+    return _pack_with_ids(scores, local_ids, geometry, row_starts, lambda j: (j // i) * (r * i) + w * i + j % i)
 
 
-def mut_pack_wrong_owner_formula(scores, local_ids, rank, world_size, interleave, row_starts):  # type: ignore[no-untyped-def]
+def mut_pack_wrong_owner_formula(scores, local_ids, geometry, row_starts):  # type: ignore[no-untyped-def]
     """rank instead of rank * I: right only for I = 1 or rank 0."""
-    w, r, i = world_size, rank, interleave
-    return _pack_with_ids(scores, local_ids, r, w, i, row_starts, lambda j: (j // i) * (w * i) + r + j % i)
+    w, r, i = geometry.world_size, geometry.rank, geometry.interleave
+    return _pack_with_ids(scores, local_ids, geometry, row_starts, lambda j: (j // i) * (w * i) + r + j % i)
 
 
-def mut_pack_invalid_as_zero(scores, local_ids, rank, world_size, interleave, row_starts):  # type: ignore[no-untyped-def]
+def mut_pack_invalid_as_zero(scores, local_ids, geometry, row_starts):  # type: ignore[no-untyped-def]
     """An empty slot packed as (0.0, -1) instead of (-inf, -1)."""
     from dcp_ref.topk import pack_candidates
 
-    out = pack_candidates(scores, local_ids, rank, world_size, interleave, row_starts)
+    out = pack_candidates(scores, local_ids, geometry, row_starts)
     out[..., 0] = torch.where(local_ids < 0, 0.0, out[..., 0])
     return out
 
@@ -1126,7 +1124,7 @@ def _deint(global_ids, req_of_token, block_table, g, compact=True, rank=None, in
     fn = deinterleave_and_compact if compact else deinterleave_masked
     r = g.rank if rank is None else rank
     i = g.interleave if interleave is None else interleave
-    return fn(global_ids, req_of_token, block_table, g.block_size, g.world_size, r, i, validate=False)
+    return fn(global_ids, req_of_token, block_table, DcpGeometry(g.world_size, r, i, g.block_size), validate=False)
 
 
 def _recompact(slots: torch.Tensor, compact: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1429,7 +1427,7 @@ def test_oracle_deinterleave_poisons_out_of_contract_metadata() -> None:
     assert P == 2**31 - 1
     ids = torch.tensor([[0, 1, 4, 9], [0, 1, 2, 3]])
     table = torch.tensor([[2, -5]])  # block 1 missing (any negative entry), block 2 past the table
-    got = oracle.deinterleave(ids, torch.tensor([0, 3]), table, 4, 1, 0)
+    got = oracle.deinterleave(ids, torch.tensor([0, 3]), table, DcpGeometry(1, 0, block_size=4))
     assert got.tolist() == [[8, 9, P, P], [P] * 4]  # row 1: request 3 is not a row of the table
 
 
@@ -1485,5 +1483,5 @@ def test_the_adversarial_cases_hold_the_corners_and_the_references_pass_them() -
     assert (de["block_table"] < -1).any() and (de["req_of_token"] >= de["block_table"].shape[0]).any()
     m = dst.adversarial_merge_cases()[0].values["all_lse"]
     assert torch.isnan(m).any() and (m == INF).any() and (m == torch.tensor(3.3e38)).any()
-    want = oracle.deinterleave(de["global_ids"], de["req_of_token"], de["block_table"], 4, 2, 1, 2)
+    want = oracle.deinterleave(de["global_ids"], de["req_of_token"], de["block_table"], DcpGeometry(2, 1, 2, 4))
     assert (want == oracle.POISON_SLOT).sum() == 7 + 3  # the bad-request row, two no-block ids, one past the table

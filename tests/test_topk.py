@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.group import SimulatedWorld, SingleGroup
 from dcp_ref.topk import (
     INVALID_KEY,
@@ -210,7 +211,7 @@ def test_radix_select_trace_matches_sort(seed, n, k, ties):
 # ---------------------------------------------------------------------------------------------
 
 
-def brute_pack(logits, topk, rank, w, i, starts):
+def brute_pack(logits, topk, w, rank, i, starts):
     out = []
     for r, row in enumerate(topk.tolist()):
         res = []
@@ -240,30 +241,32 @@ def test_pack_candidates_matches_brute_force(seed, w, i, rows, K, with_starts):
     logits = torch.tensor([[rng.gauss(0, 1) for _ in range(cols)] for _ in range(rows)], dtype=torch.float32)
     starts = [rng.randrange(0, 5) if with_starts else 0 for _ in range(rows)]
     topk = torch.tensor([[rng.randrange(-1, cols - starts[r]) for _ in range(K)] for r in range(rows)])
-    got = pack_candidates(logits, topk, rank, w, i, torch.tensor(starts) if with_starts else None)
+    got = pack_candidates(logits, topk, DcpGeometry(w, rank, i, i), torch.tensor(starts) if with_starts else None)
     assert got.dtype == torch.float32 and tuple(got.shape) == (rows, K, 2)
-    assert got.tolist() == brute_pack(logits, topk, rank, w, i, starts)
+    assert got.tolist() == brute_pack(logits, topk, w, rank, i, starts)
 
 
 def test_pack_candidates_errors():
     logits = torch.zeros(2, 8)
     topk = torch.zeros(2, 3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="rank"):
-        pack_candidates(logits, topk, 2, 2)
+    with pytest.raises(TypeError, match="^geometry must be a dcp_ref.geometry.DcpGeometry"):
+        pack_candidates(logits, topk, (2, 0))  # loose ints are not a geometry
+    with pytest.raises(TypeError, match="^geometry"):
+        pack_candidates(logits, topk, 0, 2)  # the old signature (rank, world_size) raises, never packs
     with pytest.raises(TypeError, match="local_topk"):
-        pack_candidates(logits, topk.float(), 0, 2)
+        pack_candidates(logits, topk.float(), DcpGeometry(2, 0))
     with pytest.raises(ValueError, match="row count"):
-        pack_candidates(logits, topk[:1], 0, 2)
+        pack_candidates(logits, topk[:1], DcpGeometry(2, 0))
     with pytest.raises(ValueError, match="logits.shape"):
-        pack_candidates(logits, torch.full((2, 3), 8), 0, 2)
+        pack_candidates(logits, torch.full((2, 3), 8), DcpGeometry(2, 0))
     with pytest.raises(ValueError, match="-1 or >= 0"):
-        pack_candidates(logits, torch.full((2, 3), -2), 0, 2)
+        pack_candidates(logits, torch.full((2, 3), -2), DcpGeometry(2, 0))
     with pytest.raises(ValueError, match="row_starts"):
-        pack_candidates(logits, topk, 0, 2, row_starts=torch.tensor([0]))
+        pack_candidates(logits, topk, DcpGeometry(2, 0), row_starts=torch.tensor([0]))
     # A global id of 2**24 cannot be represented exactly in float32.
     big = torch.zeros(1, (1 << 23) + 1, dtype=torch.float16)
     with pytest.raises(ValueError, match="2\\*\\*24"):
-        pack_candidates(big, torch.tensor([[1 << 23]]), 0, 2)
+        pack_candidates(big, torch.tensor([[1 << 23]]), DcpGeometry(2, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,43 +339,61 @@ def test_union_of_local_topk_is_wrong_counterexample():
 
 
 # ---------------------------------------------------------------------------------------------
-# Backend selection
+# Kernel selection: one way to pick kernels, the stage providers (dcp_ref.kernels.stages)
 # ---------------------------------------------------------------------------------------------
 
 
-def test_backend_auto_falls_back_on_cpu_and_logs(caplog):
-    from dcp_ref.kernels import topk_backend as tb
+def test_kernel_select_stage_falls_back_on_cpu_and_logs(caplog):
+    """On the CPU the kernels' select stage is the reference, the reason logged once and kept in the notes."""
+    from dcp_ref.kernels import stages as ks
 
-    tb._log_fallback.cache_clear()
+    ks._log_fallback.cache_clear()
     g = random_candidates(random.Random(1), 2, 9, ties=True, p_invalid=0.2)
-    with caplog.at_level(logging.WARNING, logger="dcp_ref.topk"):
-        be, reason = tb.resolve_backend("auto", g.device)
-        got = tb.stable_topk(g, 4, sorted=True, backend="auto")
-    assert be == "torch" and "cpu" in reason
-    assert any("falls back" in r.getMessage() for r in caplog.records)
-    assert got.tolist() == [brute_topk(r, 4) for r in rows_of(g)]
+    with caplog.at_level(logging.WARNING, logger="dcp_ref.kernels.stages"):
+        st_ = ks.kernel_stages(g.device, torch.float32, 576, 512)
+    assert st_.impls()["select"] == "torch" and "cpu" in dict(st_.notes)["select"]
+    assert any("'select' runs the torch reference" in r.getMessage() for r in caplog.records)
+    got = st_.select(g, 4)  # the stage protocol: the winners in any order
+    assert [sorted(r) for r in got.tolist()] == [sorted(brute_topk(r, 4)) for r in rows_of(g)]
 
 
-def test_backend_explicit_errors():
-    from dcp_ref.kernels import topk_backend as tb
+def test_kernel_select_stage_past_the_cutedsl_limit_runs_the_reference(caplog):
+    """More gathered candidates per row than the CuTeDSL top-K holds (a shape, no host read): the reference, logged.
+    Called on the CPU, where the fallback is decided before any launch."""
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels import stages as ks
+    from dcp_ref.kernels.topk_cutedsl import MAX_CANDIDATES
 
-    g = torch.zeros(1, 2, 2)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        tb.stable_topk(g, 1, backend="cuda")
-    if not HAS_CUDA:
-        with pytest.raises(ValueError, match="cutedsl.*CUDA"):
-            tb.stable_topk(g, 1, backend="cutedsl")
+    ks._log_fallback.cache_clear()
+    w, kloc = 2, MAX_CANDIDATES // 2 + 1
+    g = torch.zeros(w, 1, kloc, 2)
+    g[..., 1] = -1.0
+    g[1, 0, 3] = torch.tensor([2.0, 7.0])  # one valid candidate: id 7
+    g[0, 0, 5] = torch.tensor([1.0, 4.0])  # and id 4, lower score
+    with caplog.at_level(logging.WARNING, logger="dcp_ref.kernels.stages"):
+        got = ks._select_cutedsl(g, 3)
+    assert got.tolist() == [[7, 4, -1]]
+    assert any(f"{w * kloc} gathered candidates per row > {MAX_CANDIDATES}" in r.getMessage() for r in caplog.records)
+    assert ks._select_too_big(w, MAX_CANDIDATES // w) == ""
 
 
-def test_backend_triton_pack_on_cpu(kernel_device):
+def test_kernel_indexer_and_select_stages_give_the_global_topk_on_cpu():
+    """The kernels' indexer stage (Triton under the interpreter: local top-K + pack) and select stage on three
+    simulated ranks: every rank gets exactly the global top-k of all logits."""
     pytest.importorskip("triton")
-    from dcp_ref.kernels import topk_backend as tb
+    from dcp_ref.kernels.stages import kernel_stages
 
-    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0)).to(kernel_device)
-    topk = torch.tensor([[0, 9, -1], [2, 3, 4], [-1, -1, 5]], device=kernel_device)
-    got = tb.pack_candidates(logits, topk, 1, 3, 2, backend="triton")
-    want = brute_pack(logits.cpu(), topk.cpu(), 1, 3, 2, [0, 0, 0])
-    assert got.cpu().tolist() == want
+    st_ = kernel_stages("cpu", torch.float32, 576, 512)
+    scores = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
+    logits_r, _ = local_topk_by_owner(scores, 5, 3, 2)
+
+    def rank(g, lg):
+        packed = st_.indexer(lg, torch.full((lg.shape[0],), lg.shape[1], dtype=torch.int32), DcpGeometry(3, g.rank, 2, 2), 5)
+        return st_.select(g.all_gather(packed), 4)
+
+    want = [sorted(r) for r in global_topk_all_logits(scores, 4).tolist()]
+    for res in SimulatedWorld(3).run(rank, logits_r):
+        assert [sorted(r) for r in res.tolist()] == want
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,10 +416,10 @@ def test_triton_pack_matches_reference(kernel_device, w, i, K, dtype, starts):
     wide[:, ::2] = logits
     view = wide[:, ::2]
     got = pack_candidates_triton(
-        view.to(kernel_device), topk.to(kernel_device), rank=w - 1, world_size=w, interleave=i,
+        view.to(kernel_device), topk.to(kernel_device), DcpGeometry(w, w - 1, i, i),
         row_starts=torch.tensor(rs).to(kernel_device) if starts else None,
     )
-    assert got.cpu().tolist() == brute_pack(logits.float(), topk, w - 1, w, i, rs)
+    assert got.cpu().tolist() == brute_pack(logits.float(), topk, w, w - 1, i, rs)
 
 
 def test_triton_pack_errors_and_masking(kernel_device):
@@ -407,11 +428,11 @@ def test_triton_pack_errors_and_masking(kernel_device):
 
     logits = torch.zeros(1, 4, device=kernel_device)
     with pytest.raises(ValueError, match="logits.shape"):
-        pack_candidates_triton(logits, torch.tensor([[4]], device=kernel_device), 0, 2)
+        pack_candidates_triton(logits, torch.tensor([[4]], device=kernel_device), DcpGeometry(2, 0))
     with pytest.raises(ValueError, match="out must be"):
-        pack_candidates_triton(logits, torch.tensor([[1]], device=kernel_device), 0, 2, out=torch.empty(1, 2, 2, device=kernel_device))
+        pack_candidates_triton(logits, torch.tensor([[1]], device=kernel_device), DcpGeometry(2, 0), out=torch.empty(1, 2, 2, device=kernel_device))
     # validate=False: an out-of-range index is masked (packed invalid), never read out of bounds.
-    got = pack_candidates_triton(logits, torch.tensor([[4, 1]], device=kernel_device), 0, 2, validate=False)
+    got = pack_candidates_triton(logits, torch.tensor([[4, 1]], device=kernel_device), DcpGeometry(2, 0), validate=False)
     assert got.cpu().tolist() == [[[-math.inf, -1.0], [0.0, 2.0]]]
 
 
@@ -573,15 +594,16 @@ def test_cutedsl_cuda_graph_capture_and_replay(cuda_device, tvm_ffi, variant):
 
 
 @pytest.mark.gpu
-def test_triton_pack_on_gpu_and_backend_auto(cuda_device):
-    from dcp_ref.kernels import topk_backend as tb
+def test_triton_pack_on_gpu_and_kernel_select(cuda_device):
+    from dcp_ref.kernels.pack_triton import pack_candidates_triton
+    from dcp_ref.kernels.stages import kernel_stage_impls
 
     rows, cols, K = 16, 3000, 257
     logits = torch.randn(rows, cols, device=cuda_device, dtype=torch.bfloat16)
     topk = torch.randint(-1, cols, (rows, K), device=cuda_device, dtype=torch.int32)
-    got = tb.pack_candidates(logits, topk, 2, 4, 8, backend="auto")
-    assert torch.equal(got, pack_candidates(logits, topk, 2, 4, 8))
-    assert tb.resolve_backend("auto", cuda_device)[0] == "cutedsl"
+    got = pack_candidates_triton(logits, topk, DcpGeometry(4, 2, 8, 8))
+    assert torch.equal(got, pack_candidates(logits, topk, DcpGeometry(4, 2, 8, 8)))
+    assert kernel_stage_impls(cuda_device, torch.bfloat16, 576, 512)["select"] == "cutedsl"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -662,12 +684,8 @@ def test_cutedsl_wrapper_rejects_bad_input_without_a_gpu():
     assert default_variant(8, 2048, 2048, True) == "regs" and default_variant(8, 4096, 4096, False) == "regs"
 
 
-def test_backend_merge_matches_reference_on_cpu():
-    from dcp_ref.kernels import topk_backend as tb
-
+def test_merge_topk_global_matches_all_logits_on_simulated_ranks():
     scores = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
     logits_r, topk_r = local_topk_by_owner(scores, 5, 3, 2)
-    world = SimulatedWorld(3)
-    for backend in ("torch", "auto"):
-        res = world.run(lambda g, lg, tk: tb.merge_topk_global(g, lg, tk, 4, interleave=2, sorted=True, backend=backend), logits_r, topk_r)
-        assert all(r.tolist() == global_topk_all_logits(scores, 4).tolist() for r in res)
+    res = SimulatedWorld(3).run(lambda g, lg, tk: merge_topk_global(g, lg, tk, 4, interleave=2, sorted=True), logits_r, topk_r)
+    assert all(r.tolist() == global_topk_all_logits(scores, 4).tolist() for r in res)

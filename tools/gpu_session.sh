@@ -16,7 +16,7 @@
 #   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh sanitize")
 #   run(command="tools/gpu_session.sh bench")          # includes bench_step.py --fp8 at W = 1 and 2
 #
-# After the masked de-interleave kernel (slots + counts in one launch) and the rowscan workspace change:
+# After the masked deinterleave kernel (slots + counts in one launch) and the rowscan workspace change:
 #   run(kind="nvidia-h200-x2", carry=[".gpu/cute"], command="tools/gpu_session.sh install-cute")
 #   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh masked")   # sanitizer, tests, step bf16 + FP8
 #
@@ -150,7 +150,7 @@ case "$what" in
     wait
     cat "$work/notebooks.txt"
     ;;
-  masked)  # after install-cute: what the masked de-interleave kernel (one launch: slots + counts) touches
+  masked)  # after install-cute: what the masked deinterleave kernel (one launch: slots + counts) touches
     install_bundle .gpu/flashinfer
     python3 -c "import cutlass, flashinfer, flash_mla; print('cutlass, flashinfer, flash_mla: ok')" || exit 3
     (san 0 memcheck deinterleave benchmarks/sanitize_all.py --only deinterleave --out "$work/md"

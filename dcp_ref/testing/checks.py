@@ -22,7 +22,7 @@ checker                         calls your ``fn`` as
 ==============================  ======================================================================
 :func:`check_indexer`           ``fn(scores, lengths, geometry, k, row_starts=None)`` -> ``[T, k, 2]``
 :func:`check_local_topk`        ``fn(scores, k, lengths, row_starts)`` -> int ``[T, k]`` local indices
-:func:`check_pack`              ``fn(scores, local_ids, rank, world_size, interleave, row_starts)``
+:func:`check_pack`              ``fn(scores, local_ids, geometry, row_starts)`` -> ``[T, K, 2]``
 :func:`check_select`            ``fn(gathered, k)`` -> int32 ``[T, k]``
 :func:`check_deinterleave`      ``fn(global_ids, req_of_token, block_table, geometry)`` -> ``(slots, counts)``
 :func:`check_attention`         ``fn(q, kv_cache, slots, counts, sm_scale, v_dim)`` -> ``(out, lse)``
@@ -569,11 +569,11 @@ def check_pack(
     seed: int | None = None,
     shrink_budget: int = DEFAULT_SHRINK_BUDGET,
 ) -> None:
-    """Check a pack: ``fn(scores, local_ids, rank, world_size, interleave, row_starts)`` -> float32 ``[T, K, 2]``.
+    """Check a pack: ``fn(scores, local_ids, geometry, row_starts)`` -> float32 ``[T, K, 2]``.
 
-    (The order of :func:`dcp_ref.topk.pack_candidates`.) Position by position: local index ``j`` ->
-    ``(scores[t, row_starts[t] + j] as float32, global id)`` with the global id
-    ``(j // I)*(W*I) + rank*I + j % I``; ``-1`` -> ``(-inf, -1)``. NaN scores are packed as NaN.
+    (The signature of :func:`dcp_ref.topk.pack_candidates`; ``geometry`` a :class:`~dcp_ref.geometry.DcpGeometry`.)
+    Position by position: local index ``j`` -> ``(scores[t, row_starts[t] + j] as float32, global id)`` with the
+    global id ``(j // I)*(W*I) + rank*I + j % I``; ``-1`` -> ``(-inf, -1)``. NaN scores are packed as NaN.
     ``dtypes``: the score dtypes your pack accepts.
     """
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
@@ -585,7 +585,7 @@ def check_pack(
         v = case.values
         T, K = v["local_ids"].shape
         _check_shape_dtype(got, (T, K, 2), (torch.float32,), "the result", case)
-        exp = oracle.pack(v["scores"], v["local_ids"], v["rank"], v["world_size"], v["interleave"], v["row_starts"])
+        exp = oracle.pack(v["scores"], v["local_ids"], v["geometry"], v["row_starts"])
         diffs = []
         for t in range(T):
             g, e = _pairs(got, t), _pairs(exp, t)
@@ -600,7 +600,7 @@ def check_pack(
 
     def expected(case: Case) -> str:
         v = case.values
-        e = oracle.pack(v["scores"], v["local_ids"], v["rank"], v["world_size"], v["interleave"], v["row_starts"])
+        e = oracle.pack(v["scores"], v["local_ids"], v["geometry"], v["row_starts"])
         return f"expected = {S.tensor_literal(e)}"
 
     _run(
@@ -645,10 +645,8 @@ def check_indexer(
     )
 
     def oracle_of(case: Case) -> torch.Tensor:
-        v, g = case.values, case.values["geometry"]
-        return oracle.indexer(
-            v["scores"], v["lengths"], v["k"], g.rank, g.world_size, g.interleave, v.get("row_starts")
-        )
+        v = case.values
+        return oracle.indexer(v["scores"], v["lengths"], v["k"], v["geometry"], v.get("row_starts"))
 
     def evaluate(case: Case) -> None:
         call = _invoke(fn, case, dev)
@@ -697,7 +695,7 @@ def check_indexer(
     )
 
 
-# ---- de-interleave ------------------------------------------------------------------------------
+# ---- deinterleave ------------------------------------------------------------------------------
 def check_deinterleave(
     fn: Callable,
     *,
@@ -712,7 +710,7 @@ def check_deinterleave(
     seed: int | None = None,
     shrink_budget: int = DEFAULT_SHRINK_BUDGET,
 ) -> None:
-    """Check a de-interleave stage: ``fn(global_ids, req_of_token, block_table, geometry)`` -> ``(slots, counts)``.
+    """Check a deinterleave stage: ``fn(global_ids, req_of_token, block_table, geometry)`` -> ``(slots, counts)``.
 
     Id ``p`` is this rank's when ``(p // I) % W == rank``; its slot is ``block_table[req, l // bs] * bs +
     l % bs`` with ``l = (p // (W*I))*I + p % I``. Out-of-contract metadata is *poisoned* with
@@ -735,10 +733,8 @@ def check_deinterleave(
     )
 
     def oracle_of(case: Case) -> torch.Tensor:
-        v, g = case.values, case.values["geometry"]
-        return oracle.deinterleave(
-            v["global_ids"], v["req_of_token"], v["block_table"], g.block_size, g.world_size, g.rank, g.interleave
-        )
+        v = case.values
+        return oracle.deinterleave(v["global_ids"], v["req_of_token"], v["block_table"], v["geometry"])
 
     def evaluate(case: Case) -> None:
         call = _invoke(fn, case, dev)

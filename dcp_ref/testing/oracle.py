@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..geometry import DcpGeometry  # a value (four checked ints), not a stage: the formulas below are the oracle's own
+
 __all__ = [
     "float32_value",
     "selection_key",
@@ -140,22 +142,29 @@ def local_topk(
     return _pad(rows, k)
 
 
-def _to_global(j: int, rank: int, world_size: int, interleave: int) -> int:
+def _to_global(j: int, world_size: int, rank: int, interleave: int) -> int:
     return (j // interleave) * (world_size * interleave) + rank * interleave + j % interleave
+
+
+def _geometry(geometry: object) -> DcpGeometry:
+    if not isinstance(geometry, DcpGeometry):
+        raise TypeError(f"geometry must be a dcp_ref.geometry.DcpGeometry, got {type(geometry).__name__}")
+    return geometry
 
 
 def pack(
     scores: torch.Tensor,
     local_ids: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(score, global id)`` of each local index, position by position; ``(-inf, -1)`` for ``-1``.
 
-    Returns float32 ``[T, K, 2]``; the score is the float32 value of column ``row_starts[t] + j``.
+    The global id of local index ``j`` on rank ``r`` is ``(j // I)*(W*I) + r*I + j % I`` (``geometry``'s
+    world size, rank and interleave). Returns float32 ``[T, K, 2]``; the score is the float32 value of
+    column ``row_starts[t] + j``.
     """
+    g = _geometry(geometry)
     s = _tensor(scores, "scores", _FLOAT, 2)
     ids = _tensor(local_ids, "local_ids", _INT, 2)
     T, K = ids.shape
@@ -168,7 +177,7 @@ def pack(
                 out[t, c, 0], out[t, c, 1] = -math.inf, -1.0
             else:
                 out[t, c, 0] = float(s[t, int(st[t]) + j])
-                out[t, c, 1] = float(_to_global(j, rank, world_size, interleave))
+                out[t, c, 1] = float(_to_global(j, g.world_size, g.rank, g.interleave))
     return out
 
 
@@ -176,16 +185,14 @@ def indexer(
     scores: torch.Tensor,
     lengths: torch.Tensor,
     k: int,
-    rank: int,
-    world_size: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
     row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The indexer stage: :func:`local_topk` then :func:`pack` (float32 ``[T, k, 2]``, selection order)."""
-    return pack(scores, local_topk(scores, k, lengths, row_starts), rank, world_size, interleave, row_starts)
+    return pack(scores, local_topk(scores, k, lengths, row_starts), geometry, row_starts)
 
 
-#: The slot a de-interleave stage writes for out-of-contract metadata (``dcp_ref.deinterleave.POISON_SLOT``,
+#: The slot a deinterleave stage writes for out-of-contract metadata (``dcp_ref.deinterleave.POISON_SLOT``,
 #: restated here: the oracle imports no stage module).
 POISON_SLOT = 2**31 - 1
 
@@ -194,14 +201,12 @@ def deinterleave(
     global_ids: torch.Tensor,
     req_of_token: torch.Tensor,
     block_table: torch.Tensor,
-    block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int = 1,
+    geometry: DcpGeometry,
 ) -> torch.Tensor:
     """Physical slot of each global id on this rank, position by position (``-1`` when not here).
 
-    Id ``p`` is here when ``p >= 0`` and ``(p // I) % W == rank``; its slot is
+    With ``geometry``'s ``W``, ``rank``, ``I`` and ``block_size``: id ``p`` is here when ``p >= 0`` and
+    ``(p // I) % W == rank``; its slot is
     ``block_table[req, l // block_size] * block_size + l % block_size`` with
     ``l = (p // (W*I))*I + p % I``. Out-of-contract metadata gives :data:`POISON_SLOT` (``2**31 - 1``,
     which the attention stage turns into NaN) instead of a plausible "not here": an id this rank owns
@@ -215,7 +220,8 @@ def deinterleave(
     bt = _tensor(block_table, "block_table", _INT, 2)
     T, K = ids.shape
     B, M = bt.shape
-    w, i, bs = world_size, interleave, block_size
+    g = _geometry(geometry)
+    w, rank, i, bs = g.world_size, g.rank, g.interleave, g.block_size
     out = torch.full((T, K), -1, dtype=torch.int64)
     for t in range(T):
         b = int(req[t])
@@ -376,9 +382,12 @@ class DecodeResult:
     lse: torch.Tensor
     ids: torch.Tensor
 
-    def head_shard(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of the heads rank ``rank`` holds after the merge's reduce-scatter."""
+    def head_shard(self, world_size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of the heads rank ``rank`` of ``world_size`` holds after the merge's reduce-scatter
+        (the project's order: ``world_size, rank``; ``0 <= rank < world_size``, else ``ValueError``)."""
         H = self.out.shape[1]
+        if not (isinstance(world_size, int) and isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"rank must satisfy 0 <= rank < world_size, got world_size={world_size}, rank={rank}")
         if H % world_size:
             raise ValueError(f"H={H} heads must be divisible by world_size={world_size}")
         hs = H // world_size

@@ -482,7 +482,7 @@ def pack_cases(
     dtypes: Sequence[torch.dtype] = (torch.float32,),
     noncontig: bool = True,
 ) -> Case:
-    """The pack: ``fn(scores, local_ids, rank, world_size, interleave, row_starts)`` -> ``[T, K, 2]``.
+    """The pack: ``fn(scores, local_ids, geometry, row_starts)`` -> ``[T, K, 2]``.
 
     ``local_ids`` are distinct indices inside each row's keys, ``-1`` anywhere; scores include NaN,
     ``±0``, ``±inf`` (packed as they are).
@@ -508,9 +508,7 @@ def pack_cases(
     code: dict[str, str] = {}
     _tensor_case_value(values, code, "scores", s.to(dtype))
     _tensor_case_value(values, code, "local_ids", torch.tensor(ids, dtype=torch.int64).reshape(T, K))
-    _scalar(values, code, "rank", geo.rank)
-    _scalar(values, code, "world_size", geo.world_size)
-    _scalar(values, code, "interleave", geo.interleave)
+    _scalar(values, code, "geometry", geo)
     if use_starts:
         _ints(values, code, "row_starts", starts, torch.int64)
     else:
@@ -519,12 +517,12 @@ def pack_cases(
         "pack",
         values,
         code,
-        ("scores", "local_ids", "rank", "world_size", "interleave", "row_starts"),
+        ("scores", "local_ids", "geometry", "row_starts"),
         noncontig=_noncontig(draw, noncontig, ["scores", "local_ids"]),
     )
 
 
-# ---- de-interleave -----------------------------------------------------------------------------
+# ---- deinterleave -----------------------------------------------------------------------------
 @st.composite
 def deinterleave_cases(
     draw: st.DrawFn,
@@ -539,7 +537,7 @@ def deinterleave_cases(
     noncontig: bool = True,
     with_out: bool = False,
 ) -> Case:
-    """The de-interleave stage: ``fn(global_ids, req_of_token, block_table, geometry[, compact=False])``.
+    """The deinterleave stage: ``fn(global_ids, req_of_token, block_table, geometry[, compact=False])``.
 
     Ids are distinct per row with ``-1`` anywhere; mostly this rank's keys of the token's request (rows
     where every id is local happen), else any position: other ranks' keys, keys past the block table or
@@ -1086,7 +1084,7 @@ def adversarial_deinterleave_cases(
     compact: bool = True,
     with_out: bool = False,
 ) -> list[Case]:
-    """De-interleave on rank 1 of ``W = 2``, ``I = 2``, block size 4: a row with a slot, ids of the other
+    """Deinterleave on rank 1 of ``W = 2``, ``I = 2``, block size 4: a row with a slot, ids of the other
     rank, an id on a block entry ``-3`` and one past the table (both poisoned); a row whose request id
     (3) is not a row of the 2-row table (all poisoned); a row with a ``-1`` block."""
     if max_world < 2 or max_k < 7:
