@@ -4,8 +4,8 @@
 #   ./dev.sh test    run every test: pytest (unit + property + Triton-interpreter + CuTeDSL
 #                    compile tests) and nbval over every notebook; GPU tests are skipped
 #                    without CUDA (run them on a GPU with: ./dev.sh test -m gpu)
-#   ./dev.sh lint    ruff check, ruff format --check and mypy on dcp_ref/ and kernels/ (ruff.toml,
-#                    mypy.ini; `ruff format dcp_ref kernels` fixes the formatting)
+#   ./dev.sh lint    ruff check and ruff format --check on dcp_ref/, kernels/, tests/ and benchmarks/,
+#                    mypy on dcp_ref/ and kernels/ (ruff.toml, mypy.ini; `ruff format <dir>` fixes the formatting)
 # Extra arguments after `test` go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -52,8 +52,9 @@ case "$cmd" in
     fi
     # Run all three, then fail if any failed: one run shows every finding.
     rc=0
-    "$VENV/bin/ruff" check dcp_ref kernels || rc=1
-    "$VENV/bin/ruff" format --check dcp_ref kernels || rc=1
+    lint_dirs=(dcp_ref kernels tests benchmarks)
+    "$VENV/bin/ruff" check "${lint_dirs[@]}" || rc=1
+    "$VENV/bin/ruff" format --check "${lint_dirs[@]}" || rc=1
     "$VENV/bin/mypy" || rc=1  # mypy.ini names the files (dcp_ref, kernels)
     exit $rc ;;
   *)

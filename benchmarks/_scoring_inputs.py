@@ -14,9 +14,7 @@ per token in [2**-9, 2**-6]; queries: standard-normal values rounded to e4m3; we
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -145,21 +143,6 @@ def copy_bandwidth() -> float:
 def device_info() -> dict[str, Any]:
     p = torch.cuda.get_device_properties(0)
     return {"name": p.name, "sms": p.multi_processor_count, "capability": f"{p.major}.{p.minor}"}
-
-
-def base_versions() -> dict[str, Any]:
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001 - not installed: recorded as such
-        out["triton"] = None
-    return out
-
-
-def now_utc() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def floors(t: int, n: int, bandwidth: float, out_bytes: int) -> dict[str, Any]:

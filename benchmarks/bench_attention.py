@@ -31,11 +31,9 @@ x ``num_splits`` per shape and prints the best per shape next to the default pla
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import inspect
 import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -48,6 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import _meta  # noqa: E402
 from _graphs import capture  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 from dcp_ref.attention import sparse_mla_attention  # noqa: E402
@@ -60,25 +59,6 @@ PEAK_BF16_FLOPS = 989e12  # H200 SXM, dense bf16 tensor cores
 CACHE_ROWS = 131072
 
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    v = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else "-",
-        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-    }
-    for dist in ("triton", "flashinfer-python", "sgl-flash-mla"):
-        try:
-            v[dist] = md.version(dist)
-        except Exception:
-            v[dist] = "not installed"
-    return v
 
 
 def graph_us(fn: Callable[[], object], calls: int = 20, reps: int = 5) -> float:
@@ -373,9 +353,9 @@ def main() -> None:
     result: dict = {
         "benchmark": "bench_attention",
         "what": "sparse MLA decode attention of one rank: split-KV Triton kernel vs FlashMLA bf16 sparse / FP8 decode",
-        "device": versions()["device"],
-        "versions": versions(),
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": _meta.device()["device"],
+        "versions": {**_meta.device(), **_meta.versions()},
+        "date_utc": _meta.now_utc(),
         "note": args.note,
         "config": {
             "Dqk": DQK,

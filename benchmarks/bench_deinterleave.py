@@ -20,9 +20,7 @@ plus the counts, against the device copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import platform
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +34,7 @@ INTERLEAVES = (1, 64)
 BLOCK_SIZE = 64
 CONTEXT = 65536
 
+import _meta  # noqa: E402
 from _graphs import capture  # noqa: E402
 from _progress import progress  # noqa: E402  (the benchmarks' folder is on sys.path)
 
@@ -56,18 +55,6 @@ CONFIGS = [
     ("twopass", 256, 4),
     ("twopass", 512, 4),
 ]
-
-
-def versions() -> dict:
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name, mod in (("triton", "triton"), ("cutlass_dsl", "cutlass"), ("flashinfer", "flashinfer")):
-        try:
-            m = __import__(mod)
-            out[name] = getattr(m, "__version__", "unknown")
-        except Exception:  # not installed on the device image: recorded as such
-            out[name] = None
-    out["cuda"] = torch.version.cuda
-    return out
 
 
 def make_inputs(rows: int, w: int, i: int, gen: torch.Generator, dev: torch.device):
@@ -138,8 +125,8 @@ def run(args) -> dict:
     result: dict[str, Any] = {
         "benchmark": "deinterleave (deinterleave + compaction: global ids -> local physical slots, compacted)",
         "device": device,
-        "versions": versions(),
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "versions": _meta.versions(),
+        "date_utc": _meta.now_utc(),
         "shapes": {
             "rows": list(ROWS),
             "topk": TOPK,

@@ -45,11 +45,11 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import sys
 import tempfile
 from typing import Any
 
+import _meta
 import torch
 from _graphs import capture
 from _progress import progress
@@ -106,17 +106,6 @@ def combine_bytes(world: int, heads: int) -> dict[str, int]:
 
 
 # ---- metadata, timing ------------------------------------------------------------------------------
-def versions() -> dict[str, Any]:
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for name, mod in (("triton", "triton"), ("cutlass_dsl", "cutlass"), ("tvm_ffi", "tvm_ffi")):
-        try:
-            m = __import__(mod)
-            out[name] = getattr(m, "__version__", "unknown")
-        except Exception:  # noqa: BLE001 - not installed: recorded as such
-            out[name] = None
-    return out
-
-
 def graph_us(fn, reps: int = REPS) -> float:
     """Device time per call: a CUDA graph of ``reps`` calls, replayed under do_bench (median), / ``reps``."""
     import triton.testing
@@ -464,7 +453,7 @@ def main() -> int:
     meta = {
         "benchmark": "owner-local exchange: select_to_slots and the combine merge (benchmarks/bench_exchange.py)",
         "device": torch.cuda.get_device_name(),
-        "versions": versions(),
+        "versions": _meta.versions(),
         "peers": sorted(peers),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": f"CUDA graph of {REPS} back-to-back calls, triton.testing.do_bench median of replays / {REPS}",

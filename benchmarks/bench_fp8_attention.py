@@ -35,10 +35,8 @@ conversion + compaction (what the compact layouts need).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
-import platform
 import statistics
 import sys
 import traceback
@@ -50,6 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import _meta  # noqa: E402
 from _graphs import capture  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 from dcp_ref.attention import sparse_mla_attention  # noqa: E402
@@ -58,24 +57,6 @@ from dcp_ref.geometry import DcpGeometry  # noqa: E402
 
 H, DQK, DV = 128, 576, 512
 SM_SCALE = 192**-0.5  # DeepSeek V3.2: 1 / sqrt(128 + 64)
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    v = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else "-",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-    }
-    for dist in ("triton", "flashinfer-python", "sgl-flash-mla"):
-        try:
-            v[dist] = md.version(dist)
-        except Exception:
-            v[dist] = "not installed"
-    return v
 
 
 def graph_us(fn: Callable[[], object], replays: int = 100, reps: int = 5) -> float:
@@ -298,9 +279,9 @@ def main() -> None:
     result = {
         "benchmark": "bench_fp8_attention",
         "what": "sparse MLA decode of one rank: FlashMLA FP8 masked vs FlashMLA bf16 compact vs FlashInfer FA3",
-        "device": versions()["device"],
-        "versions": versions(),
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": _meta.device()["device"],
+        "versions": {**_meta.device(), **_meta.versions()},
+        "date_utc": _meta.now_utc(),
         "config": {
             "H": H,
             "Dqk": DQK,

@@ -36,8 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _meta
 import torch
-from bench_step import _eager_time_us, _graph_time_us, _profile_counts, _versions  # benchmarks/ is on sys.path
+from bench_step import _eager_time_us, _graph_time_us, _profile_counts  # benchmarks/ is on sys.path
 
 H, DQK, DV, TOPK, BLOCK = 128, 576, 512, 2048, 64
 INDEX_HEADS, INDEX_DIM = 64, 128
@@ -307,7 +308,7 @@ def main() -> None:
     def result() -> dict[str, Any]:
         return {
             "device": torch.cuda.get_device_name(dev),
-            "versions": _versions(),
+            "versions": _meta.versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "shapes": {"H": H, "Dqk": DQK, "Dv": DV, "topk": TOPK, "block_size": BLOCK, "index_heads": INDEX_HEADS},
             "how": __doc__.split("\n\n")[1] if __doc__ else "",

@@ -34,14 +34,13 @@ The whole script takes about 4 minutes on an H200 (most of it compiling the vari
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
-import platform
 import sys
 import time
 
+import _meta
 import torch
 from _graphs import capture  # the benchmarks' folder is on sys.path
 
@@ -83,23 +82,6 @@ SWEEP = (
     + [(1024, 32768, dict(compact=False)), (1, 131072, dict(compact=False)), (128, 32768, dict(compact=False))]
     + [(1024, 8192, dict(select=s)) for s in ("search", "radix")]
 )
-
-
-def versions() -> dict:
-    import triton
-
-    out = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-    }
-    for name, mod in (("cutlass_dsl", "cutlass"), ("flashinfer", "flashinfer")):
-        try:
-            out[name] = getattr(__import__(mod), "__version__", "unknown")
-        except Exception:  # not installed on this image: recorded as such
-            out[name] = None
-    return out
 
 
 def bench(fn) -> dict:
@@ -511,8 +493,8 @@ def main() -> int:
             "sms": props.multi_processor_count,
             "capability": f"{props.major}.{props.minor}",
         },
-        "versions": versions(),
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "versions": _meta.versions(),
+        "date_utc": _meta.now_utc(),
         "argv": sys.argv[1:],
         "copy_bandwidth_TBps": bw / 1e12,
         "launch_floor_us": floor,

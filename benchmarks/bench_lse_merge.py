@@ -23,11 +23,9 @@ flushed before every call) with 20/80 % quantiles.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,35 +38,9 @@ sys.path.insert(0, str(ROOT))
 H, D = 128, 512
 ISSUE_COPY_TBPS = 4.23
 
+import _meta  # noqa: E402
 from _graphs import capture  # noqa: E402
 from _progress import progress  # noqa: E402  (the benchmarks' folder is on sys.path)
-
-
-def versions() -> dict:
-    import triton
-
-    v = {
-        "device": torch.cuda.get_device_name(),
-        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-    try:
-        import flashinfer
-
-        v["flashinfer"] = flashinfer.__version__
-    except Exception as e:  # noqa: BLE001
-        v["flashinfer"] = f"unavailable ({type(e).__name__})"
-    try:
-        import importlib.metadata as md
-
-        v["nvidia-cutlass-dsl"] = md.version("nvidia-cutlass-dsl")
-    except Exception:  # noqa: BLE001
-        v["nvidia-cutlass-dsl"] = "not installed (not used here)"
-    return v
 
 
 def bench(fn) -> dict:
@@ -414,7 +386,7 @@ def main() -> int:
     if args.sanitize:
         sanitize()
         return 0
-    meta = versions()
+    meta = {**_meta.device(), **_meta.versions(), "date_utc": _meta.now_utc()}
     if args.floor:
         out = args.out or Path(os.environ.get("OUT", "."))
         out.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,7 @@ import time
 import traceback
 from typing import Any
 
+import _meta
 import _scoring_inputs as si
 import torch
 
@@ -106,16 +107,6 @@ def load_peers(folder: str | None) -> tuple[dict[str, Any], dict[str, str]]:
         except Exception as e:  # noqa: BLE001 - a missing bundle (cutlass) skips that column, recorded
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     return mods, errors
-
-
-def versions() -> dict[str, Any]:
-    out = si.base_versions()
-    for name, mod in (("cutlass_dsl", "cutlass"), ("flashinfer", "flashinfer")):
-        try:
-            out[name] = getattr(__import__(mod), "__version__", "unknown")
-        except Exception:  # noqa: BLE001 - not installed: recorded as such
-            out[name] = None
-    return out
 
 
 def pair_bits(packed: torch.Tensor) -> torch.Tensor:
@@ -359,8 +350,8 @@ def main() -> int:
         "local top-K + pack (kernels/scored_indexer_triton.py); peers: DeepGEMM fp8_paged_mqa_logits, vLLM top-K "
         "+ pack",
         "device": si.device_info(),
-        "versions": versions(),
-        "date_utc": si.now_utc(),
+        "versions": _meta.versions(),
+        "date_utc": _meta.now_utc(),
         "argv": sys.argv[1:],
         "copy_bandwidth_TBps": bw / 1e12,
         "fp8_peak_TFLOPs": si.FP8_PEAK_FLOPS / 1e12,

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _meta
 import torch
 from _graphs import capture  # the benchmarks' folder is on sys.path
 from _progress import progress
@@ -36,18 +37,6 @@ WITH_FLASHINFER = True
 FP8 = False
 #: vLLM's kernels measured side by side with ours on this H200 at T = 32, W = 2 (graph replay; pack eager).
 VLLM_QUOTED_T32_W2 = {"pack": 6.8, "select": 11.5, "deinterleave": 9.5, "merge": 8.5}
-
-
-def _versions() -> dict[str, Any]:
-    import importlib.metadata as md
-
-    v: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    for name in ("triton", "nvidia-cutlass-dsl", "flashinfer-python", "sgl-flash-mla"):
-        try:
-            v[name] = md.version(name)
-        except md.PackageNotFoundError:
-            v[name] = None
-    return v
 
 
 def make_inputs(world: int, rank: int, T: int, ctx: int, device: torch.device, seed: int = 0, fp8: bool = False):
@@ -243,7 +232,17 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     q, shard, meta, g = make_inputs(world, rank, T, ctx, device, fp8=FP8)
     kv_format = "fp8_ds_mla" if FP8 else "native"
     stages = kernel_stages(device, torch.bfloat16, DQK, DV, num_heads=H, topk=TOPK, kv_format=kv_format)
-    spec = StepSpec(g, max_tokens=T, topk=TOPK, num_heads=H, head_dim=DQK, v_dim=DV, sm_scale=SCALE, dtype=torch.bfloat16, device=device)
+    spec = StepSpec(
+        g,
+        max_tokens=T,
+        topk=TOPK,
+        num_heads=H,
+        head_dim=DQK,
+        v_dim=DV,
+        sm_scale=SCALE,
+        dtype=torch.bfloat16,
+        device=device,
+    )
     t_plan = time.perf_counter()
     step = PlannedStep(group, spec, stages)
     plan_ms = (time.perf_counter() - t_plan) * 1e3
@@ -359,7 +358,7 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         doc = {
             "device": torch.cuda.get_device_name(device),
-            "versions": _versions(),
+            "versions": _meta.versions(),
             "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": world,
             "rows": rows,

@@ -26,9 +26,7 @@ the unvalidated call of the same wrapper on the same inputs, measured in the sam
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
 import sys
 import time
@@ -41,28 +39,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import _meta  # noqa: E402  (the benchmarks' folder is on sys.path)
+
 from dcp_ref.geometry import DcpGeometry  # noqa: E402
 
 TARGET_RATIO, TARGET_SLACK_US = 1.5, 10.0
-
-
-def versions() -> dict:
-    v: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
-        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability()),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-    for mod, key in (("triton", "triton"), ("flash_mla", "sgl-flash-mla"), ("flashinfer", "flashinfer")):
-        try:
-            import importlib.metadata as md
-
-            v[key] = __import__(mod).__version__ if hasattr(__import__(mod), "__version__") else md.version(key)
-        except Exception as e:  # noqa: BLE001
-            v[key] = f"unavailable ({type(e).__name__})"
-    return v
 
 
 def eager_us(fn: Callable[[], object], n: int, reps: int) -> dict:
@@ -264,7 +245,7 @@ def main() -> None:
             rows += bench(T, n, reps)
     timed = [r for r in rows if "meets_target" in r]
     result = {
-        "versions": versions(),
+        "versions": {**_meta.device(), **_meta.versions(), "date_utc": _meta.now_utc()},
         "target": f"validated <= {TARGET_RATIO} x unvalidated + {TARGET_SLACK_US} us (eager call)",
         "method": f"eager wall time of {n} back-to-back calls / {n}, median of {reps} repetitions",
         "all_meet_target": bool(timed) and all(r["meets_target"] for r in timed),

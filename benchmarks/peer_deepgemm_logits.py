@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _meta  # this folder
 import _scoring_inputs as si  # this folder; it also puts the project on sys.path
 
 
@@ -108,11 +109,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help=f"only {si.QUICK}")
     args = ap.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    data: dict[str, Any] = {"peer": "DeepGEMM fp8_paged_mqa_logits", "date_utc": si.now_utc(), "argv": sys.argv[1:]}
+    data: dict[str, Any] = {"peer": "DeepGEMM fp8_paged_mqa_logits", "date_utc": _meta.now_utc(), "argv": sys.argv[1:]}
     try:
         import deep_gemm as dg
 
-        data["versions"] = si.base_versions() | {
+        data["versions"] = _meta.versions(import_missing=False) | {
             "deep_gemm": getattr(dg, "__version__", None),
             "deep_gemm_file": getattr(dg, "__file__", None),
         }

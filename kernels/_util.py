@@ -1,12 +1,25 @@
-"""Small host-side helpers shared by the kernel wrappers (plain Python: no GPU, no Triton/CuTeDSL import)."""
+"""Small host-side helpers shared by the kernel wrappers (plain Python and torch: no Triton/CuTeDSL import)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["next_pow2", "per_thread"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["cdiv", "next_pow2", "sm_count", "per_thread", "check_flag"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, ``b >= 1``.
+
+    Plain Python on purpose, as :func:`next_pow2`: ``triton.cdiv`` is a JIT-aware wrapper that costs
+    microseconds per call on the host. (Inside ``@triton.jit`` code use ``tl.cdiv``.)
+    """
+    return -(-a // b)
 
 
 def next_pow2(n: int) -> int:
@@ -16,6 +29,22 @@ def next_pow2(n: int) -> int:
     microseconds per call on the host, and the wrappers call this on the decode hot path.
     """
     return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=64)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (cached per device); 1 for any other device."""
+    import torch
+
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def per_thread(store: threading.local, key: Any, make: Callable[[], Any]) -> Any:
@@ -30,3 +59,23 @@ def per_thread(store: threading.local, key: Any, make: Callable[[], Any]) -> Any
     if key not in cache:
         cache[key] = make()
     return cache[key]
+
+
+_CHECK_FLAGS: dict[tuple[int, Any, int], torch.Tensor] = {}
+
+
+def check_flag(dev: torch.device) -> torch.Tensor:
+    """A zeroed int64 flag for a validated call's in-kernel checks, one per thread, device and stream,
+    made once: a good call leaves it at 0, a call that finds it raised clears it before raising.
+
+    Shared by the wrappers that check inside their kernel (the pack, the indexer): each reads and
+    clears the flag before it returns, so calls on one stream never see each other's flag.
+    """
+    import torch
+
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (threading.get_ident(), dev, stream)
+    flag = _CHECK_FLAGS.get(key)
+    if flag is None:
+        flag = _CHECK_FLAGS[key] = torch.zeros(1, dtype=torch.int64, device=dev)
+    return flag

@@ -81,7 +81,7 @@ from dcp_ref._checks import (
 )
 from dcp_ref.attention import check_sm_scale
 
-from ._util import next_pow2, per_thread
+from ._util import cdiv, next_pow2, per_thread, sm_count
 
 __all__ = [
     "SPLITKV_DTYPES",
@@ -218,19 +218,8 @@ def finish_rows(m_i, l_i, acc, poisoned):
 
 @triton.jit
 def combine_splits(
-    ws_o_ptr,
-    ws_lse_ptr,
-    t,
-    heads,
-    hmask,
-    v,
-    vmask,
-    n_act,
-    H,
-    NUM_SPLITS,
-    DV: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
+    ws_o_ptr, ws_lse_ptr, t, heads, hmask, v, vmask, n_act, H, NUM_SPLITS, DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
     """LSE-weighted sum of the first ``n_act`` splits' partials of row ``t`` (the others hold no key and are
     not read). Returns ``(acc [BLOCK_HC, BLOCK_VC], m_safe, total)`` in base 2: ``acc = sum_s w_s o_s``,
     ``w_s = 2^(lse_s - m_safe)``, ``total = sum_s w_s``. A NaN or ``+inf`` partial LSE (a poisoned split,
@@ -280,46 +269,14 @@ _NO_SPEC = ["H", "K", "S", "KV_BS", "NUM_SPLITS", "SPLIT_LEN", "HEAD_GROUPS"]
 
 @triton.jit(do_not_specialize=_NO_SPEC)
 def splitkv_partial_kernel(
-    q_ptr,
-    kv_ptr,
-    slots_ptr,
-    counts_ptr,
-    ws_o_ptr,
-    ws_lse_ptr,
-    out_ptr,
-    lse_ptr,
-    H,
-    K,
-    S,
-    KV_BS,
-    scale_log2,
-    NUM_SPLITS,
-    SPLIT_LEN,
-    HEAD_GROUPS,
-    s_qt,
-    s_qh,
-    s_qd,
-    s_kvb,
-    s_kvr,
-    s_kvd,
-    s_st,
-    s_sk,
-    s_ot,
-    s_oh,
-    s_ov,
-    s_lt,
-    s_lh,
-    DV: tl.constexpr,
-    DR: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    BLOCK_DR: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    FINAL: tl.constexpr,
-    PAGED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
+    q_ptr, kv_ptr, slots_ptr, counts_ptr, ws_o_ptr, ws_lse_ptr, out_ptr, lse_ptr,
+    H, K, S, KV_BS, scale_log2, NUM_SPLITS, SPLIT_LEN, HEAD_GROUPS,
+    s_qt, s_qh, s_qd, s_kvb, s_kvr, s_kvd, s_st, s_sk,  # q, kv rows, slots
+    s_ot, s_oh, s_ov, s_lt, s_lh,  # out, lse
+    DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FINAL: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
     """Phase 1: program ``(head group, split, token)`` (head group fastest: the programs that gather the same
     rows run together and share them through L2). ``FINAL`` (one split): write the stage's outputs directly."""
     pid = tl.program_id(0)
@@ -370,27 +327,11 @@ def splitkv_partial_kernel(
 
 @triton.jit(do_not_specialize=["H", "K", "NUM_SPLITS", "SPLIT_LEN", "HEAD_BLOCKS", "V_BLOCKS"])
 def splitkv_combine_kernel(
-    ws_o_ptr,
-    ws_lse_ptr,
-    counts_ptr,
-    out_ptr,
-    lse_ptr,
-    H,
-    K,
-    NUM_SPLITS,
-    SPLIT_LEN,
-    HEAD_BLOCKS,
-    V_BLOCKS,
-    s_ot,
-    s_oh,
-    s_ov,
-    s_lt,
-    s_lh,
-    DV: tl.constexpr,
-    BLOCK_HC: tl.constexpr,
-    BLOCK_VC: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
+    ws_o_ptr, ws_lse_ptr, counts_ptr, out_ptr, lse_ptr,
+    H, K, NUM_SPLITS, SPLIT_LEN, HEAD_BLOCKS, V_BLOCKS,
+    s_ot, s_oh, s_ov, s_lt, s_lh,  # out, lse
+    DV: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_VC: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
     """Phase 2: program ``(value block, head block, token)``: the row's non-empty splits merged by LSE."""
     pid = tl.program_id(0)
     vb = pid % V_BLOCKS
@@ -447,7 +388,7 @@ class SplitKVPlan:
 
     @property
     def head_groups(self) -> int:
-        return -(-self.H // self.block_h)
+        return cdiv(self.H, self.block_h)
 
     @property
     def ctas(self) -> int:
@@ -458,7 +399,7 @@ class SplitKVPlan:
     def combine_ctas(self) -> int:
         if self.num_splits == 1:
             return 0
-        return self.T * -(-self.H // self.combine_block_h) * -(-self.v_dim // self.combine_block_v)
+        return self.T * cdiv(self.H, self.combine_block_h) * cdiv(self.v_dim, self.combine_block_v)
 
     @property
     def workspace_numel(self) -> int:
@@ -473,14 +414,9 @@ class SplitKVPlan:
         return (self.workspace_numel,)
 
 
-@functools.lru_cache(maxsize=64)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _device_sms(device: torch.device) -> int:
     if device.type == "cuda" and not triton_interpreting():
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return sm_count(device)
     return NOMINAL_SM_COUNT
 
 
@@ -511,7 +447,7 @@ def _default_splits(T: int, head_groups: int, K: int, block_n: int, sm_count: in
     shape, i.e. one or two key blocks per program at T = 1: a program's fixed latency (query load, gather
     round trips, partial store) dominates, and more splits only add partial-output traffic to phase 2."""
     want = sm_count * ctas_per_sm / max(T * head_groups, 1)
-    blocks = max(-(-K // block_n), 1)
+    blocks = max(cdiv(K, block_n), 1)
     splits = 1
     while (
         splits * 2 <= blocks
@@ -593,13 +529,13 @@ def _plan(
     bn = block_n if block_n is not None else (d_bn if block_h is None or bh == d_bh else 32)
     nw = num_warps if num_warps is not None else (d_nw if bh == d_bh else (4 if bh <= 16 else 8))
     ns_stages = num_stages if num_stages is not None else (d_ns if bh == d_bh else 2)
-    groups = -(-H // bh)
-    blocks = max(-(-K // bn), 1)
+    groups = cdiv(H, bh)
+    blocks = max(cdiv(K, bn), 1)
     ctas_per_sm = 2 if nw <= 4 else 1  # registers: 128 threads x 251 fit twice in 64K; 256 x 186+ once
     splits = num_splits if num_splits is not None else _default_splits(T, groups, K, bn, sms, ctas_per_sm)
     splits = max(1, min(splits, blocks))
-    split_len = -(-blocks // splits) * bn
-    splits = max(1, -(-max(K, 1) // split_len))  # no split lies entirely past K
+    split_len = cdiv(blocks, splits) * bn
+    splits = max(1, cdiv(max(K, 1), split_len))  # no split lies entirely past K
     # Phase 2 loads every split of a [heads x values] tile at once. Latency-bound at small T (ncu, T = 1: 4 heads
     # x 128 values per program of 4 warps sat at 7-12 % occupancy): one head per program and <= 2048 fp32 per
     # tile (32 per thread at 2 warps) put many more loads in flight.
@@ -776,7 +712,7 @@ def sparse_mla_splitkv(
     )  # fmt: skip
     if split:
         cbh, cbv = plan.combine_block_h, plan.combine_block_v
-        hb, vb = -(-H // cbh), -(-v // cbv)
+        hb, vb = cdiv(H, cbh), cdiv(v, cbv)
         splitkv_combine_kernel[(T * hb * vb,)](
             ws_o, ws_lse, counts, out, out_lse, H, K, plan.num_splits, plan.split_len, hb, vb,
             out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1),

@@ -65,7 +65,7 @@ from dcp_ref.deinterleave import (
     raise_deinterleave_violation,
 )
 from dcp_ref.geometry import DcpGeometry
-from dcp_ref.kernels._util import next_pow2
+from dcp_ref.kernels._util import cdiv, next_pow2
 
 __all__ = [
     "deinterleave_compact",
@@ -102,19 +102,10 @@ _MAX_K_ATOMIC = (1 << _FIELD_BITS) - 1
 
 @triton.jit
 def convert_tile(
-    ids_row_ptr,
-    offs,
-    K,
-    stride_ik,
-    bt_row_ptr,
-    stride_btc,
-    n_blocks,
-    req_ok,
-    DCP_SIZE: tl.constexpr,
-    DCP_RANK: tl.constexpr,
-    DCP_INTERLEAVE: tl.constexpr,
-    KV_BLOCK: tl.constexpr,
-):
+    ids_row_ptr, offs, K, stride_ik,
+    bt_row_ptr, stride_btc, n_blocks, req_ok,
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+):  # fmt: skip
     """Slots and validity of ids ``offs`` of one row (masked tail → invalid).
 
     ``valid``: the entry is counted — an id this rank owns, or *any* entry of a row whose request id
@@ -198,29 +189,13 @@ def compact_tile_atomic(out_row_ptr, counts_ptr, ws_ptr, row, row64, slot, valid
 
 @triton.jit
 def deinterleave_kernel(
-    ids_ptr,
-    req_ptr,
-    bt_ptr,
-    out_ptr,
-    counts_ptr,
-    ws_ptr,
-    K,
-    n_reqs,
-    n_blocks,
-    stride_ir,
-    stride_ik,
-    stride_btr,
-    stride_btc,
-    stride_or,
-    stride_ok,
+    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr, ws_ptr,
+    K, n_reqs, n_blocks,
+    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
     HAS_REQ: tl.constexpr,
-    DCP_SIZE: tl.constexpr,
-    DCP_RANK: tl.constexpr,
-    DCP_INTERLEAVE: tl.constexpr,
-    KV_BLOCK: tl.constexpr,
-    COMPACT_TO_FRONT: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    COMPACT_TO_FRONT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """Grid ``(T, cdiv(K, BLOCK))``. Convert one tile; with ``COMPACT_TO_FRONT`` compact it with
     the packed atomic counter ``ws_ptr[row]`` (int64, zero on entry, zero again on exit)."""
     row = tl.program_id(0)
@@ -229,19 +204,9 @@ def deinterleave_kernel(
     bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     slot, valid = convert_tile(
-        ids_ptr + row64 * stride_ir,
-        offs,
-        K,
-        stride_ik,
-        bt_row_ptr,
-        stride_btc,
-        n_blocks,
-        req_ok,
-        DCP_SIZE,
-        DCP_RANK,
-        DCP_INTERLEAVE,
-        KV_BLOCK,
-    )
+        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+    )  # fmt: skip
     in_row = offs < K
     out_row_ptr = out_ptr + row64 * stride_or
     if COMPACT_TO_FRONT:
@@ -252,28 +217,13 @@ def deinterleave_kernel(
 
 @triton.jit
 def rowscan_kernel(
-    ids_ptr,
-    req_ptr,
-    bt_ptr,
-    out_ptr,
-    counts_ptr,
-    K,
-    n_reqs,
-    n_blocks,
-    stride_ir,
-    stride_ik,
-    stride_btr,
-    stride_btc,
-    stride_or,
-    stride_ok,
+    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr,
+    K, n_reqs, n_blocks,
+    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
     HAS_REQ: tl.constexpr,
-    DCP_SIZE: tl.constexpr,
-    DCP_RANK: tl.constexpr,
-    DCP_INTERLEAVE: tl.constexpr,
-    KV_BLOCK: tl.constexpr,
-    BLOCK: tl.constexpr,
-    COMPACT: tl.constexpr,
-):
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, COMPACT: tl.constexpr,
+):  # fmt: skip
     """Grid ``(T,)``: ordered compaction of one row by a sequential scan over its tiles, and its count.
 
     ``COMPACT=False`` (the masked layout): every entry stays at its position (``-1`` where not
@@ -288,19 +238,9 @@ def rowscan_kernel(
     for start in range(0, K, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         slot, valid = convert_tile(
-            ids_row_ptr,
-            offs,
-            K,
-            stride_ik,
-            bt_row_ptr,
-            stride_btc,
-            n_blocks,
-            req_ok,
-            DCP_SIZE,
-            DCP_RANK,
-            DCP_INTERLEAVE,
-            KV_BLOCK,
-        )
+            ids_row_ptr, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+            DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+        )  # fmt: skip
         in_row = offs < K
         v = valid.to(tl.int32)
         if COMPACT:
@@ -318,25 +258,13 @@ def rowscan_kernel(
 
 @triton.jit
 def twopass_count_kernel(
-    ids_ptr,
-    req_ptr,
-    bt_ptr,
-    ws_ptr,
-    K,
-    n_reqs,
-    n_blocks,
-    n_tiles,
-    stride_ir,
-    stride_ik,
-    stride_btr,
-    stride_btc,
+    ids_ptr, req_ptr, bt_ptr, ws_ptr,
+    K, n_reqs, n_blocks, n_tiles,
+    stride_ir, stride_ik, stride_btr, stride_btc,
     HAS_REQ: tl.constexpr,
-    DCP_SIZE: tl.constexpr,
-    DCP_RANK: tl.constexpr,
-    DCP_INTERLEAVE: tl.constexpr,
-    KV_BLOCK: tl.constexpr,
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
-):
+):  # fmt: skip
     """Pass 1, grid ``(T, n_tiles)``: ``ws[row * n_tiles + tile]`` = valid entries of the tile."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
@@ -344,48 +272,21 @@ def twopass_count_kernel(
     bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     _slot, valid = convert_tile(  # the count pass needs only the validity
-        ids_ptr + row64 * stride_ir,
-        offs,
-        K,
-        stride_ik,
-        bt_row_ptr,
-        stride_btc,
-        n_blocks,
-        req_ok,
-        DCP_SIZE,
-        DCP_RANK,
-        DCP_INTERLEAVE,
-        KV_BLOCK,
-    )
+        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+    )  # fmt: skip
     tl.store(ws_ptr + row64 * n_tiles + tile, tl.sum(valid.to(tl.int32), axis=0).to(tl.int64))
 
 
 @triton.jit
 def twopass_scatter_kernel(
-    ids_ptr,
-    req_ptr,
-    bt_ptr,
-    out_ptr,
-    counts_ptr,
-    ws_ptr,
-    K,
-    n_reqs,
-    n_blocks,
-    n_tiles,
-    stride_ir,
-    stride_ik,
-    stride_btr,
-    stride_btc,
-    stride_or,
-    stride_ok,
+    ids_ptr, req_ptr, bt_ptr, out_ptr, counts_ptr, ws_ptr,
+    K, n_reqs, n_blocks, n_tiles,
+    stride_ir, stride_ik, stride_btr, stride_btc, stride_or, stride_ok,
     HAS_REQ: tl.constexpr,
-    DCP_SIZE: tl.constexpr,
-    DCP_RANK: tl.constexpr,
-    DCP_INTERLEAVE: tl.constexpr,
-    KV_BLOCK: tl.constexpr,
-    BLOCK: tl.constexpr,
-    TILES_POW2: tl.constexpr,
-):
+    DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, TILES_POW2: tl.constexpr,
+):  # fmt: skip
     """Pass 2, grid ``(T, n_tiles)``: exclusive prefix of the tile counts, then the ordered write."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
@@ -397,19 +298,9 @@ def twopass_scatter_kernel(
     bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
     slot, valid = convert_tile(
-        ids_ptr + row64 * stride_ir,
-        offs,
-        K,
-        stride_ik,
-        bt_row_ptr,
-        stride_btc,
-        n_blocks,
-        req_ok,
-        DCP_SIZE,
-        DCP_RANK,
-        DCP_INTERLEAVE,
-        KV_BLOCK,
-    )
+        ids_ptr + row64 * stride_ir, offs, K, stride_ik, bt_row_ptr, stride_btc, n_blocks, req_ok,
+        DCP_SIZE, DCP_RANK, DCP_INTERLEAVE, KV_BLOCK,
+    )  # fmt: skip
     in_row = offs < K
     v = valid.to(tl.int32)
     inv = (in_row & (valid == 0)).to(tl.int32)
@@ -424,12 +315,6 @@ def twopass_scatter_kernel(
 # ----------------------------------------------------------------------------------------------
 # Wrappers
 # ----------------------------------------------------------------------------------------------
-
-
-def _cdiv(a: int, b: int) -> int:
-    # Plain Python on purpose: triton.cdiv / next_power_of_2 are JIT-aware wrappers that cost
-    # microseconds per call on the host, and this wrapper sits on the decode hot path.
-    return -(-a // b)
 
 
 def _default_config(method: str, rows: int, k: int) -> tuple[int, int]:
@@ -475,7 +360,7 @@ def workspace_numel(method: str, rows: int, k: int, block: int | None = None) ->
         return 0
     if method == "atomic":
         return rows
-    return rows * _cdiv(max(k, 1), b)
+    return rows * cdiv(max(k, 1), b)
 
 
 def _check_common(
@@ -556,27 +441,14 @@ def _check_aliases(token_ids, req_of_token, block_table, **outs) -> None:
 
 def _rowscan(token_ids, req_of_token, block_table, out, counts, g: DcpGeometry, b, nw, compact: bool) -> None:
     """One :func:`rowscan_kernel` launch over all rows (``compact``: ordered compaction; else the masked layout)."""
+    req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
     rowscan_kernel[(token_ids.shape[0],)](
-        token_ids,
-        req_of_token if req_of_token is not None else token_ids,  # dummy pointer when HAS_REQ=False
-        block_table,
-        out,
-        counts,
-        token_ids.shape[1],
-        block_table.shape[0],
-        block_table.shape[1],
-        token_ids.stride(0),
-        token_ids.stride(1),
-        block_table.stride(0),
-        block_table.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HAS_REQ=req_of_token is not None,
-        BLOCK=b,
-        COMPACT=compact,
-        num_warps=nw,
-        **_constexprs(g),
-    )
+        token_ids, req, block_table, out, counts,
+        token_ids.shape[1], block_table.shape[0], block_table.shape[1],
+        token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1),
+        out.stride(0), out.stride(1),
+        HAS_REQ=req_of_token is not None, BLOCK=b, COMPACT=compact, num_warps=nw, **_constexprs(g),
+    )  # fmt: skip
 
 
 def global_ids_to_local_slots_triton(
@@ -608,28 +480,13 @@ def global_ids_to_local_slots_triton(
     if t_rows == 0 or k == 0:
         return out
     req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
-    deinterleave_kernel[(t_rows, _cdiv(k, b))](
-        token_ids,
-        req,
-        block_table,
-        out,
-        out,
-        out,
-        k,
-        block_table.shape[0],
-        block_table.shape[1],
-        token_ids.stride(0),
-        token_ids.stride(1),
-        block_table.stride(0),
-        block_table.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HAS_REQ=req_of_token is not None,
-        COMPACT_TO_FRONT=False,
-        BLOCK=b,
-        num_warps=nw,
-        **_constexprs(g),
-    )
+    deinterleave_kernel[(t_rows, cdiv(k, b))](
+        token_ids, req, block_table, out, out, out,  # no counts, no workspace: COMPACT_TO_FRONT=False
+        k, block_table.shape[0], block_table.shape[1],
+        token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1),
+        out.stride(0), out.stride(1),
+        HAS_REQ=req_of_token is not None, COMPACT_TO_FRONT=False, BLOCK=b, num_warps=nw, **_constexprs(g),
+    )  # fmt: skip
     if validate:
         _validated(out, token_ids, req_of_token, block_table, g)
     return out
@@ -750,60 +607,33 @@ def deinterleave_compact(
     if k == 0:
         counts.zero_()
         return out, counts
-    n_tiles = _cdiv(k, b)
+    n_tiles = cdiv(k, b)
     req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
     geo = dict(HAS_REQ=req_of_token is not None, BLOCK=b, num_warps=nw, **_constexprs(g))
     n_reqs, n_blocks = block_table.shape
     in_strides = (token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1))
     if method == "atomic":
         deinterleave_kernel[(t_rows, n_tiles)](
-            token_ids,
-            req,
-            block_table,
-            out,
-            counts,
-            workspace,
-            k,
-            n_reqs,
-            n_blocks,
-            *in_strides,
-            out.stride(0),
-            out.stride(1),
-            COMPACT_TO_FRONT=True,
-            **geo,
-        )
+            token_ids, req, block_table, out, counts, workspace,
+            k, n_reqs, n_blocks,
+            *in_strides, out.stride(0), out.stride(1),
+            COMPACT_TO_FRONT=True, **geo,
+        )  # fmt: skip
     elif method == "rowscan":
         _rowscan(token_ids, req_of_token, block_table, out, counts, g, b, nw, compact=True)
     else:
         twopass_count_kernel[(t_rows, n_tiles)](
-            token_ids,
-            req,
-            block_table,
-            workspace,
-            k,
-            n_reqs,
-            n_blocks,
-            n_tiles,
+            token_ids, req, block_table, workspace,
+            k, n_reqs, n_blocks, n_tiles,
             *in_strides,
             **geo,
-        )
+        )  # fmt: skip
         twopass_scatter_kernel[(t_rows, n_tiles)](
-            token_ids,
-            req,
-            block_table,
-            out,
-            counts,
-            workspace,
-            k,
-            n_reqs,
-            n_blocks,
-            n_tiles,
-            *in_strides,
-            out.stride(0),
-            out.stride(1),
-            TILES_POW2=next_pow2(n_tiles),
-            **geo,
-        )
+            token_ids, req, block_table, out, counts, workspace,
+            k, n_reqs, n_blocks, n_tiles,
+            *in_strides, out.stride(0), out.stride(1),
+            TILES_POW2=next_pow2(n_tiles), **geo,
+        )  # fmt: skip
     if validate:
         _validated(out, token_ids, req_of_token, block_table, g)
     return out, counts

@@ -58,7 +58,7 @@ from dcp_ref._checks import (
 )
 from dcp_ref.fp8_cache import FP8_CACHE_DTYPES, FP8_DS_MLA, check_attention_layout, check_fp8_slots
 
-from ._util import next_pow2
+from ._util import cdiv, next_pow2
 
 __all__ = [
     "TOPK_BLOCK",
@@ -100,18 +100,11 @@ ROW_EMPTY, ROW_READ, ROW_POISONED = 0, 1, 2
 
 @triton.jit
 def prepare_indices_kernel(
-    slots_ptr,
-    counts_ptr,
-    idx_ptr,
-    state_ptr,
-    K,
-    K_PAD,
-    num_slots,
-    stride_s0,
-    stride_s1,
-    HAS_COUNTS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    slots_ptr, counts_ptr, idx_ptr, state_ptr,
+    K, K_PAD, num_slots,
+    stride_s0, stride_s1,
+    HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """One program per row: ``idx[row, j] = slots[row, j]`` if it is read, else ``-1``.
 
     Masked layout (no counts): an entry in ``[0, num_slots)`` is read, ``-1`` is none, anything
@@ -144,26 +137,12 @@ def prepare_indices_kernel(
 
 @triton.jit
 def finish_outputs_kernel(
-    o_src_ptr,
-    o_dst_ptr,
-    lse_src_ptr,
-    lse_dst_ptr,
-    state_ptr,
-    H,
-    D,
-    s_os0,
-    s_os1,
-    s_os2,
-    s_od0,
-    s_od1,
-    s_od2,
-    s_ls0,
-    s_ls1,
-    s_ld0,
-    s_ld1,
-    COPY_OUT: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    o_src_ptr, o_dst_ptr, lse_src_ptr, lse_dst_ptr, state_ptr,
+    H, D,
+    s_os0, s_os1, s_os2, s_od0, s_od1, s_od2,  # o_src, o_dst
+    s_ls0, s_ls1, s_ld0, s_ld1,  # lse_src, lse_dst
+    COPY_OUT: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """One program per (row, head): the kernel's values for a row that was read; 0 and ``-inf``
     for an empty row; NaN for a poisoned one."""
     row = tl.program_id(0)
@@ -220,7 +199,7 @@ def prepare_indices(
         check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=dev)
         if counts.shape != (T,):
             raise ValueError(f"counts must be [T={T}], got shape {tuple(counts.shape)}")
-    k_pad = max(TOPK_BLOCK, -(-K // TOPK_BLOCK) * TOPK_BLOCK)
+    k_pad = max(TOPK_BLOCK, cdiv(K, TOPK_BLOCK) * TOPK_BLOCK)
     if out is None:
         out = torch.empty((T, 1, k_pad), dtype=torch.int32, device=dev)
     else:
@@ -239,18 +218,11 @@ def prepare_indices(
         return out, row_state
     block = min(1024, next_pow2(k_pad))
     prepare_indices_kernel[(T,)](
-        slots,
-        counts if counts is not None else slots,
-        out,
-        row_state,
-        K,
-        k_pad,
-        num_slots,
-        slots.stride(0),
-        slots.stride(1),
-        HAS_COUNTS=counts is not None,
-        BLOCK=block,
-    )
+        slots, counts if counts is not None else slots, out, row_state,
+        K, k_pad, num_slots,
+        slots.stride(0), slots.stride(1),
+        HAS_COUNTS=counts is not None, BLOCK=block,
+    )  # fmt: skip
     return out, row_state
 
 
@@ -299,20 +271,11 @@ def finish_outputs(
     if T == 0 or H == 0:
         return dst, out_lse
     finish_outputs_kernel[(T, H)](
-        o_src,
-        dst,
-        lse_src,
-        out_lse,
-        row_state,
-        H,
-        D,
-        *o_src.stride(),
-        *dst.stride(),
-        *lse_src.stride(),
-        *out_lse.stride(),
-        COPY_OUT=copy,
-        BLOCK_D=min(512, next_pow2(max(D, 16))),
-    )
+        o_src, dst, lse_src, out_lse, row_state,
+        H, D,
+        *o_src.stride(), *dst.stride(), *lse_src.stride(), *out_lse.stride(),
+        COPY_OUT=copy, BLOCK_D=min(512, next_pow2(max(D, 16))),
+    )  # fmt: skip
     return dst, out_lse
 
 
@@ -502,7 +465,7 @@ class FlashMLAFp8Decode:
             cache4 = cache4.view(num_slots, 1, 1, FP8_DS_MLA.bytes_per_token)
         elif cache4.ndim == 3:
             cache4 = cache4.unsqueeze(2)
-        k_pad = max(TOPK_BLOCK, -(-K // TOPK_BLOCK) * TOPK_BLOCK)
+        k_pad = max(TOPK_BLOCK, cdiv(K, TOPK_BLOCK) * TOPK_BLOCK)
         sched, idx, row_state = self._plan(T, H, k_pad, tuple(cache4.shape))
         prepare_indices(slots, counts, num_slots, out=idx, row_state=row_state)
         if validate:

@@ -37,7 +37,7 @@ from dcp_ref._checks import (
 )
 from dcp_ref.attention import check_attention_slots, check_sm_scale
 
-from ._util import next_pow2, per_thread
+from ._util import cdiv, next_pow2, per_thread
 
 __all__ = ["FLASHMLA_LSE_BASE", "FLASHMLA_HEADS", "flashmla_unsupported", "sparse_mla_flashmla"]
 
@@ -104,25 +104,12 @@ def _prologue_kernel(
 
 @triton.jit
 def _epilogue_kernel(
-    o_ptr,
-    lse_ptr,
-    cnt_ptr,
-    poison_ptr,
-    out_ptr,
-    out_lse_ptr,
+    o_ptr, lse_ptr, cnt_ptr, poison_ptr, out_ptr, out_lse_ptr,
     V,
-    o_st,
-    o_sh,
-    o_sv,
-    lse_st,
-    lse_sh,
-    out_st,
-    out_sh,
-    out_sv,
-    olse_st,
-    olse_sh,
+    o_st, o_sh, o_sv, lse_st, lse_sh,  # FlashMLA's o, lse
+    out_st, out_sh, out_sv, olse_st, olse_sh,  # the stage's out, out_lse
     BLOCK_V: tl.constexpr,
-):
+):  # fmt: skip
     """Head ``h`` of row ``t``: ``out = o`` (NaN when the row is poisoned) and ``out_lse = lse``, ``-inf``
     where the row has no keys (FlashMLA says ``+inf``; emptiness is the count, never the LSE's value), NaN
     when poisoned."""
@@ -231,7 +218,7 @@ def sparse_mla_flashmla(
     # used slots leave the cache reads only slot 0 there and is poisoned (NaN output and LSE) afterwards, as
     # the reference does with validate=False — never an out-of-bounds read, never a silently dropped key.
     K, S = slots.shape[1], kv_cache.reshape(-1, _DQK).shape[0]
-    KP = max(-(-K // INDEX_WIDTH_MULTIPLE), 1) * INDEX_WIDTH_MULTIPLE
+    KP = max(cdiv(K, INDEX_WIDTH_MULTIPLE), 1) * INDEX_WIDTH_MULTIPLE
     fused = _use_triton(q.device)
     if out is not None:
         check_out(out, "out", (T, H, _DV), q.dtype, q.device)

@@ -24,8 +24,11 @@ __all__ = ["token_in_contract", "poison_row", "guard_kernel", "guard_triton"]
 
 
 @triton.jit
-def token_in_contract(bounds_ptr, req_ptr, starts_ptr, bt_ptr, t, B, M, n_cols, stride_bt, BS: tl.constexpr,
-                      HAS_STARTS: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+def token_in_contract(
+    bounds_ptr, req_ptr, starts_ptr, bt_ptr, t,
+    B, M, n_cols, stride_bt,
+    BS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
     """Whether token ``t``'s metadata is inside the contract (:mod:`dcp_ref.guard`)."""
     bound = tl.load(bounds_ptr + t).to(tl.int64)
     req = tl.load(req_ptr + t).to(tl.int64)
@@ -62,13 +65,15 @@ def poison_row(partial_ptr, lse_ptr, t, H, V, stride_pt, stride_ph, stride_lt, B
 
 
 @triton.jit
-def guard_kernel(partial_ptr, lse_ptr, bounds_ptr, req_ptr, starts_ptr, bt_ptr, B, M, n_cols, H, V,
-                 stride_pt, stride_ph, stride_lt, stride_bt, BS: tl.constexpr, HAS_STARTS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def guard_kernel(
+    partial_ptr, lse_ptr, bounds_ptr, req_ptr, starts_ptr, bt_ptr,
+    B, M, n_cols, H, V,
+    stride_pt, stride_ph, stride_lt, stride_bt,
+    BS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """Grid ``(T,)``: program ``t`` poisons token ``t`` when its metadata is out of contract."""
     t = tl.program_id(0)
-    ok = token_in_contract(bounds_ptr, req_ptr, starts_ptr, bt_ptr, t, B, M, n_cols, stride_bt, BS, HAS_STARTS,
-                           BLOCK_M)  # fmt: skip
+    ok = token_in_contract(bounds_ptr, req_ptr, starts_ptr, bt_ptr, t, B, M, n_cols, stride_bt, BS, HAS_STARTS, BLOCK_M)
     if ok.to(tl.int32) == 0:
         poison_row(partial_ptr, lse_ptr, t, H, V, stride_pt, stride_ph, stride_lt, BLOCK)
 
@@ -120,9 +125,11 @@ def guard_triton(
     B, M = block_table.shape
     bt = block_table if block_table.stride(1) == 1 or M == 0 else block_table.contiguous()
     starts = row_starts if row_starts is not None else local_bounds  # never read without HAS_STARTS
-    _GUARD((T,),
-        partial, lse, local_bounds, req_of_token, starts, bt, B, M, n_cols, H, V,
+    _GUARD(
+        (T,),  # the grid (FastLaunch takes it first)
+        partial, lse, local_bounds, req_of_token, starts, bt,
+        B, M, n_cols, H, V,
         partial.stride(0), partial.stride(1), lse.stride(0), max(bt.stride(0), 1),
-        BS=geometry.block_size, HAS_STARTS=row_starts is not None, BLOCK_M=min(next_pow2(max(M, 1)), 1024),
-        BLOCK=min(next_pow2(max(V, H, 1)), 1024), num_warps=1,
+        BS=geometry.block_size, HAS_STARTS=row_starts is not None,
+        BLOCK_M=min(next_pow2(max(M, 1)), 1024), BLOCK=min(next_pow2(max(V, H, 1)), 1024), num_warps=1,
     )  # fmt: skip

@@ -64,7 +64,6 @@ call reads that one flag back: one host read, after the launch.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Literal, NamedTuple, overload
 
@@ -81,6 +80,8 @@ from dcp_ref._checks import (
     triton_interpreting,
 )
 from dcp_ref.geometry import DcpGeometry, check_geometry
+
+from ._util import cdiv, check_flag, next_pow2, sm_count
 
 __all__ = [
     # keys and windows
@@ -483,26 +484,11 @@ def winners(keys, hi_mask, prefix, need, partial, eq_seen):
 
 @triton.jit
 def commit_tile(
-    row_ptr,
-    out_row_ptr,
-    offs,
-    j0,
-    stride_c,
-    keys,
-    hi_mask,
-    prefix,
-    need,
-    partial,
-    eq_seen,
-    base,
-    rank,
-    WORLD: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
-    PACKED_INPUT: tl.constexpr,
-    ids_row_ptr=None,
-    LOCAL_IDS: tl.constexpr = False,
-    SPLIT_OUT: tl.constexpr = False,
-):
+    row_ptr, out_row_ptr, offs, j0, stride_c,
+    keys, hi_mask, prefix, need, partial, eq_seen, base,
+    rank, WORLD: tl.constexpr, INTERLEAVE: tl.constexpr, PACKED_INPUT: tl.constexpr,
+    ids_row_ptr=None, LOCAL_IDS: tl.constexpr = False, SPLIT_OUT: tl.constexpr = False,
+):  # fmt: skip
     """Write the winners among keys ``offs`` of one tile, in index order.
 
     ``base`` winners and ``eq_seen`` threshold-equal keys came before this tile (returned
@@ -537,14 +523,9 @@ def commit_tile(
 
 @triton.jit
 def write_padding(
-    out_row_ptr,
-    n_sel,
-    k,
-    PAD_BLOCK: tl.constexpr,
-    NAN_PAD: tl.constexpr,
-    ids_row_ptr=None,
-    SPLIT_OUT: tl.constexpr = False,
-):
+    out_row_ptr, n_sel, k, PAD_BLOCK: tl.constexpr, NAN_PAD: tl.constexpr,
+    ids_row_ptr=None, SPLIT_OUT: tl.constexpr = False,
+):  # fmt: skip
     """Slots ``[n_sel, k)`` get ``(-inf, -1)``: what ``pack_candidates`` writes for a ``-1`` entry.
 
     (``NAN_PAD``: ``(NaN, -1)`` instead, in a split row's workspace, so that the second launch
@@ -626,35 +607,17 @@ def select_commit(
 
 @triton.jit
 def indexer_topk_pack_kernel(
-    scores_ptr,
-    lengths_ptr,
-    starts_ptr,
-    out_ptr,
-    n_cols,
-    seg_len,
-    stride_r,
-    stride_c,
-    out_stride_r,
-    k,
-    rank,
-    HAS_LENGTHS: tl.constexpr,
-    HAS_STARTS: tl.constexpr,
-    WORLD: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
-    PACKED_INPUT: tl.constexpr,
-    NAN_PAD: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-    TILE: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
-    PAD_BLOCK: tl.constexpr,
-    ids_ptr=None,
-    chk_ptr=None,
-    LOCAL_IDS: tl.constexpr = False,
-    SPLIT_OUT: tl.constexpr = False,
-    SELECT: tl.constexpr = 0,
-    PIVOTS: tl.constexpr = 3,
-    CHECK: tl.constexpr = False,
-):
+    scores_ptr, lengths_ptr, starts_ptr, out_ptr,
+    n_cols, seg_len,
+    stride_r, stride_c, out_stride_r,
+    k, rank,
+    HAS_LENGTHS: tl.constexpr, HAS_STARTS: tl.constexpr, WORLD: tl.constexpr, INTERLEAVE: tl.constexpr,
+    PACKED_INPUT: tl.constexpr, NAN_PAD: tl.constexpr, RADIX_BITS: tl.constexpr,
+    TILE: tl.constexpr, ONE_CHUNK: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    ids_ptr=None, chk_ptr=None,
+    LOCAL_IDS: tl.constexpr = False, SPLIT_OUT: tl.constexpr = False, SELECT: tl.constexpr = 0,
+    PIVOTS: tl.constexpr = 3, CHECK: tl.constexpr = False,
+):  # fmt: skip
     """Grid ``(T, S)``: program ``(r, s)`` selects the top-``k`` of local keys
     ``[s*seg_len, (s+1)*seg_len)`` of row ``r`` (``S = 1``, ``seg_len >= n_cols``: the whole row)
     and writes them to ``out[r*out_stride_r + s*k : ... + k]`` (``out``: the int64 view of float32
@@ -864,37 +827,15 @@ def finish_filtered(
 
 @triton.jit
 def filter_topk_kernel(
-    scores_ptr,
-    lengths_ptr,
-    starts_ptr,
-    out_ptr,
-    ids_ptr,
-    ws_ptr,
-    chk_ptr,
-    n_cols,
-    seg_len,
-    stride_r,
-    stride_c,
-    ws_stride_r,
-    k,
-    rank,
-    mid,
-    HAS_LENGTHS: tl.constexpr,
-    HAS_STARTS: tl.constexpr,
-    WORLD: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
-    SEGMENTS: tl.constexpr,
-    SEG_POW2: tl.constexpr,
-    TILE: tl.constexpr,
-    CAP: tl.constexpr,
-    SAMPLE: tl.constexpr,
-    SELECT: tl.constexpr,
-    PIVOTS: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-    PAD_BLOCK: tl.constexpr,
-    SPLIT_OUT: tl.constexpr,
-    CHECK: tl.constexpr,
-):
+    scores_ptr, lengths_ptr, starts_ptr, out_ptr, ids_ptr, ws_ptr, chk_ptr,
+    n_cols, seg_len,
+    stride_r, stride_c, ws_stride_r,
+    k, rank, mid,
+    HAS_LENGTHS: tl.constexpr, HAS_STARTS: tl.constexpr, WORLD: tl.constexpr, INTERLEAVE: tl.constexpr,
+    SEGMENTS: tl.constexpr, SEG_POW2: tl.constexpr, TILE: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
+    SELECT: tl.constexpr, PIVOTS: tl.constexpr, RADIX_BITS: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    SPLIT_OUT: tl.constexpr, CHECK: tl.constexpr,
+):  # fmt: skip
     """The compacted path (module docstring, path 2). Grid ``(T, SEGMENTS)``: program ``(r, s)`` filters
     local keys ``[s*seg_len, (s+1)*seg_len)`` of row ``r`` against the row's sampled bound into its list
     ``ws[r, s*CAP : (s+1)*CAP]`` (int64 words); the row's last program to finish selects and writes.
@@ -1003,14 +944,9 @@ DEFAULT_COMPACT = False
 _SAMPLE_HITS = 180
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _tile_config(n: int, tile: int | None, num_warps: int | None) -> tuple[int, bool, int]:
     if tile is None:
-        tile = max(triton.next_power_of_2(max(n, 1)), 256) if n <= MAX_TILE else MAX_TILE // 2
+        tile = max(next_pow2(max(n, 1)), 256) if n <= MAX_TILE else MAX_TILE // 2
     one_chunk = n <= tile
     if num_warps is None:
         # Measured on the H200 (local_topk.json, "tuning"): 16 keys per thread is best for a row held in
@@ -1020,7 +956,7 @@ def _tile_config(n: int, tile: int | None, num_warps: int | None) -> tuple[int, 
     return tile, one_chunk, num_warps
 
 
-def _split_levels(n_cols: int, k: int, split: int, limit: int) -> tuple[int, ...]:
+def _split_levels(split: int, k: int, limit: int) -> tuple[int, ...]:
     """Segments per row of each splitting launch: ``split`` first, then, while the ``S*k``
     candidates left exceed ``limit`` keys and a level still shrinks them at least 4-fold, another
     level of ``ceil(S*k / limit)`` segments."""
@@ -1028,7 +964,7 @@ def _split_levels(n_cols: int, k: int, split: int, limit: int) -> tuple[int, ...
         return ()
     levels, n = [split], split * k
     while n > limit and 4 * k <= limit:
-        s = triton.cdiv(n, limit)
+        s = cdiv(n, limit)
         levels.append(s)
         n = s * k
     return tuple(levels)
@@ -1037,14 +973,14 @@ def _split_levels(n_cols: int, k: int, split: int, limit: int) -> tuple[int, ...
 def compact_cap(k: int) -> int:
     """Candidate-list capacity per row of the compacted path: ``next_pow2(2k)`` (at least 16), or 0 when
     that exceeds :data:`MAX_TILE` (the list must fit a tile in registers: ``k <= MAX_TILE / 2``)."""
-    cap = max(16, triton.next_power_of_2(2 * k))
+    cap = max(16, next_pow2(2 * k))
     return cap if cap <= MAX_TILE else 0
 
 
 def _sample_size(n_cols: int, k: int, cap: int) -> int:
     mid = math.isqrt(k * cap)
-    want = triton.next_power_of_2(max(1, -(-n_cols * _SAMPLE_HITS // mid)))
-    return max(16, min(want, MAX_TILE, triton.next_power_of_2(max(n_cols, 1))))
+    want = next_pow2(max(1, cdiv(n_cols * _SAMPLE_HITS, mid)))
+    return max(16, min(want, MAX_TILE, next_pow2(max(n_cols, 1))))
 
 
 def _auto_segments(rows: int, n_cols: int, device: torch.device) -> int:
@@ -1052,10 +988,10 @@ def _auto_segments(rows: int, n_cols: int, device: torch.device) -> int:
     (``2 * rows <= SMs``); then enough segments of at least :data:`STREAM_TILE` keys to fill it, at most 32."""
     if device.type != "cuda" or triton_interpreting():
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     if 2 * rows > sms:
         return 1
-    return max(1, min(triton.cdiv(sms, rows), triton.cdiv(n_cols, STREAM_TILE), 32))
+    return max(1, min(cdiv(sms, rows), cdiv(n_cols, STREAM_TILE), 32))
 
 
 def launch_plan(
@@ -1094,20 +1030,20 @@ def launch_plan(
         s = _auto_segments(rows, n_cols, device) if split is None else split
         # at least 16 keys per segment; at most 64 segments, and no more than the list holds entries (the last
         # program joins the lists CAP / next_pow2(S) entries per segment at a time)
-        s = max(1, min(s, triton.cdiv(max(n_cols, 1), 16), 64, cap))
-        t = tile or min(STREAM_TILE, max(16, triton.next_power_of_2(max(n_cols, 1))))
+        s = max(1, min(s, cdiv(max(n_cols, 1), 16), 64, cap))
+        t = tile or min(STREAM_TILE, max(16, next_pow2(max(n_cols, 1))))
         smp = sample or _sample_size(n_cols, k, cap)
         w = num_warps or max(4, min(16, max(t, cap, smp) // 512))
         return LaunchPlan(t, False, w, s, (), True, cap, smp, sel, piv)
     if split is None:
         split = 1
         if device.type == "cuda" and not triton_interpreting() and n_cols >= 4 * MAX_TILE and 4 * k <= MAX_TILE:
-            if rows * 4 <= _sm_count(device.index if device.index is not None else torch.cuda.current_device()):
-                split = triton.cdiv(n_cols, MAX_TILE)
-    split = max(1, min(split, triton.cdiv(max(n_cols, 1), 16)))
-    seg = triton.cdiv(n_cols, split) if split > 1 else n_cols
+            if rows * 4 <= sm_count(device):
+                split = cdiv(n_cols, MAX_TILE)
+    split = max(1, min(split, cdiv(max(n_cols, 1), 16)))
+    seg = cdiv(n_cols, split) if split > 1 else n_cols
     t, one, w = _tile_config(seg, tile, num_warps)
-    return LaunchPlan(t, one, w, split, _split_levels(n_cols, k, split, tile or MAX_TILE), False, 0, 0, sel, piv)
+    return LaunchPlan(t, one, w, split, _split_levels(split, k, tile or MAX_TILE), False, 0, 0, sel, piv)
 
 
 def _compact_words(plan: LaunchPlan) -> int:
@@ -1346,7 +1282,7 @@ def indexer_topk_pack(
             )
     if rows == 0:
         return (out, out_ids) if rank_local else out  # type: ignore[return-value]
-    chk = _check_flag(dev) if fused_check else None
+    chk = check_flag(dev) if fused_check else None
     dummy = out  # never read: HAS_LENGTHS / HAS_STARTS are False
     # The kernel reads lengths[row] / row_starts[row] at unit stride: a strided view is copied first (the
     # conformance kit found a strided `lengths` read wrongly).
@@ -1381,18 +1317,18 @@ def _launch(
     """The launches of one call (shapes checked, plan made)."""
     r, w, i = g.rank, g.world_size, g.interleave  # the kernels' loose ints: rank at run time, W and I constexpr
     rows, cols = scores.shape
-    pad_block = min(triton.next_power_of_2(k), 1024)
+    pad_block = min(next_pow2(k), 1024)
     sel = SELECTS.index(plan.select)
     out_arg = out if rank_local else out.view(torch.int64)
     if plan.compact:
         assert workspace is not None  # checked (or allocated) by the caller
         s = plan.split
-        seg_len = -(-triton.cdiv(max(cols, 1), s) // 16) * 16  # a multiple of 16 keys: aligned segment starts
+        seg_len = cdiv(cdiv(max(cols, 1), s), 16) * 16  # a multiple of 16 keys: aligned segment starts
         filter_topk_kernel[(rows, s)](
             scores, lens, starts, out_arg, out_ids, workspace, chk, cols, seg_len, scores.stride(0), scores.stride(1),
             workspace.stride(0), k, r, math.isqrt(k * plan.cap),
             HAS_LENGTHS=has_lengths, HAS_STARTS=has_starts, WORLD=w, INTERLEAVE=i, SEGMENTS=s,
-            SEG_POW2=triton.next_power_of_2(s), TILE=plan.tile, CAP=plan.cap, SAMPLE=plan.sample, SELECT=sel,
+            SEG_POW2=next_pow2(s), TILE=plan.tile, CAP=plan.cap, SAMPLE=plan.sample, SELECT=sel,
             PIVOTS=plan.pivots, RADIX_BITS=radix_bits, PAD_BLOCK=pad_block, SPLIT_OUT=rank_local,
             CHECK=chk is not None, num_warps=plan.num_warps,
         )  # fmt: skip
@@ -1416,7 +1352,7 @@ def _launch(
     row_pairs = n_ws * k  # (score, id) pairs per workspace row
     src, src_stride, n, packed, off = scores, (scores.stride(0), scores.stride(1)), cols, False, 0
     for lvl, s in enumerate(plan.levels):
-        seg = triton.cdiv(n, s)
+        seg = cdiv(n, s)
         t, one, nw = _tile_config(seg, tile, None if lvl else plan.num_warps)
         if lvl == 0:
             t, one, nw = plan.tile, plan.one_chunk, plan.num_warps
@@ -1434,22 +1370,6 @@ def _launch(
         HAS_LENGTHS=False, HAS_STARTS=False, PACKED_INPUT=True, NAN_PAD=False,
         TILE=t, ONE_CHUNK=one, num_warps=nw, ids_ptr=out_ids, SPLIT_OUT=rank_local, **common,
     )  # fmt: skip
-
-
-_CHECK_FLAGS: dict[tuple[int, torch.device, int], torch.Tensor] = {}
-
-
-def _check_flag(dev: torch.device) -> torch.Tensor:
-    """A zeroed int64 flag for the validated call's in-kernel checks, one per thread, device and stream,
-    made once: a good call leaves it at 0, a call that finds it raised clears it before raising."""
-    import threading
-
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (threading.get_ident(), dev, stream)
-    flag = _CHECK_FLAGS.get(key)
-    if flag is None:
-        flag = _CHECK_FLAGS[key] = torch.zeros(1, dtype=torch.int64, device=dev)
-    return flag
 
 
 def _check_pairs(buf: torch.Tensor | None, name: str, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:

@@ -59,7 +59,7 @@ from dcp_ref._checks import (
     check_pow2,
     triton_interpreting,
 )
-from dcp_ref.kernels._util import next_pow2
+from dcp_ref.kernels._util import cdiv, next_pow2
 from dcp_ref.lse import LN2
 
 __all__ = [
@@ -135,31 +135,15 @@ def store_merged_lse(res_lse_ptr, offs_hs, mask_h, m_safe, total, IS_BASE2: tl.c
 
 @triton.jit
 def lse_correct_kernel(
-    out_ptr,
-    lses_ptr,
-    res_ptr,
-    res_lse_ptr,
-    H,
-    D,
-    rank,
-    s_ot,
-    s_oh,
-    s_od,
-    s_lw,
-    s_lt,
-    s_lh,
-    s_rt,
-    s_rh,
-    s_rd,
-    s_qt,
-    s_qh,
-    W: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IS_BASE2: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-):
+    out_ptr, lses_ptr, res_ptr, res_lse_ptr,
+    H, D, rank,
+    s_ot, s_oh, s_od,  # out [T, H, D]
+    s_lw, s_lt, s_lh,  # lses [W, T, H]
+    s_rt, s_rh, s_rd,  # res [T, H, D]
+    s_qt, s_qh,  # res_lse [T, H]
+    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_BASE2: tl.constexpr, STORE_LSE: tl.constexpr,
+):  # fmt: skip
     """res[t, h, :] = 2^(lse2[rank, t, h] - merged2[t, h]) * out[t, h, :] (0 if that factor is 0)."""
     t = tl.program_id(0).to(tl.int64)  # int64: T*H*D offsets overflow int32 at large batches
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -184,31 +168,15 @@ def lse_correct_kernel(
 
 @triton.jit
 def lse_merge_kernel(
-    outs_ptr,
-    lses_ptr,
-    res_ptr,
-    res_lse_ptr,
-    H,
-    D,
-    s_ow,
-    s_ot,
-    s_oh,
-    s_od,
-    s_lw,
-    s_lt,
-    s_lh,
-    s_rt,
-    s_rh,
-    s_rd,
-    s_qt,
-    s_qh,
-    W: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IS_BASE2: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-):
+    outs_ptr, lses_ptr, res_ptr, res_lse_ptr,
+    H, D,
+    s_ow, s_ot, s_oh, s_od,  # outs [W, T, H, D]
+    s_lw, s_lt, s_lh,  # lses [W, T, H]
+    s_rt, s_rh, s_rd,  # res [T, H, D]
+    s_qt, s_qh,  # res_lse [T, H]
+    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_BASE2: tl.constexpr, STORE_LSE: tl.constexpr,
+):  # fmt: skip
     """res[t, h, :] = sum_w 2^(lse2[w] - merged2) * outs[w, t, h, :], empty ranks selected away."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -288,6 +256,19 @@ def _lse_out(buf: object, name: str, lses: torch.Tensor, shape: tuple[int, ...],
     return _check(buf, name, allowed, shape, dev)
 
 
+def _lse_strides(lse_buf: torch.Tensor, merged_lse: torch.Tensor | None) -> tuple[int, int]:
+    """``(s_qt, s_qh)`` of the merged-LSE buffer, ``(0, 0)`` when none is stored (``lse_buf`` is then a dummy)."""
+    return (lse_buf.stride(-2), lse_buf.stride(-1)) if merged_lse is not None else (0, 0)
+
+
+def _settings(W: int, bh: int, block_d: int, is_b2: bool, merged_lse: torch.Tensor | None, nw: int) -> dict:
+    """The compile-time constants and warps of both kernels (the same for the correction and the merge)."""
+    return dict(
+        W=W, BLOCK_W=max(2, next_pow2(W)), BLOCK_H=bh, BLOCK_D=block_d,
+        IS_BASE2=is_b2, STORE_LSE=merged_lse is not None, num_warps=nw,
+    )  # fmt: skip
+
+
 def lse_correct(
     out: torch.Tensor,
     all_lses: torch.Tensor,
@@ -354,34 +335,12 @@ def lse_correct(
     if T == 0 or H == 0 or D == 0:
         return corrected, merged_lse
     lse_buf = merged_lse if merged_lse is not None else all_lses  # dummy pointer when not stored
-    grid = (T, -(-H // bh))
-    lse_correct_kernel[grid](
-        out,
-        all_lses,
-        corrected,
-        lse_buf,
-        H,
-        D,
-        rank,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        all_lses.stride(0),
-        all_lses.stride(1),
-        all_lses.stride(2),
-        corrected.stride(0),
-        corrected.stride(1),
-        corrected.stride(2),
-        lse_buf.stride(-2) if merged_lse is not None else 0,
-        lse_buf.stride(-1) if merged_lse is not None else 0,
-        W=W,
-        BLOCK_W=max(2, next_pow2(W)),
-        BLOCK_H=bh,
-        BLOCK_D=block_d,
-        IS_BASE2=is_b2,
-        STORE_LSE=merged_lse is not None,
-        num_warps=nw,
-    )
+    lse_correct_kernel[(T, cdiv(H, bh))](
+        out, all_lses, corrected, lse_buf,
+        H, D, rank,
+        *out.stride(), *all_lses.stride(), *corrected.stride(), *_lse_strides(lse_buf, merged_lse),
+        **_settings(W, bh, block_d, is_b2, merged_lse, nw),
+    )  # fmt: skip
     return corrected, merged_lse
 
 
@@ -437,32 +396,10 @@ def lse_merge(
     if T == 0 or H == 0 or D == 0:
         return merged, merged_lse
     lse_buf = merged_lse if merged_lse is not None else lses
-    grid = (T, -(-H // bh))
-    lse_merge_kernel[grid](
-        outs,
-        lses,
-        merged,
-        lse_buf,
-        H,
-        D,
-        outs.stride(0),
-        outs.stride(1),
-        outs.stride(2),
-        outs.stride(3),
-        lses.stride(0),
-        lses.stride(1),
-        lses.stride(2),
-        merged.stride(0),
-        merged.stride(1),
-        merged.stride(2),
-        lse_buf.stride(-2) if merged_lse is not None else 0,
-        lse_buf.stride(-1) if merged_lse is not None else 0,
-        W=W,
-        BLOCK_W=max(2, next_pow2(W)),
-        BLOCK_H=bh,
-        BLOCK_D=block_d,
-        IS_BASE2=is_b2,
-        STORE_LSE=merged_lse is not None,
-        num_warps=nw,
-    )
+    lse_merge_kernel[(T, cdiv(H, bh))](
+        outs, lses, merged, lse_buf,
+        H, D,
+        *outs.stride(), *lses.stride(), *merged.stride(), *_lse_strides(lse_buf, merged_lse),
+        **_settings(W, bh, block_d, is_b2, merged_lse, nw),
+    )  # fmt: skip
     return merged, merged_lse

@@ -16,8 +16,6 @@ hold the clamped result). Only rows wide enough for a global id to reach ``2**24
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import triton
 import triton.language as tl
@@ -26,29 +24,20 @@ from dcp_ref._checks import check_bool, check_out, check_values_readable, max_gl
 from dcp_ref.geometry import DcpGeometry, check_geometry
 from dcp_ref.topk import MAX_EXACT_ID, _check_pack
 
+from ._util import cdiv, check_flag
+
 __all__ = ["pack_candidates_kernel", "pack_candidates_triton"]
 
 
 @triton.jit
 def pack_candidates_kernel(
-    logits_ptr,
-    topk_ptr,
-    starts_ptr,
-    out_ptr,
-    n_cols,
-    K,
-    stride_lr,
-    stride_lc,
-    stride_tr,
-    stride_tc,
+    logits_ptr, topk_ptr, starts_ptr, out_ptr,
+    n_cols, K,
+    stride_lr, stride_lc, stride_tr, stride_tc,
     rank,
-    WORLD: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
-    HAS_STARTS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    chk_ptr=None,
-    CHECK: tl.constexpr = False,
-):
+    WORLD: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+    chk_ptr=None, CHECK: tl.constexpr = False,
+):  # fmt: skip
     """Grid ``(rows, cdiv(K, BLOCK))``. ``CHECK`` (``validate=True``): a block that meets a value the
     reference rejects sets ``chk[0]`` to 1 (a good block writes nothing)."""
     row = tl.program_id(0).to(tl.int64)
@@ -128,44 +117,19 @@ def pack_candidates_triton(
         check_out(out, "out", (rows, K, 2), torch.float32, logits.device, contiguous=True)
     if rows == 0 or K == 0:
         return out
-    chk = _check_flag(logits.device) if fused else None
+    chk = check_flag(logits.device) if fused else None
     starts = row_starts if row_starts is not None else local_topk  # dummy pointer when absent
-    grid = (rows, triton.cdiv(K, block))
+    grid = (rows, cdiv(K, block))
     pack_candidates_kernel[grid](
-        logits,
-        local_topk,
-        starts,
-        out,
-        cols,
-        K,
-        logits.stride(0),
-        logits.stride(1),
-        local_topk.stride(0),
-        local_topk.stride(1),
+        logits, local_topk, starts, out,
+        cols, K,
+        logits.stride(0), logits.stride(1), local_topk.stride(0), local_topk.stride(1),
         g.rank,
-        WORLD=g.world_size,
-        INTERLEAVE=g.interleave,
-        HAS_STARTS=row_starts is not None,
-        BLOCK=block,
-        chk_ptr=chk,
-        CHECK=chk is not None,
-    )
+        WORLD=g.world_size, INTERLEAVE=g.interleave, HAS_STARTS=row_starts is not None, BLOCK=block,
+        chk_ptr=chk, CHECK=chk is not None,
+    )  # fmt: skip
     if chk is not None and int(chk.item()):  # the one host read of a validated call
         chk.zero_()
         _check_pack(logits, local_topk, geometry, row_starts, True)  # raises the reference's error
         raise ValueError("local_topk / row_starts hold values the reference rejects")  # unreachable: the host agrees
     return out
-
-
-_CHECK_FLAGS: dict[tuple[int, torch.device, int], torch.Tensor] = {}
-
-
-def _check_flag(dev: torch.device) -> torch.Tensor:
-    """A zeroed int64 flag for the validated call's in-kernel checks, one per thread, device and stream,
-    made once: a good call leaves it at 0, a call that finds it raised clears it before raising."""
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (threading.get_ident(), dev, stream)
-    flag = _CHECK_FLAGS.get(key)
-    if flag is None:
-        flag = _CHECK_FLAGS[key] = torch.zeros(1, dtype=torch.int64, device=dev)
-    return flag

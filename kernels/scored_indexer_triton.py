@@ -56,10 +56,11 @@ from dcp_ref.geometry import DcpGeometry
 from dcp_ref.index_cache import INDEX_K_FP8
 from dcp_ref.scoring import check_scoring_inputs
 
-from ._util import next_pow2, per_thread
+from ._util import cdiv, next_pow2, per_thread, sm_count
 from .indexer_triton import (
     DEFAULT_RADIX_BITS,
     MAX_TILE,
+    _split_levels,
     commit_tile,
     indexer_topk_pack_kernel,
     launch_plan,
@@ -78,7 +79,6 @@ from .scoring_triton import (
     row_meta,
     row_poisoned,
     score_tile,
-    sm_count,
 )
 
 __all__ = [
@@ -150,48 +150,15 @@ def select_segment(
 
 @triton.jit
 def scored_topk_pack_kernel(
-    q_ptr,
-    w_ptr,
-    cache_u8,
-    cache_f32,
-    bt_ptr,
-    req_ptr,
-    bound_ptr,
-    start_ptr,
-    scratch_ptr,
-    out_ptr,
-    n_rows,
-    n_segs,
-    n_req,
-    n_tbl,
-    n_blocks,
-    no_width,
-    n_heads,
-    block_size,
-    sq_t,
-    sq_h,
-    sq_d,
-    sw_t,
-    sw_h,
-    sbt_r,
-    sbt_c,
-    out_stride_r,
-    k,
-    rank,
-    HAS_STARTS: tl.constexpr,
-    Q_FP8: tl.constexpr,
-    H_PAD: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SEG: tl.constexpr,
-    SEL_TILE: tl.constexpr,
-    SCAN_N: tl.constexpr,
-    WORLD: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
-    NAN_PAD: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
+    q_ptr, w_ptr, cache_u8, cache_f32, bt_ptr, req_ptr, bound_ptr, start_ptr, scratch_ptr, out_ptr,
+    n_rows, n_segs, n_req, n_tbl, n_blocks, no_width, n_heads, block_size,
+    sq_t, sq_h, sq_d, sw_t, sw_h, sbt_r, sbt_c, out_stride_r,
+    k, rank,
+    HAS_STARTS: tl.constexpr, Q_FP8: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SEG: tl.constexpr, SEL_TILE: tl.constexpr, SCAN_N: tl.constexpr,
+    WORLD: tl.constexpr, INTERLEAVE: tl.constexpr, NAN_PAD: tl.constexpr, RADIX_BITS: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
-):
+):  # fmt: skip
     """Persistent grid ``(P,)``: program ``p`` handles items ``p, p + P, ...`` of the ``n_rows * n_segs``
     (row, segment) items, through its scratch row ``scratch[p, :SEG]``; segment ``s`` of row ``r``
     writes ``out[r * out_stride_r + s * k : ... + k]`` (``out``: the int64 view of the float32 pairs)."""
@@ -212,20 +179,9 @@ def scored_topk_pack_kernel(
         tl.debug_barrier()  # the segment's scores (written by all threads) are read by all threads next
         out_row_ptr = out_ptr + row.to(tl.int64) * out_stride_r + seg * k
         select_segment(
-            scratch_row,
-            out_row_ptr,
-            n,
-            j0,
-            k,
-            rank,
-            WORLD,
-            INTERLEAVE,
-            NAN_PAD,
-            RADIX_BITS,
-            SEL_TILE,
-            SEL_TILE == SEG,
-            PAD_BLOCK,
-        )
+            scratch_row, out_row_ptr, n, j0, k, rank,
+            WORLD, INTERLEAVE, NAN_PAD, RADIX_BITS, SEL_TILE, SEL_TILE == SEG, PAD_BLOCK,
+        )  # fmt: skip
         tl.debug_barrier()  # every read of this scratch row is done before the next item overwrites it
 
 
@@ -240,19 +196,6 @@ class ScoredPlan(NamedTuple):
     num_stages: int  #: software-pipeline stages of the scoring loop
     programs: int  #: persistent programs ``P`` (= rows of the scratch)
     levels: tuple[int, ...]  #: segments per row of every splitting level (``()`` when ``S == 1``)
-
-
-def _levels(segments: int, k: int, limit: int) -> tuple[int, ...]:
-    """``indexer_topk_pack``'s split levels: ``S`` first, then ``ceil(S*k / limit)`` while the
-    candidates left exceed ``limit`` and a level still shrinks them at least 4-fold."""
-    if segments <= 1:
-        return ()
-    levels, n = [segments], segments * k
-    while n > limit and 4 * k <= limit:
-        s = triton.cdiv(n, limit)
-        levels.append(s)
-        n = s * k
-    return tuple(levels)
 
 
 def scored_plan(
@@ -293,7 +236,7 @@ def scored_plan(
         seg = min(MAX_TILE, max(next_pow2(max(max_keys, 1)), block_n, 64))
     if seg < block_n:
         raise ValueError(f"seg must be >= block_n={block_n} (a segment is scored in whole tiles), got {seg}")
-    segments = max(1, triton.cdiv(max_keys, seg))
+    segments = max(1, cdiv(max_keys, seg))
     if num_warps is None:
         num_warps = max(4, min(32, seg // 512))
     num_warps = check_int_scalar(num_warps, "num_warps", min_value=1)
@@ -311,7 +254,7 @@ def scored_plan(
     sel_tile = check_int_scalar(sel_tile, "sel_tile", min_value=16)
     if sel_tile & (sel_tile - 1) or sel_tile > seg:
         raise ValueError(f"sel_tile must be a power of two in [16, seg={seg}], got {sel_tile}")
-    levels = _levels(segments, k, limit)
+    levels = _split_levels(segments, k, limit)  # indexer_topk_pack's split levels
     return ScoredPlan(seg, segments, sel_tile, block_n, num_warps, num_stages, programs, levels)
 
 
@@ -469,7 +412,7 @@ def scored_topk_pack(
     dummy = out  # lengths / row starts: never read (HAS_LENGTHS / HAS_STARTS are False)
     src, src_stride, n, off = workspace[:, : plan.segments], (2 * row_pairs, 2), plan.segments * k, plan.segments
     for s in plan.levels[1:]:
-        seg_n = triton.cdiv(n, s)
+        seg_n = cdiv(n, s)
         lp = launch_plan(T, seg_n, k, dev, split=1)
         indexer_topk_pack_kernel[(T, s)](
             src, dummy, dummy, ws64[:, off:], n, seg_n, *src_stride, row_pairs,

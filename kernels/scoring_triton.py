@@ -33,7 +33,6 @@ programs; sharing one key tile among them is the next step if MTP decode matters
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -45,7 +44,7 @@ from dcp_ref.geometry import DcpGeometry
 from dcp_ref.index_cache import INDEX_K_FP8
 from dcp_ref.scoring import ScoringArgs, check_scoring_inputs
 
-from ._util import next_pow2
+from ._util import cdiv, next_pow2, sm_count
 
 __all__ = [
     "row_meta",
@@ -177,37 +176,12 @@ def fill_non_keys(out_row, cols, n_cols, start, n_keys, bad):
 
 @triton.jit
 def index_scores_kernel(
-    q_ptr,
-    w_ptr,
-    cache_u8,
-    cache_f32,
-    bt_ptr,
-    req_ptr,
-    bound_ptr,
-    start_ptr,
-    out_ptr,
-    n_req,
-    n_tbl,
-    n_blocks,
-    n_cols,
-    n_heads,
-    block_size,
-    sq_t,
-    sq_h,
-    sq_d,
-    sw_t,
-    sw_h,
-    sbt_r,
-    sbt_c,
-    so_t,
-    HAS_STARTS: tl.constexpr,
-    Q_FP8: tl.constexpr,
-    H_PAD: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr,
-    SCAN_N: tl.constexpr,
-):
+    q_ptr, w_ptr, cache_u8, cache_f32, bt_ptr, req_ptr, bound_ptr, start_ptr, out_ptr,
+    n_req, n_tbl, n_blocks, n_cols, n_heads, block_size,
+    sq_t, sq_h, sq_d, sw_t, sw_h, sbt_r, sbt_c, so_t,
+    HAS_STARTS: tl.constexpr, Q_FP8: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, SCAN_N: tl.constexpr,
+):  # fmt: skip
     """Grid ``(T, cdiv(n_cols, BLOCK_N * TILES))``: token ``t``'s keys and columns of ``TILES`` tiles."""
     t = tl.program_id(0)
     p = tl.program_id(1)
@@ -240,18 +214,6 @@ class ScoringPlan(NamedTuple):
     programs: int  #: programs per row (grid axis 1)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device (cached); 1 for the CPU interpreter."""
-    if device.type != "cuda":
-        return 1
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _pow2_arg(v: object, name: str, lo: int, hi: int) -> int:
     x = check_int_scalar(v, name, min_value=lo)
     if x & (x - 1) or x > hi:
@@ -279,13 +241,13 @@ def scoring_plan(
     if block_n is None:
         block_n = min(64, max(16, next_pow2(max(n_cols, 1))))
     block_n = _pow2_arg(block_n, "block_n", 16, 512)
-    n_tiles = max(1, triton.cdiv(max(n_cols, 1), block_n))
+    n_tiles = max(1, cdiv(max(n_cols, 1), block_n))
     if tiles is None:
         tiles = max(1, min(4, (rows * n_tiles) // max(1, 4 * sm_count(device))))
-    tiles = max(check_int_scalar(tiles, "tiles", min_value=1), triton.cdiv(n_tiles, 65535))  # grid axis 1 <= 65535
+    tiles = max(check_int_scalar(tiles, "tiles", min_value=1), cdiv(n_tiles, 65535))  # grid axis 1 <= 65535
     num_warps = 4 if num_warps is None else _pow2_arg(num_warps, "num_warps", 1, 32)
     num_stages = 3 if num_stages is None else check_int_scalar(num_stages, "num_stages", min_value=1)
-    return ScoringPlan(block_n, tiles, num_warps, num_stages, triton.cdiv(n_tiles, tiles))
+    return ScoringPlan(block_n, tiles, num_warps, num_stages, cdiv(n_tiles, tiles))
 
 
 def kernel_views(a: ScoringArgs, index_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

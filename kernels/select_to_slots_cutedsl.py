@@ -70,11 +70,13 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.select_to_slots import ORDERS, SENTINEL_SLOT, check_select_to_slots_inputs
 
+from ._util import cdiv
 from .topk_cutedsl import (
     FIRST_BITS,
     MASK32,
     MAX_CANDIDATES,
     StableTopKKernel,
+    State,
     _use_tvm_ffi,
     default_variant,
     digit_schedule,
@@ -114,7 +116,7 @@ def split_threads(n: int, split: int, vec: int) -> int:
     """Default CTA size of the split form: 512 threads (measured best on the H200 at 1 and 32 rows, W = 8,
     K = 2048), or 1024 where 512 would leave more than 32 keys per thread."""
     chunks = n // (vec * split)
-    return 512 if -(-chunks // 512) * vec <= 32 else 1024
+    return 512 if cdiv(chunks, 512) * vec <= 32 else 1024
 
 
 def default_split(rows: int, n: int, vec: int, order: str = "rank_local") -> int:
@@ -149,7 +151,7 @@ def rank_local_schedule(first_bits: int, n: int) -> tuple[tuple[int, int, int], 
     """
     score = tuple(d for d in digit_schedule(first_bits) if d[0] == 0)
     lb = max(5, (max(n, 1) - 1).bit_length())
-    parts = max(1, min(-(-lb // 8), lb // 5))
+    parts = max(1, min(cdiv(lb, 8), lb // 5))
     widths = [lb // parts + (1 if r < lb % parts else 0) for r in range(parts)]
     lo, top = [], lb
     for b in widths:
@@ -229,7 +231,7 @@ class SelectToSlotsConfig:
             t = self.threads
             if t < 256 or t > 1024 or t & (t - 1):
                 raise ValueError(f"threads must be a power of two in [256, 1024], got {t}")
-            per_thread = -(-self.world * self.kloc // (self.vec * self.split * t)) * self.vec
+            per_thread = cdiv(self.world * self.kloc, self.vec * self.split * t) * self.vec
             if per_thread > 32:
                 raise ValueError(f"threads={t} leaves {per_thread} keys per thread: at most 32 fit (use more threads)")
 
@@ -413,15 +415,15 @@ class SelectToSlotsKernel(StableTopKKernel):
         smem = cutlass.memory.SmemAllocator()
         hist = smem.allocate_tensor(Int32, cute.make_layout(2 * self.hist_stride), byte_alignment=16)
         wsum = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
-        # st[0] still-needed, st[1] done, st[3] this rank's winners so far (the output counter), st[4] tie
-        # counter, st[5]/st[6] threshold prefix (hi/lo), st[7]/st[8] masks of its fixed bits (as the top-K).
-        st = smem.allocate_tensor(Int32, cute.make_layout(16), byte_alignment=16)
+        # The selection's state, as the top-K's (class State names the words); its output counter counts this
+        # rank's winners.
+        st = smem.allocate_tensor(Int32, cute.make_layout(State.WORDS), byte_alignment=16)
         slo = smem.allocate_tensor(Uint32, cute.make_layout(self.lo_size), byte_alignment=16)
         sown = smem.allocate_tensor(Int32, cute.make_layout(self.own_size), byte_alignment=16)
         # split: this CTA's own histograms (two buffers), read by the whole cluster
         hloc = smem.allocate_tensor(Int32, cute.make_layout(self.hloc_size), byte_alignment=16)
 
-        if tid < 16:
+        if tid < State.WORDS:
             st[tid] = Int32(0)
         for x in cutlass.range(tid, NB0 + 1, T):
             if const_expr(C > 1):
@@ -464,8 +466,8 @@ class SelectToSlotsKernel(StableTopKKernel):
 
         n_valid = Int32(C * self.items * T) - hist[NB0]
         if tid == 0:
-            st[0] = cutlass.min(n_valid, Int32(KSEL))
-            st[1] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
+            st[State.NEED] = cutlass.min(n_valid, Int32(KSEL))
+            st[State.DONE] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
         cute.arch.sync_threads()
 
         for d in cutlass.range_constexpr(len(self.schedule)):
@@ -474,18 +476,18 @@ class SelectToSlotsKernel(StableTopKKernel):
             else:
                 self.radix_pass(d, khi, klo, slo, hist, wsum, st, tid, lane, warp)  # the stable top-K's
 
-        need = st[0]
-        phi = st[5].bitcast(Uint32)
-        plo = st[6].bitcast(Uint32)
-        hm = st[7].bitcast(Uint32)
-        lm = st[8].bitcast(Uint32)
+        need = st[State.NEED]
+        phi = st[State.PREFIX_HI].bitcast(Uint32)
+        plo = st[State.PREFIX_LO].bitcast(Uint32)
+        hm = st[State.MASK_HI].bitcast(Uint32)
+        lm = st[State.MASK_LO].bitcast(Uint32)
         if const_expr(self.small):
             obase = row * KSEL
         else:
             obase = Int64(row) * Int64(KSEL)
         rbase = rank * KL  # rank_local: this rank's slice of the row starts here
         ctx = (req_ok, bt_row, bt, bt_s1, n_blocks)
-        if (st[1] != 0) & (lm == Uint32(0)):
+        if (st[State.DONE] != 0) & (lm == Uint32(0)):
             self.commit_owned_fast(phi, khi, klo, slo, sown, st, slots, obase, tid, lane, warp, rank, rbase, pbase, ctx)
         else:
             self.commit_owned_general(
@@ -493,8 +495,8 @@ class SelectToSlotsKernel(StableTopKKernel):
             )
         # The -1 tail after this rank's winners, and the count (emptiness is a count of zero).
         if const_expr(C > 1):
-            cluster_sync()  # every CTA's winners are counted in CTA 0's st[3]
-            count = dsmem_load(st.iterator + 3, 0)
+            cluster_sync()  # every CTA's winners are counted in CTA 0's output counter
+            count = dsmem_load(st.iterator + State.COUNT, 0)
             cluster_sync()  # CTA 0's shared memory has been read: it may exit
             for j in cutlass.range(count + crank * T + tid, KSEL, C * T):
                 slots[obase + j] = Int32(-1)
@@ -502,7 +504,7 @@ class SelectToSlotsKernel(StableTopKKernel):
                 counts[row] = count
         else:
             cute.arch.sync_threads()
-            count = st[3]
+            count = st[State.COUNT]
             for j in cutlass.range(count + tid, KSEL, T):
                 slots[obase + j] = Int32(-1)
             if tid == 0:
@@ -562,11 +564,11 @@ class SelectToSlotsKernel(StableTopKKernel):
         target = hist
         if const_expr(self.split > 1):
             target = hloc
-        done = st[1]
+        done = st[State.DONE]
         if done == 0:
-            need = st[0]
-            phi = st[5].bitcast(Uint32)
-            plo = st[6].bitcast(Uint32)
+            need = st[State.NEED]
+            phi = st[State.PREFIX_HI].bitcast(Uint32)
+            plo = st[State.PREFIX_LO].bitcast(Uint32)
             if const_expr(d > 0):  # pass 0 was counted while loading (and merged)
                 for i in cutlass.range_constexpr(self.items):
                     hi = khi[i]
@@ -834,7 +836,7 @@ class SelectToSlotsKernel(StableTopKKernel):
         total = cute.arch.warp_redux_sync(mine, "add")
         base = Int32(0)
         if lane == 0:
-            base = self.count_add(st, 3, total)
+            base = self.count_add(st, State.COUNT, total)
         run = cute.arch.shuffle_sync(base, 0)
         ltmask = cute.arch.lanemask_lt()
         for cj in cutlass.range_constexpr(self.cpt):
@@ -973,10 +975,10 @@ class SelectToSlotsKernel(StableTopKKernel):
         win = valid & ((mh > phi) | ((mh == phi) & (ml > plo)))
         tie = valid & (mh == phi) & (ml == plo)
         if tie:
-            old = self.count_add(st, 4, Int32(1))
+            old = self.count_add(st, State.TIES, Int32(1))
             win = old < need
         if win & self.owned(i, tid, lo, rank, rbase, pbase):
-            pos = self.count_add(st, 3, Int32(1))
+            pos = self.count_add(st, State.COUNT, Int32(1))
             loc = self.local_index(i, tid, lo, rbase, pbase, sown)
             slots[obase + pos] = self.slot_of(loc, ctx)
 

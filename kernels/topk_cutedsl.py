@@ -50,12 +50,12 @@ warps instead of the 8 that own bins, and the valid-key count was a separate pha
 
 Any ``k >= 1`` and any candidate count up to the limit below work (the tail is masked); the sorted
 variant needs ``next_pow2(min(k, N)) * 8`` bytes of shared memory. Compiled kernels are
-cached per ``(W, K, k, sorted, 32-bit offsets, TVM-FFI, variant, CTA config)``; ``rows`` is a
-runtime argument. The TVM-FFI call path (torch tensors passed straight in, the current stream taken from the
-environment) is used when apache-tvm-ffi is importable: on the H200 it cut the Python-side
-launch from ~20 µs to ~6 µs (``benchmarks/results/topk.md``); ``DCP_TOPK_TVM_FFI=0`` turns it
-off. The launch makes no host synchronisation and no allocation when ``out`` is given (CUDA-graph
-capturable).
+cached per :class:`TopKConfig` (``W``, ``K``, ``k``, sorted, 32-bit offsets, variant, CTA config,
+first digit, TVM-FFI); ``rows`` is a runtime argument. The TVM-FFI call path (torch tensors passed
+straight in, the current stream taken from the environment) is used when apache-tvm-ffi is
+importable: on the H200 it cut the Python-side launch from ~20 µs to ~6 µs
+(``benchmarks/results/topk.md``); ``DCP_TOPK_TVM_FFI=0`` turns it off. The launch makes no host
+synchronisation and no allocation when ``out`` is given (CUDA-graph capturable).
 
 Limits (both tested on the H200): ``N = W*K <= 32768`` candidates per row (keys live in
 registers: 32 per thread at most) and, for ``sorted=True``, ``min(k, N) <= 4096`` winners (their
@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import cutlass
@@ -74,10 +75,12 @@ import cutlass.cute as cute
 import torch
 from cutlass import Boolean, Float32, Int32, Int64, Uint32, Uint64, const_expr
 
-from dcp_ref.kernels._util import next_pow2
+from dcp_ref.kernels._util import cdiv, next_pow2
 
 __all__ = [
     "StableTopKKernel",
+    "TopKConfig",
+    "State",
     "threads_for",
     "compile_stable_topk",
     "stable_topk_cutedsl",
@@ -101,6 +104,26 @@ FIRST_BITS = (8, 11, 12)
 MASK32 = 0xFFFFFFFF
 
 
+class State:
+    """The named words of the kernels' shared state ``st`` (int32 ``[State.WORDS]``, zeroed on entry), as
+    CUTLASS's ``SharedStorage`` names its fields: ``st[State.NEED]``, ``st.iterator + State.COUNT``.
+
+    The selection's threshold is a prefix of the 64-bit key, kept as two 32-bit words (``hi``: the score
+    word, ``lo``: the id word) with a mask of the bits each word fixes so far. Also used by
+    :class:`~dcp_ref.kernels.select_to_slots_cutedsl.SelectToSlotsKernel`.
+    """
+
+    NEED = 0  #: keys still needed from the threshold bin (the row's winners ``min(k, valid)`` before any pass)
+    DONE = 1  #: 1 once the threshold is found: its bin holds exactly the keys needed (or every valid key wins)
+    COUNT = 3  #: output counter: winners given a slot so far (word 2 is unused)
+    TIES = 4  #: keys equal to the threshold that reached the tie counter (the general commit takes ``NEED``)
+    PREFIX_HI = 5  #: threshold prefix, score word
+    PREFIX_LO = 6  #: threshold prefix, id word
+    MASK_HI = 7  #: bits of the score word the prefix fixes (0 before any pass)
+    MASK_LO = 8  #: bits of the id word the prefix fixes (0 until an id pass)
+    WORDS = 16  #: words allocated (a 16-byte multiple), zeroed by the first ``WORDS`` threads
+
+
 def digit_schedule(first_bits: int = 8) -> tuple[tuple[int, int, int], ...]:
     """The radix passes, most significant first, as ``(word, shift, bits)``; word 0 = score, 1 = id.
 
@@ -116,7 +139,7 @@ def digit_schedule(first_bits: int = 8) -> tuple[tuple[int, int, int], ...]:
     # possible (12 -> 10 + 10, 11 -> 11 + 10, 8 -> 8 + 8 + 8): a digit needs >= 32 bins, because
     # the scan hands the bins out to whole warps.
     left = 32 - first_bits
-    n = -(-left // first_bits)
+    n = cdiv(left, first_bits)
     widths = [first_bits] + [left // n + (1 if r < left % n else 0) for r in range(n)]
     sched = []
     for word in (0, 1):
@@ -147,7 +170,7 @@ def lean_config(n: int, sorted_: bool = False) -> tuple[int, int]:
     Otherwise 0 = no cap: 32 words per thread, or the sorted variant's bitonic stage, would spill.
     """
     t = threads_for(n)
-    items = (n + t - 1) // t
+    items = cdiv(n, t)
     return t, (2048 // t if items <= 16 and not sorted_ else 0)
 
 
@@ -168,10 +191,10 @@ def default_variant(world: int, kloc: int, k: int, sorted: bool) -> str:  # noqa
 class StableTopKKernel:
     """One compiled configuration: ``W`` ranks × ``K`` candidates each, select ``k``.
 
-    Compile-time parameters (the compile cache key): ``world``, ``kloc`` (= K), ``k``,
-    ``sorted_``, ``small`` (``W*rows*K < 2**31`` and ``rows*k < 2**31``: 32-bit offset
+    Compile-time parameters (the compile cache key, :class:`TopKConfig`): ``world``, ``kloc`` (= K),
+    ``k``, ``sorted_``, ``small`` (``W*rows*K < 2**31`` and ``rows*k < 2**31``: 32-bit offset
     arithmetic), ``variant``, the CTA configuration and the tuning knobs below. ``rows`` is
-    dynamic.
+    dynamic. The shared state's words are named by :class:`State`.
 
     Variants (same semantics, same output):
 
@@ -199,12 +222,7 @@ class StableTopKKernel:
         min_ctas: int = 0,
         first_bits: int = 8,
     ) -> None:
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        if first_bits not in FIRST_BITS:
-            raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {first_bits!r}")
-        if threads and (threads < 256 or threads > 1024 or threads & (threads - 1)):
-            raise ValueError(f"threads must be a power of two in [256, 1024], got {threads}")
+        _check_knobs(variant, threads, first_bits)
         self.world = world
         self.kloc = kloc
         self.n = world * kloc
@@ -221,7 +239,7 @@ class StableTopKKernel:
             threads, min_ctas = lean_config(self.n, sorted_)
         self.threads = threads if threads else threads_for(self.n)
         self.min_ctas = min_ctas
-        self.items = (self.n + self.threads - 1) // self.threads
+        self.items = cdiv(self.n, self.threads)
         self.warps = self.threads // 32
         self.sort_size = next_pow2(min(k, self.n)) if sorted_ else 1
         self.lo_size = self.items * self.threads if self.lean else 1
@@ -261,15 +279,14 @@ class StableTopKKernel:
         # dummy: branch-free passes count the keys that do not take part into it.
         hist = smem.allocate_tensor(Int32, cute.make_layout(2 * self.hist_stride), byte_alignment=16)
         wsum = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)  # per-warp totals
-        # st[0] still-needed R, st[1] done flag, st[3] output counter, st[4] tie counter,
-        # st[5]/st[6] threshold prefix (hi/lo word), st[7]/st[8] masks of the bits that prefix
-        # fixes (hi/lo word; 0 before any pass).
-        st = smem.allocate_tensor(Int32, cute.make_layout(16), byte_alignment=16)
+        # The selection's state: the keys still needed, the done flag, the counters, the threshold prefix
+        # and its masks (class State names the words).
+        st = smem.allocate_tensor(Int32, cute.make_layout(State.WORDS), byte_alignment=16)
         skeys = smem.allocate_tensor(Uint64, cute.make_layout(self.sort_size), byte_alignment=16)
         # lean: the lo word of item i of thread t at i*T + t (conflict-free).
         slo = smem.allocate_tensor(Uint32, cute.make_layout(self.lo_size), byte_alignment=16)
 
-        if tid < 16:
+        if tid < State.WORDS:
             st[tid] = Int32(0)
         for x in cutlass.range(tid, NB0 + 1, T):  # pass 0's histogram and its dummy bin
             hist[x] = Int32(0)
@@ -285,8 +302,8 @@ class StableTopKKernel:
         n_valid = Int32(self.items * T) - hist[NB0]
         take = cutlass.min(n_valid, Int32(KSEL))
         if tid == 0:
-            st[0] = take
-            st[1] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
+            st[State.NEED] = take
+            st[State.DONE] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
         # -1 fill of the tail [take, k): no winner is ever written there.
         if const_expr(self.small):
             obase = row * KSEL
@@ -301,12 +318,12 @@ class StableTopKKernel:
             self.radix_pass(d, khi, klo, slo, hist, wsum, st, tid, lane, warp)
 
         # 4. Commit the winners: the threshold and the masks of the digits fixed so far.
-        need = st[0]
-        phi = st[5].bitcast(Uint32)
-        plo = st[6].bitcast(Uint32)
-        hm = st[7].bitcast(Uint32)  # the digits fixed so far (none when every valid key wins)
-        lm = st[8].bitcast(Uint32)
-        if (st[1] != 0) & (lm == Uint32(0)):
+        need = st[State.NEED]
+        phi = st[State.PREFIX_HI].bitcast(Uint32)
+        plo = st[State.PREFIX_LO].bitcast(Uint32)
+        hm = st[State.MASK_HI].bitcast(Uint32)  # the digits fixed so far (none when every valid key wins)
+        lm = st[State.MASK_LO].bitcast(Uint32)
+        if (st[State.DONE] != 0) & (lm == Uint32(0)):
             self.commit_fast(phi, khi, klo, slo, st, skeys, out, obase, tid, lane)
         else:
             self.commit_general(need, phi, plo, hm, lm, khi, klo, slo, st, skeys, out, obase, tid)
@@ -419,13 +436,13 @@ class StableTopKKernel:
         bits_above = const_expr(sh + self.schedule[d][2])
         before = const_expr((MASK32 << bits_above) & MASK32 if bits_above < 32 else 0)  # digits fixed before
         cur = const_expr((d % 2) * self.hist_stride)
-        done = st[1]
+        done = st[State.DONE]
         if done == 0:
             # Read the state once, before anyone can update it (the update comes after at
             # least one more barrier).
-            need = st[0]
-            phi = st[5].bitcast(Uint32)
-            plo = st[6].bitcast(Uint32)
+            need = st[State.NEED]
+            phi = st[State.PREFIX_HI].bitcast(Uint32)
+            plo = st[State.PREFIX_LO].bitcast(Uint32)
             if const_expr(d > 0):  # pass 0 was counted while loading
                 for i in cutlass.range_constexpr(self.items):
                     hi = khi[i]
@@ -514,15 +531,15 @@ class StableTopKKernel:
                 # Exactly one bin satisfies this: the one holding the need-th largest key.
                 if (above < need) & (need <= above + cnt):
                     newneed = need - above
-                    st[0] = newneed
+                    st[State.NEED] = newneed
                     if const_expr(word == 0):
-                        st[5] = (phi | (Uint32(b) << Uint32(sh))).bitcast(Int32)
-                        st[7] = Uint32(after).bitcast(Int32)
+                        st[State.PREFIX_HI] = (phi | (Uint32(b) << Uint32(sh))).bitcast(Int32)
+                        st[State.MASK_HI] = Uint32(after).bitcast(Int32)
                     else:
-                        st[6] = (plo | (Uint32(b) << Uint32(sh))).bitcast(Int32)
-                        st[8] = Uint32(after).bitcast(Int32)
+                        st[State.PREFIX_LO] = (plo | (Uint32(b) << Uint32(sh))).bitcast(Int32)
+                        st[State.MASK_LO] = Uint32(after).bitcast(Int32)
                     if cnt == newneed:
-                        st[1] = Int32(1)  # the bin holds exactly what is needed: done
+                        st[State.DONE] = Int32(1)  # the bin holds exactly what is needed: done
                 above = above + cnt
         cute.arch.sync_threads()
 
@@ -564,7 +581,7 @@ class StableTopKKernel:
         total = cute.arch.warp_redux_sync(mine, "add")
         base = Int32(0)
         if lane == 0:
-            base = cute.arch.atomic_add(st.iterator + 3, total)
+            base = cute.arch.atomic_add(st.iterator + State.COUNT, total)
         run = cute.arch.shuffle_sync(base, 0)
         ltmask = cute.arch.lanemask_lt()
         for i in cutlass.range_constexpr(self.items):
@@ -616,10 +633,10 @@ class StableTopKKernel:
             tie = valid & (mh == phi) & (ml == plo)
             if tie:
                 # Only ``need`` of the keys equal to the threshold prefix are taken.
-                old = cute.arch.atomic_add(st.iterator + 4, Int32(1))
+                old = cute.arch.atomic_add(st.iterator + State.TIES, Int32(1))
                 win = old < need
             if win:
-                slot = cute.arch.atomic_add(st.iterator + 3, Int32(1))
+                slot = cute.arch.atomic_add(st.iterator + State.COUNT, Int32(1))
                 self.store_winner(skeys, out, obase, slot, hi, lo)
 
     @cute.jit
@@ -667,28 +684,69 @@ def warp_inclusive_scan(x: Int32, lane: Int32) -> Int32:
     return x
 
 
-@functools.lru_cache(maxsize=64)
-def _compiled(
-    world: int,
-    kloc: int,
-    k: int,
-    sorted_: bool,
-    tvm_ffi: bool,
-    small: bool = True,
-    variant: str = "regs",
-    threads: int = 0,
-    min_ctas: int = 0,
-    first_bits: int = 8,
-) -> Any:
-    """Compile once per shape configuration (tracing takes milliseconds; launching microseconds)."""
-    kern = StableTopKKernel(world, kloc, k, sorted_, small, variant, threads, min_ctas, first_bits)
+def _check_knobs(variant: str, threads: int, first_bits: int) -> None:
+    """The kernel's variant, CTA size and first digit width (shared by the kernel and :class:`TopKConfig`)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if first_bits not in FIRST_BITS:
+        raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {first_bits!r}")
+    if threads and (threads < 256 or threads > 1024 or threads & (threads - 1)):
+        raise ValueError(f"threads must be a power of two in [256, 1024], got {threads}")
+
+
+@dataclass(frozen=True)
+class TopKConfig:
+    """One compiled configuration of :class:`StableTopKKernel` (the compile cache key; ``rows`` is dynamic).
+
+    Attributes:
+        world, kloc, k: ``W`` ranks, ``K`` candidates each, ``k`` winners per row.
+        sorted_: winners in key order (the bitonic stage).
+        small: 32-bit offset arithmetic (the caller guarantees ``W*rows*K < 2**31`` and ``rows*k < 2**31``).
+        variant: ``"regs"`` / ``"lean"`` (:class:`StableTopKKernel`).
+        threads, min_ctas: CTA size and ptxas' ``minctasm`` cap (``0, 0``: by shape, :func:`threads_for` /
+            :func:`lean_config`).
+        first_bits: width of the first radix digit (:data:`FIRST_BITS`).
+        tvm_ffi: compiled for the TVM-FFI call path.
+    """
+
+    world: int
+    kloc: int
+    k: int
+    sorted_: bool = False
+    small: bool = True
+    variant: str = "regs"
+    threads: int = 0
+    min_ctas: int = 0
+    first_bits: int = 8
+    tvm_ffi: bool = False
+
+    def __post_init__(self) -> None:
+        _check_knobs(self.variant, self.threads, self.first_bits)
+
+    def kernel(self) -> StableTopKKernel:
+        """The kernel object this configuration compiles."""
+        return StableTopKKernel(
+            self.world, self.kloc, self.k, self.sorted_, self.small, self.variant, self.threads, self.min_ctas,
+            self.first_bits,
+        )  # fmt: skip
+
+
+def _fake_args() -> tuple[Any, Any, Int32]:
+    """The compile-time stand-ins of ``(cand, out, rows)``: 1-D int64 / int32 tensors of dynamic length."""
     cand = cute.runtime.make_fake_compact_tensor(Int64, (cute.sym_int64(),), assumed_align=8)
     out = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int64(),), assumed_align=4)
-    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=tvm_ffi)
-    opts = "--enable-tvm-ffi" if tvm_ffi else None
-    if opts:
-        return cute.compile(kern, cand, out, Int32(1), stream, options=opts)
-    return cute.compile(kern, cand, out, Int32(1), stream)
+    return cand, out, Int32(1)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(cfg: TopKConfig) -> Any:
+    """Compile once per configuration (tracing takes milliseconds; launching microseconds)."""
+    kern = cfg.kernel()
+    cand, out, rows = _fake_args()
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=cfg.tvm_ffi)
+    if cfg.tvm_ffi:
+        return cute.compile(kern, cand, out, rows, stream, options="--enable-tvm-ffi")
+    return cute.compile(kern, cand, out, rows, stream)
 
 
 def compile_to_ptx(
@@ -705,11 +763,10 @@ def compile_to_ptx(
 
     Needs ``CUTE_DSL_ARCH=sm_90a`` in the environment (no GPU is needed); ``dump_dir`` must exist.
     """
-    kern = StableTopKKernel(int(world), int(kloc), int(k), bool(sorted), bool(small), variant, first_bits=first_bits)
-    cand = cute.runtime.make_fake_compact_tensor(Int64, (cute.sym_int64(),), assumed_align=8)
-    out = cute.runtime.make_fake_compact_tensor(Int32, (cute.sym_int64(),), assumed_align=4)
+    kern = TopKConfig(int(world), int(kloc), int(k), bool(sorted), bool(small), variant, first_bits=first_bits).kernel()
+    cand, out, rows = _fake_args()
     stream = cutlass.runtime.make_fake_stream()
-    fn = cute.compile(kern, cand, out, Int32(1), stream, options=f"--keep-ptx --dump-dir={dump_dir}")
+    fn = cute.compile(kern, cand, out, rows, stream, options=f"--keep-ptx --dump-dir={dump_dir}")
     ptx = fn.__ptx__ or ""
     if ptx and not ptx.lstrip().startswith("//") and os.path.exists(ptx):
         with open(ptx) as fh:  # some versions return the file path instead of the text
@@ -737,18 +794,11 @@ def compile_stable_topk(
     if variant is None:
         variant = default_variant(world, kloc, k, sorted)
     threads, min_ctas = (0, 0) if config is None else (int(config[0]), int(config[1]))
-    return _compiled(
-        int(world),
-        int(kloc),
-        int(k),
-        bool(sorted),
+    cfg = TopKConfig(
+        int(world), int(kloc), int(k), bool(sorted), bool(small), variant, threads, min_ctas, int(first_bits),
         bool(tvm_ffi),
-        bool(small),
-        variant,
-        threads,
-        min_ctas,
-        int(first_bits),
-    )
+    )  # fmt: skip
+    return _compiled(cfg)
 
 
 def stable_topk_cutedsl(

@@ -18,7 +18,7 @@ import pytest
 try:  # torch is a hard dependency, but keep the message clear if the venv is broken
     import torch
 except ImportError as e:  # pragma: no cover
-    raise SystemExit(f"dcp-ref tests need torch: {e}")
+    raise SystemExit(f"dcp-ref tests need torch: {e}") from e
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -32,7 +32,9 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
-    config.addinivalue_line("markers", "browser: drives JupyterLab in headless Chromium (Playwright); skipped without them")
+    config.addinivalue_line(
+        "markers", "browser: drives JupyterLab in headless Chromium (Playwright); skipped without them"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

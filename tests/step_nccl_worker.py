@@ -26,12 +26,25 @@ def main(out_dir: str) -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     try:
         group = TorchDistributedGroup()
-        p = make_dcp_problem(world, 1, seq_lens=[3000, 41, 2500], next_n=2, num_heads=128, head_dim=576, block_size=64,
-                             seed=8).to(f"cuda:{rank}", torch.bfloat16)
+        p = make_dcp_problem(
+            world, 1, seq_lens=[3000, 41, 2500], next_n=2, num_heads=128, head_dim=576, block_size=64, seed=8
+        ).to(f"cuda:{rank}", torch.bfloat16)
         shard, meta = p.shards[rank], p.metadata(rank, f"cuda:{rank}")
         T = p.q.shape[0]
-        spec = StepSpec(p.geometry(rank), max_tokens=T, topk=2048, num_heads=128, head_dim=576, v_dim=512, sm_scale=192**-0.5, dtype=torch.bfloat16, device=f"cuda:{rank}")
-        step = PlannedStep(group, spec, kernel_stages(f"cuda:{rank}", torch.bfloat16, 576, 512, num_heads=128, topk=2048))
+        spec = StepSpec(
+            p.geometry(rank),
+            max_tokens=T,
+            topk=2048,
+            num_heads=128,
+            head_dim=576,
+            v_dim=512,
+            sm_scale=192**-0.5,
+            dtype=torch.bfloat16,
+            device=f"cuda:{rank}",
+        )
+        step = PlannedStep(
+            group, spec, kernel_stages(f"cuda:{rank}", torch.bfloat16, 576, 512, num_heads=128, topk=2048)
+        )
         out, lse = step.run(p.q, shard, meta)
         torch.save({"out": out.cpu(), "lse": lse.cpu()}, Path(out_dir) / f"rank{rank}_kernels_eager.pt")
         graph = step.capture(p.q, shard, meta)
@@ -46,8 +59,11 @@ def main(out_dir: str) -> None:
         from dcp_ref.fp8_cache import quantize_kv_fp8
 
         fp8_shard = RankShard(quantize_kv_fp8(shard.kv_cache), shard.block_table, shard.index_scores, shard.geometry)
-        fp8 = PlannedStep(group, spec, kernel_stages(f"cuda:{rank}", torch.bfloat16, 576, 512, num_heads=128, topk=2048,
-                                                     kv_format="fp8_ds_mla"))
+        fp8 = PlannedStep(
+            group,
+            spec,
+            kernel_stages(f"cuda:{rank}", torch.bfloat16, 576, 512, num_heads=128, topk=2048, kv_format="fp8_ds_mla"),
+        )
         out, lse = fp8.run(p.q, fp8_shard, meta)
         torch.save({"out": out.cpu(), "lse": lse.cpu(), "impl": fp8.impls}, Path(out_dir) / f"rank{rank}_fp8.pt")
         torch.cuda.synchronize()

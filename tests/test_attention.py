@@ -200,7 +200,7 @@ def test_flashinfer_matches_reference(cuda_device, H) -> None:
     pytest.importorskip("flashinfer")
     from dcp_ref.kernels.flashinfer_mla import FlashInferSparseMLA
 
-    T, K, N, scale = 24, 256, 4096, 192 ** -0.5
+    T, K, N, scale = 24, 256, 4096, 192**-0.5
     q, kv, slots, counts = (t.to(cuda_device) for t in _gpu_case(T, H, K, N, seed=H, empty_rows=(1, 5)))
     ref_o, ref_le = sparse_mla_attention(q, kv, slots, counts, scale, "e")
     _, ref_l2 = sparse_mla_attention(q, kv, slots, counts, scale, "2")
@@ -231,7 +231,7 @@ def test_dcp_step_flashinfer_plus_triton_merge(cuda_device, W) -> None:
     from dcp_ref.kernels.flashinfer_mla import FlashInferSparseMLA
     from dcp_ref.kernels.lse_merge_triton import lse_merge
 
-    T, H, K, N, scale = 16, 64, 512, 8192, 192 ** -0.5
+    T, H, K, N, scale = 16, 64, 512, 8192, 192**-0.5
     q, kv, slots, counts = _gpu_case(T, H, K, N, seed=W, empty_rows=(3,))
     rng = random.Random(W)
     rank_of = torch.tensor([rng.randrange(W) for _ in range(N)])

@@ -68,8 +68,16 @@ def test_synthetic_file_and_bad_input() -> None:
     syn = {
         "versions": {"sm_count": 10},
         "summary": [
-            {"impl": impl, "T": t, "H": 128, "K": 2048, "cache": "bf16", "graph_us": float(t + n), "ctas": c,
-             "sm_busy": min(c, 10) / 10}
+            {
+                "impl": impl,
+                "T": t,
+                "H": 128,
+                "K": 2048,
+                "cache": "bf16",
+                "graph_us": float(t + n),
+                "ctas": c,
+                "sm_busy": min(c, 10) / 10,
+            }
             for n, (impl, c0) in enumerate((("splitkv", 8), ("flashmla_bf16", 2)))
             for t, c in ((4, 4 * c0), (1, c0))
         ],

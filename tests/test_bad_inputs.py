@@ -380,7 +380,13 @@ bad(
     local_topk=i64([[2**23 + 7, -1]]),
 )
 # A valid geometry the data does not fit: so many ranks that this rank's keys have global ids >= 2**24.
-bad("pack_candidates", ValueError, "local_topk", "geometry W=2**22: ids >= 2**24 by value", geometry=DcpGeometry(2**22, 1))
+bad(
+    "pack_candidates",
+    ValueError,
+    "local_topk",
+    "geometry W=2**22: ids >= 2**24 by value",
+    geometry=DcpGeometry(2**22, 1),
+)
 bad(
     "pack_candidates",
     ValueError,
@@ -879,7 +885,11 @@ NO_HOST_READ = {
         _meta(5, 9), 4, _meta(5, dtype=torch.int64), _meta(5, dtype=torch.int32), validate=False
     ),
     "pack_candidates": lambda: pack_candidates(
-        _meta(5, 9), _meta(5, 4, dtype=torch.int64), DcpGeometry(4, 1, 2, 2), _meta(5, dtype=torch.int32), validate=False
+        _meta(5, 9),
+        _meta(5, 4, dtype=torch.int64),
+        DcpGeometry(4, 1, 2, 2),
+        _meta(5, dtype=torch.int32),
+        validate=False,
     ),
     "stable_topk": lambda: stable_topk(_meta(4, 5, 4, 2), 4, validate=False),
     "merge_topk_global": lambda: merge_topk_global(
@@ -964,7 +974,9 @@ def test_deinterleave_validate_false_same_answer_as_the_kernel(kernel_device, me
     ordered = method != "atomic"
     for dtype in (torch.int32, torch.int64):
         ids_d, bt_d = ids.to(dtype), (bt.to(dtype) if dtype == torch.int64 else bt.clamp(max=2**31 - 1).to(dtype))
-        want_s, want_c = deinterleave_and_compact(ids_d, req, bt_d, DcpGeometry(1, 0, block_size=4), ordered=ordered, validate=False)
+        want_s, want_c = deinterleave_and_compact(
+            ids_d, req, bt_d, DcpGeometry(1, 0, block_size=4), ordered=ordered, validate=False
+        )
         with pytest.raises(ValueError, match="req_of_token"):
             deinterleave_and_compact(ids_d, req, bt_d, DcpGeometry(1, 0, block_size=4), ordered=ordered)
         got_s, got_c = deinterleave_compact(
@@ -1138,7 +1150,11 @@ def test_deinterleave_int64_inputs_reference_and_kernel(kernel_device, id_dtype,
     want = brute_slots(ids, req, bt, bs, W, r, I)
     assert any(POISON in row for row in want)  # the -1 block is hit: out of contract, poisoned
     ref = global_ids_to_local_slots(
-        torch.tensor(ids, dtype=id_dtype), i64(req), torch.tensor(bt, dtype=bt_dtype), DcpGeometry(W, r, I, bs), validate=False
+        torch.tensor(ids, dtype=id_dtype),
+        i64(req),
+        torch.tensor(bt, dtype=bt_dtype),
+        DcpGeometry(W, r, I, bs),
+        validate=False,
     )
     assert ref.tolist() == want
     s, c = deinterleave_compact(
@@ -1219,7 +1235,9 @@ def _gpu_stage_calls(dev):
         "local_topk": lambda: local_topk(logits, 8, lens, starts, validate=False),
         "pack": lambda: pack_candidates(logits, ids, DcpGeometry(2, 1), starts, validate=False),
         "stable_topk": lambda: stable_topk(
-            torch.stack([pack_candidates(logits, ids, DcpGeometry(2, r), validate=False) for r in (0, 1)]), 5, validate=False
+            torch.stack([pack_candidates(logits, ids, DcpGeometry(2, r), validate=False) for r in (0, 1)]),
+            5,
+            validate=False,
         ),
         "deinterleave": lambda: deinterleave_and_compact(ids, req, bt, DcpGeometry(2, 1, 2, 4), validate=False),
         "attention": lambda: sparse_mla_attention(q, kv, sl, cn, 0.5, v_dim=6, validate=False),
@@ -1365,7 +1383,9 @@ def test_check_block_table_catches_a_table_too_short_for_the_local_length() -> N
         with pytest.raises((ValueError, TypeError), match=match):
             check_block_table(bt, 4, **kwargs)
     # The stage itself: a key past a too-short table has no block: poisoned (validate=False) or refused.
-    assert global_ids_to_local_slots(i64([[12]]), None, bt, DcpGeometry(1, 0, block_size=4), validate=False).tolist() == [[POISON]]
+    assert global_ids_to_local_slots(
+        i64([[12]]), None, bt, DcpGeometry(1, 0, block_size=4), validate=False
+    ).tolist() == [[POISON]]
     with pytest.raises(ValueError, match=r"^block_table has no block"):
         global_ids_to_local_slots(i64([[12]]), None, bt, DcpGeometry(1, 0, block_size=4))
 
@@ -1458,7 +1478,9 @@ def test_class1_poison_slot_is_named_once_and_turns_the_row_into_nan() -> None:
         o, l = sparse_mla_attention_fp8(q8, kv8, slots, c, 0.1, attention_layout=layout, validate=False)
         assert torch.isnan(o[0]).all() and torch.isnan(l[0]).all() and torch.isfinite(l[1]).all()
     # The chain a token goes through: deinterleave (bad request id) -> attention -> merge: NaN for it only.
-    s2, c2 = deinterleave_and_compact(i64([[0, 1], [0, 1]]), i32([0, 5]), i32([[2]]), DcpGeometry(1, 0, block_size=2), validate=False)
+    s2, c2 = deinterleave_and_compact(
+        i64([[0, 1], [0, 1]]), i32([0, 5]), i32([[2]]), DcpGeometry(1, 0, block_size=2), validate=False
+    )
     o2, l2 = sparse_mla_attention(Q, KV, s2, c2, 0.5, v_dim=6, validate=False)
     mo, ml = merge_partials(torch.stack([o2, torch.zeros_like(o2)]), torch.stack([l2, torch.full_like(l2, -INF)]))
     assert torch.isfinite(ml[0]).all() and torch.isnan(ml[1]).all() and torch.isnan(mo[1]).all()
@@ -1513,7 +1535,9 @@ def test_class2_k_larger_than_the_row_and_w1_brute_force(kernel_device) -> None:
     from dcp_ref.kernels.lse_merge_triton import lse_correct, lse_merge
 
     # W = 1 deinterleave: every id is this rank's
-    s, c = deinterleave_compact(i64([[3, -1, 0]]).to(kernel_device), None, i64([[4, 7]]).to(kernel_device), DcpGeometry(1, 0, block_size=2))
+    s, c = deinterleave_compact(
+        i64([[3, -1, 0]]).to(kernel_device), None, i64([[4, 7]]).to(kernel_device), DcpGeometry(1, 0, block_size=2)
+    )
     assert s.cpu().tolist() == [[7 * 2 + 1, 4 * 2 + 0, -1]] and c.cpu().tolist() == [2]
     # W = 1 merge: the output itself, the LSE itself (reference and kernel)
     o1, l1 = OUTS[:1].float(), LSES[:1].float()

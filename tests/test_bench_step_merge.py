@@ -28,10 +28,20 @@ def bench_step():
 
 
 def _row(W, T, ctx, graph, attn, kv_format=None):
-    r = {"W": W, "T": T, "ctx": ctx, "attention": "flashmla" if kv_format != "fp8_ds_mla" else "flashmla-fp8",
-         "graph_us": graph, "eager_us": 900.0, "host_syncs_per_step": 0, "launches_per_step": 11,
-         "allocations_per_run": 3, "stages_sum_us": graph, "graph_over_stages_sum": 1.0,
-         "stages_us": {"indexer": 10.0, "attention": attn}}
+    r = {
+        "W": W,
+        "T": T,
+        "ctx": ctx,
+        "attention": "flashmla" if kv_format != "fp8_ds_mla" else "flashmla-fp8",
+        "graph_us": graph,
+        "eager_us": 900.0,
+        "host_syncs_per_step": 0,
+        "launches_per_step": 11,
+        "allocations_per_run": 3,
+        "stages_sum_us": graph,
+        "graph_over_stages_sum": 1.0,
+        "stages_us": {"indexer": 10.0, "attention": attn},
+    }
     if kv_format is not None:
         r["kv_format"] = kv_format
     return r
@@ -48,8 +58,11 @@ def test_merge_pairs_fp8_with_bf16_and_records_the_winner(bench_step, tmp_path: 
     out.mkdir()
     # bf16 rows without kv_format (written before the FP8 cache existed), FP8 rows with it
     _write(src, "step_W2.json", [_row(2, 1, 8192, 80.0, 35.0), _row(2, 32, 8192, 125.0, 47.0)])
-    _write(src, "step_W2_fp8.json", [_row(2, 1, 8192, 60.0, 21.0, "fp8_ds_mla"),
-                                     _row(2, 32, 8192, 140.0, 63.0, "fp8_ds_mla")])
+    _write(
+        src,
+        "step_W2_fp8.json",
+        [_row(2, 1, 8192, 60.0, 21.0, "fp8_ds_mla"), _row(2, 32, 8192, 140.0, 63.0, "fp8_ds_mla")],
+    )
     (out / "fp8_attention.json").write_text(json.dumps({"summary": [{"impl": "flashmla_fp8_masked"}]}))
     bench_step.merge(src, out, note="a note on the run")
     step = json.loads((out / "step.json").read_text())

@@ -66,11 +66,27 @@ def jupyter_lab(tmp_path: Path):
     nb_dir.mkdir()
     shutil.copy(ROOT / "notebooks" / NOTEBOOK, nb_dir / NOTEBOOK)
     port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"), TRITON_INTERPRET="1", CUTE_DSL_ARCH="sm_90a")
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={nb_dir}",
-           "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"),
+        TRITON_INTERPRET="1",
+        CUTE_DSL_ARCH="sm_90a",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        f"--port={port}",
+        "--ServerApp.ip=127.0.0.1",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={nb_dir}",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")
     log = open(tmp_path / "lab.log", "w")
@@ -85,7 +101,9 @@ def jupyter_lab(tmp_path: Path):
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
                     log.flush()
-                    raise RuntimeError("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
+                    raise RuntimeError(
+                        "JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:]
+                    ) from None
                 time.sleep(0.3)
         yield base, token, nb_dir, chromium, sync_api
     finally:
@@ -98,7 +116,7 @@ def jupyter_lab(tmp_path: Path):
 
 
 def test_ownership_widget_renders_and_responds_in_jupyterlab(jupyter_lab) -> None:
-    base, token, nb_dir, chromium, sync_api = jupyter_lab
+    base, token, _nb_dir, chromium, sync_api = jupyter_lab
     committed = (ROOT / "notebooks" / NOTEBOOK).read_bytes()
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
@@ -125,7 +143,8 @@ def test_ownership_widget_renders_and_responds_in_jupyterlab(jupyter_lab) -> Non
             handle.press("ArrowRight")
             want = ownership_grid(25, 2, rank=1, interleave=2).rstrip()
             page.wait_for_function(
-                "w => { const e = document.querySelector('pre#ownership-grid'); return e && e.textContent.trimEnd() === w; }",
+                "w => { const e = document.querySelector('pre#ownership-grid');"
+                " return e && e.textContent.trimEnd() === w; }",
                 arg=want,
             )
             assert grid.text_content().rstrip() == want

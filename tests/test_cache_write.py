@@ -89,7 +89,9 @@ def test_fp8_dcp_attention_on_simulated_ranks_equals_single_device(geo, lens, K,
     sm = 192**-0.5
     outs, lses = [], []
     for r, shard in enumerate(p.shards):
-        slots = global_ids_to_local_slots(ids, req, shard.block_table, DcpGeometry(W, r, I, g.block_size))  # masked: no compaction
+        slots = global_ids_to_local_slots(
+            ids, req, shard.block_table, DcpGeometry(W, r, I, g.block_size)
+        )  # masked: no compaction
         o, l = sparse_mla_attention_fp8(q, caches[r], slots, None, sm)
         outs.append(o)
         lses.append(l)

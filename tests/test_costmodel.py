@@ -71,7 +71,8 @@ def test_attention_flops_and_bytes_by_hand() -> None:
     tp2 = cm.tp_step_cost(2, T, c)
     assert tp2.attention_flops == pytest.approx(2 * T * 64 * 2048 * (576 + 512))
     assert cm.tp_step_cost(2, 8, c).stages_s["attention"] == pytest.approx(
-        cm.DEFAULT_CONSTANTS.attention_splitkv.time_s(2 * 8 * 64 * 2048 * (576 + 512)))
+        cm.DEFAULT_CONSTANTS.attention_splitkv.time_s(2 * 8 * 64 * 2048 * (576 + 512))
+    )
     # short context: only c keys exist
     assert cm.tp_step_cost(1, 2, 100).attention_flops == pytest.approx(2 * 2 * 128 * 100 * 1088)
 
@@ -135,8 +136,11 @@ def test_busiest_rank_brute_force(w: int, i: int) -> None:
 def test_fit_lines_recovers_known_constants() -> None:
     truth = {"select": (3e-6, 1 / 2.5e12), "attention": (2e-5, 1 / 6e14), "merge": (0.0, 1 / 3e12)}
     xs = [1e5, 3e6, 2e7, 1.5e8]
-    obs = [cm.Observation(f, x * (1e7 if f == "attention" else 1), a + b * x * (1e7 if f == "attention" else 1), f"{x}")
-           for f, (a, b) in truth.items() for x in xs]
+    obs = [
+        cm.Observation(f, x * (1e7 if f == "attention" else 1), a + b * x * (1e7 if f == "attention" else 1), f"{x}")
+        for f, (a, b) in truth.items()
+        for x in xs
+    ]
     lines, res = cm.fit_lines(obs)
     for f, (a, b) in truth.items():
         assert lines[f].fixed_s == pytest.approx(a, rel=1e-9, abs=1e-15)
@@ -168,8 +172,13 @@ def test_fit_collectives_recovers_known_constants() -> None:
 
 def test_fit_step_recovers_known_constants() -> None:
     kernels = cm.DEFAULT_CONSTANTS
-    truth = kernels.replace(step_overhead_s=12e-6, hop_s=1.7e-6,
-                            local_topk=cm.LineCost(kernels.local_topk.fixed_s, 1 / 0.4e12), launch_s=4e-6, sync_s=30e-6)
+    truth = kernels.replace(
+        step_overhead_s=12e-6,
+        hop_s=1.7e-6,
+        local_topk=cm.LineCost(kernels.local_topk.fixed_s, 1 / 0.4e12),
+        launch_s=4e-6,
+        sync_s=30e-6,
+    )
     pts = []
     for w in (2, 4, 8):
         for t in (1, 32, 128):
@@ -228,15 +237,22 @@ def test_observations_match_the_committed_json() -> None:
     assert len(dobs) == len(keys)
     for o in dobs:
         rows, w, i = (int(p.split("=")[1]) for p in o.label.split())
-        best = min(r["graph_us"] for r in de["results"] if (r["rows"], r["W"], r["I"]) == (rows, w, i)
-                   and r["method"] in ("atomic", "rowscan", "twopass") and r["correct"])
+        best = min(
+            r["graph_us"]
+            for r in de["results"]
+            if (r["rows"], r["W"], r["I"]) == (rows, w, i)
+            and r["method"] in ("atomic", "rowscan", "twopass")
+            and r["correct"]
+        )
         assert o.seconds == pytest.approx(best / 1e6, rel=1e-12)
 
 
 def test_fit_to_committed_results(fitted: cm.Fit) -> None:
     obs = cm.observations_from_results(RESULTS)
     # one attention line: the rows of the other kernel (FlashInfer's, or FlashMLA's) are not fitted
-    other = [o for o in obs if o.family == "attention" and o.label.startswith("FlashMLA") != (fitted.attention == "flashmla")]
+    other = [
+        o for o in obs if o.family == "attention" and o.label.startswith("FlashMLA") != (fitted.attention == "flashmla")
+    ]
     n_obs = len(obs) - len(other)
     steps = cm.step_points_from_json(RESULTS / "step.json")
     # the steps that ran the fit's attention kernel, named exactly (FP8 rows run "flashmla-fp8")
@@ -302,37 +318,40 @@ def test_scaling_table_flags_predictions() -> None:
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("call,exc,name", [
-    (lambda: cm.dcp_step_cost(0, 32, 100), ValueError, "world_size"),
-    (lambda: cm.dcp_step_cost(True, 32, 100), TypeError, "world_size"),
-    (lambda: cm.dcp_step_cost(3, 32, 100), ValueError, "world_size"),     # 3 does not divide 128 heads
-    (lambda: cm.dcp_step_cost(2, -1, 100), ValueError, "tokens"),
-    (lambda: cm.tp_step_cost(2, 32, 1.5), TypeError, "context"),
-    (lambda: cm.dcp_step_cost(2, 32, 100, geometry=None), TypeError, "geometry"),
-    (lambda: cm.dcp_step_cost(2, 32, 100, constants={}), TypeError, "constants"),
-    (lambda: cm.dcp_step_cost(2, 32, 100, hardware="h200"), TypeError, "hardware"),
-    (lambda: cm.dcp_step_cost(2, 32, 100, scope="model"), ValueError, "scope"),
-    (lambda: cm.kv_bytes_per_rank(100, 2, "pp"), ValueError, "mode"),
-    (lambda: cm.kv_bytes_per_rank(-5, 2, "tp"), ValueError, "context"),
-    (lambda: cm.collective_time_s("broadcast", 10, 2), ValueError, "kind"),
-    (lambda: cm.collective_time_s("all_gather", 10.0, 2), TypeError, "bytes_per_rank"),
-    (lambda: cm.MlaGeometry(kv_layout="fp4"), ValueError, "kv_layout"),
-    (lambda: cm.MlaGeometry(num_heads=0), ValueError, "num_heads"),
-    (lambda: cm.Hardware(ib_efficiency=1.5), ValueError, "ib_efficiency"),
-    (lambda: cm.Hardware(copy_Bps=float("nan")), ValueError, "copy_Bps"),
-    (lambda: cm.LineCost(-1e-6, 0.0), ValueError, "fixed_s"),
-    (lambda: cm.LineCost("1", 0.0), TypeError, "fixed_s"),
-    (lambda: cm.CostConstants(link_Bps=0), ValueError, "link_Bps"),
-    (lambda: cm.CostConstants(select=3.0), TypeError, "select"),
-    (lambda: cm.throughput_ratio(2, 1000, other_layer_s=float("nan")), ValueError, "other_layer_s"),
-    (lambda: cm.throughput_ratio(2, 1000, kv_budget_bytes=0), ValueError, "kv_budget_bytes"),
-    (lambda: cm.crossover_context(2, min_context=1000, max_context=10), ValueError, "max_context"),
-    (lambda: cm.observations_from_results(ROOT / "no-such-dir"), ValueError, "results_dir"),
-    (lambda: cm.fit_constants(RESULTS, attention="trtllm"), ValueError, "attention"),
-    (lambda: cm.fit_collectives([("all_gather", 10, 1e-5, 1e-5)]), ValueError, "measured"),
-    (lambda: cm.fit_lines([("select", 1.0, 1.0)]), TypeError, "observations"),
-    (lambda: cm.fit_step([(2, 32, 100)], cm.DEFAULT_CONSTANTS), TypeError, "points"),
-])
+@pytest.mark.parametrize(
+    "call,exc,name",
+    [
+        (lambda: cm.dcp_step_cost(0, 32, 100), ValueError, "world_size"),
+        (lambda: cm.dcp_step_cost(True, 32, 100), TypeError, "world_size"),
+        (lambda: cm.dcp_step_cost(3, 32, 100), ValueError, "world_size"),  # 3 does not divide 128 heads
+        (lambda: cm.dcp_step_cost(2, -1, 100), ValueError, "tokens"),
+        (lambda: cm.tp_step_cost(2, 32, 1.5), TypeError, "context"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, geometry=None), TypeError, "geometry"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, constants={}), TypeError, "constants"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, hardware="h200"), TypeError, "hardware"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, scope="model"), ValueError, "scope"),
+        (lambda: cm.kv_bytes_per_rank(100, 2, "pp"), ValueError, "mode"),
+        (lambda: cm.kv_bytes_per_rank(-5, 2, "tp"), ValueError, "context"),
+        (lambda: cm.collective_time_s("broadcast", 10, 2), ValueError, "kind"),
+        (lambda: cm.collective_time_s("all_gather", 10.0, 2), TypeError, "bytes_per_rank"),
+        (lambda: cm.MlaGeometry(kv_layout="fp4"), ValueError, "kv_layout"),
+        (lambda: cm.MlaGeometry(num_heads=0), ValueError, "num_heads"),
+        (lambda: cm.Hardware(ib_efficiency=1.5), ValueError, "ib_efficiency"),
+        (lambda: cm.Hardware(copy_Bps=float("nan")), ValueError, "copy_Bps"),
+        (lambda: cm.LineCost(-1e-6, 0.0), ValueError, "fixed_s"),
+        (lambda: cm.LineCost("1", 0.0), TypeError, "fixed_s"),
+        (lambda: cm.CostConstants(link_Bps=0), ValueError, "link_Bps"),
+        (lambda: cm.CostConstants(select=3.0), TypeError, "select"),
+        (lambda: cm.throughput_ratio(2, 1000, other_layer_s=float("nan")), ValueError, "other_layer_s"),
+        (lambda: cm.throughput_ratio(2, 1000, kv_budget_bytes=0), ValueError, "kv_budget_bytes"),
+        (lambda: cm.crossover_context(2, min_context=1000, max_context=10), ValueError, "max_context"),
+        (lambda: cm.observations_from_results(ROOT / "no-such-dir"), ValueError, "results_dir"),
+        (lambda: cm.fit_constants(RESULTS, attention="trtllm"), ValueError, "attention"),
+        (lambda: cm.fit_collectives([("all_gather", 10, 1e-5, 1e-5)]), ValueError, "measured"),
+        (lambda: cm.fit_lines([("select", 1.0, 1.0)]), TypeError, "observations"),
+        (lambda: cm.fit_step([(2, 32, 100)], cm.DEFAULT_CONSTANTS), TypeError, "points"),
+    ],
+)
 def test_bad_input_names_the_argument(call, exc, name) -> None:
     with pytest.raises(exc, match=name):
         call()
@@ -347,8 +366,11 @@ def test_step_json_with_a_bad_summary(tmp_path: Path) -> None:
 
 def test_steps_of_another_attention_kernel_are_not_fitted() -> None:
     k = cm.DEFAULT_CONSTANTS
-    pts = [cm.StepPoint(2, t, 65536, name, cm.dcp_step_cost(2, t, 65536, constants=k, scope="step").total_s + extra)
-           for t in (1, 32) for name, extra in (("flashinfer", 5e-6), ("flashmla", 50e-6))]
+    pts = [
+        cm.StepPoint(2, t, 65536, name, cm.dcp_step_cost(2, t, 65536, constants=k, scope="step").total_s + extra)
+        for t in (1, 32)
+        for name, extra in (("flashinfer", 5e-6), ("flashmla", 50e-6))
+    ]
     fit = cm.fit_constants(RESULTS, step_points=pts, attention="flashinfer")
     assert any("2 of 4 steps" in n for n in fit.notes)
     assert len([r for r in fit.residuals if r.family == "step"]) == 2
@@ -357,8 +379,11 @@ def test_steps_of_another_attention_kernel_are_not_fitted() -> None:
 def test_fp8_steps_are_not_fitted_as_flashmla() -> None:
     """``flashmla-fp8`` (the FP8 cache's decode, masked over all K) is another kernel than ``flashmla``."""
     k = cm.DEFAULT_CONSTANTS
-    pts = [cm.StepPoint(2, t, 65536, name, cm.dcp_step_cost(2, t, 65536, constants=k, scope="step").total_s + extra)
-           for t in (1, 32) for name, extra in (("flashmla", 0.0), ("flashmla-fp8", 80e-6))]
+    pts = [
+        cm.StepPoint(2, t, 65536, name, cm.dcp_step_cost(2, t, 65536, constants=k, scope="step").total_s + extra)
+        for t in (1, 32)
+        for name, extra in (("flashmla", 0.0), ("flashmla-fp8", 80e-6))
+    ]
     fit = cm.fit_constants(RESULTS, step_points=pts, attention="flashmla")
     assert any("2 of 4 steps" in n for n in fit.notes)
     assert [p.attention for p in fit.step_points] == ["flashmla", "flashmla"]

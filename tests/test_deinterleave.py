@@ -93,8 +93,14 @@ def make_case(gen, t_rows, k, w, i, bs, n_req, n_blocks, p_invalid=0.1, beyond=0
 
 @settings(max_examples=60, deadline=None)
 @given(
-    t_rows=st.integers(0, 5), k=st.integers(0, 40), w=st.integers(1, 4), i=st.sampled_from([1, 2, 4]),
-    bs_mult=st.integers(1, 3), n_blocks=st.integers(1, 5), seed=st.integers(0, 2**31 - 1), data=st.data(),
+    t_rows=st.integers(0, 5),
+    k=st.integers(0, 40),
+    w=st.integers(1, 4),
+    i=st.sampled_from([1, 2, 4]),
+    bs_mult=st.integers(1, 3),
+    n_blocks=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
 )
 def test_reference_matches_brute_force(t_rows, k, w, i, bs_mult, n_blocks, seed, data):
     r = data.draw(st.integers(0, w - 1))
@@ -106,7 +112,7 @@ def test_reference_matches_brute_force(t_rows, k, w, i, bs_mult, n_blocks, seed,
     want = brute_slots(ids, req, bt, bs, w, r, i)
     if poisoned(want):  # out-of-contract metadata: validated, every entry point raises naming block_table
         for fn in (global_ids_to_local_slots, deinterleave_and_compact, deinterleave_masked):
-            with pytest.raises(ValueError, match="^block_table"):
+            with pytest.raises(ValueError, match=r"^block_table"):
                 fn(ids, req, bt, DcpGeometry(w, r, i, bs))
     else:
         assert global_ids_to_local_slots(ids, req, bt, DcpGeometry(w, r, i, bs)).tolist() == want
@@ -167,7 +173,11 @@ def test_canonicalize_equal_for_permuted_prefixes():
         (dict(token_ids=torch.zeros(2, 3)), TypeError, "token_ids"),
         (dict(token_ids=torch.zeros(6, dtype=torch.int32)), ValueError, "token_ids must be 2-D"),
         (dict(block_table=torch.zeros(2, 2, dtype=torch.float32)), TypeError, "block_table"),
-        (dict(req_of_token=torch.tensor([0, 2], dtype=torch.int32)), ValueError, r"req_of_token values must be in \[0, 2\)"),
+        (
+            dict(req_of_token=torch.tensor([0, 2], dtype=torch.int32)),
+            ValueError,
+            r"req_of_token values must be in \[0, 2\)",
+        ),
         (dict(req_of_token=torch.tensor([0], dtype=torch.int32)), ValueError, r"req_of_token must have shape \[T\]"),
     ],
 )
@@ -192,7 +202,12 @@ def test_reference_rejects_slot_overflowing_int32():
 
 def test_reference_req_none_needs_enough_rows():
     with pytest.raises(ValueError, match="req_of_token=None"):
-        global_ids_to_local_slots(torch.zeros(3, 2, dtype=torch.int32), None, torch.zeros(2, 2, dtype=torch.int32), DcpGeometry(1, 0, block_size=4))
+        global_ids_to_local_slots(
+            torch.zeros(3, 2, dtype=torch.int32),
+            None,
+            torch.zeros(2, 2, dtype=torch.int32),
+            DcpGeometry(1, 0, block_size=4),
+        )
 
 
 def test_compact_bad_input():
@@ -211,7 +226,9 @@ def check_kernel_result(out, counts, ids, req, bt, bs, w, r, i, ordered):
     """Exact for ordered; sets + counts + -1 tail for unordered. Inputs on any device."""
     ids_c, bt_c = ids.cpu(), bt.cpu()
     req_c = None if req is None else req.cpu()
-    want, want_n = deinterleave_and_compact(ids_c, req_c, bt_c, DcpGeometry(w, r, i, bs), ordered=ordered, validate=False)
+    want, want_n = deinterleave_and_compact(
+        ids_c, req_c, bt_c, DcpGeometry(w, r, i, bs), ordered=ordered, validate=False
+    )
     out, counts = out.cpu(), counts.cpu()
     assert counts.tolist() == want_n.tolist()
     if ordered:
@@ -231,7 +248,15 @@ def run_method(method, ids, req, bt, bs, w, r, i, dev, block=None, poison=True, 
     out = torch.full((t_rows, k), 12345, dtype=torch.int32, device=dev) if poison else None
     counts = torch.full((t_rows,), 777, dtype=torch.int32, device=dev) if poison else None
     o, c = dk.deinterleave_compact(
-        ids, req, bt, DcpGeometry(w, r, i, bs), ordered=method != "atomic", method=method, out=out, counts=counts, block=block,
+        ids,
+        req,
+        bt,
+        DcpGeometry(w, r, i, bs),
+        ordered=method != "atomic",
+        method=method,
+        out=out,
+        counts=counts,
+        block=block,
         validate=validate,
     )
     if poison:
@@ -241,11 +266,21 @@ def run_method(method, ids, req, bt, bs, w, r, i, dev, block=None, poison=True, 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    method=st.sampled_from(dk.METHODS), t_rows=st.integers(1, 4), k=st.integers(1, 130),
-    w=st.integers(1, 4), i=st.sampled_from([1, 2, 4]), bs_mult=st.integers(1, 2), n_blocks=st.integers(1, 6),
-    block=st.sampled_from([16, 32, 64, None]), use_req=st.booleans(), seed=st.integers(0, 2**31 - 1), data=st.data(),
+    method=st.sampled_from(dk.METHODS),
+    t_rows=st.integers(1, 4),
+    k=st.integers(1, 130),
+    w=st.integers(1, 4),
+    i=st.sampled_from([1, 2, 4]),
+    bs_mult=st.integers(1, 2),
+    n_blocks=st.integers(1, 6),
+    block=st.sampled_from([16, 32, 64, None]),
+    use_req=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
 )
-def test_kernel_matches_reference_hypothesis(kernel_device, method, t_rows, k, w, i, bs_mult, n_blocks, block, use_req, seed, data):
+def test_kernel_matches_reference_hypothesis(
+    kernel_device, method, t_rows, k, w, i, bs_mult, n_blocks, block, use_req, seed, data
+):
     r = data.draw(st.integers(0, w - 1))
     bs = i * bs_mult
     gen = torch.Generator().manual_seed(seed)
@@ -263,6 +298,7 @@ def test_kernel_matches_reference_hypothesis(kernel_device, method, t_rows, k, w
         assert str(ker.value) == str(ref.value) and str(ref.value).startswith("block_table")
     else:
         o2, c2 = run_method(method, ids, req, bt, bs, w, r, i, kernel_device, block=block, validate=True)
+        check_kernel_result(o2, c2, ids, req, bt, bs, w, r, i, ordered=method != "atomic")
         assert torch.equal(c2.cpu(), c.cpu())
 
 
@@ -319,7 +355,14 @@ def test_kernel_strided_inputs_and_output(kernel_device, method):
     out_full = torch.full((3, 60), 99, dtype=torch.int32, device=dev)
     out = out_full[:, 5:50]
     o, c = dk.deinterleave_compact(
-        ids.to(dev), req.to(dev), bt.to(dev), DcpGeometry(w, r, i, bs), ordered=method != "atomic", method=method, out=out, block=16,
+        ids.to(dev),
+        req.to(dev),
+        bt.to(dev),
+        DcpGeometry(w, r, i, bs),
+        ordered=method != "atomic",
+        method=method,
+        out=out,
+        block=16,
         validate=False,
     )
     check_kernel_result(o, c, ids, req, bt, bs, w, r, i, ordered=method != "atomic")
@@ -331,7 +374,12 @@ def test_conversion_kernel_matches_reference(kernel_device):
     for w, r, i, bs in [(1, 0, 1, 4), (2, 1, 2, 4), (4, 2, 4, 8)]:
         ids, req, bt = make_case(gen, 3, 70, w, i, bs, 2, 5)
         got = dk.global_ids_to_local_slots_triton(
-            ids.to(kernel_device), req.to(kernel_device), bt.to(kernel_device), DcpGeometry(w, r, i, bs), block=32, validate=False
+            ids.to(kernel_device),
+            req.to(kernel_device),
+            bt.to(kernel_device),
+            DcpGeometry(w, r, i, bs),
+            block=32,
+            validate=False,
         )
         assert got.cpu().tolist() == brute_slots(ids, req, bt, bs, w, r, i)
 
@@ -339,11 +387,20 @@ def test_conversion_kernel_matches_reference(kernel_device):
 # ---- the masked layout: conversion + counts, no compaction --------------------------------------
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    t_rows=st.integers(1, 4), k=st.integers(1, 130), w=st.integers(1, 4), i=st.sampled_from([1, 2, 4]),
-    bs_mult=st.integers(1, 2), n_blocks=st.integers(1, 6), block=st.sampled_from([16, 32, None]),
-    use_req=st.booleans(), seed=st.integers(0, 2**31 - 1), data=st.data(),
+    t_rows=st.integers(1, 4),
+    k=st.integers(1, 130),
+    w=st.integers(1, 4),
+    i=st.sampled_from([1, 2, 4]),
+    bs_mult=st.integers(1, 2),
+    n_blocks=st.integers(1, 6),
+    block=st.sampled_from([16, 32, None]),
+    use_req=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
 )
-def test_masked_kernel_matches_brute_force(kernel_device, t_rows, k, w, i, bs_mult, n_blocks, block, use_req, seed, data):
+def test_masked_kernel_matches_brute_force(
+    kernel_device, t_rows, k, w, i, bs_mult, n_blocks, block, use_req, seed, data
+):
     r = data.draw(st.integers(0, w - 1))
     bs = i * bs_mult
     gen = torch.Generator().manual_seed(seed)
@@ -355,7 +412,13 @@ def test_masked_kernel_matches_brute_force(kernel_device, t_rows, k, w, i, bs_mu
     out = torch.full((t_rows, k), 12345, dtype=torch.int32, device=dev)  # poison: every entry must be written
     counts = torch.full((t_rows,), 777, dtype=torch.int32, device=dev)
     o, c = dk.deinterleave_masked_triton(
-        ids.to(dev), None if req is None else req.to(dev), bt.to(dev), DcpGeometry(w, r, i, bs), out=out, counts=counts, block=block,
+        ids.to(dev),
+        None if req is None else req.to(dev),
+        bt.to(dev),
+        DcpGeometry(w, r, i, bs),
+        out=out,
+        counts=counts,
+        block=block,
         validate=False,
     )
     assert o.data_ptr() == out.data_ptr() and c.data_ptr() == counts.data_ptr()
@@ -370,14 +433,24 @@ def test_masked_kernel_edges(kernel_device):
     # strided ids (every other column) and a strided output (a column slice of a wider buffer)
     ids_full = torch.tensor([[0, 9, 4, 9, 11, 9, 12, 9, -1, 9, 2**30, 9, 3, 9]], dtype=torch.int32, device=dev)
     out_full = torch.full((1, 12), 99, dtype=torch.int32, device=dev)
-    o, c = dk.deinterleave_masked_triton(ids_full[:, ::2], None, bt, DcpGeometry(1, 0, block_size=4), out=out_full[:, 2:9], block=16, validate=False)
+    o, c = dk.deinterleave_masked_triton(
+        ids_full[:, ::2], None, bt, DcpGeometry(1, 0, block_size=4), out=out_full[:, 2:9], block=16, validate=False
+    )
     assert o.cpu().tolist() == [[8, POISON, 27, POISON, -1, POISON, 11]] and c.cpu().tolist() == [6]
     assert out_full[:, :2].eq(99).all() and out_full[:, 9:].eq(99).all()  # nothing written outside
     # no rows; rows of width 0 (count 0, written even into a poisoned buffer)
-    o, c = dk.deinterleave_masked_triton(torch.zeros(0, 5, dtype=torch.int32, device=dev), None, bt, DcpGeometry(1, 0, block_size=4))
+    o, c = dk.deinterleave_masked_triton(
+        torch.zeros(0, 5, dtype=torch.int32, device=dev), None, bt, DcpGeometry(1, 0, block_size=4)
+    )
     assert o.shape == (0, 5) and c.shape == (0,)
     cnt = torch.full((2,), 5, dtype=torch.int32, device=dev)
-    o, c = dk.deinterleave_masked_triton(torch.zeros(2, 0, dtype=torch.int32, device=dev), None, bt.expand(2, 3), DcpGeometry(1, 0, block_size=4), counts=cnt)
+    o, c = dk.deinterleave_masked_triton(
+        torch.zeros(2, 0, dtype=torch.int32, device=dev),
+        None,
+        bt.expand(2, 3),
+        DcpGeometry(1, 0, block_size=4),
+        counts=cnt,
+    )
     assert o.shape == (2, 0) and c.cpu().tolist() == [0, 0]
     # validate=False: a bad request id poisons its whole row (no host read), as the reference
     ids = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]], dtype=torch.int32)
@@ -386,7 +459,9 @@ def test_masked_kernel_edges(kernel_device):
     with pytest.raises(ValueError, match="req_of_token values must be in"):
         dk.deinterleave_masked_triton(ids.to(dev), req.to(dev), bt2.to(dev), DcpGeometry(1, 0, block_size=2))
     want = deinterleave_masked(ids, req, bt2, DcpGeometry(1, 0, block_size=2), validate=False)
-    got = dk.deinterleave_masked_triton(ids.to(dev), req.to(dev), bt2.to(dev), DcpGeometry(1, 0, block_size=2), validate=False)
+    got = dk.deinterleave_masked_triton(
+        ids.to(dev), req.to(dev), bt2.to(dev), DcpGeometry(1, 0, block_size=2), validate=False
+    )
     assert [g.cpu().tolist() for g in got] == [w.tolist() for w in want]
     assert want[0].tolist() == [[8, 9, 10, 11], [POISON] * 4] and want[1].tolist() == [4, 4]
     with pytest.raises(ValueError, match="block must be a power of two"):
@@ -417,7 +492,14 @@ def test_atomic_workspace_is_left_zeroed_and_reusable(kernel_device):
     ws = torch.zeros(dk.workspace_numel("atomic", 4, 100), dtype=torch.int64, device=dev)
     for rnk in (0, 1, 0):  # reuse: a non-zero leftover would shift every base offset
         o, c = dk.deinterleave_compact(
-            ids.to(dev), req.to(dev), bt.to(dev), DcpGeometry(2, rnk, 1, 4), ordered=False, method="atomic", workspace=ws, block=16,
+            ids.to(dev),
+            req.to(dev),
+            bt.to(dev),
+            DcpGeometry(2, rnk, 1, 4),
+            ordered=False,
+            method="atomic",
+            workspace=ws,
+            block=16,
             validate=False,
         )
         check_kernel_result(o, c, ids, req, bt, 4, 2, rnk, 1, ordered=False)
@@ -428,9 +510,23 @@ def test_kernel_empty_shapes(kernel_device):
     dev = kernel_device
     bt = torch.zeros(2, 2, dtype=torch.int32, device=dev)
     for method in dk.METHODS:
-        o, c = dk.deinterleave_compact(torch.zeros(0, 5, dtype=torch.int32, device=dev), None, bt, DcpGeometry(1, 0, block_size=4), ordered=method != "atomic", method=method)
+        o, c = dk.deinterleave_compact(
+            torch.zeros(0, 5, dtype=torch.int32, device=dev),
+            None,
+            bt,
+            DcpGeometry(1, 0, block_size=4),
+            ordered=method != "atomic",
+            method=method,
+        )
         assert o.shape == (0, 5) and c.shape == (0,)
-        o, c = dk.deinterleave_compact(torch.zeros(2, 0, dtype=torch.int32, device=dev), None, bt, DcpGeometry(1, 0, block_size=4), ordered=method != "atomic", method=method)
+        o, c = dk.deinterleave_compact(
+            torch.zeros(2, 0, dtype=torch.int32, device=dev),
+            None,
+            bt,
+            DcpGeometry(1, 0, block_size=4),
+            ordered=method != "atomic",
+            method=method,
+        )
         assert o.shape == (2, 0) and c.cpu().tolist() == [0, 0]
 
 
@@ -443,7 +539,11 @@ def test_defaults_are_valid():
     "kwargs, exc, match",
     [
         # int64 ids / tables / request ids are accepted, as by the reference (issue 10); floats are not.
-        (dict(token_ids=torch.zeros(2, 3, dtype=torch.float32)), TypeError, "token_ids must have dtype in \\(int32, int64\\)"),
+        (
+            dict(token_ids=torch.zeros(2, 3, dtype=torch.float32)),
+            TypeError,
+            "token_ids must have dtype in \\(int32, int64\\)",
+        ),
         (dict(block_table=torch.zeros(2, 2, dtype=torch.float32)), TypeError, "block_table"),
         (dict(req_of_token=torch.zeros(2, dtype=torch.int16)), TypeError, "req_of_token"),
         (dict(req_of_token=torch.zeros(3, dtype=torch.int32)), ValueError, "req_of_token must have shape"),
@@ -454,7 +554,11 @@ def test_defaults_are_valid():
         (dict(counts=torch.zeros(3, dtype=torch.int32)), ValueError, "counts must have shape"),
         (dict(method="atomic", ordered=True), ValueError, "use ordered=False"),
         (dict(method="bogus"), ValueError, "method must be one of"),
-        (dict(method="twopass", block=16, workspace=torch.zeros(1, dtype=torch.int64)), ValueError, "workspace must have at least 2"),
+        (
+            dict(method="twopass", block=16, workspace=torch.zeros(1, dtype=torch.int64)),
+            ValueError,
+            "workspace must have at least 2",
+        ),
         (dict(workspace=torch.zeros(4, dtype=torch.int32), method="atomic", ordered=False), TypeError, "workspace"),
         (dict(block=24), ValueError, "block must be a power of two"),
         (dict(ordered="yes"), TypeError, "ordered must be a bool"),
@@ -463,8 +567,10 @@ def test_defaults_are_valid():
 def test_kernel_bad_input(kernel_device, kwargs, exc, match):
     dev = kernel_device
     args = dict(
-        token_ids=torch.zeros(2, 3, dtype=torch.int32), req_of_token=torch.zeros(2, dtype=torch.int32),
-        block_table=torch.zeros(2, 2, dtype=torch.int32), geometry=DcpGeometry(2, 0, 1, 4),
+        token_ids=torch.zeros(2, 3, dtype=torch.int32),
+        req_of_token=torch.zeros(2, dtype=torch.int32),
+        block_table=torch.zeros(2, 2, dtype=torch.int32),
+        geometry=DcpGeometry(2, 0, 1, 4),
     )
     args.update(kwargs)
     args = {n: (v.to(dev) if isinstance(v, torch.Tensor) else v) for n, v in args.items()}
@@ -483,7 +589,12 @@ def test_kernel_rejects_mixed_devices(kernel_device):
     if kernel_device.type != "cuda":
         pytest.skip("needs two devices (CPU + CUDA)")
     with pytest.raises(ValueError, match="block_table must be on device"):
-        dk.deinterleave_compact(torch.zeros(2, 3, dtype=torch.int32, device="cuda"), None, torch.zeros(2, 2, dtype=torch.int32), DcpGeometry(1, 0, block_size=4))
+        dk.deinterleave_compact(
+            torch.zeros(2, 3, dtype=torch.int32, device="cuda"),
+            None,
+            torch.zeros(2, 2, dtype=torch.int32),
+            DcpGeometry(1, 0, block_size=4),
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -521,8 +632,19 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, method):
     ws = torch.zeros(max(1, dk.workspace_numel(method, t_rows, k, 64)), dtype=torch.int64, device=dev)
 
     def step():  # the hot path: validate=False (a host value check would sync inside the capture)
-        dk.deinterleave_compact(s_ids, s_req, s_bt, DcpGeometry(w, r, i, bs), ordered=ordered, method=method, out=out, counts=counts,
-                                workspace=ws, block=64, validate=False)
+        dk.deinterleave_compact(
+            s_ids,
+            s_req,
+            s_bt,
+            DcpGeometry(w, r, i, bs),
+            ordered=ordered,
+            method=method,
+            out=out,
+            counts=counts,
+            workspace=ws,
+            block=64,
+            validate=False,
+        )
 
     # Warm up (compiles) on a side stream, as torch recommends before capture.
     side = torch.cuda.Stream()
@@ -534,7 +656,7 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, method):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for rep in range(3):  # new inputs each replay; the graph must pick them up
+    for _ in range(3):  # new inputs each replay; the graph must pick them up
         ids, req, bt = make_case(gen, t_rows, k, w, i, bs, n_req, n_blocks)
         s_ids.copy_(ids), s_req.copy_(req), s_bt.copy_(bt)
         out.fill_(12345), counts.fill_(777)
@@ -553,7 +675,9 @@ def test_gpu_masked_benchmark_shape_and_graph(cuda_device):
     w, i, bs, k, t_rows = 2, 1, 64, 2048, 33
     ids0, req0, bt0 = make_case(gen, t_rows, k, w, i, bs, 8, 65536 // (w * bs), p_invalid=0.05, beyond=0.05)
     for rnk in range(w):
-        o, c = dk.deinterleave_masked_triton(ids0.to(dev), req0.to(dev), bt0.to(dev), DcpGeometry(w, rnk, i, bs), validate=False)
+        o, c = dk.deinterleave_masked_triton(
+            ids0.to(dev), req0.to(dev), bt0.to(dev), DcpGeometry(w, rnk, i, bs), validate=False
+        )
         want = brute_slots(ids0, req0, bt0, bs, w, rnk, i)
         assert o.cpu().tolist() == want and c.cpu().tolist() == [sum(x >= 0 for x in row) for row in want]
     s_ids, s_req, s_bt = ids0.to(dev), req0.to(dev), bt0.to(dev)
@@ -561,7 +685,9 @@ def test_gpu_masked_benchmark_shape_and_graph(cuda_device):
     counts = torch.empty((t_rows,), dtype=torch.int32, device=dev)
 
     def step():  # validate=False: no host read inside the capture
-        dk.deinterleave_masked_triton(s_ids, s_req, s_bt, DcpGeometry(w, 1, i, bs), out=out, counts=counts, validate=False)
+        dk.deinterleave_masked_triton(
+            s_ids, s_req, s_bt, DcpGeometry(w, 1, i, bs), out=out, counts=counts, validate=False
+        )
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -613,12 +739,12 @@ def test_simulate_tile_race_is_a_valid_compaction(slots, block, seed):
     valid = [s for s in slots if s >= 0]
     assert res["count"] == len(valid)
     assert sorted(res["out"][: res["count"]]) == sorted(valid)  # no drop, no duplicate
-    assert res["out"][res["count"]:] == [-1] * (len(slots) - len(valid))
+    assert res["out"][res["count"] :] == [-1] * (len(slots) - len(valid))
     # In arrival order, each tile's base is the number of valid entries of the tiles before it.
     seen = 0
     for tile in res["arrival"]:
         assert res["bases"][tile] == seen
-        seen += sum(1 for s in slots[tile * block:(tile + 1) * block] if s >= 0)
+        seen += sum(1 for s in slots[tile * block : (tile + 1) * block] if s >= 0)
 
 
 def test_simulate_tile_race_program_order_equals_interpreter_kernel(kernel_device):
@@ -630,7 +756,9 @@ def test_simulate_tile_race_program_order_equals_interpreter_kernel(kernel_devic
     gen = torch.Generator().manual_seed(4)
     ids, req, bt = make_case(gen, 1, 70, 2, 1, 4, 1, 9)
     slots = global_ids_to_local_slots(ids, req, bt, DcpGeometry(2, 1, 1, 4), validate=False)[0].tolist()
-    o, c = dk.deinterleave_compact(ids, req, bt, DcpGeometry(2, 1, 1, 4), ordered=False, method="atomic", block=16, validate=False)
+    o, c = dk.deinterleave_compact(
+        ids, req, bt, DcpGeometry(2, 1, 1, 4), ordered=False, method="atomic", block=16, validate=False
+    )
     sim = simulate_tile_race(slots, 16, arrival=list(range(5)))
     assert o[0].tolist() == sim["out"] and int(c[0]) == sim["count"]
 
@@ -668,4 +796,9 @@ def test_kernel_rejects_cpu_tensors_without_interpreter(monkeypatch):
     # Without TRITON_INTERPRET a CPU tensor cannot reach a GPU kernel: a clear error, not a crash.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="token_ids must be on a CUDA device"):
-        dk.deinterleave_compact(torch.zeros(2, 3, dtype=torch.int32), None, torch.zeros(2, 2, dtype=torch.int32), DcpGeometry(1, 0, block_size=4))
+        dk.deinterleave_compact(
+            torch.zeros(2, 3, dtype=torch.int32),
+            None,
+            torch.zeros(2, 2, dtype=torch.int32),
+            DcpGeometry(1, 0, block_size=4),
+        )

@@ -32,7 +32,9 @@ def _free_port() -> int:
 
 
 def _problem(world_size: int):
-    return make_dcp_problem(world_size, 2, seq_lens=[45, 6, 19], next_n=2, num_heads=6, head_dim=HEAD_DIM, block_size=4, seed=11)
+    return make_dcp_problem(
+        world_size, 2, seq_lens=[45, 6, 19], next_n=2, num_heads=6, head_dim=HEAD_DIM, block_size=4, seed=11
+    )
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
@@ -48,13 +50,24 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         a2a = group.all_to_all(torch.stack([torch.full((3,), 10.0 * rank + j) for j in range(world_size)]))
         problem = _problem(world_size)
         out, lse = dcp_decode_step(
-            group, problem.q, problem.shards[rank], problem.seq_lens, problem.next_n, TOPK,
+            group,
+            problem.q,
+            problem.shards[rank],
+            problem.seq_lens,
+            problem.next_n,
+            TOPK,
             1 / math.sqrt(HEAD_DIM),
         )
         # The kernel path over the same collectives (Triton interpreted: TRITON_INTERPRET is inherited).
         kout, klse = dcp_decode_step(
-            group, problem.q, problem.shards[rank], problem.seq_lens, problem.next_n, TOPK,
-            1 / math.sqrt(HEAD_DIM), stages="kernels",
+            group,
+            problem.q,
+            problem.shards[rank],
+            problem.seq_lens,
+            problem.next_n,
+            TOPK,
+            1 / math.sqrt(HEAD_DIM),
+            stages="kernels",
         )
         # The layer's other exchange: the query gathered over heads, partials combined by one all-to-all.
         from dcp_ref.stages import StepSpec
@@ -67,8 +80,20 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         hs = H // world_size
         aout, alse = PlannedStep(group, spec).run(problem.q[:, rank * hs : (rank + 1) * hs].contiguous(),
                                                   problem.shards[rank], problem.metadata(rank))  # fmt: skip
-        torch.save({"gathered": gathered, "scattered": scattered, "a2a": a2a, "out": out, "lse": lse, "kout": kout,
-                    "klse": klse, "aout": aout.clone(), "alse": alse.clone()}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {
+                "gathered": gathered,
+                "scattered": scattered,
+                "a2a": a2a,
+                "out": out,
+                "lse": lse,
+                "kout": kout,
+                "klse": klse,
+                "aout": aout.clone(),
+                "alse": alse.clone(),
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -80,8 +105,12 @@ def test_torch_distributed_gloo_matches_oracle(world_size: int, tmp_path: Path) 
     mp.spawn(_worker, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size, join=True)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
 
-    expected_gather = torch.stack([torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * r for r in range(world_size)])
-    total = sum((r + 1) for r in range(world_size)) * torch.arange(2 * 3 * world_size, dtype=torch.float64).reshape(2, -1)
+    expected_gather = torch.stack(
+        [torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * r for r in range(world_size)]
+    )
+    total = sum((r + 1) for r in range(world_size)) * torch.arange(2 * 3 * world_size, dtype=torch.float64).reshape(
+        2, -1
+    )
     for r, item in enumerate(res):
         assert torch.equal(item["gathered"], expected_gather)
         assert torch.equal(item["scattered"], total[:, 3 * r : 3 * (r + 1)])
@@ -114,8 +143,11 @@ def test_simulated_group_mismatch_is_an_error() -> None:
 
 def test_simulated_collectives_and_errors() -> None:
     world = SimulatedWorld(3)
-    res = world.run(lambda g, x: (g.all_gather(x), g.reduce_scatter(x.repeat(3), dim=0)), [torch.tensor([float(r)]) for r in range(3)])
-    for r, (gathered, scattered) in enumerate(res):
+    res = world.run(
+        lambda g, x: (g.all_gather(x), g.reduce_scatter(x.repeat(3), dim=0)),
+        [torch.tensor([float(r)]) for r in range(3)],
+    )
+    for gathered, scattered in res:
         assert gathered.flatten().tolist() == [0.0, 1.0, 2.0]
         assert scattered.tolist() == [3.0]  # 0 + 1 + 2, this rank's chunk
     with pytest.raises(ValueError, match="divisible by world_size"):

@@ -125,7 +125,9 @@ def test_two_callers_of_one_world_are_serialised_not_mixed() -> None:
     results: dict[int, list] = {}
 
     def caller(tag: int) -> None:
-        results[tag] = w.run(lambda g, x: g.all_gather(x).tolist(), [torch.tensor([tag, 0.0]), torch.tensor([tag, 1.0])])
+        results[tag] = w.run(
+            lambda g, x: g.all_gather(x).tolist(), [torch.tensor([tag, 0.0]), torch.tensor([tag, 1.0])]
+        )
 
     threads = [threading.Thread(target=caller, args=(tag,)) for tag in (1, 2, 3)]
     for t in threads:
@@ -156,7 +158,13 @@ def test_symmetric_memory_group_falls_back_and_says_why() -> None:
         sg = SymmetricMemoryGroup(g, capacity_bytes=1024)
         xs = torch.stack([torch.full((2,), 10.0 * g.rank + j) for j in range(3)])
         out = torch.empty(3, 2)
-        return sg.transport, sg.why_fallback, sg.all_to_all(xs, out=out) is out, out.tolist(), sg.all_gather(xs[0]).tolist()
+        return (
+            sg.transport,
+            sg.why_fallback,
+            sg.all_to_all(xs, out=out) is out,
+            out.tolist(),
+            sg.all_gather(xs[0]).tolist(),
+        )
 
     for r, (transport, why, same, a2a, ag) in enumerate(SimulatedWorld(3).run(body)):
         assert transport == "fallback" and why and same

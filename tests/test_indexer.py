@@ -23,17 +23,27 @@ def brute(row: list[float], k: int, start: int, length: int) -> list[int]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), rows=st.integers(1, 5), cols=st.integers(0, 30), k=st.integers(1, 12),
-       ties=st.booleans(), use_starts=st.booleans(), use_lengths=st.booleans())
+@given(
+    data=st.data(),
+    rows=st.integers(1, 5),
+    cols=st.integers(0, 30),
+    k=st.integers(1, 12),
+    ties=st.booleans(),
+    use_starts=st.booleans(),
+    use_lengths=st.booleans(),
+)
 def test_local_topk_matches_brute_force(data, rows, cols, k, ties, use_starts, use_lengths) -> None:
     pool = [0.0, -0.0, 1.0, -1.0, float("nan"), float("-inf"), 2.5] if ties else None
-    vals = [[data.draw(st.sampled_from(pool)) if ties else data.draw(st.floats(-5, 5, width=32)) for _ in range(cols)]
-            for _ in range(rows)]
+    vals = [
+        [data.draw(st.sampled_from(pool)) if ties else data.draw(st.floats(-5, 5, width=32)) for _ in range(cols)]
+        for _ in range(rows)
+    ]
     logits = torch.tensor(vals, dtype=torch.float32).reshape(rows, cols)
     starts = [data.draw(st.integers(0, cols)) if use_starts else 0 for _ in range(rows)]
     lengths = [data.draw(st.integers(0, cols - s)) if use_lengths else cols - s for s in starts]
     got = local_topk(
-        logits, k,
+        logits,
+        k,
         lengths=torch.tensor(lengths) if use_lengths else None,
         row_starts=torch.tensor(starts) if use_starts else None,
     )
@@ -71,18 +81,28 @@ def bits(x: float) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), rows=st.integers(1, 5), cols=st.integers(0, 30), k=st.integers(1, 12),
-       ties=st.booleans(), use_starts=st.booleans(), use_lengths=st.booleans())
+@given(
+    data=st.data(),
+    rows=st.integers(1, 5),
+    cols=st.integers(0, 30),
+    k=st.integers(1, 12),
+    ties=st.booleans(),
+    use_starts=st.booleans(),
+    use_lengths=st.booleans(),
+)
 def test_rank_local_layout_matches_brute_force(data, rows, cols, k, ties, use_starts, use_lengths) -> None:
     """The winners of the brute force, in ascending local index, their exact float32 scores; NaN / -1 padding."""
     pool = [0.0, -0.0, 1.0, -1.0, float("nan"), float("-inf"), float("inf"), 2.5, 1e-45] if ties else None
-    vals = [[data.draw(st.sampled_from(pool)) if ties else data.draw(st.floats(-5, 5, width=32)) for _ in range(cols)]
-            for _ in range(rows)]
+    vals = [
+        [data.draw(st.sampled_from(pool)) if ties else data.draw(st.floats(-5, 5, width=32)) for _ in range(cols)]
+        for _ in range(rows)
+    ]
     logits = torch.tensor(vals, dtype=torch.float32).reshape(rows, cols)
     starts = [data.draw(st.integers(0, cols)) if use_starts else 0 for _ in range(rows)]
     lengths = [data.draw(st.integers(0, cols - s)) if use_lengths else cols - s for s in starts]
     scores, ids = local_topk_rank_local(
-        logits, k,
+        logits,
+        k,
         lengths=torch.tensor(lengths) if use_lengths else None,
         row_starts=torch.tensor(starts) if use_starts else None,
     )
@@ -100,7 +120,8 @@ def test_rank_local_keeps_minus_inf_winners_and_pads_with_nan() -> None:
     scores, ids = local_topk_rank_local(logits, 6)
     assert ids.tolist() == [[0, 2, 3, 4, -1, -1]]
     assert [bits(v) for v in scores[0].tolist()] == [bits(v) for v in (float("-inf"), -0.0, float("-inf"), 3.0)] + [
-        bits(float("nan"))] * 2
+        bits(float("nan"))
+    ] * 2
     scores, ids = local_topk_rank_local(logits, 2)  # the two largest, in index order: -0.0 (j=2) and 3.0 (j=4)
     assert ids.tolist() == [[2, 4]] and [bits(v) for v in scores[0].tolist()] == [bits(-0.0), bits(3.0)]
 

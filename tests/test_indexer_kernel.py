@@ -121,8 +121,11 @@ def make_cases(rows: int, cols: int, seed: int, device: torch.device | str = "cp
     full = torch.rand(rows, generator=gen) < 0.5
     lengths = torch.where(full, room, (torch.rand(rows, generator=gen) * (room + 1)).long().clamp(max=room))
     lengths = torch.where(f == 4, torch.minimum(lengths, torch.randint(0, 64, (rows,), generator=gen)), lengths)
-    return (s.to(device), lengths.to(torch.int32).to(device),
-            starts.to(torch.int32).to(device) if with_starts else None)
+    return (
+        s.to(device),
+        lengths.to(torch.int32).to(device),
+        starts.to(torch.int32).to(device) if with_starts else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,12 +160,14 @@ def test_adversarial_rows_match_reference(kernel_device, tile, split, compact, s
 def test_against_pure_python_brute_force(kernel_device):
     s, lengths, starts = make_cases(8, 40, 2, "cpu", with_starts=True)
     k, rank, w, i = 9, 2, 3, 4
-    got = ix.indexer_topk_pack(s.to(kernel_device), lengths.to(kernel_device), k, DcpGeometry(w, rank, i, i), starts.to(kernel_device))
+    got = ix.indexer_topk_pack(
+        s.to(kernel_device), lengths.to(kernel_device), k, DcpGeometry(w, rank, i, i), starts.to(kernel_device)
+    )
     for r in range(8):
         want = brute_packed(s[r].tolist(), k, int(starts[r]), int(lengths[r]), w, rank, i)
         row = got[r].cpu().tolist()
         valid = sorted(tuple(p) for p in row if p[1] >= 0)
-        assert [tuple(p) for p in row[len(valid):]] == want[len(valid):]
+        assert [tuple(p) for p in row[len(valid) :]] == want[len(valid) :]
         assert valid == want[: len(valid)], r
 
 
@@ -171,8 +176,9 @@ def test_ties_go_to_the_lower_index(kernel_device):
     zeros = torch.tensor([0.0, -0.0] * 50).reshape(1, 100)
     for row in (torch.full((1, 100), 3.25), zeros, torch.full((1, 100), float("-inf"))):
         for tile, split, compact in ((None, 1, None), (32, 1, False), (None, 4, False), (16, 2, True)):
-            got = ix.indexer_topk_pack(row.to(kernel_device), None, 10, DcpGeometry(1, 0), tile=tile, split=split,
-                                       compact=compact, sample=16).cpu()
+            got = ix.indexer_topk_pack(
+                row.to(kernel_device), None, 10, DcpGeometry(1, 0), tile=tile, split=split, compact=compact, sample=16
+            ).cpu()
             assert got[0, :, 1].tolist() == [float(j) for j in range(10)]
             # the scores are packed bit for bit: -0.0 stays -0.0
             assert torch.equal(pair_bits(got), pair_bits(reference(row, None, 10, DcpGeometry(1, 0))).sort(1).values)
@@ -185,7 +191,9 @@ def test_ties_go_to_the_lower_index(kernel_device):
 def test_short_rows_and_k_larger_than_row(kernel_device):
     s = torch.randn(3, 20)
     for k in (19, 20, 21, 300):
-        got = check(s.to(kernel_device), torch.tensor([20, 3, 0], dtype=torch.int32, device=kernel_device), k, DcpGeometry(2, 0))
+        got = check(
+            s.to(kernel_device), torch.tensor([20, 3, 0], dtype=torch.int32, device=kernel_device), k, DcpGeometry(2, 0)
+        )
         assert (got[:, :, 1] >= 0).sum(1).tolist() == [min(k, 20), min(k, 3), 0]
     # no columns at all, and no rows
     check(torch.empty(2, 0, device=kernel_device), None, 5, DcpGeometry(1, 0))
@@ -198,7 +206,9 @@ def test_poisoned_out_is_fully_overwritten(kernel_device):
         out = torch.full((8, 50, 2), float("nan"), device=kernel_device)
         out.view(torch.int32)[..., 1] = 0x7FC00123  # a NaN payload no kernel writes
         ws = torch.full((8, 2, 50, 2), 12345.0, device=kernel_device)
-        got = ix.indexer_topk_pack(s, lengths, 50, DcpGeometry(2, 0), out=out, split=split, workspace=ws if split > 1 else None)
+        got = ix.indexer_topk_pack(
+            s, lengths, 50, DcpGeometry(2, 0), out=out, split=split, workspace=ws if split > 1 else None
+        )
         assert got.data_ptr() == out.data_ptr()
         assert bool(same_sets(out, reference(s, lengths, 50, DcpGeometry(2, 0))).all())
     # the compacted path: a poisoned workspace list and output are fully overwritten (its counters start at 0)
@@ -213,7 +223,9 @@ def test_strided_and_low_precision_scores(kernel_device):
     base = torch.randn(6, 2 * 70, device=kernel_device)
     check(base[:, ::2], None, 16, DcpGeometry(2, 1, 3, 3))  # column stride 2
     check(base.t().contiguous().t()[:, :70], None, 16, DcpGeometry(2, 1, 3, 3))  # column-major
-    check(base.t().contiguous().t()[:, :70], None, 5, DcpGeometry(2, 1, 3, 3), compact=True, tile=16, sample=16, split=2)
+    check(
+        base.t().contiguous().t()[:, :70], None, 5, DcpGeometry(2, 1, 3, 3), compact=True, tile=16, sample=16, split=2
+    )
     for dt in (torch.float16, torch.bfloat16, torch.float64):
         check(base[:, :70].to(dt), None, 16, DcpGeometry(4, 0))
 
@@ -312,13 +324,25 @@ def test_compacted_paths_are_exact_in_both_orders(kernel_device):
 
 
 @settings(max_examples=25, deadline=None)
-@given(data=st.data(), rows=st.integers(1, 3), cols=st.integers(0, 130), k=st.integers(1, 70),
-       w=st.integers(1, 4), i=st.sampled_from([1, 2, 3, 8]), ties=st.booleans(), use_starts=st.booleans(),
-       use_lengths=st.booleans(), tile=st.sampled_from([None, 32, 64]), split=st.sampled_from([1, 1, 2, 3]),
-       compact=st.sampled_from([None, False, True]), select=st.sampled_from(["radix", "search"]),
-       rank_local=st.booleans())
-def test_property_matches_reference(kernel_device, data, rows, cols, k, w, i, ties, use_starts, use_lengths, tile,
-                                    split, compact, select, rank_local):
+@given(
+    data=st.data(),
+    rows=st.integers(1, 3),
+    cols=st.integers(0, 130),
+    k=st.integers(1, 70),
+    w=st.integers(1, 4),
+    i=st.sampled_from([1, 2, 3, 8]),
+    ties=st.booleans(),
+    use_starts=st.booleans(),
+    use_lengths=st.booleans(),
+    tile=st.sampled_from([None, 32, 64]),
+    split=st.sampled_from([1, 1, 2, 3]),
+    compact=st.sampled_from([None, False, True]),
+    select=st.sampled_from(["radix", "search"]),
+    rank_local=st.booleans(),
+)
+def test_property_matches_reference(
+    kernel_device, data, rows, cols, k, w, i, ties, use_starts, use_lengths, tile, split, compact, select, rank_local
+):
     rank = data.draw(st.integers(0, w - 1))
     if ties:
         pool = [0.0, -0.0, 1.0, -1.0, float("nan"), float("-inf"), float("inf"), 2.5]
@@ -360,10 +384,19 @@ def test_radix_keys_with_zero_top_digits(kernel_device, bits):
     s = torch.tensor(rows, dtype=torch.float32, device=kernel_device)
     for k in (1, 3, 5, 9, 13):
         check(s, None, k, DcpGeometry(2, 1), radix_bits=bits, select="radix")
-        check(s, torch.tensor([12, 9, 7], device=kernel_device), k, DcpGeometry(3, 0, 2, 2), radix_bits=bits, select="radix")
+        check(
+            s,
+            torch.tensor([12, 9, 7], device=kernel_device),
+            k,
+            DcpGeometry(3, 0, 2, 2),
+            radix_bits=bits,
+            select="radix",
+        )
         if bits == 5:  # the count search's pivots interpolate between -inf and huge negatives: non-finite widths
             check(s, None, k, DcpGeometry(2, 1), select="search")
-            check(s, torch.tensor([12, 9, 7], device=kernel_device), k, DcpGeometry(3, 0, 2, 2), select="search", pivots=1)
+            check(
+                s, torch.tensor([12, 9, 7], device=kernel_device), k, DcpGeometry(3, 0, 2, 2), select="search", pivots=1
+            )
 
 
 def test_launch_plan_from_shapes_only():
@@ -412,8 +445,12 @@ BAD_INPUTS = [
     ("row_starts float", dict(row_starts=torch.zeros(2)), TypeError, "row_starts"),
     ("row_starts shape", dict(row_starts=torch.zeros(1, dtype=torch.int64)), ValueError, "row_starts"),
     ("row_starts past the end", dict(row_starts=torch.tensor([0, 6])), ValueError, "row_starts"),
-    ("row_starts + lengths", dict(row_starts=torch.tensor([0, 4]), lengths=torch.tensor([2, 2])), ValueError,
-     "row_starts"),
+    (
+        "row_starts + lengths",
+        dict(row_starts=torch.tensor([0, 4]), lengths=torch.tensor([2, 2])),
+        ValueError,
+        "row_starts",
+    ),
     ("k = 0", dict(k=0), ValueError, "k"),
     ("k float", dict(k=2.0), TypeError, "k"),
     ("geometry a tuple", dict(geometry=(2, 1, 1, 1)), TypeError, "geometry"),
@@ -436,15 +473,27 @@ BAD_INPUTS = [
     ("out_ids without rank_local", dict(out_ids=torch.empty(2, 4, dtype=torch.int32)), ValueError, "out_ids"),
     ("rank_local out shape", dict(order="rank_local", out=torch.empty(2, 4, 2)), ValueError, "out"),
     ("rank_local out dtype", dict(order="rank_local", out=torch.empty(2, 4, dtype=torch.float64)), TypeError, "out"),
-    ("rank_local out_ids dtype", dict(order="rank_local", out_ids=torch.empty(2, 4, dtype=torch.int64)), TypeError,
-     "out_ids"),
-    ("rank_local out_ids shape", dict(order="rank_local", out_ids=torch.empty(2, 5, dtype=torch.int32)), ValueError,
-     "out_ids"),
+    (
+        "rank_local out_ids dtype",
+        dict(order="rank_local", out_ids=torch.empty(2, 4, dtype=torch.int64)),
+        TypeError,
+        "out_ids",
+    ),
+    (
+        "rank_local out_ids shape",
+        dict(order="rank_local", out_ids=torch.empty(2, 5, dtype=torch.int32)),
+        ValueError,
+        "out_ids",
+    ),
     ("compact not a bool", dict(compact=1), TypeError, "compact"),
     ("compact with a huge k", dict(compact=True, k=5000), ValueError, "compact"),
     ("compact workspace dtype", dict(compact=True, workspace=torch.empty(2, 12)), TypeError, "workspace"),
-    ("compact workspace shape", dict(compact=True, workspace=torch.zeros(2, 3, dtype=torch.int64)), ValueError,
-     "workspace"),
+    (
+        "compact workspace shape",
+        dict(compact=True, workspace=torch.zeros(2, 3, dtype=torch.int64)),
+        ValueError,
+        "workspace",
+    ),
     ("select unknown", dict(select="sort"), ValueError, "select"),
     ("sample not a power of two", dict(sample=100), ValueError, "sample"),
     ("pivots 2", dict(pivots=2), ValueError, "pivots"),
@@ -454,7 +503,9 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("desc,change,exc,frag", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_inputs_raise_naming_the_argument(kernel_device, desc, change, exc, frag):
-    args = dict(scores=torch.randn(2, 5), lengths=torch.tensor([5, 3]), k=4, geometry=DcpGeometry(2, 1), row_starts=None)
+    args = dict(
+        scores=torch.randn(2, 5), lengths=torch.tensor([5, 3]), k=4, geometry=DcpGeometry(2, 1), row_starts=None
+    )
     args.update(change)
     args = {n: (v.to(kernel_device) if isinstance(v, torch.Tensor) and n != "out" else v) for n, v in args.items()}
     with pytest.raises(exc, match=frag) as info:
@@ -528,13 +579,22 @@ def test_compiles_for_sm90a_on_the_cpu():
 
     # indexer_topk_pack_kernel: (tile, one_chunk, warps, packed input, k = 1, select, rank-local output): the decode
     # row in registers (radix; search + rank-local), a streamed row, a split row's last launch with k specialised to 1
-    configs = [(8192, True, 32, False, False, 0, False), (8192, True, 16, False, False, 1, True),
-               (4096, False, 16, False, False, 0, False), (256, True, 4, True, True, 0, False)]
+    configs = [
+        (8192, True, 32, False, False, 0, False),
+        (8192, True, 16, False, False, 1, True),
+        (4096, False, 16, False, False, 0, False),
+        (256, True, 4, True, True, 0, False),
+    ]
     # filter_topk_kernel: (segments, tile, cap, sample, warps, select, rank-local output)
     filters = [(1, 2048, 4096, 2048, 8, 1, False), (16, 2048, 4096, 8192, 16, 0, True)]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(configs), json.dumps(filters)],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT, json.dumps(configs), json.dumps(filters)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     if proc.returncode and ("ModuleNotFoundError" in proc.stderr or "ImportError" in proc.stderr):
         pytest.skip(f"this Triton cannot compile ahead of time here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -586,12 +646,16 @@ def test_gpu_differential_10k_adversarial_rows(cuda_device, path):
         s, lengths, starts = make_cases(rows, cols, 100 + c, cuda_device, with_starts)
         want = reference(s, lengths, k, DcpGeometry(w, rank, i, i), starts)
         out = torch.full((rows, k, 2), float("nan"), device=cuda_device)  # poison
-        got = ix.indexer_topk_pack(s, lengths, k, DcpGeometry(w, rank, i, i), starts, out=out, split=split, **GPU_PATHS[path])
+        got = ix.indexer_topk_pack(
+            s, lengths, k, DcpGeometry(w, rank, i, i), starts, out=out, split=split, **GPU_PATHS[path]
+        )
         bad = ~same_sets(got, want)
         if bool(bad.any()):
             r = int(bad.nonzero()[0])
-            failures.append(f"config {c} {(rows, cols, k, w, i, split)}: {int(bad.sum())} rows differ, first {r} "
-                            f"({FLAVOURS[r % len(FLAVOURS)]})")
+            failures.append(
+                f"config {c} {(rows, cols, k, w, i, split)}: {int(bad.sum())} rows differ, first {r} "
+                f"({FLAVOURS[r % len(FLAVOURS)]})"
+            )
         assert_kernel_order(got)
         total += rows
     assert not failures, failures
@@ -601,13 +665,15 @@ def test_gpu_differential_10k_adversarial_rows(cuda_device, path):
 @pytest.mark.gpu
 def test_gpu_rank_local_matches_the_reference(cuda_device):
     """order="rank_local" on every path: exactly local_topk_rank_local (ids, score bits, NaN / -1 padding)."""
-    for c, (rows, cols, k, split, kw) in enumerate([
-        (1000, 4096, 2048, None, dict()),  # a row in registers (search)
-        (1000, 8192, 2048, None, dict(select="radix")),
-        (400, 32768, 2048, None, dict()),  # compacted, one program per row
-        (32, 131072, 2048, 16, dict()),  # compacted, 16 segments per row
-        (200, 20000, 777, 3, dict(compact=False)),  # streamed, split levels
-    ]):
+    for c, (rows, cols, k, split, kw) in enumerate(
+        [
+            (1000, 4096, 2048, None, dict()),  # a row in registers (search)
+            (1000, 8192, 2048, None, dict(select="radix")),
+            (400, 32768, 2048, None, dict()),  # compacted, one program per row
+            (32, 131072, 2048, 16, dict()),  # compacted, 16 segments per row
+            (200, 20000, 777, 3, dict(compact=False)),  # streamed, split levels
+        ]
+    ):
         s, lengths, starts = make_cases(rows, cols, 300 + c, cuda_device, with_starts=c % 2 == 1)
         check_rank_local(s, lengths, k, starts, split=split, **kw)
 
@@ -618,13 +684,15 @@ def test_gpu_compacted_paths_at_scale(cuda_device):
     taken (the list; ties at the bound: the constant and few-value rows; the fallback: rows whose sampled keys
     are their smallest; the keys above the bound listed again, when some tied rows call for it)."""
     seen = {1: 0, 2: 0, 3: 0, 4: 0}
-    for c, (rows, cols, k, split, hide) in enumerate([
-        (1024, 32768, 2048, 1, False),
-        (128, 131072, 2048, 2, False),
-        (8, 131072, 2048, 16, True),
-        (256, 12000, 1000, 1, True),
-        (64, 65536, 4096, 4, False),
-    ]):
+    for c, (rows, cols, k, split, hide) in enumerate(
+        [
+            (1024, 32768, 2048, 1, False),
+            (128, 131072, 2048, 2, False),
+            (8, 131072, 2048, 16, True),
+            (256, 12000, 1000, 1, True),
+            (64, 65536, 4096, 4, False),
+        ]
+    ):
         s, lengths, starts = make_cases(rows, cols, 400 + c, cuda_device, with_starts=c % 2 == 1)
         plan = ix.launch_plan(rows, cols, k, cuda_device, split=split)
         assert plan.compact
@@ -658,12 +726,15 @@ def test_gpu_search_and_radix_select_rows_in_registers(cuda_device):
 def test_gpu_spot_check_against_brute_force(cuda_device):
     s, lengths, starts = make_cases(16, 300, 5, "cpu", with_starts=True)
     k, rank, w, i = 20, 1, 2, 2
-    got = ix.indexer_topk_pack(s.to(cuda_device), lengths.to(cuda_device), k, DcpGeometry(w, rank, i, i), starts.to(cuda_device)).cpu()
+    got = ix.indexer_topk_pack(
+        s.to(cuda_device), lengths.to(cuda_device), k, DcpGeometry(w, rank, i, i), starts.to(cuda_device)
+    ).cpu()
     for r in range(16):
         row = got[r].tolist()
         n = sum(p[1] >= 0 for p in row)
         assert sorted(tuple(p) for p in row[:n]) + [tuple(p) for p in row[n:]] == brute_packed(
-            s[r].tolist(), k, int(starts[r]), int(lengths[r]), w, rank, i)
+            s[r].tolist(), k, int(starts[r]), int(lengths[r]), w, rank, i
+        )
 
 
 @pytest.mark.gpu
@@ -680,8 +751,22 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, or
     out = torch.empty((rows, k) if rank_local else (rows, k, 2), device=cuda_device)
     out_ids = torch.empty((rows, k), dtype=torch.int32, device=cuda_device) if rank_local else None
     ws = ix.workspace_for(s, k, split=split, compact=compact)
-    call = lambda: ix.indexer_topk_pack(s, lengths, k, DcpGeometry(2, 1), out=out, validate=False,  # noqa: E731
-                                        split=split, workspace=ws, compact=compact, order=order, out_ids=out_ids)
+
+    def call():
+        return ix.indexer_topk_pack(
+            s,
+            lengths,
+            k,
+            DcpGeometry(2, 1),
+            out=out,
+            validate=False,
+            split=split,
+            workspace=ws,
+            compact=compact,
+            order=order,
+            out_ids=out_ids,
+        )
+
     call()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -711,8 +796,21 @@ def test_gpu_validate_false_makes_no_host_sync(cuda_device, split, compact):
     s, lengths, starts = make_cases(rows, cols, 11, cuda_device, with_starts=True)
     out = torch.empty((rows, k, 2), device=cuda_device)
     ws = ix.workspace_for(s, k, split=split, compact=compact)
-    call = lambda: ix.indexer_topk_pack(s, lengths, k, DcpGeometry(2, 0), starts, out=out, validate=False,  # noqa: E731
-                                        split=split, workspace=ws, compact=compact)
+
+    def call():
+        return ix.indexer_topk_pack(
+            s,
+            lengths,
+            k,
+            DcpGeometry(2, 0),
+            starts,
+            out=out,
+            validate=False,
+            split=split,
+            workspace=ws,
+            compact=compact,
+        )
+
     call()  # compile first (compilation itself may synchronise)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

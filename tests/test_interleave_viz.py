@@ -84,4 +84,6 @@ def test_the_shared_table_breaks_when_block_size_is_not_a_multiple_of_interleave
     assert owners == [0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0]
     assert [r for r, _ in _deal(12, W, I)] == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
     assert shared_table_slot(5, row, W, 0, I, block_size=bs) == 7 * bs + 3 == 8 * bs  # block 8's first slot
-    assert deal_slot(5, row, W, 0, I, block_size=bs) == 3 * bs + 0  # the deal: local index 3 -> local block 1 -> block 3
+    assert (
+        deal_slot(5, row, W, 0, I, block_size=bs) == 3 * bs + 0
+    )  # the deal: local index 3 -> local block 1 -> block 3

@@ -13,8 +13,16 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def _docs() -> list[tuple[Path, str]]:
-    docs = [(p, p.read_text()) for p in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md",
-                                         ROOT / "benchmarks" / "results" / "topk.md", *sorted((ROOT / "book").glob("*.md"))]]
+    docs = [
+        (p, p.read_text())
+        for p in [
+            ROOT / "README.md",
+            ROOT / "CONTRIBUTING.md",
+            ROOT / "benchmarks" / "README.md",
+            ROOT / "benchmarks" / "results" / "topk.md",
+            *sorted((ROOT / "book").glob("*.md")),
+        ]
+    ]
     for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
         cells = json.loads(nb.read_text())["cells"]
         docs.append((nb, "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")))

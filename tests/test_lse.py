@@ -81,7 +81,9 @@ def assert_lse_equal(a: torch.Tensor, b: torch.Tensor, atol: float) -> None:
         assert (a[fin] - b[fin]).abs().max().item() <= atol
 
 
-def random_partials(W: int, T: int, H: int, D: int, seed: int, invalid: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def random_partials(
+    W: int, T: int, H: int, D: int, seed: int, invalid: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     outs = torch.randn(W, T, H, D, generator=g, dtype=torch.float64)
     lses = torch.randn(W, T, H, generator=g, dtype=torch.float64) * 4
@@ -168,8 +170,12 @@ def test_merge_partials_matches_brute_force(W: int, base: str) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    W=st.integers(1, 5), T=st.integers(0, 4), H=st.integers(1, 4), D=st.integers(1, 5),
-    seed=st.integers(0, 2**31 - 1), base=st.sampled_from(["e", "2"]),
+    W=st.integers(1, 5),
+    T=st.integers(0, 4),
+    H=st.integers(1, 4),
+    D=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+    base=st.sampled_from(["e", "2"]),
 )
 def test_merge_partials_property(W: int, T: int, H: int, D: int, seed: int, base: str) -> None:
     outs, lses = random_partials(W, T, H, D, seed)
@@ -326,7 +332,12 @@ def _poison(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Ten
 @pytest.mark.parametrize("base", ["e", "2"])
 @pytest.mark.parametrize(
     "W,T,H,D,dtype,block_h",
-    [(1, 3, 4, 32, torch.float32, 4), (3, 4, 5, 24, torch.float32, 2), (4, 2, 6, 64, torch.bfloat16, 4), (2, 3, 3, 16, torch.float16, 1)],
+    [
+        (1, 3, 4, 32, torch.float32, 4),
+        (3, 4, 5, 24, torch.float32, 2),
+        (4, 2, 6, 64, torch.bfloat16, 4),
+        (2, 3, 3, 16, torch.float16, 1),
+    ],
 )
 def test_triton_merge_matches_brute_force(kernel_device, W, T, H, D, dtype, block_h, base) -> None:
     k = _kernels()
@@ -334,8 +345,14 @@ def test_triton_merge_matches_brute_force(kernel_device, W, T, H, D, dtype, bloc
     ref_o, ref_l = brute_merge_tensor(outs.to(dtype).double(), lses.float().double(), base)
     merged = _poison((T, H, D), dtype, kernel_device)
     mlse = _poison((T, H), torch.float32, kernel_device)
-    k.lse_merge(outs.to(dtype).to(kernel_device), lses.float().to(kernel_device), base=base,
-                merged=merged, merged_lse=mlse, block_h=block_h)
+    k.lse_merge(
+        outs.to(dtype).to(kernel_device),
+        lses.float().to(kernel_device),
+        base=base,
+        merged=merged,
+        merged_lse=mlse,
+        block_h=block_h,
+    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.equal(torch.isnan(merged.cpu()), torch.isnan(ref_o))
     assert torch.allclose(merged.double().cpu(), ref_o, rtol=tol, atol=tol, equal_nan=True)
@@ -381,8 +398,14 @@ def test_triton_merge_strided_inputs(kernel_device) -> None:
 
 
 @settings(max_examples=12, deadline=None)
-@given(W=st.integers(1, 4), T=st.integers(1, 3), H=st.integers(1, 5), D=st.integers(1, 20),
-       seed=st.integers(0, 2**31 - 1), base=st.sampled_from(["e", "2"]))
+@given(
+    W=st.integers(1, 4),
+    T=st.integers(1, 3),
+    H=st.integers(1, 5),
+    D=st.integers(1, 20),
+    seed=st.integers(0, 2**31 - 1),
+    base=st.sampled_from(["e", "2"]),
+)
 def test_triton_merge_property(W, T, H, D, seed, base) -> None:
     k = _kernels()
     dev = torch.device("cpu") if k._INTERPRET else torch.device("cuda")

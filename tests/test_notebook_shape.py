@@ -44,11 +44,13 @@ def test_chapter_shape(path: Path) -> None:
     assert numbers and numbers == list(range(1, len(numbers) + 1)), f"{path.name}: sections {numbers}"
     allmd = "\n".join(md)
     assert "## Try it yourself" in allmd and "## Next" in allmd, path.name
-    nxt = allmd[allmd.index("## Next"):]
+    nxt = allmd[allmd.index("## Next") :]
     if path != CHAPTERS[-1]:
         following = CHAPTERS[CHAPTERS.index(path) + 1].name
         assert following in nxt, f"{path.name}: Next does not link {following}"
-    outputs = "".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", []))
+    outputs = "".join(
+        "".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", [])
+    )
     assert "PASS" in outputs, f"{path.name}: no PASS check in the committed outputs"
 
 

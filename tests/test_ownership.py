@@ -228,7 +228,7 @@ def test_prefill_chunk_equals_brute_force(w: int, i: int, data: st.DataObject) -
     assert meta.cu_seqlens_k.tolist() == cu_k
     assert meta.token_ks.tolist() == ks
     assert meta.token_ke.tolist() == ke
-    assert meta.cu_seqlens_q.tolist() == [0] + torch.cumsum(torch.tensor(q), 0).tolist()
+    assert meta.cu_seqlens_q.tolist() == [0, *torch.cumsum(torch.tensor(q), 0).tolist()]
     assert meta.local_total == cu_k[-1]
     assert meta.max_local_total == max_total
     # Causality: bounds never exceed the request's local keys, and grow along the chunk.

@@ -12,7 +12,8 @@ import dcp_ref
 def test_import_pulls_in_no_kernel_stack() -> None:
     code = (
         "import sys, dcp_ref\n"
-        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'triton', 'cutlass', 'flashinfer', 'tvm_ffi', 'matplotlib', 'ipywidgets'})\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules}\n"
+        "               & {'triton', 'cutlass', 'flashinfer', 'tvm_ffi', 'matplotlib', 'ipywidgets'})\n"
         "print(','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -106,9 +107,8 @@ def test_wheel_ships_every_module_under_dcp_ref(tmp_path: Path) -> None:
     """A real (non-editable) build: every module of dcp_ref/ and kernels/ lands under dcp_ref/ in the
     wheel (kernels/ as dcp_ref/kernels/, no top-level ``kernels`` package that could collide with
     the PyPI one), plus the PEP 561 marker. Editable installs can hide a packaging mistake."""
-    import zipfile
-
     import shutil
+    import zipfile
 
     root = Path(__file__).resolve().parents[1]
     src = tmp_path / "src"  # build from a copy: setuptools writes build/ and *.egg-info next to the sources
@@ -118,8 +118,22 @@ def test_wheel_ships_every_module_under_dcp_ref(tmp_path: Path) -> None:
     for name in ("dcp_ref", "kernels"):
         shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     (wheel,) = (tmp_path / "dist").glob("dcp_ref-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -31,9 +31,17 @@ def _synthetic_step(with_stages: bool = False) -> dict:
     for w in (2, 4):
         for t in (1, 32):
             for c in (8192, 65536):
-                r = {"W": w, "T": t, "ctx": c, "attention": "flashmla", "graph_us": 50.0 + w + t + c / 4096,
-                     "eager_us": 900.0 + w, "host_syncs_per_step": 0, "launches_per_step": 12,
-                     "stages_sum_us": 40.0 + w + t + c / 4096}
+                r = {
+                    "W": w,
+                    "T": t,
+                    "ctx": c,
+                    "attention": "flashmla",
+                    "graph_us": 50.0 + w + t + c / 4096,
+                    "eager_us": 900.0 + w,
+                    "host_syncs_per_step": 0,
+                    "launches_per_step": 12,
+                    "stages_sum_us": 40.0 + w + t + c / 4096,
+                }
                 if with_stages:
                     r["stages_us"] = {"indexer": 10.0 + c / 4096, "select": 5.0 + w, "attention": 20.0 + t}
                 rows.append(r)
@@ -79,11 +87,15 @@ def test_deinterleave_series_are_the_best_committed_kernel() -> None:
     for w in (2, 8):
         xs, ys = series[f"W = {w}, I = 1 | ours (Triton)"]
         for n, y in zip(xs, ys):
-            times = [r["graph_cold_us"] for r in de["results"] if r["rows"] == n and r["W"] == w and r["I"] == 1
-                     and r["method"] in ("atomic", "rowscan", "twopass")]
+            times = [
+                r["graph_cold_us"]
+                for r in de["results"]
+                if r["rows"] == n and r["W"] == w and r["I"] == 1 and r["method"] in ("atomic", "rowscan", "twopass")
+            ]
             assert y == min(times)
-        torch_t = {r["rows"]: r["time_us"] for r in de["results"]
-                   if r["W"] == w and r["I"] == 1 and r["method"] == "torch"}
+        torch_t = {
+            r["rows"]: r["time_us"] for r in de["results"] if r["W"] == w and r["I"] == 1 and r["method"] == "torch"
+        }
         assert series[f"W = {w}, I = 1 | torch (eager)"] == (sorted(torch_t), [torch_t[n] for n in sorted(torch_t)])
 
 
@@ -145,8 +157,9 @@ def test_model_plots() -> None:
     _check_small(f2)
     s2 = pp.plotted_series(f2)
     assert s2["scaling with W | measured: planned step"] == ([2.0], [150.0])
-    sel = {r["W"]: r["cutedsl_graph"]["median_us"] for r in _json("topk")["results"]
-           if r["rows"] == 32 and r["K"] == 2048}
+    sel = {
+        r["W"]: r["cutedsl_graph"]["median_us"] for r in _json("topk")["results"] if r["rows"] == 32 and r["K"] == 2048
+    }
     xs, ys = s2["scaling with W | measured: select"]
     assert dict(zip(xs, ys)) == pytest.approx(sel)
     dcp = s2["scaling with W | model: DCP layer"]
@@ -158,25 +171,40 @@ def test_model_plots() -> None:
     assert sorted(float(m.get_xdata()[0]) for m in marks) == sorted(x for x in want if math.isfinite(x))
 
 
-@pytest.mark.parametrize("call,exc,name", [
-    (lambda: pp.plot_topk({}), ValueError, "results"),
-    (lambda: pp.plot_topk([]), TypeError, "topk"),
-    (lambda: pp.plot_topk(_json("topk"), dpi=100), ValueError, "dpi"),
-    (lambda: pp.plot_lse_merge(_json("topk")), ValueError, "rows"),
-    (lambda: pp.plot_step_breakdown({"summary": []}), ValueError, "summary"),
-    (lambda: pp.plot_step_growth({"rows": []}), ValueError, "summary"),
-    (lambda: pp.plot_fit("fit"), TypeError, "fit"),
-    (lambda: pp.deinterleave_best(_json("deinterleave"), 7, 2), ValueError, "rows=7"),
-])
+@pytest.mark.parametrize(
+    "call,exc,name",
+    [
+        (lambda: pp.plot_topk({}), ValueError, "results"),
+        (lambda: pp.plot_topk([]), TypeError, "topk"),
+        (lambda: pp.plot_topk(_json("topk"), dpi=100), ValueError, "dpi"),
+        (lambda: pp.plot_lse_merge(_json("topk")), ValueError, "rows"),
+        (lambda: pp.plot_step_breakdown({"summary": []}), ValueError, "summary"),
+        (lambda: pp.plot_step_growth({"rows": []}), ValueError, "summary"),
+        (lambda: pp.plot_fit("fit"), TypeError, "fit"),
+        (lambda: pp.deinterleave_best(_json("deinterleave"), 7, 2), ValueError, "rows=7"),
+    ],
+)
 def test_bad_input_names_the_argument(call, exc, name) -> None:
     with pytest.raises(exc, match=name):
         call()
 
 
 def test_step_growth_keeps_attention_kernels_apart() -> None:
-    rows = [{"W": 2, "T": t, "ctx": 8192, "attention": a, "graph_us": float(t + (100 if a == "flashinfer" else 0)),
-             "eager_us": None, "host_syncs_per_step": 0, "launches_per_step": 9, "stages_sum_us": None}
-            for a in ("flashmla", "flashinfer") for t in (1, 32)]
+    rows = [
+        {
+            "W": 2,
+            "T": t,
+            "ctx": 8192,
+            "attention": a,
+            "graph_us": float(t + (100 if a == "flashinfer" else 0)),
+            "eager_us": None,
+            "host_syncs_per_step": 0,
+            "launches_per_step": 9,
+            "stages_sum_us": None,
+        }
+        for a in ("flashmla", "flashinfer")
+        for t in (1, 32)
+    ]
     g = pp.plotted_series(pp.plot_step_growth({"summary": rows}))
     assert g["against T | W=2, ctx=8K, flashmla"] == ([1, 32], [1.0, 32.0])
     assert g["against T | W=2, ctx=8K, flashinfer"] == ([1, 32], [101.0, 132.0])
@@ -190,20 +218,43 @@ def test_step_growth_keeps_attention_kernels_apart() -> None:
 
 def test_indexer_and_fp8_attention_series() -> None:
     """Synthetic files: every series is exactly its rows' values, one panel per L (indexer) / K (FP8)."""
-    local = {"summary": [{"T": t, "L": n, "k": 2048, "fused_us": t + n / 1024, "torch_path_us": 3.0 * t + n,
-                          "stable_torch_us": 7.0 * t, "same_result": True}
-                         for t in (32, 1) for n in (4096, 32768)]}
+    local = {
+        "summary": [
+            {
+                "T": t,
+                "L": n,
+                "k": 2048,
+                "fused_us": t + n / 1024,
+                "torch_path_us": 3.0 * t + n,
+                "stable_torch_us": 7.0 * t,
+                "same_result": True,
+            }
+            for t in (32, 1)
+            for n in (4096, 32768)
+        ]
+    }
     fig = pp.plot_local_topk(local)
     _check_small(fig)
     s = pp.plotted_series(fig)
     assert s["L = 4K | ours (fused Triton)"] == ([1.0, 32.0], [5.0, 36.0])
     assert s["L = 32K | torch.topk + pack (not exact)"] == ([1.0, 32.0], [32771.0, 32864.0])
     assert s["L = 32K | torch stable (exact)"][1] == [7.0, 224.0]
-    fp8 = {"summary": [{"impl": impl, "T": t, "K": k, "W": w, "graph_us": (None if impl == "flashinfer_fa3" else
-                                                                           t * w + k / 1024 + len(impl)),
-                        "rel_err": 1e-3}
-                       for impl in ("flashmla_fp8_masked", "flashmla_bf16_compact", "flashinfer_fa3")
-                       for t in (32, 1) for k in (1024, 2048) for w in (1, 2)]}
+    fp8 = {
+        "summary": [
+            {
+                "impl": impl,
+                "T": t,
+                "K": k,
+                "W": w,
+                "graph_us": (None if impl == "flashinfer_fa3" else t * w + k / 1024 + len(impl)),
+                "rel_err": 1e-3,
+            }
+            for impl in ("flashmla_fp8_masked", "flashmla_bf16_compact", "flashinfer_fa3")
+            for t in (32, 1)
+            for k in (1024, 2048)
+            for w in (1, 2)
+        ]
+    }
     g = pp.plotted_series(pp.plot_fp8_attention(fp8))
     assert g["K = 2048 | fp8_masked, W = 2"] == ([1.0, 32.0], [2 + 2 + 19.0, 64 + 2 + 19.0])
     assert g["K = 1024 | bf16_compact, W = 1"] == ([1.0, 32.0], [1 + 1 + 21.0, 32 + 1 + 21.0])
@@ -230,8 +281,11 @@ def test_attention_kernels_series_are_the_committed_rows() -> None:
     s = pp.plotted_series(fig)
     rows = [r for r in attn["summary"] if r["graph_us"] is not None]
     for k in (1024, 2048):
-        for impl, label in (("splitkv", "split-KV (Triton)"), ("flashmla_bf16", "FlashMLA bf16"),
-                            ("flashmla_fp8", "FlashMLA FP8")):
+        for impl, label in (
+            ("splitkv", "split-KV (Triton)"),
+            ("flashmla_bf16", "FlashMLA bf16"),
+            ("flashmla_fp8", "FlashMLA FP8"),
+        ):
             rs = sorted((r for r in rows if (r["impl"], r["H"], r["K"]) == (impl, 128, k)), key=lambda r: r["T"])
             assert s[f"H = 128, K = {k} | {label}"] == ([float(r["T"]) for r in rs], [r["graph_us"] for r in rs])
     for h in (16, 32, 64, 128):

@@ -79,8 +79,16 @@ def test_kernels_backend_equals_single_device(world_size: int, interleave: int, 
     run here) against the unsharded float64 oracle; the global ids must equal the oracle's exactly."""
     from dcp_ref.kernels.stages import kernel_stage_impls
 
-    problem = make_dcp_problem(world_size, interleave, seq_lens=[37, 5, 64, 2], next_n=next_n, num_heads=12, head_dim=24,
-                               block_size=8, seed=11 + world_size * 10 + interleave)
+    problem = make_dcp_problem(
+        world_size,
+        interleave,
+        seq_lens=[37, 5, 64, 2],
+        next_n=next_n,
+        num_heads=12,
+        head_dim=24,
+        block_size=8,
+        seed=11 + world_size * 10 + interleave,
+    )
     topk, scale = 6, 1 / math.sqrt(24)
     traces = [dict() for _ in range(world_size)]
     with caplog.at_level("WARNING", logger="dcp_ref.kernels.stages"):
@@ -153,9 +161,10 @@ def test_kernels_backend_on_gpu_deepseek_geometry(cuda_device, world_size: int, 
     DeepSeek's head geometry in bf16, against the float64 CPU oracle."""
     from dcp_ref.kernels.stages import kernel_stage_impls
 
-    problem = make_dcp_problem(world_size, interleave, seq_lens=[300, 41, 1000], next_n=2, num_heads=16, head_dim=576,
-                               block_size=64, seed=3)
-    topk, scale = 64, 192 ** -0.5
+    problem = make_dcp_problem(
+        world_size, interleave, seq_lens=[300, 41, 1000], next_n=2, num_heads=16, head_dim=576, block_size=64, seed=3
+    )
+    topk, scale = 64, 192**-0.5
     gpu = problem.to(cuda_device, torch.bfloat16)
     traces = [dict() for _ in range(world_size)]
     out, lse = run_dcp_decode(gpu, topk, scale, traces, stages="kernels", v_dim=512)
@@ -172,8 +181,12 @@ def test_kernels_backend_on_gpu_deepseek_geometry(cuda_device, world_size: int, 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    world_size=st.integers(1, 5), interleave=st.integers(1, 4), next_n=st.integers(1, 3), topk=st.integers(1, 12),
-    blocks_per_stripe=st.sampled_from([1, 2, 3]), lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    world_size=st.integers(1, 5),
+    interleave=st.integers(1, 4),
+    next_n=st.integers(1, 3),
+    topk=st.integers(1, 12),
+    blocks_per_stripe=st.sampled_from([1, 2, 3]),
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
     seed=st.integers(0, 10_000),
 )
 def test_kernels_backend_property(world_size, interleave, next_n, topk, blocks_per_stripe, lens, seed) -> None:
@@ -181,8 +194,16 @@ def test_kernels_backend_property(world_size, interleave, next_n, topk, blocks_p
     the kernel path picks the oracle's ids and matches its output."""
     lens = [max(n, next_n) for n in lens]  # a request holds at least its own query tokens
     block_size = interleave * blocks_per_stripe  # a stripe of I tokens never straddles two blocks
-    problem = make_dcp_problem(world_size, interleave, seq_lens=lens, next_n=next_n, num_heads=2 * world_size, head_dim=8,
-                               block_size=block_size, seed=seed)
+    problem = make_dcp_problem(
+        world_size,
+        interleave,
+        seq_lens=lens,
+        next_n=next_n,
+        num_heads=2 * world_size,
+        head_dim=8,
+        block_size=block_size,
+        seed=seed,
+    )
     traces = [dict() for _ in range(world_size)]
     out, lse = run_dcp_decode(problem, topk, 0.4, traces, stages="kernels")
     ref_out, ref_lse, ref_ids = single_device_decode(problem, topk, 0.4)

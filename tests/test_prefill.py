@@ -20,8 +20,9 @@ def run_prefill(problem, context_lens, query_lens, topk, scale, traces=None, bac
         meta = localize_prefill_chunk(context_lens, query_lens, W, group.rank, I)
         scores = chunk_scores_from_local(shard.index_scores, query_lens, meta)
         chunk_shard = RankShard(shard.kv_cache, shard.block_table, scores, shard.geometry)
-        return dcp_prefill_step(group, problem.q, chunk_shard, context_lens, query_lens, topk, scale, trace=tr,
-                                stages=backend)
+        return dcp_prefill_step(
+            group, problem.q, chunk_shard, context_lens, query_lens, topk, scale, trace=tr, stages=backend
+        )
 
     res = SimulatedWorld(W).run(step, problem.shards, traces)
     return torch.cat([o for o, _ in res], 1), torch.cat([l for _, l in res], 1)
@@ -31,8 +32,16 @@ def run_prefill(problem, context_lens, query_lens, topk, scale, traces=None, bac
 @pytest.mark.parametrize("query_lens", [[5, 1, 12], [1, 1, 1], [20, 3, 0]])
 def test_prefill_chunk_equals_single_device(world_size, interleave, query_lens) -> None:
     seq_lens = [37, 5, 64]
-    problem = make_dcp_problem(world_size, interleave, seq_lens=seq_lens, next_n=query_lens, num_heads=2 * world_size,
-                               head_dim=8, block_size=8, seed=world_size + 7 * interleave + sum(query_lens))
+    problem = make_dcp_problem(
+        world_size,
+        interleave,
+        seq_lens=seq_lens,
+        next_n=query_lens,
+        num_heads=2 * world_size,
+        head_dim=8,
+        block_size=8,
+        seed=world_size + 7 * interleave + sum(query_lens),
+    )
     qlens = torch.tensor(query_lens)
     ctx = torch.tensor(seq_lens) - qlens
     traces = [dict() for _ in range(world_size)]
@@ -51,7 +60,9 @@ def test_prefill_chunk_equals_single_device(world_size, interleave, query_lens) 
 
 def test_prefill_equals_decode_with_next_n_query_lens() -> None:
     """Same problem, two layouts: decode (scores by local index) and prefill (gathered chunk)."""
-    problem = make_dcp_problem(3, 2, seq_lens=[30, 9, 50], next_n=[4, 2, 7], num_heads=6, head_dim=8, block_size=4, seed=2)
+    problem = make_dcp_problem(
+        3, 2, seq_lens=[30, 9, 50], next_n=[4, 2, 7], num_heads=6, head_dim=8, block_size=4, seed=2
+    )
     qlens = torch.tensor([4, 2, 7])
     ctx = problem.seq_lens - qlens
     p_out, p_lse = run_prefill(problem, ctx, qlens, 5, 0.3)
@@ -75,10 +86,19 @@ def test_chunk_scores_layout_and_errors() -> None:
     with pytest.raises(ValueError, match="add up"):
         chunk_scores_from_local(local, torch.tensor([2, 2]), meta)
     problem = make_dcp_problem(1, 1, seq_lens=[6], next_n=2, num_heads=1, head_dim=4)
-    with pytest.raises(ValueError, match="shard.index_scores must be"):
-        SimulatedWorld(1).run(lambda g, s: dcp_prefill_step(g, problem.q, RankShard(s.kv_cache, s.block_table, torch.zeros(2, 1),
-                                                                                    s.geometry),
-                                                           torch.tensor([4]), torch.tensor([2]), 2, 0.5), problem.shards)
+    with pytest.raises(ValueError, match=r"shard\.index_scores must be"):
+        SimulatedWorld(1).run(
+            lambda g, s: dcp_prefill_step(
+                g,
+                problem.q,
+                RankShard(s.kv_cache, s.block_table, torch.zeros(2, 1), s.geometry),
+                torch.tensor([4]),
+                torch.tensor([2]),
+                2,
+                0.5,
+            ),
+            problem.shards,
+        )
 
 
 def test_make_dcp_problem_checks_query_counts() -> None:
@@ -92,8 +112,16 @@ def test_make_dcp_problem_checks_query_counts() -> None:
 def test_prefill_chunk_on_the_kernels(world_size, interleave) -> None:
     """backend="kernels": the Triton pack with row_starts (and the other kernels) on a chunk."""
     seq_lens, query_lens = [37, 5, 64], [5, 1, 12]
-    problem = make_dcp_problem(world_size, interleave, seq_lens=seq_lens, next_n=query_lens, num_heads=2 * world_size,
-                               head_dim=8, block_size=8, seed=4)
+    problem = make_dcp_problem(
+        world_size,
+        interleave,
+        seq_lens=seq_lens,
+        next_n=query_lens,
+        num_heads=2 * world_size,
+        head_dim=8,
+        block_size=8,
+        seed=4,
+    )
     qlens = torch.tensor(query_lens)
     traces = [dict() for _ in range(world_size)]
     out, lse = run_prefill(problem, torch.tensor(seq_lens) - qlens, qlens, 6, 0.35, traces, backend="kernels")

@@ -10,7 +10,9 @@ import pytest
 nbformat = pytest.importorskip("nbformat")  # a test extra; absent on the bare GPU machine
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("refresh_notebooks", Path(__file__).resolve().parents[1] / "tools" / "refresh_notebooks.py")
+spec = importlib.util.spec_from_file_location(
+    "refresh_notebooks", Path(__file__).resolve().parents[1] / "tools" / "refresh_notebooks.py"
+)
 refresh = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(refresh)
 

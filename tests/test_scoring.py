@@ -494,7 +494,8 @@ def assert_kernel_order(got: torch.Tensor) -> None:
 
 
 def oracle_candidates(scores, bounds, k, g, rs=None) -> torch.Tensor:
-    return pack_candidates(scores, local_topk(scores, k, bounds, rs, validate=False), g, rs, validate=False)  # fmt: skip
+    ids = local_topk(scores, k, bounds, rs, validate=False)
+    return pack_candidates(scores, ids, g, rs, validate=False)
 
 
 @pytest.mark.parametrize(
@@ -679,22 +680,29 @@ def test_gpu_fused_equals_oracle_on_dyadic_inputs(cuda_device, lens, k) -> None:
     assert_kernel_order(got.cpu())
 
 
-@pytest.mark.gpu
-def test_gpu_graph_capture_and_replay_with_new_inputs(cuda_device) -> None:
-    T, k = 16, 2048
-    q, w, cache, bt, req, bounds = gpu_problem(70, T, (20000, 9000), exact=True)
-    g = DcpGeometry(1, 0, 1, 64)
-    L = bt.shape[1] * 64
+def hot_path(seed, T, k, lens, g, device):
+    """A GPU problem and the hot path over it: ``(inputs, scores, cand, call)``, where ``call()`` runs the
+    scoring kernel into ``scores`` and the fused stage into ``cand``, both with ``validate=False`` and with
+    every buffer (scratch and split workspace too) made once, here, so that ``call`` allocates nothing."""
+    inputs = gpu_problem(seed, T, lens, exact=True)
+    L = inputs[3].shape[1] * 64
     scores = torch.empty(T, L, device="cuda")
     cand = torch.empty(T, k, 2, device="cuda")
-    plan = fused.scored_plan(T, L, k, cuda_device)
+    plan = fused.scored_plan(T, L, k, device)
     scratch, ws = fused.scratch_for(plan, "cuda"), fused.workspace_for(plan, T, k, "cuda")
 
     def call() -> None:
-        st_kernel.index_scores_triton(q, w, cache, bt, req, bounds, g, out=scores, validate=False)
-        fused.scored_topk_pack(q, w, cache, bt, req, bounds, g, k, n_cols=L, out=cand, workspace=ws,
-                               scratch=scratch, validate=False)  # fmt: skip
+        st_kernel.index_scores_triton(*inputs, g, out=scores, validate=False)
+        fused.scored_topk_pack(*inputs, g, k, n_cols=L, out=cand, workspace=ws, scratch=scratch, validate=False)
 
+    return inputs, scores, cand, call
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_and_replay_with_new_inputs(cuda_device) -> None:
+    T, k = 16, 2048
+    g = DcpGeometry(1, 0, 1, 64)
+    (q, w, cache, bt, req, bounds), scores, cand, call = hot_path(70, T, k, (20000, 9000), g, cuda_device)
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -716,19 +724,8 @@ def test_gpu_graph_capture_and_replay_with_new_inputs(cuda_device) -> None:
 @pytest.mark.gpu
 def test_gpu_validate_false_makes_no_host_sync(cuda_device) -> None:
     T, k = 8, 256
-    q, w, cache, bt, req, bounds = gpu_problem(80, T, (9000, 3000), exact=True)
     g = DcpGeometry(2, 1, 2, 64)
-    L = bt.shape[1] * 64
-    out = torch.empty(T, L, device="cuda")
-    cand = torch.empty(T, k, 2, device="cuda")
-    plan = fused.scored_plan(T, L, k, cuda_device)
-    scratch, ws = fused.scratch_for(plan, "cuda"), fused.workspace_for(plan, T, k, "cuda")
-
-    def call() -> None:
-        st_kernel.index_scores_triton(q, w, cache, bt, req, bounds, g, out=out, validate=False)
-        fused.scored_topk_pack(q, w, cache, bt, req, bounds, g, k, n_cols=L, out=cand, workspace=ws,
-                               scratch=scratch, validate=False)  # fmt: skip
-
+    (q, w, cache, bt, req, bounds), out, cand, call = hot_path(80, T, k, (9000, 3000), g, cuda_device)
     call()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -273,7 +273,9 @@ def test_out_buffers_are_written_and_returned():
 def _rank_inputs(problem, K: int, rank: int):
     shard = problem.shards[rank]
     ids = local_topk(shard.index_scores, K)  # NaN = key not there: never selected
-    pairs = pack_candidates(shard.index_scores, ids, DcpGeometry(problem.world_size, rank, problem.interleave, problem.interleave))
+    pairs = pack_candidates(
+        shard.index_scores, ids, DcpGeometry(problem.world_size, rank, problem.interleave, problem.interleave)
+    )
     asc = torch.sort(torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max), dim=1).values
     valid = asc != torch.iinfo(torch.int64).max
     own = torch.where(valid, asc, -1)
@@ -325,7 +327,9 @@ def test_union_over_ranks_is_the_single_device_topk(W, I):
                 got[t] |= {(r, v) for v in row}
             if order == "global_id":  # the same set as today's select + deinterleave
                 ids = stable_topk(pairs, k)
-                want_s, want_n = deinterleave_and_compact(ids, req, bt, DcpGeometry(W, r, I, g.block_size), ordered=False)
+                want_s, want_n = deinterleave_and_compact(
+                    ids, req, bt, DcpGeometry(W, r, I, g.block_size), ordered=False
+                )
                 assert canonicalize(s, n).tolist() == want_s.tolist() and n.tolist() == want_n.tolist()
         assert got == _single_device(problem, order, k), order
 

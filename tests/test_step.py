@@ -32,8 +32,17 @@ HERE = Path(__file__).resolve().parent
 
 def _spec(problem, rank: int, max_tokens: int, topk: int, scale: float, dtype=torch.float64, device="cpu") -> StepSpec:
     _, H, D = problem.q.shape
-    return StepSpec(problem.geometry(rank), max_tokens=max_tokens, topk=topk, num_heads=H, head_dim=D, v_dim=D,
-                    sm_scale=scale, dtype=dtype, device=device)
+    return StepSpec(
+        problem.geometry(rank),
+        max_tokens=max_tokens,
+        topk=topk,
+        num_heads=H,
+        head_dim=D,
+        v_dim=D,
+        sm_scale=scale,
+        dtype=dtype,
+        device=device,
+    )
 
 
 def _run_planned(steps: list[PlannedStep], problem, traces=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,13 +72,29 @@ def _plan(problem, max_tokens: int, topk: int, scale: float, stages: Stages | st
 def test_one_plan_many_runs_equal_the_oracle(stages: str, world_size: int, interleave: int) -> None:
     """Plan once for T <= 8; run three problems (different data and token counts) on the same buffers."""
     topk, scale = 5, 0.3
-    first = make_dcp_problem(world_size, interleave, seq_lens=[30, 9, 17, 4], next_n=2, num_heads=2 * world_size,
-                             head_dim=8, block_size=4, seed=1)
+    first = make_dcp_problem(
+        world_size,
+        interleave,
+        seq_lens=[30, 9, 17, 4],
+        next_n=2,
+        num_heads=2 * world_size,
+        head_dim=8,
+        block_size=4,
+        seed=1,
+    )
     steps = _plan(first, 8, topk, scale, stages)
     tol = 1e-10 if stages == "reference" else 3e-6
     for seed, lens, next_n in [(1, [30, 9, 17, 4], 2), (2, [40, 3, 12], 1), (3, [25, 25, 6, 8], 2)]:
-        p = make_dcp_problem(world_size, interleave, seq_lens=lens, next_n=next_n, num_heads=2 * world_size, head_dim=8,
-                             block_size=4, seed=seed)
+        p = make_dcp_problem(
+            world_size,
+            interleave,
+            seq_lens=lens,
+            next_n=next_n,
+            num_heads=2 * world_size,
+            head_dim=8,
+            block_size=4,
+            seed=seed,
+        )
         traces = [dict() for _ in range(world_size)]
         out, lse = _run_planned(steps, p, traces)
         ref_out, ref_lse, ref_ids = single_device_decode(p, topk, scale)
@@ -134,29 +159,47 @@ def test_run_reads_no_tensor_value_on_the_host(stages: str) -> None:
 def test_run_checks_geometry_shapes_and_values() -> None:
     p = make_dcp_problem(2, 1, seq_lens=[20, 7], next_n=1, num_heads=2, head_dim=8, block_size=4, seed=0)
     world = SimulatedWorld(2)
-    with pytest.raises(ValueError, match="does not match spec.geometry"):
+    with pytest.raises(ValueError, match=r"does not match spec\.geometry"):
         PlannedStep(world.groups[1], _spec(p, 0, 4, 3, 0.5))
-    step = PlannedStep(SingleGroup(), StepSpec(DcpGeometry(1, 0, 1, 4), max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float64, device="cpu"))
+    step = PlannedStep(
+        SingleGroup(),
+        StepSpec(
+            DcpGeometry(1, 0, 1, 4),
+            max_tokens=4,
+            topk=3,
+            num_heads=2,
+            head_dim=8,
+            v_dim=8,
+            sm_scale=0.5,
+            dtype=torch.float64,
+            device="cpu",
+        ),
+    )
     meta = decode_metadata(p.seq_lens, 1, DcpGeometry(1, 0, 1, 4))
-    with pytest.raises(ValueError, match="shard.geometry .* does not match the planned geometry"):
+    with pytest.raises(ValueError, match=r"shard\.geometry .* does not match the planned geometry"):
         step.run(p.q, p.shards[0], meta)  # a W=2 shard on a W=1 plan: silently wrong before
     with pytest.raises(ValueError, match=r"q must be \[T, 2, 8\] with 0 <= T <= max_tokens=4"):
         step.run(torch.zeros(5, 2, 8, dtype=torch.float64), p.shards[0], meta)
     with pytest.raises(TypeError, match="q must have dtype"):
         step.run(p.q.float(), p.shards[0], meta)
     with pytest.raises(TypeError, match="meta must be a StepMetadata"):
-        step.run(p.q[:2], RankShard(*[getattr(p.shards[0], f) for f in ("kv_cache", "block_table", "index_scores")],
-                                    DcpGeometry(1, 0, 1, 4)), {"local_bounds": meta.local_bounds})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="shard.geometry must be the DcpGeometry"):
+        step.run(
+            p.q[:2],
+            RankShard(
+                *[getattr(p.shards[0], f) for f in ("kv_cache", "block_table", "index_scores")], DcpGeometry(1, 0, 1, 4)
+            ),
+            {"local_bounds": meta.local_bounds},
+        )  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"shard\.geometry must be the DcpGeometry"):
         step.run(p.q, RankShard(p.shards[0].kv_cache, p.shards[0].block_table, p.shards[0].index_scores), meta)
     one = make_dcp_problem(1, 1, seq_lens=[20, 7], next_n=1, num_heads=2, head_dim=8, block_size=4, seed=0)
     shard = one.shards[0]
     narrow = RankShard(shard.kv_cache, shard.block_table, shard.index_scores[:, :10], shard.geometry)
     checked = PlannedStep(SingleGroup(), step.spec, validate=True)
-    with pytest.raises(ValueError, match="shard.index_scores has 10 columns, but a token's keys reach column 20"):
+    with pytest.raises(ValueError, match=r"shard\.index_scores has 10 columns, but a token's keys reach column 20"):
         checked.run(one.q, narrow, one.metadata(0))
     short = RankShard(shard.kv_cache, shard.block_table[:, :2], shard.index_scores, shard.geometry)
-    with pytest.raises(ValueError, match="shard.block_table is too short"):
+    with pytest.raises(ValueError, match=r"shard\.block_table is too short"):
         checked.run(one.q, short, one.metadata(0))
     bad_req = StepMetadata(one.metadata(0).local_bounds, torch.tensor([0, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"meta.req_of_token must lie in \[0, 2\)"):
@@ -169,27 +212,68 @@ def test_decode_step_rejects_a_non_tensor_query() -> None:
     from dcp_ref.pipeline import dcp_decode_step
 
     p = make_dcp_problem(1, 1, seq_lens=[6], num_heads=1, head_dim=4)
-    with pytest.raises(TypeError, match="q must be a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match=r"q must be a torch\.Tensor, got list"):
         dcp_decode_step(SingleGroup(), [[1.0]], p.shards[0], p.seq_lens, 1, 2, 0.5)  # type: ignore[arg-type]
 
 
 def test_spec_is_validated() -> None:
     g = DcpGeometry(2, 0)
-    with pytest.raises(ValueError, match="num_heads .* must be divisible by the world size W=2"):
-        StepSpec(g, max_tokens=4, topk=3, num_heads=3, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"num_heads .* must be divisible by the world size W=2"):
+        StepSpec(
+            g, max_tokens=4, topk=3, num_heads=3, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float32, device="cpu"
+        )
     with pytest.raises(ValueError, match="v_dim must be <= head_dim=8"):
-        StepSpec(g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=9, sm_scale=0.5, dtype=torch.float32, device="cpu")
+        StepSpec(
+            g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=9, sm_scale=0.5, dtype=torch.float32, device="cpu"
+        )
     with pytest.raises(ValueError, match="sm_scale must be a finite float > 0"):
-        StepSpec(g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=float("nan"), dtype=torch.float32, device="cpu")
+        StepSpec(
+            g,
+            max_tokens=4,
+            topk=3,
+            num_heads=2,
+            head_dim=8,
+            v_dim=8,
+            sm_scale=float("nan"),
+            dtype=torch.float32,
+            device="cpu",
+        )
     with pytest.raises(TypeError, match="geometry must be a DcpGeometry"):
-        StepSpec((2, 0), max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float32, device="cpu")  # type: ignore[arg-type]
+        StepSpec(
+            (2, 0),
+            max_tokens=4,
+            topk=3,
+            num_heads=2,
+            head_dim=8,
+            v_dim=8,
+            sm_scale=0.5,
+            dtype=torch.float32,
+            device="cpu",
+        )  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="sm_scale must be a float, got str"):
-        StepSpec(g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale="0.5", dtype=torch.float32, device="cpu")  # type: ignore[arg-type]
+        StepSpec(
+            g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale="0.5", dtype=torch.float32, device="cpu"
+        )  # type: ignore[arg-type]
     import numpy as np
 
-    assert StepSpec(g, max_tokens=4, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=np.float64(0.5), dtype=torch.float32, device="cpu").sm_scale == 0.5
+    assert (
+        StepSpec(
+            g,
+            max_tokens=4,
+            topk=3,
+            num_heads=2,
+            head_dim=8,
+            v_dim=8,
+            sm_scale=np.float64(0.5),
+            dtype=torch.float32,
+            device="cpu",
+        ).sm_scale
+        == 0.5
+    )
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
-        StepSpec(g, max_tokens=0, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float32, device="cpu")
+        StepSpec(
+            g, max_tokens=0, topk=3, num_heads=2, head_dim=8, v_dim=8, sm_scale=0.5, dtype=torch.float32, device="cpu"
+        )
 
 
 def test_a_plugged_in_stage_runs_and_is_named_in_the_trace() -> None:
@@ -197,8 +281,11 @@ def test_a_plugged_in_stage_runs_and_is_named_in_the_trace() -> None:
     Stages.with_, no monkeypatching; the trace names it, and the oracle catches it."""
 
     def select_higher_id_wins(gathered, k, *, out=None):
-        c = gathered.reshape(-1, *gathered.shape[-2:]) if gathered.ndim == 3 else gathered.permute(1, 0, 2, 3).reshape(
-            gathered.shape[1], -1, 2)
+        c = (
+            gathered.reshape(-1, *gathered.shape[-2:])
+            if gathered.ndim == 3
+            else gathered.permute(1, 0, 2, 3).reshape(gathered.shape[1], -1, 2)
+        )
         score, ids = c[..., 0].double(), c[..., 1].double()
         key = torch.where(ids >= 0, score * 1e9 + ids, torch.full_like(score, -math.inf))  # higher id first at ties
         top = torch.topk(key, min(k, key.shape[1]), dim=1).indices
@@ -207,8 +294,9 @@ def test_a_plugged_in_stage_runs_and_is_named_in_the_trace() -> None:
 
     buggy = REFERENCE_STAGES.with_(select=select_higher_id_wins)
     assert buggy.impls()["select"].endswith("select_higher_id_wins") and buggy.name == "reference+custom"
-    p = make_dcp_problem(2, 1, seq_lens=[40, 33], next_n=1, num_heads=2, head_dim=8, block_size=4, score_levels=3,
-                         seed=4)
+    p = make_dcp_problem(
+        2, 1, seq_lens=[40, 33], next_n=1, num_heads=2, head_dim=8, block_size=4, score_levels=3, seed=4
+    )
     traces = [dict(), dict()]
     out, _ = _run_planned(_plan(p, 2, 6, 0.3, buggy), p, traces)
     ref_out, _, ref_ids = single_device_decode(p, 6, 0.3)
@@ -246,22 +334,32 @@ def test_masked_layout_skips_compaction() -> None:
     def masked_attention(q, kv_cache, slots, counts, sm_scale, v_dim, *, out=None, out_lse=None):
         seen.append(slots.clone())
         order = torch.argsort((slots < 0).to(torch.int8), dim=1, stable=True)  # compact here, for the reference
-        return reference_attention(q, kv_cache, torch.gather(slots, 1, order), counts, sm_scale, v_dim, out=out,
-                                   out_lse=out_lse)
+        return reference_attention(
+            q, kv_cache, torch.gather(slots, 1, order), counts, sm_scale, v_dim, out=out, out_lse=out_lse
+        )
 
     p = make_dcp_problem(2, 1, seq_lens=[40, 33], next_n=1, num_heads=2, head_dim=8, block_size=4, seed=2)
     st = REFERENCE_STAGES.with_(attention=masked_attention, attention_layout="masked")
     out, lse = _run_planned(_plan(p, 2, 7, 0.3, st), p)
     ref_out, ref_lse, _ = single_device_decode(p, 7, 0.3)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
     # a valid slot after a -1 somewhere: the attention saw the uncompacted layout
     assert any(bool((((s < 0).cumsum(1) > 0) & (s >= 0)).any()) for s in seen), "slots were compacted"
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
 def _gpu_problem(world_size: int, interleave: int, seed: int, num_heads: int = 128, next_n: int = 2):
-    p = make_dcp_problem(world_size, interleave, seq_lens=[3000, 41, 2500], next_n=next_n, num_heads=num_heads,
-                         head_dim=576, block_size=64, seed=seed)
+    p = make_dcp_problem(
+        world_size,
+        interleave,
+        seq_lens=[3000, 41, 2500],
+        next_n=next_n,
+        num_heads=num_heads,
+        head_dim=576,
+        block_size=64,
+        seed=seed,
+    )
     return p, p.to("cuda", torch.bfloat16)
 
 
@@ -269,7 +367,17 @@ def _gpu_plan(gpu_problem, world, rank: int, max_tokens: int, topk: int) -> Plan
     from dcp_ref.kernels.stages import kernel_stages
 
     st = kernel_stages("cuda", torch.bfloat16, 576, 512, num_heads=gpu_problem.q.shape[1], topk=topk)
-    spec = StepSpec(gpu_problem.geometry(rank), max_tokens=max_tokens, topk=topk, num_heads=gpu_problem.q.shape[1], head_dim=576, v_dim=512, sm_scale=192**-0.5, dtype=torch.bfloat16, device="cuda")
+    spec = StepSpec(
+        gpu_problem.geometry(rank),
+        max_tokens=max_tokens,
+        topk=topk,
+        num_heads=gpu_problem.q.shape[1],
+        head_dim=576,
+        v_dim=512,
+        sm_scale=192**-0.5,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     return PlannedStep(world.groups[rank] if world is not None else SingleGroup(), spec, st)
 
 
@@ -339,8 +447,17 @@ def test_step_over_nccl_on_two_gpus(cuda_device, tmp_path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           str(HERE / "step_nccl_worker.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29517",
+        str(HERE / "step_nccl_worker.py"),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     cpu, _ = _gpu_problem(2, 1, seed=8)
@@ -352,8 +469,9 @@ def test_step_over_nccl_on_two_gpus(cuda_device, tmp_path) -> None:
     # FP8 cache: the oracle reads the dequantized KV
     from dcp_ref.fp8_cache import dequantize_kv_fp8, quantize_kv_fp8
 
-    deq = dataclasses.replace(cpu, kv_global=[dequantize_kv_fp8(quantize_kv_fp8(k.to(torch.bfloat16))).double()
-                                              for k in cpu.kv_global])
+    deq = dataclasses.replace(
+        cpu, kv_global=[dequantize_kv_fp8(quantize_kv_fp8(k.to(torch.bfloat16))).double() for k in cpu.kv_global]
+    )
     outs = [torch.load(tmp_path / f"rank{r}_fp8.pt") for r in range(2)]
     assert outs[0]["impl"]["attention"] == "flashmla-fp8"
     _check_against_oracle(torch.cat([o["out"] for o in outs], 1), torch.cat([o["lse"] for o in outs], 1), deq, 2048)

@@ -20,8 +20,16 @@ from dcp_ref.stages import FP8_REFERENCE_STAGES, kv_format_of, resolve_stages
 
 def fp8_problem(world_size: int, interleave: int, seed: int, num_heads: int, seq_lens=(37, 5, 64), next_n=2):
     """(problem with FP8 shards, problem whose global KV is the dequantized FP8 — the oracle's input)."""
-    p = make_dcp_problem(world_size, interleave, seq_lens=list(seq_lens), next_n=next_n, num_heads=num_heads,
-                         head_dim=576, block_size=8, seed=seed)
+    p = make_dcp_problem(
+        world_size,
+        interleave,
+        seq_lens=list(seq_lens),
+        next_n=next_n,
+        num_heads=num_heads,
+        head_dim=576,
+        block_size=8,
+        seed=seed,
+    )
     shards = [RankShard(quantize_kv_fp8(s.kv_cache), s.block_table, s.index_scores, s.geometry) for s in p.shards]
     deq = [dequantize_kv_fp8(quantize_kv_fp8(k)).double() for k in p.kv_global]
     return dataclasses.replace(p, shards=shards), dataclasses.replace(p, kv_global=deq)

@@ -262,7 +262,12 @@ def test_triton_deinterleave_conforms(interp: torch.device, method: str, ordered
 
     def fn(ids, req, table, g):  # type: ignore[no-untyped-def]
         return deinterleave_compact(  # the stage's semantics: validate=False (poison, never raise)
-            ids, req, table, DcpGeometry(g.world_size, g.rank, g.interleave, g.block_size), ordered=ordered, method=method,
+            ids,
+            req,
+            table,
+            DcpGeometry(g.world_size, g.rank, g.interleave, g.block_size),
+            ordered=ordered,
+            method=method,
             validate=False,
         )
 
@@ -274,9 +279,7 @@ def test_triton_conversion_kernel_conforms_to_the_masked_layout(interp: torch.de
 
     def fn(ids, req, table, g, compact=True):  # type: ignore[no-untyped-def]
         assert compact is False
-        s = global_ids_to_local_slots_triton(
-            ids, req, table, g, validate=False
-        )
+        s = global_ids_to_local_slots_triton(ids, req, table, g, validate=False)
         return s, (s >= 0).sum(1, dtype=torch.int32)
 
     check_deinterleave(fn, compact=False, device=interp, max_examples=FAST)
@@ -288,9 +291,7 @@ def test_triton_masked_kernel_conforms_to_the_masked_layout(interp: torch.device
 
     def fn(ids, req, table, g, compact=True):  # type: ignore[no-untyped-def]
         assert compact is False
-        return deinterleave_masked_triton(
-            ids, req, table, g, validate=False
-        )
+        return deinterleave_masked_triton(ids, req, table, g, validate=False)
 
     check_deinterleave(fn, compact=False, device=interp, max_examples=FAST)
 
@@ -364,7 +365,12 @@ def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
     for method, ordered in (("rowscan", True), ("twopass", True), ("atomic", False)):
         check_deinterleave(
             lambda i, r, t, g, ordered=ordered, method=method: deinterleave_compact(
-                i, r, t, g, ordered=ordered, method=method,
+                i,
+                r,
+                t,
+                g,
+                ordered=ordered,
+                method=method,
                 validate=False,  # the stage's semantics: out-of-contract metadata poisons, never raises
             ),
             ordered=ordered,
@@ -427,9 +433,7 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     from dcp_ref.kernels.stages import kernel_stages
 
     ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
-    check_indexer(
-        ks.indexer, device=cuda_device, max_examples=GPU_EXAMPLES
-    )  # strided lengths: see the CPU test
+    check_indexer(ks.indexer, device=cuda_device, max_examples=GPU_EXAMPLES)  # strided lengths: see the CPU test
     check_select(ks.select, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, compact=False, device=cuda_device, max_examples=GPU_EXAMPLES)  # masked
@@ -1439,8 +1443,13 @@ def _draws(strategy: Any, predicates: dict[str, Callable[[Any], bool]]) -> dict[
 
     seen = dict.fromkeys(predicates, False)
 
-    @hsettings(max_examples=DEFAULT_MAX_EXAMPLES, derandomize=True, database=None, deadline=None,
-               suppress_health_check=list(HealthCheck))
+    @hsettings(
+        max_examples=DEFAULT_MAX_EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def run(case: Any) -> None:
         for name, p in predicates.items():
@@ -1458,16 +1467,28 @@ def test_the_default_draws_cover_the_contract_corners() -> None:
     """At default settings the strategies draw corrupt (NaN, +inf) and near-maximum LSEs, negative block
     entries other than -1, request ids outside the block table, and -0.0 index scores."""
     lse = lambda c: c.values["all_lse"]  # noqa: E731
-    assert all(_draws(dst.merge_cases(), {
-        "nan": lambda c: torch.isnan(lse(c)).any(),
-        "+inf": lambda c: (lse(c) == INF).any(),
-        "near float32 max": lambda c: ((lse(c).abs() > 1e38) & torch.isfinite(lse(c))).any(),
-    }).values())
+    assert all(
+        _draws(
+            dst.merge_cases(),
+            {
+                "nan": lambda c: torch.isnan(lse(c)).any(),
+                "+inf": lambda c: (lse(c) == INF).any(),
+                "near float32 max": lambda c: ((lse(c).abs() > 1e38) & torch.isfinite(lse(c))).any(),
+            },
+        ).values()
+    )
     bt = lambda c: c.values["block_table"]  # noqa: E731
-    assert all(_draws(dst.deinterleave_cases(), {
-        "negative entry other than -1": lambda c: (bt(c) < -1).any(),
-        "bad request": lambda c: ((c.values["req_of_token"] < 0) | (c.values["req_of_token"] >= bt(c).shape[0])).any(),
-    }).values())
+    assert all(
+        _draws(
+            dst.deinterleave_cases(),
+            {
+                "negative entry other than -1": lambda c: (bt(c) < -1).any(),
+                "bad request": lambda c: (
+                    (c.values["req_of_token"] < 0) | (c.values["req_of_token"] >= bt(c).shape[0])
+                ).any(),
+            },
+        ).values()
+    )
     assert _draws(dst.select_cases(), {"-0.0": lambda c: _signed_zero(c.values["gathered"][..., 0])})["-0.0"]
     for strategy in (dst.local_topk_cases(), dst.pack_cases(), dst.indexer_cases()):
         assert _draws(strategy, {"-0.0": lambda c: _signed_zero(c.values["scores"])})["-0.0"]

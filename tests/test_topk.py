@@ -61,7 +61,10 @@ def rows_of(gathered: torch.Tensor) -> list[list[tuple[float, float]]]:
     g = gathered.detach().cpu()
     if g.ndim == 4:
         w, rows, K, _ = g.shape
-        return [[(float(g[r_, rr, c, 0]), float(g[r_, rr, c, 1])) for r_ in range(w) for c in range(K)] for rr in range(rows)]
+        return [
+            [(float(g[r_, rr, c, 0]), float(g[r_, rr, c, 1])) for r_ in range(w) for c in range(K)]
+            for rr in range(rows)
+        ]
     return [[(float(s), float(i)) for s, i in row.tolist()] for row in g]
 
 
@@ -119,7 +122,10 @@ def test_stable_key_policies_zero_nan_invalid():
     assert key[3] == INVALID_KEY  # id -1 -> invalid, whatever the score
     assert key[4] > INVALID_KEY  # -inf with a real id is valid (just very low)
     # -0.0 with a lower id beats +0.0 with a higher id: zeros tie, the id decides.
-    assert stable_key(torch.tensor([-0.0]), torch.tensor([1])).item() > stable_key(torch.tensor([0.0]), torch.tensor([2])).item()
+    assert (
+        stable_key(torch.tensor([-0.0]), torch.tensor([1])).item()
+        > stable_key(torch.tensor([0.0]), torch.tensor([2])).item()
+    )
     assert unsigned_key(torch.tensor([INVALID_KEY])) == [0]
 
 
@@ -249,15 +255,15 @@ def test_pack_candidates_matches_brute_force(seed, w, i, rows, K, with_starts):
 def test_pack_candidates_errors():
     logits = torch.zeros(2, 8)
     topk = torch.zeros(2, 3, dtype=torch.int64)
-    with pytest.raises(TypeError, match="^geometry must be a dcp_ref.geometry.DcpGeometry"):
+    with pytest.raises(TypeError, match=r"^geometry must be a dcp_ref\.geometry\.DcpGeometry"):
         pack_candidates(logits, topk, (2, 0))  # loose ints are not a geometry
-    with pytest.raises(TypeError, match="^geometry"):
+    with pytest.raises(TypeError, match=r"^geometry"):
         pack_candidates(logits, topk, 0, 2)  # the old signature (rank, world_size) raises, never packs
     with pytest.raises(TypeError, match="local_topk"):
         pack_candidates(logits, topk.float(), DcpGeometry(2, 0))
     with pytest.raises(ValueError, match="row count"):
         pack_candidates(logits, topk[:1], DcpGeometry(2, 0))
-    with pytest.raises(ValueError, match="logits.shape"):
+    with pytest.raises(ValueError, match=r"logits\.shape"):
         pack_candidates(logits, torch.full((2, 3), 8), DcpGeometry(2, 0))
     with pytest.raises(ValueError, match="-1 or >= 0"):
         pack_candidates(logits, torch.full((2, 3), -2), DcpGeometry(2, 0))
@@ -388,7 +394,9 @@ def test_kernel_indexer_and_select_stages_give_the_global_topk_on_cpu():
     logits_r, _ = local_topk_by_owner(scores, 5, 3, 2)
 
     def rank(g, lg):
-        packed = st_.indexer(lg, torch.full((lg.shape[0],), lg.shape[1], dtype=torch.int32), DcpGeometry(3, g.rank, 2, 2), 5)
+        packed = st_.indexer(
+            lg, torch.full((lg.shape[0],), lg.shape[1], dtype=torch.int32), DcpGeometry(3, g.rank, 2, 2), 5
+        )
         return st_.select(g.all_gather(packed), 4)
 
     want = [sorted(r) for r in global_topk_all_logits(scores, 4).tolist()]
@@ -401,7 +409,10 @@ def test_kernel_indexer_and_select_stages_give_the_global_topk_on_cpu():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("w,i,K,dtype,starts", [(1, 1, 1, torch.float32, False), (4, 2, 37, torch.bfloat16, True), (3, 5, 300, torch.float16, False)])
+@pytest.mark.parametrize(
+    "w,i,K,dtype,starts",
+    [(1, 1, 1, torch.float32, False), (4, 2, 37, torch.bfloat16, True), (3, 5, 300, torch.float16, False)],
+)
 def test_triton_pack_matches_reference(kernel_device, w, i, K, dtype, starts):
     pytest.importorskip("triton")
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
@@ -416,7 +427,9 @@ def test_triton_pack_matches_reference(kernel_device, w, i, K, dtype, starts):
     wide[:, ::2] = logits
     view = wide[:, ::2]
     got = pack_candidates_triton(
-        view.to(kernel_device), topk.to(kernel_device), DcpGeometry(w, w - 1, i, i),
+        view.to(kernel_device),
+        topk.to(kernel_device),
+        DcpGeometry(w, w - 1, i, i),
         row_starts=torch.tensor(rs).to(kernel_device) if starts else None,
     )
     assert got.cpu().tolist() == brute_pack(logits.float(), topk, w, w - 1, i, rs)
@@ -427,12 +440,19 @@ def test_triton_pack_errors_and_masking(kernel_device):
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
     logits = torch.zeros(1, 4, device=kernel_device)
-    with pytest.raises(ValueError, match="logits.shape"):
+    with pytest.raises(ValueError, match=r"logits\.shape"):
         pack_candidates_triton(logits, torch.tensor([[4]], device=kernel_device), DcpGeometry(2, 0))
     with pytest.raises(ValueError, match="out must be"):
-        pack_candidates_triton(logits, torch.tensor([[1]], device=kernel_device), DcpGeometry(2, 0), out=torch.empty(1, 2, 2, device=kernel_device))
+        pack_candidates_triton(
+            logits,
+            torch.tensor([[1]], device=kernel_device),
+            DcpGeometry(2, 0),
+            out=torch.empty(1, 2, 2, device=kernel_device),
+        )
     # validate=False: an out-of-range index is masked (packed invalid), never read out of bounds.
-    got = pack_candidates_triton(logits, torch.tensor([[4, 1]], device=kernel_device), DcpGeometry(2, 0), validate=False)
+    got = pack_candidates_triton(
+        logits, torch.tensor([[4, 1]], device=kernel_device), DcpGeometry(2, 0), validate=False
+    )
     assert got.cpu().tolist() == [[[-math.inf, -1.0], [0.0, 2.0]]]
 
 
@@ -454,7 +474,9 @@ def test_cutedsl_compiles_to_sm90a_ptx(world, kloc, k, sorted_, variant):
         threads, min_ctas = lean_config(world * kloc, sorted_)
         assert f".reqntid {threads}, 1, 1" in ptx
         # The register cap that lets min_ctas CTAs share an SM (unsorted, <= 16 words per thread).
-        assert (f".minnctapersm {min_ctas}" in ptx) == (min_ctas > 1) and min_ctas == (0 if sorted_ else 2048 // threads)
+        assert (f".minnctapersm {min_ctas}" in ptx) == (min_ctas > 1) and min_ctas == (
+            0 if sorted_ else 2048 // threads
+        )
     assert ".entry" in ptx
     assert "shfl.sync.up" in ptx  # the warp-shuffle scan
     assert re.search(r"atom\.shared|red\.shared", ptx)  # shared-memory histogram / counters
@@ -503,7 +525,11 @@ def make_gpu_cases(W: int, K: int, rows: int, seed: int, device: torch.device) -
     scores = torch.randn(rows, n, generator=gen)
     few = torch.randint(0, 4, (rows, n), generator=gen).float()  # heavy ties
     scores = torch.where((flavour == 1).unsqueeze(1) | (flavour == 5).unsqueeze(1), few, scores)
-    scores = torch.where((flavour == 6).unsqueeze(1), torch.zeros_like(scores) * torch.where(torch.rand(rows, n, generator=gen) < 0.5, -1.0, 1.0), scores)
+    scores = torch.where(
+        (flavour == 6).unsqueeze(1),
+        torch.zeros_like(scores) * torch.where(torch.rand(rows, n, generator=gen) < 0.5, -1.0, 1.0),
+        scores,
+    )
     ids = torch.stack([torch.randperm(max(4 * n, 1), generator=gen)[:n] for _ in range(rows)]).float()
     p_inv = torch.tensor([0.0, 0.1, 1.0, 0.9, 0.0, 0.5, 0.0])[flavour].unsqueeze(1)
     inv = torch.rand(rows, n, generator=gen) < p_inv
@@ -523,7 +549,13 @@ def gpu_tunings() -> list[dict]:
     env = os.environ.get("DCP_TOPK_TUNINGS")
     if env:
         return [{"variant": v, "first_bits": int(fb)} for v, fb in (t.split("/")[:2] for t in env.split(","))]
-    return [{}, {"variant": "regs"}, {"variant": "lean"}, {"variant": "regs", "first_bits": 12}, {"variant": "lean", "first_bits": 11}]
+    return [
+        {},
+        {"variant": "regs"},
+        {"variant": "lean"},
+        {"variant": "regs", "first_bits": 12},
+        {"variant": "lean", "first_bits": 11},
+    ]
 
 
 @pytest.mark.gpu
@@ -677,7 +709,13 @@ def test_cutedsl_wrapper_rejects_bad_input_without_a_gpu():
     from dcp_ref.kernels.topk_cutedsl import default_variant, lean_config
 
     # lean: a full SM of 32-register threads when <= 16 score words per thread and unsorted.
-    assert [lean_config(n) for n in (1, 4096, 8192, 16384, 16385)] == [(256, 8), (256, 8), (512, 4), (1024, 2), (1024, 0)]
+    assert [lean_config(n) for n in (1, 4096, 8192, 16384, 16385)] == [
+        (256, 8),
+        (256, 8),
+        (512, 4),
+        (1024, 2),
+        (1024, 0),
+    ]
     assert lean_config(16384, True) == (1024, 0)
     # Default (by measurement on the H200): lean for unsorted N <= 16384, else regs.
     assert [default_variant(w, 2048, 2048, False) for w in (1, 2, 4, 8)] == ["lean"] * 4
@@ -687,5 +725,7 @@ def test_cutedsl_wrapper_rejects_bad_input_without_a_gpu():
 def test_merge_topk_global_matches_all_logits_on_simulated_ranks():
     scores = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
     logits_r, topk_r = local_topk_by_owner(scores, 5, 3, 2)
-    res = SimulatedWorld(3).run(lambda g, lg, tk: merge_topk_global(g, lg, tk, 4, interleave=2, sorted=True), logits_r, topk_r)
+    res = SimulatedWorld(3).run(
+        lambda g, lg, tk: merge_topk_global(g, lg, tk, 4, interleave=2, sorted=True), logits_r, topk_r
+    )
     assert all(r.tolist() == global_topk_all_logits(scores, 4).tolist() for r in res)
