@@ -4,7 +4,7 @@
 #   ./dev.sh test    run every test: pytest (unit + property + Triton-interpreter + CuTeDSL
 #                    compile tests) and nbval over every notebook; GPU tests are skipped
 #                    without CUDA (run them on a GPU with: ./dev.sh test -m gpu)
-#   ./dev.sh lint    ruff check and ruff format --check on dcp_ref/, kernels/, tests/ and benchmarks/,
+#   ./dev.sh lint    ruff check and ruff format --check on dcp_ref/, kernels/, tests/, benchmarks/ and tools/,
 #                    mypy on dcp_ref/ and kernels/ (ruff.toml, mypy.ini; `ruff format <dir>` fixes the formatting)
 # Extra arguments after `test` go to pytest.
 set -euo pipefail
@@ -52,7 +52,7 @@ case "$cmd" in
     fi
     # Run all three, then fail if any failed: one run shows every finding.
     rc=0
-    lint_dirs=(dcp_ref kernels tests benchmarks)
+    lint_dirs=(dcp_ref kernels tests benchmarks tools)
     "$VENV/bin/ruff" check "${lint_dirs[@]}" || rc=1
     "$VENV/bin/ruff" format --check "${lint_dirs[@]}" || rc=1
     "$VENV/bin/mypy" || rc=1  # mypy.ini names the files (dcp_ref, kernels)
