@@ -785,13 +785,14 @@ class PlannedStep:
         current addresses: update them in place (``copy_``) and call :meth:`CapturedStep.replay`. NCCL
         collectives can be captured once the process group has run one collective (the warm-up run does that).
         """
+        # The batch first: an empty one is refused by name on any device (the CPU tests reach this check).
+        if isinstance(q, torch.Tensor) and q.ndim == 3 and q.shape[0] == 0:
+            raise ValueError("q has T = 0 query tokens: an empty batch has nothing to capture (run() returns it)")
         # StepSpec.__post_init__ stores a torch.device; the field's type also admits the str callers pass.
         if torch.device(self.spec.device).type != "cuda":
             raise ValueError(f"capture needs a CUDA step, this one is planned for {self.spec.device}")
         if self.validate:
             raise ValueError("capture needs validate=False (value checks read tensors on the host)")
-        if isinstance(q, torch.Tensor) and q.ndim == 3 and q.shape[0] == 0:
-            raise ValueError("q has T = 0 query tokens: an empty batch has nothing to capture (run() returns it)")
         side = torch.cuda.Stream(self.spec.device)
         side.wait_stream(torch.cuda.current_stream(self.spec.device))
         with torch.cuda.stream(side):

@@ -176,6 +176,8 @@ def test_an_empty_batch_gives_empty_results(layout) -> None:
     shard = RankShard(shard.kv_cache, shard.block_table, shard.index_scores[:0], shard.geometry)
     out, lse = step.run(torch.empty(0, 2, 8, dtype=torch.float64), shard, StepMetadata(empty, empty))
     assert out.shape == (0, 2, 8) and lse.shape == (0, 2)
+    with pytest.raises(ValueError, match="T = 0 query tokens: an empty batch has nothing to capture"):
+        step.capture(torch.empty(0, 2, 8, dtype=torch.float64), shard, StepMetadata(empty, empty))
 
 
 def _bad_metadata_cases(meta: StepMetadata, B: int) -> dict[str, StepMetadata]:
