@@ -510,24 +510,11 @@ def test_kernel_empty_shapes(kernel_device):
     dev = kernel_device
     bt = torch.zeros(2, 2, dtype=torch.int32, device=dev)
     for method in dk.METHODS:
-        o, c = dk.deinterleave_compact(
-            torch.zeros(0, 5, dtype=torch.int32, device=dev),
-            None,
-            bt,
-            DcpGeometry(1, 0, block_size=4),
-            ordered=method != "atomic",
-            method=method,
-        )
-        assert o.shape == (0, 5) and c.shape == (0,)
-        o, c = dk.deinterleave_compact(
-            torch.zeros(2, 0, dtype=torch.int32, device=dev),
-            None,
-            bt,
-            DcpGeometry(1, 0, block_size=4),
-            ordered=method != "atomic",
-            method=method,
-        )
-        assert o.shape == (2, 0) and c.cpu().tolist() == [0, 0]
+        for rows, cols in ((0, 5), (2, 0)):  # no token; tokens with no candidate
+            ids = torch.zeros(rows, cols, dtype=torch.int32, device=dev)
+            geo = DcpGeometry(1, 0, block_size=4)
+            o, c = dk.deinterleave_compact(ids, None, bt, geo, ordered=method != "atomic", method=method)
+            assert o.shape == (rows, cols) and c.cpu().tolist() == [0] * rows
 
 
 def test_defaults_are_valid():
