@@ -27,7 +27,7 @@
 # JUnit XML per test file, logs, sanitizer reports, benchmark JSON. Unpack it here, copy the results into
 # benchmarks/results and merge the JUnit files with benchmarks/collect_gpu_tests.py.
 set -uo pipefail
-what=${1:?usage: tools/gpu_session.sh cute-tests|tests|bench|sanitize|install-cute|retest|masked|planned|probe|probe-step}
+what=${1:?usage: tools/gpu_session.sh cute-tests|tests|one-gpu-tests FILE...|bench|sanitize|install-cute|retest|masked|planned|probe|probe-step}
 out=${OUT:-/tmp/gpu-session}
 work=/tmp/gpu-work/$what
 mkdir -p "$out" "$work"
@@ -111,6 +111,14 @@ case "$what" in
     wait
     # the step's tests with both GPUs visible: the NCCL test runs on two
     gpu_files 0,1 200 tests/test_step.py
+    ;;
+  one-gpu-tests)  # one H200 (kind nvidia-h200): the named test files on GPU 0, after install-cute when they need
+    # CuTeDSL; this call carries .gpu/flashinfer (FlashInfer + FlashMLA). Usage:
+    #   run(carry=[".gpu/flashinfer"], command="tools/gpu_session.sh one-gpu-tests tests/test_step_layouts.py ...")
+    install_bundle .gpu/flashinfer
+    shift
+    [ $# -gt 0 ] || { echo "one-gpu-tests: name the test files" >&2; exit 2; }
+    gpu_files 0 "${FILE_S:-240}" "$@"
     ;;
   install-cute)  # only the CuTeDSL bundle (the next call carries FlashInfer)
     install_bundle .gpu/cute
