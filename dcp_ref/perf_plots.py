@@ -43,6 +43,8 @@ __all__ = [
     "stage_basis",
     "plot_layer_per_rank",
     "DPI",
+    "figure_png",
+    "compact_png",
 ]
 
 #: Figure resolution: small files, notebooks stay light.
@@ -51,6 +53,40 @@ DPI = 70
 _GEOMETRY = cm.MlaGeometry()
 _HARDWARE = cm.Hardware()
 _COMPACTING = ("atomic", "rowscan", "twopass")
+
+
+def figure_png(fig: Any, colors: int = 64) -> bytes:
+    """``fig`` as a PNG with a palette of ``colors`` (2..256): these line plots use a few colors plus their
+    antialiasing, so the palette image looks the same at about a quarter of the RGBA bytes. Deterministic."""
+    import io
+
+    from PIL import Image
+
+    if isinstance(colors, bool) or not isinstance(colors, int) or not 2 <= colors <= 256:
+        raise ValueError(f"colors must be an int in [2, 256], got {colors!r}")
+    if not hasattr(fig, "savefig"):
+        raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight", dpi=fig.dpi)  # what the inline backend draws
+    rgb = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    out = io.BytesIO()
+    rgb.quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
+def compact_png(colors: int = 64) -> None:
+    """Show every matplotlib figure of this notebook through :func:`figure_png` (call after ``%matplotlib
+    inline``): the committed chapters stay small. Outside IPython it does nothing."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    from matplotlib.figure import Figure
+
+    shell.display_formatter.formatters["image/png"].for_type(Figure, lambda fig: figure_png(fig, colors))
 
 
 def results_dir(start: str | Path | None = None) -> Path:

@@ -361,3 +361,28 @@ def test_layer_per_rank_bars_are_the_model() -> None:
     assert all(ax.get_legend() is None for ax in fig.axes[:-1])
     with pytest.raises(TypeError, match="fit"):
         pp.plot_layer_per_rank(fit.constants)  # type: ignore[arg-type]
+
+
+def test_figure_png_is_a_small_faithful_palette_image() -> None:
+    """figure_png: a palette PNG of the figure (same pixels size, colors within a few levels of the RGBA
+    rendering), smaller, identical bytes on a second call; bad arguments are refused by name."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    fig = pp.plot_topk(pp.load_results()["topk"])
+    png = pp.figure_png(fig)
+    assert png == pp.figure_png(fig)
+    full = io.BytesIO()
+    fig.savefig(full, format="png", bbox_inches="tight", dpi=fig.dpi)
+    pal, rgba = Image.open(io.BytesIO(png)), Image.open(io.BytesIO(full.getvalue()))
+    assert pal.mode == "P" and pal.size == rgba.size
+    assert len(png) < 0.6 * len(full.getvalue())
+    diff = np.abs(np.asarray(pal.convert("RGB"), float) - np.asarray(rgba.convert("RGB"), float))
+    assert diff.mean() < 2.0, diff.mean()  # of 255: the plot reads the same
+    with pytest.raises(ValueError, match="colors must be an int in"):
+        pp.figure_png(fig, colors=1)
+    with pytest.raises(TypeError, match="fig must be a matplotlib Figure"):
+        pp.figure_png("not a figure")
+    assert pp.compact_png() is None  # outside IPython: nothing to register
