@@ -34,7 +34,6 @@ import argparse
 import inspect
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -47,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import _meta  # noqa: E402
-from _graphs import capture  # noqa: E402  (the benchmarks' folder is on sys.path)
+from _graphs import capture, replay_us  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 from dcp_ref.attention import sparse_mla_attention  # noqa: E402
 from dcp_ref.fp8_cache import FP8_DS_MLA, quantize_kv_fp8, sparse_mla_attention_fp8  # noqa: E402
@@ -66,16 +65,9 @@ def graph_us(fn: Callable[[], object], calls: int = 20, reps: int = 5) -> float:
     graph = capture(fn, calls=calls, warmup=2)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
+    us = replay_us(graph, calls, reps)
     del graph
-    return statistics.median(times)
+    return us
 
 
 def copy_bandwidth(dev: torch.device) -> float:

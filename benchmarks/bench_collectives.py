@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _graphs import capture, replay_us  # the benchmarks' folder is on sys.path (run as a script)
 
 H, DQK, DV, TOPK = 128, 576, 512, 2048
 
@@ -52,24 +53,7 @@ def _time(fn: Any, cpu: bool, calls: int, reps: int = 20) -> float:
             fn()
             ts.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(ts)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(ts)
+    return replay_us(capture(fn, calls=calls), calls, reps)
 
 
 def bench(group: Any, transport: str, T: int, dev: torch.device, cpu: bool, calls: int) -> list[dict[str, Any]]:
