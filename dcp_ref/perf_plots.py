@@ -62,8 +62,7 @@ def figure_png(fig: Any, colors: int = 64) -> bytes:
 
     from PIL import Image
 
-    if isinstance(colors, bool) or not isinstance(colors, int) or not 2 <= colors <= 256:
-        raise ValueError(f"colors must be an int in [2, 256], got {colors!r}")
+    _check_colors(colors)
     if not hasattr(fig, "savefig"):
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
     buf = io.BytesIO()
@@ -74,9 +73,15 @@ def figure_png(fig: Any, colors: int = 64) -> bytes:
     return out.getvalue()
 
 
+def _check_colors(colors: object) -> None:
+    if isinstance(colors, bool) or not isinstance(colors, int) or not 2 <= colors <= 256:
+        raise ValueError(f"colors must be an int in [2, 256], got {colors!r}")
+
+
 def compact_png(colors: int = 64) -> None:
     """Show every matplotlib figure of this notebook through :func:`figure_png` (call after ``%matplotlib
-    inline``): the committed chapters stay small. Outside IPython it does nothing."""
+    inline``): the committed chapters stay small. Outside IPython it does nothing (``colors`` is still checked)."""
+    _check_colors(colors)
     try:
         from IPython import get_ipython
     except ImportError:

@@ -386,3 +386,5 @@ def test_figure_png_is_a_small_faithful_palette_image() -> None:
     with pytest.raises(TypeError, match="fig must be a matplotlib Figure"):
         pp.figure_png("not a figure")
     assert pp.compact_png() is None  # outside IPython: nothing to register
+    with pytest.raises(ValueError, match="colors must be an int in"):
+        pp.compact_png(colors=True)
