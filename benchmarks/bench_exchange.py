@@ -319,50 +319,29 @@ def bench_merge(rows: int, world: int, peers: dict[str, Any]) -> dict[str, Any]:
 #: vector width, variant, and the split form (a cluster of CTAs per row; worth it only while rows are few).
 SWEEP: dict[int, dict[str, list[dict[str, Any]]]] = {
     1: {
-        "rank_local": [{"split": 1}, {"split": 1, "pass_loop": "vote"}, {"split": 4}, {"split": 8}],
-        "global_id": [{"split": 1}, {"split": 1, "pass_loop": "vote"}, {"split": 4}],
+        "rank_local": [{"split": 1}, {"split": 4}, {"split": 8}],
+        "global_id": [{"split": 1}, {"split": 4}],
     },
     32: {
-        "rank_local": [
-            {"split": 1},
-            {"split": 1, "pass_loop": "vote"},
-            {"split": 1, "pass_loop": "vote", "first_bits": 12},
-            {"split": 1, "pass_loop": "vote", "first_bits": 8},
-            {"split": 1, "pass_loop": "vote", "config": (512, 0)},
-            {"split": 1, "pass_loop": "vote", "config": (1024, 2)},
-            {"split": 2},
-            {"split": 4},
-            {"split": 4, "pass_loop": "vote"},
-            {"split": 4, "pass_loop": "vote", "config": (512, 0)},
-        ],
+        "rank_local": [{"split": 1}, {"split": 2}, {"split": 4}],
         "global_id": [
             {"split": 1},
-            {"split": 1, "pass_loop": "vote"},
-            {"split": 1, "pass_loop": "vote", "config": (1024, 0)},
-            {"split": 1, "pass_loop": "vote", "variant": "regs"},
             {"split": 1, "first_bits": 12},
             {"split": 2},
             {"split": 4, "config": (512, 0)},
-            {"split": 4, "pass_loop": "vote", "config": (512, 0)},
         ],
     },
     128: {
-        "rank_local": [{"split": 1}, {"split": 1, "pass_loop": "vote"}, {"split": 2}],
-        "global_id": [{"split": 1}, {"split": 1, "pass_loop": "vote"}, {"split": 2}],
+        "rank_local": [{"split": 1}, {"split": 2}],
+        "global_id": [{"split": 1}, {"split": 2}],
     },
     1024: {
         "rank_local": [
             {"split": 1},
-            {"split": 1, "pass_loop": "vote"},
             {"split": 1, "first_bits": 12},
-            {"split": 1, "pass_loop": "vote", "first_bits": 12},
             {"split": 1, "config": (1024, 0)},
         ],
-        "global_id": [
-            {"split": 1},
-            {"split": 1, "pass_loop": "vote"},
-            {"split": 1, "pass_loop": "vote", "config": (1024, 0)},
-        ],
+        "global_id": [{"split": 1}],
     },
 }
 

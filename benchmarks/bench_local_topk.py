@@ -14,6 +14,11 @@ arithmetic). Per shape, each timed as the device time per call of a CUDA graph o
   plan; tie rule: *stable* (score descending, then lower index: exact). Its output is poisoned first and
   compared per row, as a set of ``(score, id)`` bit patterns, with ``pack_candidates(local_topk(...))``.
   Compacted plans also report how many rows took each path (list / ties at the bound / relisted / fallback).
+* ``streamed`` / ``compacted`` — at every shape whose rows are longer than a tile (``L > MAX_TILE``, normal
+  scores), ``fused`` with ``compact=False`` and with ``compact=True`` (the default plan is one of the two: its
+  record is reused, the other is timed the same way). The summary ``compact_vs_streamed`` says per shape which is
+  faster and whether the plan's rule (``prefer_compact`` in ``kernels/indexer_triton.py``) picks the faster one
+  (``rule_agrees``): the data that rule's constants are refined from.
 * ``vllm`` — vLLM's ``top_k_per_row_decode`` (``--peers``: ``topk_decode.py`` + ``vllm_topk_decode.so``,
   ctypes, torch's stream) then vLLM's pack (``vllm_dcp_topk.pack_dcp_topk_candidates``; that module
   imports CuTeDSL: when it cannot be imported the pack is ours, ``pack_candidates_triton``, and the JSON
@@ -26,9 +31,10 @@ run, and the **launch floor**, one empty Triton launch per call in the same grap
 takes two launches). The **validation** section times a validated eager call against an unvalidated
 one (the in-kernel checks + one host read). The **sweep** (on by default, within ``--sweep-budget``
 seconds; JSON key ``tuning``, each record with its full ``plan``) times alternative launch plans —
-split factors, tiles, warps, digit widths, compaction on/off, radix vs search, pivots, sample sizes —
+split factors, tiles, warps, digit widths, radix vs search, pivots, sample sizes —
 at the shapes that decide the defaults, each checked the same way, so that one run picks the defaults.
-The whole script takes about 4 minutes on an H200 (most of it compiling the variants).
+The whole script takes about 4 minutes on an H200 (most of it compiling the variants; the second path at the
+eight long-row shapes adds their compilations and well under a minute).
 """
 
 from __future__ import annotations
@@ -66,11 +72,11 @@ SWEEP = (
     # rows held in registers: radix vs search, warps, pivots
     [(32, 8192, dict(select=s, num_warps=w)) for s in ("search", "radix") for w in (8, 16, 32)]
     + [(32, 8192, dict(select="search", pivots=1)), (32, 8192, dict(radix_bits=6, select="radix"))]
-    # long rows: compaction on/off, segments, tiles, warps, sample, select of the list
+    # long rows: segments, tiles, warps, sample, select of the list (compacted against streamed: compare_paths)
     + [(1, 131072, dict(split=s)) for s in (8, 16, 32)]
     + [(1024, 32768, dict(tile=t, num_warps=w)) for t, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))]
     + [(128, 32768, dict(split=s)) for s in (1, 2, 4)]
-    + [(1024, 32768, dict(select="search")), (1024, 32768, dict(sample=1024)), (1024, 32768, dict(sample=4096))]
+    + [(1024, 32768, dict(select="search"))]
     + [(1, 131072, dict(select="search")), (32, 8192, dict(compact=True, split=4, select="search"))]
     + [(1, 131072, dict(sample=s)) for s in (4096, 8192)]
     + [(1, 131072, dict(num_warps=w)) for w in (8, 16)]
@@ -79,7 +85,6 @@ SWEEP = (
     + [(32, 131072, dict(split=s)) for s in (1, 2, 4, 8)]
     + [(32, 8192, dict(compact=True, split=s)) for s in (1, 2, 4)]
     + [(128, 131072, dict(split=s, tile=t)) for s, t in ((1, 2048), (1, 4096), (2, 2048))]
-    + [(1024, 32768, dict(compact=False)), (1, 131072, dict(compact=False)), (128, 32768, dict(compact=False))]
     + [(1024, 8192, dict(select=s)) for s in ("search", "radix")]
 )
 
@@ -226,6 +231,7 @@ def run_fused(scores, lengths, want, tune: dict, *, time_it: bool = True) -> dic
 
 
 def run_shape(t: int, n: int, bw: float, floor_us: float, peers: Peers, dist: str = "normal") -> dict:
+    from dcp_ref.kernels.indexer_triton import MAX_TILE
     from dcp_ref.kernels.pack_triton import pack_candidates_triton
 
     scores = make_scores(t, n, seed=t * 7 + n, dist=dist)
@@ -241,6 +247,13 @@ def run_shape(t: int, n: int, bw: float, floor_us: float, peers: Peers, dist: st
         "tie_rules": TIE_RULES,
     }
     rec["fused"] = run_fused(scores, lengths, want, {})
+    if dist == "normal" and n > MAX_TILE:
+        # Both paths of a row longer than a tile, timed alike: the default plan's is the record above, the other
+        # is forced (compact=True / False, every other tuning the default's).
+        ours = "compacted" if rec["fused"]["plan"]["compact"] else "streamed"
+        other = "streamed" if ours == "compacted" else "compacted"
+        rec[ours] = rec["fused"] | {"timed_as": "fused (the default plan)"}
+        rec[other] = run_fused(scores, lengths, want, {"compact": other == "compacted"})
     if peers.topk is not None:
         idx = torch.empty((t, K), dtype=torch.int32, device=DEV)
         vout = torch.empty((t, K, 2), device=DEV)
@@ -265,6 +278,47 @@ def run_shape(t: int, n: int, bw: float, floor_us: float, peers: Peers, dist: st
     rec["torch_same_result"] = same_rows(pout, want)  # informative: torch.topk's ties are unordered
     rec["torch"] = graph_time(torch_path)
     return rec
+
+
+def compact_rule() -> dict:
+    """The default plan's choice between the two paths (``kernels/indexer_triton.py``), as this run used it."""
+    from dcp_ref.kernels.indexer_triton import COMPACT_MAX_ROWS, COMPACT_MIN_COLS
+
+    return {
+        "rule": f"prefer_compact: T <= {COMPACT_MAX_ROWS} and L >= {COMPACT_MIN_COLS} (rows longer than a tile, "
+        "k <= MAX_TILE / 2)",
+        "COMPACT_MAX_ROWS": COMPACT_MAX_ROWS,
+        "COMPACT_MIN_COLS": COMPACT_MIN_COLS,
+    }
+
+
+def compare_paths(results: list[dict]) -> list[dict]:
+    """Per shape timed both ways (:func:`run_shape`): the streamed and the compacted path's device times, which is
+    faster, the path the default plan takes (``prefer_compact``'s choice) and whether that is the faster one."""
+    out = []
+    for r in results:
+        if "streamed" not in r or "compacted" not in r:
+            continue
+        st, co = (r[p].get("graph", {}).get("median_us") for p in ("streamed", "compacted"))
+        faster = None if st is None or co is None else ("compacted" if co < st else "streamed")
+        picks = "compacted" if r["fused"]["plan"]["compact"] else "streamed"
+        out.append(
+            {
+                "T": r["T"],
+                "L": r["L"],
+                "k": r["k"],
+                "streamed_us": st,
+                "compacted_us": co,
+                "streamed_over_compacted": st / co if st and co else None,
+                "faster": faster,
+                "rule_picks": picks,
+                "rule_agrees": None if faster is None else picks == faster,
+                "same_result": bool(r["streamed"].get("same_result")) and bool(r["compacted"].get("same_result")),
+                "errors": {p: r[p]["error"] for p in ("streamed", "compacted") if "error" in r[p]} or None,
+                "plans": {p: r[p]["plan"] for p in ("streamed", "compacted")},
+            }
+        )
+    return out
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -433,6 +487,18 @@ def markdown(data: dict) -> str:
             f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items() if k not in ("target", "met")
         )
         lines.append(f"| {t['target']} | {meas} | {'✓' if t['met'] else '✗'} |")
+    if m.get("compact_vs_streamed"):
+        rule = m.get("compact_rule", {})
+        lines += ["", f"## Compacted vs streamed path (graph µs; the rule: {rule.get('rule', '-')})", "",
+                  "| T | L | streamed | compacted | streamed ÷ compacted | faster | rule picks | agrees | same |",
+                  "|---:|---:|---:|---:|---:|---|---|:---:|:---:|"]  # fmt: skip
+        for c in m["compact_vs_streamed"]:
+            agrees = "-" if c["rule_agrees"] is None else ("✓" if c["rule_agrees"] else "✗")
+            lines.append(
+                f"| {c['T']} | {c['L']} | {fmt(c['streamed_us'])} | {fmt(c['compacted_us'])} | "
+                f"{fmt(c['streamed_over_compacted'], '.2f')} | {c['faster'] or '-'} | {c['rule_picks']} | {agrees} | "
+                f"{'✓' if c['same_result'] else '✗'} |"
+            )
     if m.get("validation"):
         lines += ["", "## Validated calls (eager µs)", "", "| T | L | unvalidated | validated | limit | met? |",
                   "|---:|---:|---:|---:|---:|:---:|"]  # fmt: skip
@@ -529,6 +595,14 @@ def main() -> int:
     data["results"] = results
     data["summary"] = summarize(results)
     data["targets"] = targets(data["summary"])
+    data["compact_rule"] = compact_rule()
+    data["compact_vs_streamed"] = compare_paths(results)
+    for c in data["compact_vs_streamed"]:
+        print(
+            f"T={c['T']:5d} L={c['L']:6d} streamed={fmt(c['streamed_us']):>8s} compacted={fmt(c['compacted_us']):>8s} "
+            f"faster={c['faster']} rule={c['rule_picks']} agrees={c['rule_agrees']} ok={c['same_result']}",
+            flush=True,
+        )
     write(args.out, data)  # now, in case a later section runs out of time
     data["validation"] = validation_cost([(32, 8192), (1024, 32768), (1, 131072)])
     data["rank_local"] = rank_local_times([(32, 8192), (1024, 32768), (1, 131072)])
@@ -555,7 +629,8 @@ def main() -> int:
         write(args.out, data)
     print(json.dumps(data["targets"], indent=1))
     print(f"total {time.monotonic() - t_start:.0f} s")
-    return 0 if all(s["same_result"] for s in data["summary"]) else 1
+    ok = all(s["same_result"] for s in data["summary"]) and all(c["same_result"] for c in data["compact_vs_streamed"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

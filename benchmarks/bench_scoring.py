@@ -4,13 +4,14 @@
     python3 benchmarks/bench_scoring.py --out $OUT [--peers .gpu/peers/vllm] [--deepgemm $OUT/deepgemm_logits.json]
     python3 benchmarks/bench_scoring.py --quick --no-sweep --out /tmp/s   # a smoke test
 
-On the H200 (``../shared/gpu/README.md``): the CuTeDSL bundle (59 MiB) and the DeepGEMM bundle do not fit one
-call's 64 MiB together, so make two calls back to back (the machine stays warm, ``/tmp/dcp-gpu-site`` keeps
-CuTeDSL), with ``../shared/peers/vllm`` copied to ``.gpu/peers/vllm`` beforehand:
+On the H200 (``../shared/gpu/README.md``): the CuTeDSL bundle (59 MiB), DeepGEMM's source build (``.gpu/dgsrc``,
+2.6 MiB: ``../shared/gpu/deepgemm-src/README.md``) and the tracked tree do not fit one call's 64 MiB together,
+so make two calls back to back (the machine stays warm, ``/tmp/dcp-gpu-site`` keeps CuTeDSL), with
+``../shared/peers/vllm`` copied to ``.gpu/peers/vllm`` beforehand:
 
     run(carry=[".gpu/cute"], command="source .gpu/cute/env.sh && python3 -m pytest -m gpu -q tests/test_scoring.py")
-    run(carry=[".gpu/deepgemm", ".gpu/peers"], command="source .gpu/deepgemm/env.sh && \
-        PYTHONPATH=$DCP_DEEPGEMM_SITE python3 benchmarks/peer_deepgemm_logits.py --out $OUT/deepgemm_logits.json; \
+    run(carry=[".gpu/dgsrc", ".gpu/peers"], command="bash tools/dgsrc_unpack.sh && PYTHONPATH=/tmp/dg \
+        DG_JIT_CACHE_DIR=/tmp/dgjit python3 benchmarks/peer_deepgemm_logits.py --out $OUT/deepgemm_logits.json; \
         python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1; \
         PYTHONPATH=/tmp/dcp-gpu-site:/tmp/dcp-gpu-site/nvidia_cutlass_dsl/dsl_packages CUTE_DSL_ARCH=sm_90a \
         python3 benchmarks/bench_scoring.py --out $OUT --peers .gpu/peers/vllm --deepgemm $OUT/deepgemm_logits.json")

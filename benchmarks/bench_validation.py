@@ -3,34 +3,46 @@
 
     python3 benchmarks/bench_validation.py --out DIR        # -> DIR/validation.json (+ a table on stdout)
     python3 benchmarks/bench_validation.py --out DIR --quick
+    python3 benchmarks/bench_validation.py --out DIR --smoke  # CPU: tiny shapes, Triton interpreted, no timing claim
 
-A validated call runs the same launch(es) and then reads **one** small result back to the host (one
-device reduction, one transfer): the deinterleave kernel writes the poison slot exactly where the
-reference's value checks fail, so its maximum decides; FlashMLA's prologues flag the rows that leave
-the cache; the reference checks (``dcp_ref.deinterleave`` / ``topk`` / ``attention`` / ``fp8_cache``)
-build their statistics on the device and read them with one ``tolist``. The target (issue: 516-1276 µs
-validated against 15-48 µs unvalidated for the deinterleave): **validated <= 1.5 x unvalidated + 10 µs**
-per eager call; each row records whether it holds.
+A validated call runs the same launch(es) and then reads **one** small result back to the host: the
+deinterleave kernel writes the poison slot exactly where the reference's value checks fail, so its maximum
+decides; the pack, the indexer and FlashMLA's bf16 prologue raise a flag inside the launch they run anyway
+(no extra launch); FlashMLA's FP8 prologue flags the rows that leave the cache; the reference checks
+(``dcp_ref.deinterleave`` / ``topk`` / ``attention`` / ``fp8_cache`` / ``scoring`` / ``select_to_slots``)
+build their statistics on the device and read them back. The target (issue: 516-1276 µs validated against
+15-48 µs unvalidated for the deinterleave): **validated <= 1.5 x unvalidated + 10 µs** per eager call; each
+row records whether it holds.
 
 Measured per wrapper (each import guarded: a wrapper that cannot run here is recorded with the reason):
-deinterleave compact (row scan) and masked layout, the conversion kernel, LSE correct and merge,
-Triton pack, the fused indexer, FlashMLA's sparse (bf16) and FP8 decode stages. Shapes are the step's:
-T = 1 and 32 query rows, K = 2048, W = 2, 64K context, H = 128, D = 512 (576 for the attention).
+deinterleave compact (row scan) and masked layout, the conversion kernel, LSE correct and merge, Triton
+pack, the fused indexer, the Triton split-KV attention, the FP8 index scoring, the CuTeDSL select-to-slots
+(both orders), FlashMLA's sparse (bf16) and FP8 decode stages, and the guard — which has **no validated
+form** (no ``validate=``: it poisons on the device; the planned step's ``validate=True`` refuses the same
+metadata on the host before any stage runs), so its row times the one call and says so. Shapes are the
+step's: T = 1 and 32 query rows, K = 2048, W = 2, 64K context, H = 128, D = 512 (576 for the attention).
 
 Timing: the eager wall time of ``n`` back-to-back calls (host launch overhead, the device work and, for
 a validated call, its host read), with the device synchronised before and after, divided by ``n``;
 the median over ``reps`` repetitions, and the 20/80 % quantiles. The "peer" of every validated row is
 the unvalidated call of the same wrapper on the same inputs, measured in the same run.
+
+``--smoke`` runs every row that can run on the CPU (the Triton ones, under ``TRITON_INTERPRET=1``) on tiny
+shapes, one call per repetition: it checks that each row's inputs are valid (its validated call passes) and
+that the script runs; its times are the interpreter's and claim nothing (``meets_target`` is not recorded).
+The CUDA-only rows (FlashMLA, CuTeDSL) are skipped with the reason. ``tests/test_validation_cost.py`` runs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,140 +58,217 @@ from dcp_ref.geometry import DcpGeometry  # noqa: E402
 TARGET_RATIO, TARGET_SLACK_US = 1.5, 10.0
 
 
-def eager_us(fn: Callable[[], object], n: int, reps: int) -> dict:
+@dataclass(frozen=True)
+class Setup:
+    """Where and how big: the H200 run (the step's shapes) or the CPU smoke run (tiny shapes)."""
+
+    dev: torch.device
+    smoke: bool
+    K: int  # slots / candidates per row
+    W: int  # ranks
+    ctx: int  # context tokens (all ranks)
+    bs: int  # block size
+    H: int  # attention heads
+    D: int  # merge value width
+    S: int  # KV cache slots
+    n: int  # calls per repetition
+    reps: int
+    warm: int
+
+    @property
+    def local(self) -> int:
+        """Keys of one rank (its local context)."""
+        return self.ctx // self.W
+
+
+def full_setup(quick: bool) -> Setup:
+    n, reps = (10, 5) if quick else (50, 15)
+    return Setup(torch.device("cuda"), False, 2048, 2, 65536, 64, 128, 512, 1 << 17, n, reps, 3)
+
+
+def smoke_setup() -> Setup:
+    # one timed call per flag, no extra warm-up: row() has already called both once
+    return Setup(torch.device("cpu"), True, 64, 2, 1024, 16, 16, 64, 512, 1, 1, 0)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def eager_us(fn: Callable[[], object], su: Setup) -> dict:
     """Per-call eager wall time (µs) of ``n`` back-to-back calls, median and 20/80 % over ``reps``."""
-    for _ in range(3):  # warm: compile, allocator, lazily built plans
+    for _ in range(su.warm):  # warm: compile, allocator, lazily built plans
         fn()
-    torch.cuda.synchronize()
+    sync(su.dev)
     times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
+    for _ in range(su.reps):
+        sync(su.dev)
         t0 = time.perf_counter()
-        for _ in range(n):
+        for _ in range(su.n):
             fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / n * 1e6)
+        sync(su.dev)
+        times.append((time.perf_counter() - t0) / su.n * 1e6)
     times.sort()
     q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
     return {"median_us": statistics.median(times), "p20_us": q[1], "p80_us": q[7]}
 
 
-def row(name: str, shape: dict, make: Callable[[bool], Callable[[], object]], n: int, reps: int) -> dict:
-    """Time ``make(validate)()`` for both flags; the unvalidated call is the validated one's peer."""
+def _print(name: str, shape: dict, text: str) -> None:
+    print(f"{name:34s} {json.dumps(shape):52s} {text}", flush=True)
+
+
+def row(
+    name: str,
+    shape: dict,
+    make: Callable[[bool], Callable[[], object]],
+    su: Setup,
+    *,
+    unsupported: str = "",
+) -> dict:
+    """Time ``make(validate)()`` for both flags; the unvalidated call is the validated one's peer.
+
+    ``unsupported``: why the wrapper cannot run here (recorded as ``skipped``, nothing is called). An
+    ``ImportError`` while making the calls is a skip too; any other exception — above all a validated call
+    that refuses the (valid) inputs — is recorded as ``failed``.
+    """
     rec: dict[str, Any] = {"wrapper": name, **shape}
+    if unsupported:
+        rec["skipped"] = unsupported
+        _print(name, shape, f"skipped: {unsupported}")
+        return rec
     try:
         fns = {v: make(v) for v in (False, True)}
-        for fn in fns.values():
-            fn()  # a validated call on valid inputs must not raise
-        torch.cuda.synchronize()
-        rec["unvalidated"] = eager_us(fns[False], n, reps)
-        rec["validated"] = eager_us(fns[True], n, reps)
-        u, v = rec["unvalidated"]["median_us"], rec["validated"]["median_us"]
-        rec["ratio"] = v / u
-        rec["extra_us"] = v - u
-        rec["target_us"] = TARGET_RATIO * u + TARGET_SLACK_US
-        rec["meets_target"] = v <= rec["target_us"]
-        print(
-            f"{name:34s} {json.dumps(shape):40s} unvalidated {u:8.1f} us  validated {v:8.1f} us  "
-            f"(x{v / u:4.2f}, +{v - u:6.1f} us) {'ok' if rec['meets_target'] else 'OVER TARGET'}",
-            flush=True,
-        )
-    except Exception as e:  # noqa: BLE001 - a wrapper that cannot run here is recorded, not fatal
+    except ImportError as e:
         rec["skipped"] = f"{type(e).__name__}: {e}"
-        print(f"{name:34s} {json.dumps(shape):40s} skipped: {rec['skipped']}", flush=True)
+        _print(name, shape, f"skipped: {rec['skipped']}")
+        return rec
+    try:
+        fns[False]()
+        fns[True]()  # a validated call on valid inputs must not raise
+        rec["validated_call_ok"] = True
+        sync(su.dev)
+        rec["unvalidated"] = eager_us(fns[False], su)
+        rec["validated"] = eager_us(fns[True], su)
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        rec["failed"] = f"{type(e).__name__}: {e}"
+        _print(name, shape, f"FAILED: {rec['failed']}")
+        return rec
+    u, v = rec["unvalidated"]["median_us"], rec["validated"]["median_us"]
+    rec["ratio"] = v / u
+    rec["extra_us"] = v - u
+    rec["target_us"] = TARGET_RATIO * u + TARGET_SLACK_US
+    verdict = "(smoke: interpreted, no verdict)"
+    if not su.smoke:
+        rec["meets_target"] = v <= rec["target_us"]
+        verdict = "ok" if rec["meets_target"] else "OVER TARGET"
+    _print(name, shape, f"unvalidated {u:9.1f} us  validated {v:9.1f} us  (x{v / u:4.2f}, +{v - u:7.1f} us) {verdict}")
     return rec
 
 
-def deinterleave_inputs(T: int, K: int, W: int, ctx: int, bs: int = 64, seed: int = 0):  # type: ignore[no-untyped-def]
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    local = ctx // W
-    n_blocks = -(-local // bs)
-    ids = torch.stack([torch.randperm(ctx, device="cuda", generator=g)[:K] for _ in range(T)]).to(torch.int32)
-    req = torch.zeros(T, dtype=torch.int32, device="cuda")
-    bt = torch.randperm(n_blocks * 2, device="cuda", generator=g)[:n_blocks].to(torch.int32).view(1, n_blocks)
-    return ids, req, bt, bs
+def row_unvalidated_only(name: str, shape: dict, fn: Callable[[], object], why: str, su: Setup) -> dict:
+    """A wrapper with no ``validate=`` (no validated form): its one call is timed, and the row says why."""
+    rec: dict[str, Any] = {"wrapper": name, **shape, "no_validated_form": why}
+    try:
+        fn()
+        sync(su.dev)
+        rec["unvalidated"] = eager_us(fn, su)
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        rec["failed"] = f"{type(e).__name__}: {e}"
+        _print(name, shape, f"FAILED: {rec['failed']}")
+        return rec
+    _print(name, shape, f"unvalidated {rec['unvalidated']['median_us']:9.1f} us  no validated form")
+    return rec
 
 
-def bench_deinterleave(T: int, n: int, reps: int) -> list[dict]:
+def _gen(su: Setup, seed: int) -> torch.Generator:
+    return torch.Generator(device=su.dev).manual_seed(seed)
+
+
+def once(make: Callable[[], Any]) -> Callable[[], Any]:
+    """``make()``, built on the first call and shared by both flags' calls (inputs built once per row)."""
+    box: list[Any] = []
+
+    def get() -> Any:
+        if not box:
+            box.append(make())
+        return box[0]
+
+    return get
+
+
+# ---- deinterleave ------------------------------------------------------------------------------------------
+def deinterleave_inputs(T: int, su: Setup, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = _gen(su, seed)
+    n_blocks = -(-su.local // su.bs)
+    ids = torch.stack([torch.randperm(su.ctx, device=su.dev, generator=g)[: su.K] for _ in range(T)]).to(torch.int32)
+    req = torch.zeros(T, dtype=torch.int32, device=su.dev)
+    bt = torch.randperm(n_blocks * 2, device=su.dev, generator=g)[:n_blocks].to(torch.int32).view(1, n_blocks)
+    return ids, req, bt
+
+
+def bench_deinterleave(T: int, su: Setup) -> list[dict]:
     from dcp_ref.kernels import deinterleave_triton as dk
 
-    K, W, ctx = 2048, 2, 65536
-    ids, req, bt, bs = deinterleave_inputs(T, K, W, ctx)
-    out = torch.empty(T, K, dtype=torch.int32, device="cuda")
-    counts = torch.empty(T, dtype=torch.int32, device="cuda")
-    shape = {"T": T, "K": K, "W": W, "ctx": ctx, "block_size": bs}
+    K, W, bs = su.K, su.W, su.bs
+    ids, req, bt = deinterleave_inputs(T, su)
+    out = torch.empty(T, K, dtype=torch.int32, device=su.dev)
+    counts = torch.empty(T, dtype=torch.int32, device=su.dev)
+    geo = DcpGeometry(W, 0, block_size=bs)
+    shape = {"T": T, "K": K, "W": W, "ctx": su.ctx, "block_size": bs}
     return [
         row(
             "deinterleave_compact (rowscan)",
             shape,
-            lambda v: (
-                lambda: dk.deinterleave_compact(
-                    ids, req, bt, DcpGeometry(W, 0, block_size=bs), out=out, counts=counts, validate=v
-                )
-            ),
-            n,
-            reps,
+            lambda v: lambda: dk.deinterleave_compact(ids, req, bt, geo, out=out, counts=counts, validate=v),
+            su,
         ),
         row(
             "deinterleave_masked_triton",
             shape,
-            lambda v: (
-                lambda: dk.deinterleave_masked_triton(
-                    ids, req, bt, DcpGeometry(W, 0, block_size=bs), out=out, counts=counts, validate=v
-                )
-            ),
-            n,
-            reps,
+            lambda v: lambda: dk.deinterleave_masked_triton(ids, req, bt, geo, out=out, counts=counts, validate=v),
+            su,
         ),
         row(
             "global_ids_to_local_slots_triton",
             shape,
-            lambda v: (
-                lambda: dk.global_ids_to_local_slots_triton(
-                    ids, req, bt, DcpGeometry(W, 0, block_size=bs), out=out, validate=v
-                )
-            ),
-            n,
-            reps,
+            lambda v: lambda: dk.global_ids_to_local_slots_triton(ids, req, bt, geo, out=out, validate=v),
+            su,
         ),
     ]
 
 
-def bench_lse(T: int, n: int, reps: int) -> list[dict]:
+# ---- merge ----------------------------------------------------------------------------------------------
+def bench_lse(T: int, su: Setup) -> list[dict]:
     from dcp_ref.kernels.lse_merge_triton import lse_correct, lse_merge
 
-    W, H, D = 2, 128, 512
-    g = torch.Generator(device="cuda").manual_seed(1)
-    outs = torch.randn(W, T, H, D, device="cuda", generator=g).to(torch.bfloat16)
-    lses = torch.randn(W, T, H, device="cuda", generator=g) * 4
-    res = torch.empty(T, H, D, dtype=torch.bfloat16, device="cuda")
-    mlse = torch.empty(T, H, device="cuda")
+    W, H, D = su.W, su.H, su.D
+    g = _gen(su, 1)
+    outs = torch.randn(W, T, H, D, device=su.dev, generator=g).to(torch.bfloat16)
+    lses = torch.randn(W, T, H, device=su.dev, generator=g) * 4
+    res = torch.empty(T, H, D, dtype=torch.bfloat16, device=su.dev)
+    mlse = torch.empty(T, H, device=su.dev)
     shape = {"T": T, "W": W, "H": H, "D": D}
     return [
         row(
             "lse_correct",
             shape,
             lambda v: lambda: lse_correct(outs[0], lses, 0, corrected=res, merged_lse=mlse, validate=v),
-            n,
-            reps,
+            su,
         ),
-        row(
-            "lse_merge",
-            shape,
-            lambda v: lambda: lse_merge(outs, lses, merged=res, merged_lse=mlse, validate=v),
-            n,
-            reps,
-        ),
+        row("lse_merge", shape, lambda v: lambda: lse_merge(outs, lses, merged=res, merged_lse=mlse, validate=v), su),
     ]
 
 
-def bench_pack_indexer(T: int, n: int, reps: int) -> list[dict]:
-    W, K, cols = 2, 2048, 32768
-    g = torch.Generator(device="cuda").manual_seed(2)
-    logits = torch.randn(T, cols, device="cuda", generator=g)
-    local = torch.stack([torch.randperm(cols, device="cuda", generator=g)[:K] for _ in range(T)])
-    out = torch.empty(T, K, 2, device="cuda")
-    lengths = torch.full((T,), cols, dtype=torch.int32, device="cuda")
+# ---- pack / indexer --------------------------------------------------------------------------------------
+def bench_pack_indexer(T: int, su: Setup) -> list[dict]:
+    W, K, cols = su.W, su.K, su.local
+    g = _gen(su, 2)
+    logits = torch.randn(T, cols, device=su.dev, generator=g)
+    local = torch.stack([torch.randperm(cols, device=su.dev, generator=g)[:K] for _ in range(T)])
+    out = torch.empty(T, K, 2, device=su.dev)
+    lengths = torch.full((T,), cols, dtype=torch.int32, device=su.dev)
+    shape = {"T": T, "K": K, "cols": cols, "W": W}
     rows = []
 
     def pack(v: bool) -> Callable[[], object]:
@@ -187,7 +276,7 @@ def bench_pack_indexer(T: int, n: int, reps: int) -> list[dict]:
 
         return lambda: pack_candidates_triton(logits, local, DcpGeometry(W, 0), None, out=out, validate=v)
 
-    rows.append(row("pack_candidates_triton", {"T": T, "K": K, "cols": cols, "W": W}, pack, n, reps))
+    rows.append(row("pack_candidates_triton", shape, pack, su))
 
     def indexer(v: bool) -> Callable[[], object]:
         from dcp_ref.kernels.indexer_triton import indexer_topk_pack, workspace_for
@@ -195,67 +284,231 @@ def bench_pack_indexer(T: int, n: int, reps: int) -> list[dict]:
         ws = workspace_for(logits, K)
         return lambda: indexer_topk_pack(logits, lengths, K, DcpGeometry(W, 0), None, out=out, validate=v, workspace=ws)
 
-    rows.append(row("indexer_topk_pack", {"T": T, "K": K, "cols": cols, "W": W}, indexer, n, reps))
+    rows.append(row("indexer_topk_pack", shape, indexer, su))
     return rows
 
 
-def bench_flashmla(T: int, n: int, reps: int) -> list[dict]:
-    H, K, S = 128, 2048, 1 << 17
-    g = torch.Generator(device="cuda").manual_seed(3)
-    q = (torch.randn(T, H, 576, device="cuda", generator=g) / 8).to(torch.bfloat16)
-    slots = torch.stack([torch.randperm(S, device="cuda", generator=g)[:K] for _ in range(T)]).to(torch.int32)
-    counts = torch.full((T,), K, dtype=torch.int32, device="cuda")
-    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(T, H, device="cuda")
+# ---- FP8 index scoring -----------------------------------------------------------------------------------
+def bench_scoring(T: int, su: Setup) -> list[dict]:
+    import _scoring_inputs as si  # this folder is on sys.path
+
+    L = su.local
+    shape = {"T": T, "L": L, "index_heads": si.HEADS, "block_size": si.BLOCK}
+    inputs = once(lambda: si.build_inputs(T, L, str(su.dev)))
+
+    def scoring(v: bool) -> Callable[[], object]:
+        from dcp_ref.kernels.scoring_triton import index_scores_triton
+
+        inp = inputs()
+        args = [inp[x] for x in ("index_q", "weights", "index_cache", "block_table", "req_of_token", "local_bounds")]
+        out = torch.empty(T, L, device=su.dev)
+        geo = DcpGeometry(1, 0, 1, si.BLOCK)  # one rank's own keys (scoring does not depend on W)
+        return lambda: index_scores_triton(*args, geo, out=out, validate=v)
+
+    return [row("index_scores_triton (fp8)", shape, scoring, su)]
+
+
+# ---- attention ---------------------------------------------------------------------------------------------
+def attention_inputs(T: int, su: Setup, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    H, K, S = su.H, su.K, su.S
+    g = _gen(su, seed)
+    q = (torch.randn(T, H, 576, device=su.dev, generator=g) / 8).to(torch.bfloat16)
+    kv = (torch.randn(S, 576, device=su.dev, generator=g) / 8).to(torch.bfloat16)
+    slots = torch.stack([torch.randperm(S, device=su.dev, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    counts = torch.full((T,), K, dtype=torch.int32, device=su.dev)
+    return q, kv, slots, counts
+
+
+def bench_attention(T: int, su: Setup) -> list[dict]:
+    H, K, S = su.H, su.K, su.S
+    q, kv, slots, counts = attention_inputs(T, su)
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=su.dev)
+    lse = torch.empty(T, H, device=su.dev)
     shape = {"T": T, "H": H, "K": K, "num_slots": S}
+    scale = 192**-0.5
     rows = []
+
+    def splitkv(v: bool) -> Callable[[], object]:
+        from dcp_ref.kernels.attention_splitkv_triton import sparse_mla_splitkv, splitkv_plan, workspace_for
+
+        plan = splitkv_plan(T, H, K, su.dev)
+        ws = workspace_for(plan, su.dev)
+        return lambda: sparse_mla_splitkv(
+            q, kv, slots, counts, scale, 512, out=out, out_lse=lse, workspace=ws, plan=plan, validate=v
+        )
+
+    rows.append(row("sparse_mla_splitkv (triton)", shape, splitkv, su))
+
+    from dcp_ref.kernels.flashmla_sparse import flashmla_unsupported
+
+    why = flashmla_unsupported(su.dev, torch.bfloat16, H, 576, 512, K)
 
     def sparse(v: bool) -> Callable[[], object]:
         from dcp_ref.kernels.flashmla_sparse import sparse_mla_flashmla
 
-        kv = (torch.randn(S, 576, device="cuda", generator=g) / 8).to(torch.bfloat16)
-        return lambda: sparse_mla_flashmla(q, kv, slots, counts, 192**-0.5, out=out, out_lse=lse, validate=v)
+        return lambda: sparse_mla_flashmla(q, kv, slots, counts, scale, out=out, out_lse=lse, validate=v)
 
-    rows.append(row("sparse_mla_flashmla (bf16)", shape, sparse, n, reps))
+    rows.append(row("sparse_mla_flashmla (bf16)", shape, sparse, su, unsupported=why))
+
+    def fp8_cache() -> torch.Tensor:
+        from dcp_ref.fp8_cache import quantize_kv_fp8
+
+        return quantize_kv_fp8(kv)
+
+    cache_once = once(fp8_cache)
 
     def fp8(v: bool) -> Callable[[], object]:
-        from dcp_ref.fp8_cache import quantize_kv_fp8
         from dcp_ref.kernels.flashmla_fp8 import FlashMLAFp8Decode
 
-        cache = quantize_kv_fp8((torch.randn(S, 576, device="cuda", generator=g) / 8).to(torch.bfloat16))
-        dec = FlashMLAFp8Decode("cuda", validate=v)
-        return lambda: dec.attention(q, cache, slots, None, 192**-0.5, 512, out=out, out_lse=lse)
+        cache = cache_once()
+        dec = FlashMLAFp8Decode(su.dev, validate=v)
+        return lambda: dec.attention(q, cache, slots, None, scale, 512, out=out, out_lse=lse)
 
-    rows.append(row("FlashMLAFp8Decode (masked)", shape, fp8, n, reps))
+    rows.append(row("FlashMLAFp8Decode (masked)", shape, fp8, su, unsupported=why))
     return rows
 
 
-def main() -> None:
+# ---- guard (no validated form) -------------------------------------------------------------------------------
+GUARD_NO_VALIDATED_FORM = (
+    "no validated form: guard_triton takes no validate= (it poisons out-of-contract tokens on the device, no host "
+    "read); the planned step's validate=True refuses the same metadata on the host before any stage runs "
+    "(dcp_ref.step.PlannedStep._check_values), not through this wrapper"
+)
+
+
+def bench_guard(T: int, su: Setup) -> list[dict]:
+    from dcp_ref.kernels.guard_triton import guard_triton
+
+    H, V, W, bs = su.H, 512, su.W, su.bs
+    n_cols = su.local
+    M = -(-n_cols // bs)
+    g = _gen(su, 4)
+    partial = torch.randn(T, H, V, device=su.dev, generator=g).to(torch.bfloat16)
+    lse = torch.randn(T, H, device=su.dev, generator=g)
+    bounds = torch.full((T,), n_cols, dtype=torch.int32, device=su.dev)
+    req = torch.arange(T, dtype=torch.int32, device=su.dev)
+    table = torch.randperm(T * M, device=su.dev, generator=g).to(torch.int32).view(T, M)
+    geo = DcpGeometry(W, 0, block_size=bs)
+    shape = {"T": T, "H": H, "V": V, "n_cols": n_cols, "block_size": bs}
+    return [
+        row_unvalidated_only(
+            "guard_triton",
+            shape,
+            lambda: guard_triton(partial, lse, bounds, req, table, geo, n_cols),
+            GUARD_NO_VALIDATED_FORM,
+            su,
+        )
+    ]
+
+
+# ---- select-to-slots (CuTeDSL) ------------------------------------------------------------------------------
+def select_inputs(T: int, su: Setup, seed: int = 5) -> dict[str, torch.Tensor]:
+    """As ``bench_exchange.make_inputs`` (interleave 1): distinct ascending local indices per rank, their global
+    ids, random scores, one block-table row per token that covers every local index."""
+    W, K, bs = su.W, su.K, su.bs
+    g = _gen(su, seed)
+    span = max(2, su.local // K)
+    loc = torch.cumsum(torch.randint(1, span, (W, T, K), device=su.dev, generator=g), -1) - 1
+    scores = torch.randn(W, T, K, device=su.dev, generator=g)
+    gid = loc * W + torch.arange(W, device=su.dev).view(W, 1, 1)
+    n_blocks = su.local // bs + 1
+    table = torch.randperm(T * n_blocks * 2, device=su.dev, generator=g)[: T * n_blocks]
+    return {
+        "pairs": torch.stack([scores, gid.float()], -1).contiguous(),
+        "scores": scores.contiguous(),
+        "own": loc[0].to(torch.int32).contiguous(),
+        "req": torch.arange(T, device=su.dev, dtype=torch.int32),
+        "table": table.view(T, n_blocks).to(torch.int32).contiguous(),
+    }
+
+
+def select_unsupported(dev: torch.device) -> str:
+    from dcp_ref._checks import has_module
+
+    if not has_module("cutlass"):
+        return "CuTeDSL (nvidia-cutlass-dsl) is not installed"
+    if dev.type != "cuda":
+        return f"the CuTeDSL select-to-slots runs on CUDA only, tensors are on {dev}"
+    return ""
+
+
+def bench_select(T: int, su: Setup) -> list[dict]:
+    why = select_unsupported(su.dev)
+    x = select_inputs(T, su)
+    k = su.K
+    geo = DcpGeometry(su.W, 0, 1, su.bs)
+    out_s = torch.empty(T, k, dtype=torch.int32, device=su.dev)
+    out_n = torch.empty(T, dtype=torch.int32, device=su.dev)
+    rows = []
+    for order in ("global_id", "rank_local"):
+        gathered = x["pairs"] if order == "global_id" else x["scores"]
+        own = None if order == "global_id" else x["own"]
+
+        def make(v: bool, gathered: torch.Tensor = gathered, own: torch.Tensor | None = own, order: str = order):  # type: ignore[no-untyped-def]
+            from dcp_ref.kernels.select_to_slots_cutedsl import select_to_slots_cutedsl
+
+            return lambda: select_to_slots_cutedsl(
+                gathered, x["req"], x["table"], geo, k, order=order, own_ids=own, out_slots=out_s, out_counts=out_n,
+                validate=v,
+            )  # fmt: skip
+
+        shape = {"T": T, "W": su.W, "K": su.K, "k": k, "order": order}
+        rows.append(row(f"select_to_slots_cutedsl ({order})", shape, make, su, unsupported=why))
+    return rows
+
+
+BENCHES = (
+    bench_deinterleave,
+    bench_lse,
+    bench_pack_indexer,
+    bench_scoring,
+    bench_attention,
+    bench_guard,
+    bench_select,
+)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results", help="folder for validation.json")
-    ap.add_argument("--T", default="1,32", help="query rows, comma separated")
-    ap.add_argument("--quick", action="store_true", help="fewer calls per repetition (a smoke run)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_validation.py needs a CUDA GPU")
-    n, reps = (10, 5) if args.quick else (50, 15)
+    ap.add_argument("--T", default=None, help="query rows, comma separated (default 1,32; --smoke: 1,2)")
+    ap.add_argument("--quick", action="store_true", help="fewer calls per repetition")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CPU: tiny shapes, Triton interpreted, CUDA-only rows skipped (no timing)"
+    )
+    args = ap.parse_args(argv)
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            sys.exit("--smoke runs the Triton kernels interpreted: set TRITON_INTERPRET=1 before starting Python")
+        su = smoke_setup()
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_validation.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1 on the CPU)")
+        su = full_setup(args.quick)
+    t_list = [int(x) for x in (args.T or ("1,2" if su.smoke else "1,32")).split(",")]
     rows: list[dict] = []
-    for T in (int(x) for x in args.T.split(",")):
-        for bench in (bench_deinterleave, bench_lse, bench_pack_indexer, bench_flashmla):
-            rows += bench(T, n, reps)
+    for T in t_list:
+        for bench in BENCHES:
+            rows += bench(T, su)
     timed = [r for r in rows if "meets_target" in r]
     result = {
         "versions": {**_meta.device(), **_meta.versions(), "date_utc": _meta.now_utc()},
+        "smoke": su.smoke,
         "target": f"validated <= {TARGET_RATIO} x unvalidated + {TARGET_SLACK_US} us (eager call)",
-        "method": f"eager wall time of {n} back-to-back calls / {n}, median of {reps} repetitions",
+        "method": f"eager wall time of {su.n} back-to-back calls / {su.n}, median of {su.reps} repetitions",
         "all_meet_target": bool(timed) and all(r["meets_target"] for r in timed),
         "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "validation.json").write_text(json.dumps(result, indent=1) + "\n")
-    within = sum(r.get("meets_target", False) for r in rows)
-    print(f"wrote {out / 'validation.json'}: {within}/{len(timed)} within target")
+    failed = [r["wrapper"] for r in rows if "failed" in r]
+    if su.smoke:
+        ran = sum("unvalidated" in r for r in rows)
+        print(f"wrote {out / 'validation.json'}: smoke run, {ran}/{len(rows)} rows ran, {len(failed)} failed")
+    else:
+        within = sum(r.get("meets_target", False) for r in rows)
+        print(f"wrote {out / 'validation.json'}: {within}/{len(timed)} within target, {len(failed)} failed")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Merge pytest JUnit XML files from GPU runs into ``results/gpu_tests.json``.
+"""Merge pytest JUnit XML files from GPU runs (and compute-sanitizer reports) into ``results/gpu_tests.json``.
 
     python benchmarks/collect_gpu_tests.py --out benchmarks/results/gpu_tests.json \
-        --what "..." --command "..." run1.xml run2.xml ...
+        --what "..." --command "..." [--commit SHA] [--sanitizer memcheck_x.txt ...] -- run1.xml run2.xml ...
 
-A test that appears in several files keeps its result from the *last* file (a re-run after a
-fix replaces the earlier result; the earlier failure is kept under ``superseded``).
+``tools/gpu_check.sh merge`` calls it on what the device check brought back. A test that appears in
+several files keeps its result from the *last* file (a re-run after a fix replaces the earlier result;
+the earlier failure is kept under ``superseded``). The JSON has the totals, the counts per test file,
+every test, and per sanitizer report its tool, families, ``ERROR SUMMARY`` / ``RACECHECK SUMMARY`` count
+and whether ``sanitize_all.py`` itself exited cleanly (its last line, ``status N``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
 
 
 def read(path: str) -> dict[str, dict]:
@@ -35,6 +41,24 @@ def read(path: str) -> dict[str, dict]:
     return out
 
 
+def read_sanitizer(path: str) -> dict:
+    """One compute-sanitizer report of ``sanitize_all.py``: the tool, the error/hazard count, the script's status."""
+    text = Path(path).read_text(errors="replace")
+    tool = "racecheck" if "RACECHECK SUMMARY" in text or "racecheck" in Path(path).name else "memcheck"
+    m = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+)", text)
+    status = re.findall(r"checked launches, (\d+) mismatching, status (\d+)", text)
+    skipped = re.findall(r"^(\w+): skipped \((.*)\)$", text, flags=re.M)
+    return {
+        "report": Path(path).name,
+        "tool": tool,
+        "errors": int(m[-1]) if m else None,  # None: no summary line (the run was cut short)
+        "script_status": int(status[-1][1]) if status else None,
+        "mismatches": int(status[-1][0]) if status else None,
+        "launches": sum(int(n) for n in re.findall(r"^(\d+) checked launches", text, flags=re.M)) or None,
+        "skipped": dict(skipped),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -42,6 +66,8 @@ def main() -> None:
     ap.add_argument("--command", required=True)
     ap.add_argument("--device", default="NVIDIA H200")
     ap.add_argument("--versions", default="{}", help="JSON object of library versions")
+    ap.add_argument("--commit", default="", help="the commit the device ran")
+    ap.add_argument("--sanitizer", nargs="*", default=[], help="compute-sanitizer reports of sanitize_all.py")
     ap.add_argument("xml", nargs="+")
     args = ap.parse_args()
     merged: dict[str, dict] = {}
@@ -57,13 +83,20 @@ def main() -> None:
             merged[name] = rec
     tests = sorted(merged.values(), key=lambda r: r["test"])
     summary = {s: sum(r["status"] == s for r in tests) for s in ("passed", "failed", "error", "skipped")}
+    per_file: dict[str, Counter] = {}
+    for r in tests:
+        per_file.setdefault(r["file"], Counter())[r["status"]] += 1
+    sanitizer = [read_sanitizer(p) for p in args.sanitizer]
     doc = {
         "what": args.what,
         "command": args.command,
+        "commit": args.commit,
         "date": datetime.date.today().isoformat(),
         "device": args.device,
         "versions": json.loads(args.versions),
         "summary": summary,
+        "per_file": {f: dict(c) for f, c in sorted(per_file.items())},
+        "sanitizer": sanitizer,
         "tests": tests,
         "superseded": superseded,
     }
@@ -71,6 +104,8 @@ def main() -> None:
         json.dump(doc, fh, indent=1)
         fh.write("\n")
     print(summary)
+    for r in sanitizer:
+        print(f"{r['report']}: {r['tool']} {r['errors']} errors, sanitize_all status {r['script_status']}")
 
 
 if __name__ == "__main__":

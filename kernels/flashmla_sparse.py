@@ -32,12 +32,11 @@ from dcp_ref._checks import (
     check_out,
     check_tensor,
     check_values_readable,
-    host_values,
     triton_interpreting,
 )
 from dcp_ref.attention import check_attention_slots, check_sm_scale
 
-from ._util import cdiv, next_pow2, per_thread
+from ._util import cdiv, check_flag, next_pow2, per_thread
 
 __all__ = ["FLASHMLA_LSE_BASE", "FLASHMLA_HEADS", "flashmla_unsupported", "sparse_mla_flashmla"]
 
@@ -83,14 +82,20 @@ INDEX_WIDTH_MULTIPLE = 128
 
 @triton.jit
 def _prologue_kernel(
-    slots_ptr, counts_ptr, safe_ptr, cnt_ptr, poison_ptr, K, KP, S, stride_t, stride_k, BLOCK: tl.constexpr
-):
+    slots_ptr, counts_ptr, safe_ptr, cnt_ptr, poison_ptr, K, KP, S, stride_t, stride_k, BLOCK: tl.constexpr,
+    chk_ptr=None, CHECK: tl.constexpr = False,
+):  # fmt: skip
     """Row ``t``: ``cnt = clamp(counts[t], 0, K)``; ``safe[t, :K] = slots[t]`` as int32, except that a used
     entry (``j < cnt``) outside ``[0, S)`` becomes slot 0 and marks the row poisoned; ``safe[t, K:KP] = -1``
     (the padding to FlashMLA's width multiple). The range test runs on the slot as given (int64 included),
-    *before* the narrowing to int32, so a wide slot can never wrap into a valid one."""
+    *before* the narrowing to int32, so a wide slot can never wrap into a valid one.
+
+    ``CHECK`` (``validate=True``): a row that :func:`dcp_ref.attention.check_attention_slots` would refuse
+    (``counts[t]`` outside ``[0, K]``, or a poisoned row) sets ``chk[0]`` to 1 with an atomic max; a good
+    row writes nothing, so the validated call's value checks are this launch plus one read of ``chk``."""
     t = tl.program_id(0).to(tl.int64)
-    c = tl.minimum(tl.maximum(tl.load(counts_ptr + t).to(tl.int64), 0), K)
+    raw = tl.load(counts_ptr + t).to(tl.int64)
+    c = tl.minimum(tl.maximum(raw, 0), K)
     bad = tl.zeros([BLOCK], tl.int32)
     for j0 in range(0, KP, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
@@ -99,7 +104,11 @@ def _prologue_kernel(
         bad = bad | outside.to(tl.int32)
         tl.store(safe_ptr + t * KP + j, tl.where(outside, 0, s).to(tl.int32), mask=j < KP)
     tl.store(cnt_ptr + t, c.to(tl.int32))
-    tl.store(poison_ptr + t, tl.max(bad, 0))
+    poisoned = tl.max(bad, 0)
+    tl.store(poison_ptr + t, poisoned)
+    if CHECK:
+        if (poisoned != 0) | (raw < 0) | (raw > K):
+            tl.atomic_max(chk_ptr, 1)
 
 
 @triton.jit
@@ -188,12 +197,15 @@ def sparse_mla_flashmla(
         out: optional bf16 ``[T, H, 512]``.  out_lse: optional float32 ``[T, H]``. Neither may share
             memory with an input or with the other (``ValueError``).
         validate: ``True``: the reference's value checks (:func:`dcp_ref.attention.check_attention_slots`,
-            same messages), read from what the prologue computes on the device anyway: **one** small
-            reduction and one host read, before the attention kernel runs. ``False`` (the default, and
-            the one exception to the wrappers' ``validate=True``: this function *is* the attention
-            stage's hot path, which ``kernels/stages.py`` runs inside the captured step) reads nothing
-            on the host: counts are clamped and a row whose used slots leave the cache (e.g. the
-            deinterleave stage's poison slot ``2**31 - 1``) is poisoned (NaN output and LSE).
+            same messages), decided by the prologue the call runs anyway: it raises a flag (the shared
+            :func:`~dcp_ref.kernels._util.check_flag`) for a row the reference refuses, so a validated
+            call adds **no launch**, only one host read of that flag, before the attention kernel runs
+            (a bad input never reaches it; only a failing call reads more, to build the message).
+            ``False`` (the default, and the one exception to the wrappers' ``validate=True``: this
+            function *is* the attention stage's hot path, which ``kernels/stages.py`` runs inside the
+            captured step) reads nothing on the host: counts are clamped and a row whose used slots
+            leave the cache (e.g. the deinterleave stage's poison slot ``2**31 - 1``) is poisoned (NaN
+            output and LSE).
     Returns:
         ``(out [T, H, 512] bf16, lse [T, H] float32)``: LSE in base e, ``-inf`` where ``counts == 0``.
     """
@@ -226,25 +238,27 @@ def sparse_mla_flashmla(
         check_out(out_lse, "out_lse", (T, H), torch.float32, q.device)
     check_no_alias(out, "out", q=q, kv_cache=kv_cache, slots=slots, counts=counts)
     check_no_alias(out_lse, "out_lse", q=q, kv_cache=kv_cache, slots=slots, counts=counts, out=out)
-    if validate and T:
+    check = validate and T > 0
+    if check:
         check_values_readable(counts, "counts")
         check_values_readable(slots, "slots")
     if fused:
         safe, cnt, poisoned = _scratch(q.device, T, KP)
+        chk = check_flag(q.device) if check else None
         if T:
             _prologue_kernel[(T,)](
                 slots, counts, safe, cnt, poisoned, K, KP, S, slots.stride(0), slots.stride(1),
-                BLOCK=min(max(next_pow2(KP), 16), 1024),
+                BLOCK=min(max(next_pow2(KP), 16), 1024), chk_ptr=chk, CHECK=chk is not None,
             )  # fmt: skip
     else:
         safe, cnt, poisoned = _prologue_torch(slots, counts, S, KP)
-    if validate and T:
-        # The prologue flagged every row with a used slot outside the cache; counts outside [0, K] it
-        # clamped. One read of the three numbers; the reference's checker names the culprit.
-        bad_row, c_min, c_max = host_values(poisoned.max().to(torch.int64), counts.min(), counts.max())
-        if bad_row or c_min < 0 or c_max > K:
-            check_attention_slots(slots, counts, S)
-            raise AssertionError("the FlashMLA prologue poisoned a row that the reference accepts (a kernel bug)")
+        chk = ((poisoned != 0) | (counts < 0) | (counts > K)).any().view(1) if check else None
+    if chk is not None and int(chk.item()):  # the one host read of a validated call, before the kernel
+        # The prologue raised the flag for a row the reference refuses (a count outside [0, K], a used slot
+        # outside the cache): cleared for the next call, then the reference's checker names the culprit.
+        chk.zero_()
+        check_attention_slots(slots, counts, S)
+        raise AssertionError("the FlashMLA prologue flagged a row that the reference accepts (a kernel bug)")
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
         q,
         kv_cache.reshape(-1, 1, _DQK),

@@ -17,7 +17,6 @@ import triton.language as tl
 from dcp_ref._checks import INT_DTYPES, check_int_scalar, check_tensor, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 
-from ._launch import FastLaunch
 from ._util import next_pow2
 
 __all__ = ["token_in_contract", "poison_row", "guard_kernel", "guard_triton"]
@@ -78,9 +77,6 @@ def guard_kernel(
         poison_row(partial_ptr, lse_ptr, t, H, V, stride_pt, stride_ph, stride_lt, BLOCK)
 
 
-_GUARD = FastLaunch(guard_kernel)  # the eager path: the compiled handle after the first call (kernels._launch)
-
-
 def guard_triton(
     partial: torch.Tensor,
     lse: torch.Tensor,
@@ -125,8 +121,7 @@ def guard_triton(
     B, M = block_table.shape
     bt = block_table if block_table.stride(1) == 1 or M == 0 else block_table.contiguous()
     starts = row_starts if row_starts is not None else local_bounds  # never read without HAS_STARTS
-    _GUARD(
-        (T,),  # the grid (FastLaunch takes it first)
+    guard_kernel[(T,)](
         partial, lse, local_bounds, req_of_token, starts, bt,
         B, M, n_cols, H, V,
         partial.stride(0), partial.stride(1), lse.stride(0), max(bt.stride(0), 1),

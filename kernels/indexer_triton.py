@@ -36,8 +36,9 @@ written (:func:`commit_tile`: an exclusive prefix count of the tied keys, so the
 
 1. *One tile* (a row of up to :data:`MAX_TILE` keys, :func:`indexer_topk_pack_kernel` with
    ``ONE_CHUNK``): the row is read once and kept in registers; select, then write the winners.
-2. *Compacted* (longer rows, :func:`filter_topk_kernel`): a strided **sample** of the row gives a
-   lower bound ``lo`` aimed at about ``sqrt(k * cap)`` keys at or above it (:func:`sample_bound`);
+2. *Compacted* (longer rows where :func:`prefer_compact` says it pays, or ``compact=True``;
+   :func:`filter_topk_kernel`): a strided **sample** of the row gives a lower bound ``lo`` aimed at
+   about ``sqrt(k * cap)`` keys at or above it (:func:`sample_bound`);
    one streamed read **compacts** the keys ``>= lo`` — ``(score bits, local index)``, in index order —
    into a per-row list of ``cap`` entries in the planned workspace (:func:`filter_segment`); the
    row's top-``k`` is then selected among the list, held in registers, and written from it. No
@@ -50,10 +51,10 @@ written (:func:`commit_tile`: an exclusive prefix count of the tied keys, so the
    one filtering its segment against the same ``lo`` (the sample is the row's, taken identically by
    all); the **last** program of the row to finish (an atomic counter in the workspace,
    acquire/release) joins the ``S`` lists in segment order and selects — one launch.
-3. *Streamed radix* (``compact=False``, and the fallback): every radix pass re-reads the row tile by
-   tile; ``split=S`` then keeps each segment's exact top-``k`` in a ``[T, S, k, 2]`` workspace and a
-   second launch selects among them (further levels while they exceed a tile). Exact for the
-   indexer's own reason: a key of the row's top-``k`` is in its segment's top-``k``.
+3. *Streamed radix* (the other longer rows, ``compact=False``, and the fallback): every radix pass
+   re-reads the row tile by tile; ``split=S`` then keeps each segment's exact top-``k`` in a
+   ``[T, S, k, 2]`` workspace and a second launch selects among them (further levels while they exceed
+   a tile). Exact for the indexer's own reason: a key of the row's top-``k`` is in its segment's top-``k``.
 
 Every load is masked by the row's window, clamped on the device, so even with ``validate=False``
 nothing outside ``scores`` is read. No host synchronisation with ``validate=False``, no allocation
@@ -125,7 +126,9 @@ __all__ = [
     "DEFAULT_RADIX_BITS",
     "DEFAULT_SELECT",
     "DEFAULT_PIVOTS",
-    "DEFAULT_COMPACT",
+    "COMPACT_MAX_ROWS",
+    "COMPACT_MIN_COLS",
+    "prefer_compact",
     "SELECTS",
     "ORDERS",
     "LaunchPlan",
@@ -931,13 +934,15 @@ MAX_TILE = 8192
 #: compacted kernel takes 128 registers at 2048 keys and 8 warps, 255 at 4096: two programs per SM, or one.)
 STREAM_TILE = 2048
 
-#: Whether rows longer than a tile take the compacted path by default (``compact=None``). Off until the path has
-#: run on the H200: it is exact under the interpreter and compiles for sm_90a, but its cross-program hand-off (an
-#: acq_rel counter; the last segment program joins the lists) has never executed on a GPU, while the streamed
-#: radix it replaces is the measured one (``benchmarks/results/local_topk.json``). ``compact=True`` turns it on;
-#: ``benchmarks/bench_local_topk.py``'s sweep measures both, and a GPU run that passes
-#: ``tests/test_indexer_kernel.py -m gpu`` is what flips this.
-DEFAULT_COMPACT = False
+#: :func:`prefer_compact`'s bounds — provisional, from three shapes. Measured on the H200 (CUDA-graph replay,
+#: k = 2048, each path with its default plan otherwise; the compacted path exact there and memcheck-clean),
+#: compacted against the streamed radix: T = 1, L = 131072: 26.6 vs 58.5 us (2.2x faster); T = 1, L = 32768:
+#: 19.3 vs 37.0 us; but T = 32, L = 131072: 490.5 vs 121.6 us (4x slower). So only a lone row (whose segments
+#: fill the GPU) of at least 32768 keys takes it. ``benchmarks/bench_local_topk.py`` times both paths at every
+#: long-row shape and records, per shape, which is faster and whether this rule picks it (``local_topk.json``,
+#: key ``compact_vs_streamed``, ``rule_agrees``): refine these constants from it.
+COMPACT_MAX_ROWS = 1
+COMPACT_MIN_COLS = 32768
 
 #: Aim of the compacted path's sample: about this many sample keys at or above the bound (the bound's
 #: count is then known to ~1/sqrt of it: 7 %).
@@ -994,6 +999,14 @@ def _auto_segments(rows: int, n_cols: int, device: torch.device) -> int:
     return max(1, min(cdiv(sms, rows), cdiv(n_cols, STREAM_TILE), 32))
 
 
+def prefer_compact(rows: int, n_cols: int, k: int) -> bool:
+    """Whether :func:`launch_plan` takes the compacted path by default (``compact=None``) for ``rows`` rows of
+    ``n_cols`` columns and ``k`` winners: where it measured faster than the streamed radix — at most
+    :data:`COMPACT_MAX_ROWS` rows of at least :data:`COMPACT_MIN_COLS` columns — and its candidate list fits a
+    tile (:func:`compact_cap`). A row that fits one tile is never compacted (:func:`launch_plan`)."""
+    return rows <= COMPACT_MAX_ROWS and n_cols >= COMPACT_MIN_COLS and compact_cap(k) > 0
+
+
 def launch_plan(
     rows: int,
     n_cols: int,
@@ -1011,8 +1024,9 @@ def launch_plan(
     """How :func:`indexer_topk_pack` runs ``rows`` rows of ``n_cols`` columns (shapes only, no sync).
 
     A row of up to :data:`MAX_TILE` columns (``tile`` when given) is one tile, held in registers
-    (``select``). A longer one takes the compacted path when ``k <= MAX_TILE / 2`` (``compact=None``;
-    ``True`` forces it for any row, ``False`` forbids it): streamed in tiles of ``tile`` (default
+    (``select``). A longer one takes the compacted path where :func:`prefer_compact` says so (``compact=None``:
+    by shape, where it measured faster; ``True`` forces it for any row when ``k <= MAX_TILE / 2``, ``False``
+    forbids it; :attr:`LaunchPlan.compact` records the choice): streamed in tiles of ``tile`` (default
     :data:`STREAM_TILE`), with a candidate list of :func:`compact_cap` entries and a bound from a
     sample of ``sample`` keys; ``split`` segments per row (at most 64; ``None``: more than one only on a GPU
     whose SMs the rows alone would leave mostly idle). Otherwise the streamed radix path: split
@@ -1025,7 +1039,7 @@ def launch_plan(
     cap = compact_cap(k)
     fits = n_cols <= (tile or MAX_TILE)
     if compact is None:
-        compact = DEFAULT_COMPACT and not fits and cap > 0
+        compact = not fits and prefer_compact(rows, n_cols, k)
     if compact and cap:
         s = _auto_segments(rows, n_cols, device) if split is None else split
         # at least 16 keys per segment; at most 64 segments, and no more than the list holds entries (the last
@@ -1192,9 +1206,10 @@ def indexer_topk_pack(
             :func:`launch_plan`). ``split``: segments per row; ``radix_bits``: digit width of the radix
             select, 5-13 (default :data:`DEFAULT_RADIX_BITS`); ``tile``: keys per tile, a power of two (a
             row of at most ``tile`` keys stays in registers; the compacted path streams tiles of it);
-            ``num_warps``: warps per program; ``compact``: the compacted path for long rows (``None``: by
-            size); ``select``: ``"radix"`` or ``"search"`` (:data:`SELECTS`); ``sample``: sample size of the
-            compacted path, a power of two in ``[16, MAX_TILE]``; ``pivots``: 1 or 3 per search step.
+            ``num_warps``: warps per program; ``compact``: the compacted path for long rows (``None``:
+            :func:`prefer_compact`); ``select``: ``"radix"`` or ``"search"`` (:data:`SELECTS`); ``sample``:
+            sample size of the compacted path, a power of two in ``[16, MAX_TILE]``; ``pivots``: 1 or 3 per
+            search step.
         order: ``"global_id"`` or ``"rank_local"`` (:data:`ORDERS`).
         out_ids: ``"rank_local"`` only: optional int32 ``[T, k]`` contiguous buffer for the local indices.
     Returns:

@@ -413,7 +413,7 @@ def scored_topk_pack(
     src, src_stride, n, off = workspace[:, : plan.segments], (2 * row_pairs, 2), plan.segments * k, plan.segments
     for s in plan.levels[1:]:
         seg_n = cdiv(n, s)
-        lp = launch_plan(T, seg_n, k, dev, split=1)
+        lp = launch_plan(T, seg_n, k, dev, split=1, compact=False)  # the streamed kernel's tile and warps
         indexer_topk_pack_kernel[(T, s)](
             src, dummy, dummy, ws64[:, off:], n, seg_n, *src_stride, row_pairs,
             HAS_LENGTHS=False, HAS_STARTS=False, PACKED_INPUT=True, NAN_PAD=True,
@@ -421,7 +421,7 @@ def scored_topk_pack(
         )  # fmt: skip
         src, src_stride, n = workspace[:, off : off + s], (2 * row_pairs, 2), s * k
         off += s
-    lp = launch_plan(T, n, k, dev, split=1)
+    lp = launch_plan(T, n, k, dev, split=1, compact=False)
     indexer_topk_pack_kernel[(T, 1)](
         src, dummy, dummy, out64, n, n, *src_stride, k,
         HAS_LENGTHS=False, HAS_STARTS=False, PACKED_INPUT=True, NAN_PAD=False,

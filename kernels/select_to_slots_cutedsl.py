@@ -38,10 +38,11 @@ because every thread scanned all its items — ``rank_local`` now scans only the
 (warp-uniform skip), 9.9 -> 8.3 µs with the 11-bit first digit. What remains is latency, not work: with no
 radix pass at all (every candidate but this rank's NaN) the kernel takes 4.9 µs (launch ~1 µs, the loads, the
 commit), and the second radix pass costs ~2 µs of barriers and scans at 32 CTAs. Measured and not kept as
-defaults: a warp-vote form of the pass loop (``pass_loop="vote"``: equal or slower), 12-bit first digits, the
-cluster split beyond the small row counts above (the cluster barriers and histogram merges cost more than the
-1/C of the work saves). ``rank_local`` reads 4 bytes per candidate (half the wire bytes and a quarter of
-the load instructions), and both orders replace two launches with one.
+defaults: 12-bit first digits, the cluster split beyond the small row counts above (the cluster barriers and
+histogram merges cost more than the 1/C of the work saves). A warp-vote form of the radix passes' per-key loop
+(one ``vote.any`` per item, then a branch-free count) measured equal or slower at every shape
+(``benchmarks/results/exchange.json``, ``sweep``) and was deleted. ``rank_local`` reads 4 bytes per candidate
+(half the wire bytes and a quarter of the load instructions), and both orders replace two launches with one.
 
 ``W``, ``K``, ``k``, ``I``, ``bs``, the index dtypes and the CTA shape are compile-time constants
 (:class:`SelectToSlotsConfig`, the compile cache key); ``rows``, ``rank``, ``B``, ``M`` and the strides of
@@ -86,7 +87,6 @@ from .topk_cutedsl import (
 
 __all__ = [
     "SPLITS",
-    "PASS_LOOPS",
     "split_threads",
     "default_split",
     "dsmem_load",
@@ -105,9 +105,6 @@ __all__ = [
 _INT32_MAX = 2**31 - 1
 #: CTAs per row of the split form (a thread-block cluster; 8 is the portable maximum).
 SPLITS = (1, 2, 4, 8)
-#: The radix passes' per-key loops (:class:`SelectToSlotsConfig`).
-PASS_LOOPS = ("branch", "vote")
-DEFAULT_PASS_LOOP = "branch"
 #: Streaming multiprocessors of the H200 (the split default fills them when rows are few).
 _SMS = 132
 
@@ -179,8 +176,6 @@ class SelectToSlotsConfig:
         tvm_ffi: compiled for the TVM-FFI call path.
         split: CTAs per row, a thread-block cluster (1, 2, 4 or 8; it must divide the ``W*K/vec`` vector loads
             of a row). See :class:`SelectToSlotsKernel`.
-        pass_loop: the radix passes' per-key loop: ``"branch"`` (the stable top-K's: a branch per matching key)
-            or ``"vote"`` (a warp vote per item, then a branch-free count; :meth:`SelectToSlotsKernel.radix_pass_s2s`).
     """
 
     order: str
@@ -200,7 +195,6 @@ class SelectToSlotsConfig:
     first_bits: int = 8
     tvm_ffi: bool = False
     split: int = 1
-    pass_loop: str = "branch"
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -220,8 +214,6 @@ class SelectToSlotsConfig:
             raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {self.first_bits!r}")
         if self.block_size % self.interleave:
             raise ValueError(f"block_size must be a multiple of interleave, got {self.block_size}, {self.interleave}")
-        if self.pass_loop not in PASS_LOOPS:
-            raise ValueError(f"pass_loop must be one of {PASS_LOOPS}, got {self.pass_loop!r}")
         if self.split not in SPLITS or (self.world * self.kloc // self.vec) % self.split:
             raise ValueError(
                 f"split must be one of {SPLITS} and divide the {self.world * self.kloc // self.vec} vector loads "
@@ -282,7 +274,7 @@ class SelectToSlotsKernel(StableTopKKernel):
     (:meth:`radix_pass`), the bin scan (:meth:`pick_bin`) and, for ``global_id``, the ``lo`` word storage
     (:meth:`key_lo`). New: the kernel body, the vectorised :meth:`load_keys`, the ``rank_local`` tie-break
     (:meth:`key_lo` computes it), the ownership test and the slot mapping in the two commits, and the split
-    form and the vote loop of the passes (:meth:`radix_pass_s2s`).
+    form's passes (:meth:`radix_pass_s2s`).
 
     Register layout: item ``i = ci*vec + s`` of thread ``tid`` is candidate ``p = pbase + vec*(ci*T + tid) + s``
     of the row (``ci < cpt`` vector loads per thread; ``pbase = 0`` unless split).
@@ -471,7 +463,7 @@ class SelectToSlotsKernel(StableTopKKernel):
         cute.arch.sync_threads()
 
         for d in cutlass.range_constexpr(len(self.schedule)):
-            if const_expr(C > 1 or self.cfg.pass_loop == "vote"):
+            if const_expr(C > 1):
                 self.radix_pass_s2s(d, khi, klo, slo, hist, hloc, wsum, st, tid, lane, warp, pbase)
             else:
                 self.radix_pass(d, khi, klo, slo, hist, wsum, st, tid, lane, warp)  # the stable top-K's
@@ -543,16 +535,10 @@ class SelectToSlotsKernel(StableTopKKernel):
         warp: Int32,
         pbase: Int32,
     ) -> None:
-        """Pass ``d`` as :meth:`radix_pass` (the same histogram, the same bin scan :meth:`pick_bin`), with two
-        options of this kernel (:class:`SelectToSlotsConfig`):
-
-        * ``pass_loop="vote"``: per item one warp vote "does any lane's key match the prefix?" and, only then, a
-          branch-free count (non-matching lanes into the pass's dummy bin, one past its last bin, which the
-          scan never reads). After pass 0 few keys match, so most warps skip most items with one uniform
-          branch instead of a divergent branch per key (the profile's "branch resolving" stalls).
-        * split: the count goes into this CTA's ``hloc``; after a cluster barrier :meth:`merge` sums the
-          cluster's counts into ``hist``. Every CTA of the cluster holds the same state, so all take (or skip,
-          once done) the same passes and barriers.
+        """Pass ``d`` of the split form (``split > 1``, :class:`SelectToSlotsConfig`) as :meth:`radix_pass`: the
+        same per-key loop, the same histogram, the same bin scan (:meth:`pick_bin`), but the count goes into this
+        CTA's ``hloc``; after a cluster barrier :meth:`merge` sums the cluster's counts into ``hist``. Every CTA
+        of the cluster holds the same state, so all take (or skip, once done) the same passes and barriers.
         """
         word = const_expr(self.schedule[d][0])
         sh = const_expr(self.schedule[d][1])
@@ -560,7 +546,6 @@ class SelectToSlotsKernel(StableTopKKernel):
         bits_above = const_expr(sh + self.schedule[d][2])
         before = const_expr((MASK32 << bits_above) & MASK32 if bits_above < 32 else 0)
         cur = const_expr((d % 2) * self.hist_stride)
-        vote = const_expr(self.cfg.pass_loop == "vote")
         target = hist
         if const_expr(self.split > 1):
             target = hloc
@@ -574,34 +559,20 @@ class SelectToSlotsKernel(StableTopKKernel):
                     hi = khi[i]
                     if const_expr(word == 0):
                         match = (hi != Uint32(0)) & ((hi & Uint32(before)) == phi)
-                        if const_expr(vote):
-                            if cute.arch.vote_any_sync(match):
-                                digit = Int32(cutlass.select_(match, (hi >> Uint32(sh)) & Uint32(NB - 1), Uint32(NB)))
-                                cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
-                        else:
-                            if match:
-                                digit = Int32((hi >> Uint32(sh)) & Uint32(NB - 1))
-                                cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
+                        if match:
+                            digit = Int32((hi >> Uint32(sh)) & Uint32(NB - 1))
+                            cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
                     else:
                         # Tie-break passes: only keys whose score word equals the threshold.
                         mhi = (hi != Uint32(0)) & (hi == phi)
-                        if const_expr(vote):
-                            if cute.arch.vote_any_sync(mhi):
-                                lo = self.key_lo_at(klo, slo, i, tid, pbase)
-                                m = mhi
-                                if const_expr(before != 0):
-                                    m = m & ((lo & Uint32(before)) == plo)
-                                digit = Int32(cutlass.select_(m, (lo >> Uint32(sh)) & Uint32(NB - 1), Uint32(NB)))
+                        if mhi:
+                            lo = self.key_lo_at(klo, slo, i, tid, pbase)
+                            mlo = Boolean(True)
+                            if const_expr(before != 0):
+                                mlo = (lo & Uint32(before)) == plo
+                            if mlo:
+                                digit = Int32((lo >> Uint32(sh)) & Uint32(NB - 1))
                                 cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
-                        else:
-                            if mhi:
-                                lo = self.key_lo_at(klo, slo, i, tid, pbase)
-                                mlo = Boolean(True)
-                                if const_expr(before != 0):
-                                    mlo = (lo & Uint32(before)) == plo
-                                if mlo:
-                                    digit = Int32((lo >> Uint32(sh)) & Uint32(NB - 1))
-                                    cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
                 if const_expr(self.split > 1):
                     cluster_sync()
                     self.merge(d, hloc, hist, tid)
@@ -1116,7 +1087,6 @@ def make_config(
     tvm_ffi: bool = False,
     rows: int = 1 << 20,
     split: int | None = None,
-    pass_loop: str | None = None,
 ) -> SelectToSlotsConfig:
     """The configuration the wrapper compiles for these shapes (defaults chosen here, in one place).
 
@@ -1160,7 +1130,6 @@ def make_config(
         first_bits=first_bits,
         tvm_ffi=tvm_ffi,
         split=split,
-        pass_loop=DEFAULT_PASS_LOOP if pass_loop is None else pass_loop,
     )
 
 
@@ -1182,7 +1151,6 @@ def select_to_slots_cutedsl(
     first_bits: int | None = None,
     vec: int | None = None,
     split: int | None = None,
-    pass_loop: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the select-to-slots kernel (CUDA only); the contract of
     :func:`dcp_ref.select_to_slots.select_to_slots`.
@@ -1194,8 +1162,7 @@ def select_to_slots_cutedsl(
 
     Tuning (same result): ``tvm_ffi`` (``None``: on when apache-tvm-ffi is importable), ``variant``
     (``global_id``: ``"lean"`` / ``"regs"``), ``config`` ``(threads, min_ctas)``, ``first_bits``, ``vec``,
-    ``split`` (CTAs per row; ``None``: by ``rows``, :func:`default_split`), ``pass_loop`` — see
-    :func:`make_config`.
+    ``split`` (CTAs per row; ``None``: by ``rows``, :func:`default_split`) — see :func:`make_config`.
     """
     spec = check_select_to_slots_inputs(
         gathered,
@@ -1268,7 +1235,6 @@ def select_to_slots_cutedsl(
         tvm_ffi=ffi,
         rows=rows,
         split=split,
-        pass_loop=pass_loop,
     )
     if cfg.vec > 1 and gathered.data_ptr() % (4 * cfg.vec * (1 if order == "rank_local" else 2)):
         raise ValueError(f"gathered must be {4 * cfg.vec} * words-aligned for vec={cfg.vec}")

@@ -174,3 +174,132 @@ def test_prologue_buffers_are_planned_per_thread_and_shape(fake: list) -> None:
     t.join()
     assert all(a is not b for a, b in zip(other[0], first))
     assert fm._scratch(torch.device("cpu"), 3, 128)[0].shape == (3, 128)  # another shape, other buffers
+
+
+# ---- the validated call: the prologue's flag, one host read, no extra launch ----------------------------
+_HOST_READ_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::equal"}
+
+
+def _wrapper_ops(monkeypatch: pytest.MonkeyPatch, fn) -> list[str]:  # noqa: ANN001
+    """What ``fn()`` runs in the wrapper's own code, in order: each Triton launch of the prologue / epilogue
+    (``triton:<name>``), the FlashMLA call (``flash_mla``) and every non-view aten op outside them (the ops a
+    device would launch, plus host reads). ``Tensor.tolist`` is recorded too (a CPU tolist dispatches nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+    paused = [False]
+
+    def quiet(name: str, call):  # noqa: ANN001, ANN202
+        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            if not paused[0]:
+                ops.append(name)
+            paused[0] = True
+            try:
+                return call(*a, **k)
+            finally:
+                paused[0] = False
+
+        return run
+
+    class Launcher:
+        def __init__(self, kernel, name: str) -> None:  # noqa: ANN001
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            return quiet(f"triton:{self.name}", self.kernel[grid])
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not paused[0] and not func.is_view:
+                ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    orig = torch.Tensor.tolist
+
+    def tolist(self, *a, **k):  # type: ignore[no-untyped-def]
+        if not paused[0]:
+            ops.append("tolist")
+        return orig(self, *a, **k)
+
+    inner = fm._flash_mla()
+    with monkeypatch.context() as m:  # undone on return: a later count wraps the real kernels again
+        m.setattr(fm, "_prologue_kernel", Launcher(fm._prologue_kernel, "prologue"))
+        m.setattr(fm, "_epilogue_kernel", Launcher(fm._epilogue_kernel, "epilogue"))
+        fwd = quiet("flash_mla", inner.flash_mla_sparse_fwd)
+        m.setattr(fm, "_flash_mla", lambda: types.SimpleNamespace(flash_mla_sparse_fwd=fwd))
+        m.setattr(torch.Tensor, "tolist", tolist)
+        with Mode():
+            fn()
+    return ops
+
+
+def test_a_validated_call_adds_one_host_read_and_no_launch(fake: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused path: the validated call is the unvalidated call's launches (prologue, FlashMLA, epilogue) plus
+    exactly one host read — of the flag the prologue raised — between the prologue and the kernel. (Before the
+    fold it added seven small device ops: max, min, max, three casts and a stack, then a read.)"""
+    q, kv, slots, counts = _inputs(T=2)
+    out, lse = torch.empty(2, 64, 512, dtype=torch.bfloat16), torch.empty(2, 64)
+
+    def call(v: bool) -> None:
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=out, out_lse=lse, validate=v)
+
+    call(False), call(True)  # warm: the scratch buffers and the flag exist from now on
+    plain = _wrapper_ops(monkeypatch, lambda: call(False))
+    checked = _wrapper_ops(monkeypatch, lambda: call(True))
+    reads = [op for op in checked if op in _HOST_READ_OPS or op == "tolist"]
+    assert len(reads) == 1, checked
+    assert not any(op in _HOST_READ_OPS or op == "tolist" for op in plain), plain
+    if fm._use_triton(q.device):
+        assert plain == ["triton:prologue", "flash_mla", "triton:epilogue"], plain
+        assert checked == ["triton:prologue", reads[0], "flash_mla", "triton:epilogue"], checked
+    else:  # the torch fallback (a CPU without the interpreter): the read still comes before the kernel
+        assert checked.index(reads[0]) < checked.index("flash_mla")
+
+
+_BAD_SLOTS = [
+    ([[1, 4, 12], [7, -1, -1]], [3, 1]),  # a used slot past the cache
+    ([[1, 4, 2**31 - 1], [7, -1, -1]], [3, 1]),  # the deinterleave's poison slot
+    ([[1, -3, 2], [7, -1, -1]], [3, 1]),  # a negative used slot
+    ([[1, 4, 2], [7, -1, -1]], [4, 1]),  # counts past K
+    ([[1, 4, 2], [7, -1, -1]], [3, -1]),  # a negative count
+    ([[1, 4, 2], [7, -1, -1]], [-2, 9]),  # both counts out of range
+]
+
+
+def test_validated_bad_inputs_raise_the_references_message_before_the_kernel(fake: list) -> None:
+    """Each bad input raises exactly the reference's message, the kernel is never reached, and the flag is left
+    cleared; unvalidated calls on the same inputs never raise it (a later good validated call passes)."""
+    from dcp_ref.kernels._util import check_flag
+
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(10, 576, dtype=torch.bfloat16)
+    good = (torch.tensor([[1, 4, 2], [7, -1, -1]], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32))
+    for rows, cnt in _BAD_SLOTS:
+        for dtype in (torch.int32, torch.int64):
+            slots, counts = torch.tensor(rows, dtype=dtype), torch.tensor(cnt, dtype=dtype)
+            with pytest.raises(ValueError) as ref:
+                sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.5, v_dim=512)
+            fake.clear()
+            with pytest.raises(ValueError) as ker:
+                fm.sparse_mla_flashmla(q, kv, slots, counts, 0.5, validate=True)
+            assert str(ker.value) == str(ref.value) and not fake  # the kernel was never reached
+            assert int(check_flag(q.device).item()) == 0  # cleared: the next validated call starts clean
+    for rows, cnt in _BAD_SLOTS:  # unvalidated: no raise, the row poisoned on the device, the flag untouched
+        fm.sparse_mla_flashmla(q, kv, torch.tensor(rows, dtype=torch.int32), torch.tensor(cnt, dtype=torch.int32), 0.5)
+    assert int(check_flag(q.device).item()) == 0
+    fake.clear()
+    fm.sparse_mla_flashmla(q, kv, *good, 0.5, validate=True)
+    assert len(fake) == 1
+
+
+def test_a_wide_int64_slot_is_refused_by_the_validated_call(fake: list) -> None:
+    """2**32 + 5 narrowed to int32 would be slot 5 (valid): the prologue tests the slot as given."""
+    q, kv, slots, counts = _inputs()
+    wide = slots.long().clone()
+    wide[0, 2] = 2**32 + 5
+    with pytest.raises(ValueError) as ref:
+        sparse_mla_attention(q.double(), kv.double(), wide, counts, 0.05, v_dim=512)
+    fake.clear()
+    with pytest.raises(ValueError) as ker:
+        fm.sparse_mla_flashmla(q, kv, wide, counts, 0.05, validate=True)
+    assert str(ker.value) == str(ref.value) and "slots[t, :counts[t]]" in str(ker.value) and not fake

@@ -404,12 +404,10 @@ def test_launch_plan_from_shapes_only():
     assert ix.launch_plan(32, 8192, 2048, cpu)[:4] == (8192, True, 16, 1)
     assert ix.launch_plan(1, 100, 10, cpu)[:4] == (256, True, 4, 1)
     assert ix.launch_plan(1, 100, 10, cpu).select == ix.DEFAULT_SELECT
-    # a long row: the streamed radix by default (the compacted path is opt-in until it has run on a GPU) ...
+    # a lone long row: the compacted path by default (prefer_compact), never split under the interpreter / on the CPU
     p = ix.launch_plan(1, 131072, 2048, cpu)
-    assert not p.compact and not ix.DEFAULT_COMPACT
-    # ... the compacted path when asked for: never split under the interpreter / on the CPU
-    p = ix.launch_plan(1, 131072, 2048, cpu, compact=True)
     assert p.compact and not p.one_chunk and p.split == 1 and p.levels == () and p.cap == 4096
+    assert ix.launch_plan(1, 131072, 2048, cpu, compact=True) == p
     assert p.sample == 8192  # ~180 sample keys at or above the bound: 131072 * 180 / sqrt(2048 * 4096) -> 8192
     p = ix.launch_plan(1, 131072, 2048, cpu, split=16, compact=True)
     assert p.compact and p.split == 16
@@ -418,6 +416,42 @@ def test_launch_plan_from_shapes_only():
     p = ix.launch_plan(1, 131072, 2048, cpu, split=16, compact=False)
     # 16 segments of 8192 keys -> 32768 candidates -> 4 segments -> 8192 candidates -> the last launch
     assert p.split == 16 and p.one_chunk and p.tile == 8192 and p.levels == (16, 4) and not p.compact
+
+
+def test_compacted_path_is_chosen_by_shape_and_an_explicit_compact_wins():
+    """``compact=None``: :func:`prefer_compact` (at most COMPACT_MAX_ROWS rows of at least COMPACT_MIN_COLS columns,
+    a candidate list that fits a tile), and never for a row that fits one tile; ``compact=True/False`` overrides
+    it both ways. The plan records the choice."""
+    cpu = torch.device("cpu")
+    rows_max, cols_min = ix.COMPACT_MAX_ROWS, ix.COMPACT_MIN_COLS
+    assert cols_min > ix.MAX_TILE  # the rule only ever concerns rows longer than a tile
+    # (rows, cols, k) -> compacted by default? The measured shapes (k = 2048) first.
+    cases = {
+        (1, 131072, 2048): True,  # measured 2.2x faster compacted
+        (1, 32768, 2048): True,  # measured 1.9x faster
+        (32, 131072, 2048): False,  # measured 4x slower compacted
+        (rows_max, cols_min, 2048): True,
+        (rows_max, cols_min - 1, 2048): False,
+        (rows_max + 1, cols_min, 2048): False,
+        (1024, 32768, 2048): False,
+        (1, 8192, 2048): False,  # one tile
+        (1, 131072, ix.MAX_TILE // 2): True,  # the largest k whose list fits a tile
+        (1, 131072, ix.MAX_TILE // 2 + 1): False,
+    }
+    for (rows, cols, k), want in cases.items():
+        assert ix.prefer_compact(rows, cols, k) == want, (rows, cols, k)
+        assert ix.launch_plan(rows, cols, k, cpu).compact == want, (rows, cols, k)
+        # an explicit choice wins either way (True only where the list fits a tile, and the row does not fit one)
+        assert not ix.launch_plan(rows, cols, k, cpu, compact=False).compact
+        forced = ix.launch_plan(rows, cols, k, cpu, compact=True)
+        assert forced.compact == (ix.compact_cap(k) > 0), (rows, cols, k)
+    assert ix.prefer_compact(1, 1 << 20, 2048)  # no upper bound on the row length
+    # the workspace follows the same choice: int64 words for the compacted plan, none / float32 pairs otherwise
+    s = torch.zeros(1, cols_min)
+    assert ix.workspace_for(s, 2048).dtype == torch.int64
+    assert ix.workspace_for(s, 2048, compact=False) is None
+    assert ix.workspace_for(torch.zeros(2, cols_min), 2048) is None
+    assert ix.workspace_for(torch.zeros(2, cols_min), 2048, compact=True).dtype == torch.int64
 
 
 def test_multi_level_split(kernel_device):
@@ -629,8 +663,9 @@ GPU_CONFIGS = [
     (600, 1024, 128, 4, 2, 3, True, None),  # brings the total past 10 000 rows (it was 9 512)
 ]
 
-#: The paths the differential test runs every config through: the default plan (rows in registers by the
-#: count search, long rows compacted), and the streamed radix path with its split levels (today's fallback).
+#: The paths the differential test runs every config through: the default plan (rows in registers by the default
+#: select; long rows streamed, or compacted where :func:`prefer_compact` says so), and the streamed radix path with
+#: its split levels (the compacted path's fallback). The compacted path itself: test_gpu_compacted_paths_at_scale.
 GPU_PATHS = {"default": dict(), "streamed": dict(compact=False, select="radix")}
 
 
@@ -669,8 +704,8 @@ def test_gpu_rank_local_matches_the_reference(cuda_device):
         [
             (1000, 4096, 2048, None, dict()),  # a row in registers (search)
             (1000, 8192, 2048, None, dict(select="radix")),
-            (400, 32768, 2048, None, dict()),  # compacted, one program per row
-            (32, 131072, 2048, 16, dict()),  # compacted, 16 segments per row
+            (400, 32768, 2048, None, dict(compact=True)),  # compacted, one program per row
+            (32, 131072, 2048, 16, dict(compact=True)),  # compacted, 16 segments per row
             (200, 20000, 777, 3, dict(compact=False)),  # streamed, split levels
         ]
     ):
@@ -694,7 +729,7 @@ def test_gpu_compacted_paths_at_scale(cuda_device):
         ]
     ):
         s, lengths, starts = make_cases(rows, cols, 400 + c, cuda_device, with_starts=c % 2 == 1)
-        plan = ix.launch_plan(rows, cols, k, cuda_device, split=split)
+        plan = ix.launch_plan(rows, cols, k, cuda_device, split=split, compact=True)  # asked for: not by shape
         assert plan.compact
         if hide:  # the sampled keys of every row made its smallest: the bound misses, the fallback runs
             for r in range(0, rows, 3):
@@ -702,8 +737,8 @@ def test_gpu_compacted_paths_at_scale(cuda_device):
                 pos = (torch.arange(plan.sample, device=cuda_device) * n) // plan.sample
                 base = 0 if starts is None else int(starts[r])
                 s[r, base + pos[pos < n]] = -1e30
-        ws = ix.workspace_for(s, k, split=split)
-        check(s, lengths, k, DcpGeometry(2, 1), starts, split=split, workspace=ws)
+        ws = ix.workspace_for(s, k, split=split, compact=True)
+        check(s, lengths, k, DcpGeometry(2, 1), starts, split=split, workspace=ws, compact=True)
         for p, cnt in zip(*torch.unique(ix.compact_paths(ws), return_counts=True)):
             seen[int(p)] += int(cnt)
     assert seen[1] and seen[2] and seen[4], seen
@@ -739,8 +774,8 @@ def test_gpu_spot_check_against_brute_force(cuda_device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cols,split,compact,order", [
-    (8192, 1, None, "global_id"), (32768, 1, None, "global_id"), (32768, 1, None, "rank_local"),
-    (131072, 16, None, "global_id"), (131072, 4, None, "rank_local"), (131072, 16, False, "global_id"),
+    (8192, 1, None, "global_id"), (32768, 1, True, "global_id"), (32768, 1, True, "rank_local"),
+    (131072, 16, True, "global_id"), (131072, 4, True, "rank_local"), (131072, 16, False, "global_id"),
 ])  # fmt: skip
 def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, order):
     """Captured once with out= (and the planned workspace=); replayed on new scores and lengths in place. The
@@ -789,7 +824,7 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, or
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split,compact", [(1, None), (4, None), (4, False)])
+@pytest.mark.parametrize("split,compact", [(1, None), (1, True), (4, True), (4, False)])
 def test_gpu_validate_false_makes_no_host_sync(cuda_device, split, compact):
     """validate=False with out= and workspace=: no synchronising CUDA call (sync debug mode raises)."""
     rows, cols, k = 8, 40000, 512

@@ -408,8 +408,6 @@ PTX_CONFIGS = [
     ("rank_local", 8, 2048, 2048, 1, 64, 4, "lean", True, False, False, True, None, 8, 4),  # split: a cluster
     ("global_id", 5, 100, 64, 2, 8, 2, "lean", True, False, True, False, None, 8, 2),  # split, division, 64-bit
 ]
-# pass_loop="vote" for these (index into PTX_CONFIGS): the warp-vote radix passes
-VOTE_PTX = {2, 7}
 
 
 @pytest.mark.parametrize("n", range(len(PTX_CONFIGS)), ids=lambda n: "-".join(map(str, PTX_CONFIGS[n][:8])))
@@ -441,7 +439,6 @@ def test_cutedsl_compiles_to_sm90a_ptx(n):
         min_ctas=conf[1] if conf else -1,
         first_bits=fb,
         split=split,
-        pass_loop="vote" if n in VOTE_PTX else "branch",
     )
     with tempfile.TemporaryDirectory() as d:
         ptx, cubin = compile_artifacts(c, d)
@@ -455,7 +452,6 @@ def test_cutedsl_compiles_to_sm90a_ptx(n):
     assert (".minnctapersm" in ptx) == (kern.min_ctas > 1)
     # split: histograms summed over the cluster through distributed shared memory, cluster barriers
     assert ("mapa.shared::cluster" in ptx) == ("barrier.cluster.wait" in ptx) == (split > 1)
-    assert ("vote.sync.any" in ptx) == (n in VOTE_PTX)
     words = vec * (1 if order == "rank_local" else 2)
     if words > 1:
         assert f"ld.global.v{words}." in ptx  # the vectorised candidate loads
@@ -486,7 +482,6 @@ def test_config_is_a_frozen_hashable_key_and_checks_itself():
         (dict(split=3), "split"),
         (dict(world=3, kloc=7, split=2), "split"),
         (dict(threads=256, world=8, kloc=2048, vec=1), "threads"),
-        (dict(pass_loop="fast"), "pass_loop"),
     ):
         kw = dict(order="rank_local", world=2, kloc=8, k=4) | bad
         with pytest.raises(ValueError, match=match):
@@ -604,10 +599,6 @@ GPU_CONFIGS = [
     (2, 2048, 2048, 1, 64, 200, False, {"split": 2, "config": (256, 0)}),
     (4, 1000, 777, 3, 6, 200, False, {"vec": 1, "split": 8}),
     (1, 64, 32, 1, 16, 200, False, {"split": 2}),
-    # the vote loop of the radix passes
-    (8, 2048, 2048, 2, 64, 200, False, {"pass_loop": "vote", "split": 4}),
-    (3, 7, 5, 1, 4, 300, False, {"pass_loop": "vote"}),
-    (5, 130, 300, 2, 8, 300, True, {"pass_loop": "vote", "variant": "regs"}),
 ]
 
 

@@ -430,27 +430,51 @@ def test_flashmla_attention_conforms_on_gpu(cuda_device: torch.device) -> None:
 @pytest.mark.gpu
 def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     """Every GPU stage of the "kernels" Stages at DeepSeek's head geometry, then the step on 2 ranks."""
+    from dcp_ref.group import SimulatedWorld
     from dcp_ref.kernels.stages import kernel_stages
+    from dcp_ref.stages import StepSpec
+    from dcp_ref.step import PlannedStep
 
     ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
+
+    def planned(max_tokens: int):  # the Stages a step plans from ks (its prepare hook picks the attention by T)
+        spec = StepSpec(
+            DcpGeometry(2, 0),
+            max_tokens=max_tokens,
+            topk=64,
+            num_heads=128,
+            head_dim=576,
+            v_dim=512,
+            sm_scale=0.5,
+            dtype=torch.bfloat16,
+            device=cuda_device,
+        )
+        return PlannedStep(SimulatedWorld(2).groups[0], spec, ks).stages
+
+    # check_step's cases: 2 ranks x 64 heads, up to 2 requests x 2 MTP tokens, so T in [1, 4]; each case's step
+    # plans what a plan for T = 1 and for T = 4 plans (the same stages, checked), which check_step then runs.
+    step_stages = planned(4)
+    assert step_stages.impls() == planned(1).impls(), (step_stages.impls(), planned(1).impls())
     check_indexer(ks.indexer, device=cuda_device, max_examples=GPU_EXAMPLES)  # strided lengths: see the CPU test
     check_select(ks.select, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, compact=False, device=cuda_device, max_examples=GPU_EXAMPLES)  # masked
-    check_attention(
-        ks.attention,
-        dtype=torch.bfloat16,
-        head_dim=576,
-        v_dim=512,
-        num_heads=128,
-        slots_width=64,
-        device=cuda_device,
-        noncontig=False,
-        max_examples=40,
-    )
+    # Every attention a plan may run: the one planned for these small steps, and ks's own (planned beyond them).
+    for attention in dict.fromkeys((step_stages.attention, ks.attention)):
+        check_attention(
+            attention,
+            dtype=torch.bfloat16,
+            head_dim=576,
+            v_dim=512,
+            num_heads=128,
+            slots_width=64,
+            device=cuda_device,
+            noncontig=False,
+            max_examples=40,
+        )
     check_merge(ks.merge, dtype=torch.bfloat16, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_step(
-        ks,
+        step_stages,
         device=cuda_device,
         dtype=torch.bfloat16,
         world_sizes=(2,),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short device call (the H200, kind nvidia-h200): the layer benchmark at the shapes the issues name, in
-# priority order, then the quick GPU tests of the new launch path and the scoring kernels. Carries the CuTeDSL
+# priority order, then the quick GPU tests of the scoring kernels. Carries the CuTeDSL
 # bundle (the owner-local select-to-slots kernel); without FlashMLA the bf16 attention is the split-KV kernel.
 #   run(carry=[".gpu/cute"], command="tools/gpu_layer_quick.sh")
 set -uo pipefail
@@ -14,5 +14,5 @@ rows="$rows,dcp:8:32:8192:bf16:0,tp:8:32:8192:bf16:0,dcp:8:32:65536:bf16:0,tp:8:
 rows="$rows,dcp:2:32:8192:bf16:0,tp:2:32:8192:bf16:0,dcp:1:32:8192:bf16:1,dcp:4:32:32768:bf16:0,tp:4:32:32768:bf16:0"
 timeout "${LAYER_S:-170}" python3 benchmarks/bench_layer.py --out "$out" --budget-s "${BUDGET_S:-140}" --configs "$rows" \
   2>&1 | tee "$out/bench_layer.log"
-timeout 60 python3 -m pytest -m gpu -q tests/test_launch.py tests/test_scoring.py -p no:cacheprovider \
+timeout 60 python3 -m pytest -m gpu -q tests/test_scoring.py -p no:cacheprovider \
   --junitxml="$out/junit_quick.xml" 2>&1 | tail -5 | tee "$out/pytest_quick.txt"
