@@ -282,13 +282,13 @@ def run_shape(t: int, n: int, bw: float, floor_us: float, peers: Peers, dist: st
 
 def compact_rule() -> dict:
     """The default plan's choice between the two paths (``kernels/indexer_triton.py``), as this run used it."""
-    from dcp_ref.kernels.indexer_triton import COMPACT_MAX_ROWS, COMPACT_MIN_COLS
+    from dcp_ref.kernels import indexer_triton as ix
 
+    bounds = ("COMPACT_MIN_COLS", "COMPACT_LONG_COLS", "COMPACT_LONE_ROWS", "COMPACT_MANY_ROWS")
     return {
-        "rule": f"prefer_compact: T <= {COMPACT_MAX_ROWS} and L >= {COMPACT_MIN_COLS} (rows longer than a tile, "
-        "k <= MAX_TILE / 2)",
-        "COMPACT_MAX_ROWS": COMPACT_MAX_ROWS,
-        "COMPACT_MIN_COLS": COMPACT_MIN_COLS,
+        "rule": "prefer_compact: L >= COMPACT_MIN_COLS and (L < COMPACT_LONG_COLS or T <= COMPACT_LONE_ROWS or "
+        "T >= COMPACT_MANY_ROWS), rows longer than a tile, k <= MAX_TILE / 2",
+        **{b: getattr(ix, b) for b in bounds},
     }
 
 

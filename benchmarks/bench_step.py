@@ -322,6 +322,7 @@ def main() -> None:
     ap.add_argument("--cprofile", default=None, help="folder for cProfile reports of eager runs (T = 1, 32 at 8K)")
     ap.add_argument("--no-flashinfer", action="store_true", help="skip the FlashInfer (plan) eager column")
     ap.add_argument("--note", default=None, help="with --merge: how the run was made (kept in step.json/md)")
+    ap.add_argument("--keep", default=None, help="with --merge: an earlier step.json whose rows this run lacks stay")
     ap.add_argument("--fp8", action="store_true", help="the caches in the FP8 fp8_ds_mla layout (FlashMLA FP8 decode)")
     args = ap.parse_args()
     global CPROFILE_DIR, WITH_FLASHINFER, FP8
@@ -331,7 +332,7 @@ def main() -> None:
         CPROFILE_DIR.mkdir(parents=True, exist_ok=True)
     WITH_FLASHINFER = not args.no_flashinfer
     if args.merge:
-        merge(Path(args.merge), Path(args.out), note=args.note)
+        merge(Path(args.merge), Path(args.out), note=args.note, keep=Path(args.keep) if args.keep else None)
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -434,11 +435,37 @@ def _record_whole_step(path: Path, pairs: list, doc: dict[str, Any]) -> None:
     path.write_text(json.dumps(fp8, indent=1) + "\n")
 
 
-def merge(src: Path, out: Path, note: str | None = None) -> None:
+def _row_key(r: dict) -> tuple:
+    return (r["W"], r["T"], r["ctx"], r.get("kv_format", "native"))
+
+
+def merge(src: Path, out: Path, note: str | None = None, keep: Path | None = None) -> None:
+    """step_W*.json of ``src`` into ``out``/step.json + step.md. ``keep``: an earlier step.json whose rows this
+    run did not measure (e.g. W = 2 on a one-GPU machine) stay, each marked with the run it came from."""
     docs = [json.loads(p.read_text()) for p in sorted(src.glob("step_W*.json"))]
-    rows = [r for d in docs for r in d["rows"]]
+    rows = []
+    for d in docs:
+        for r in d["rows"]:
+            rows.append({**r, "measured_utc": d["date_utc"]})
     for r in rows:
         r.setdefault("kv_format", "native")  # rows measured before the FP8 cache existed
+    kept = []
+    if keep is not None:
+        old = json.loads(keep.read_text())
+        have = {_row_key(r) for r in rows}
+        for r in old["rows"]:
+            if _row_key(r) not in have:
+                kept.append(
+                    {**r, "measured_utc": r.get("measured_utc", old["date_utc"]), "kept_from_earlier_run": True}
+                )
+        rows += kept
+    if kept:
+        shapes = sorted({(r["W"], r.get("kv_format", "native")) for r in kept})
+        what = ", ".join(f"W = {w} {fmt}" for w, fmt in shapes)
+        note = (note + " " if note else "") + (
+            f"The rows of {what} were not re-measured in this run (kept from the earlier run of "
+            f"{sorted({r['measured_utc'] for r in kept})[0][:10]}, marked kept_from_earlier_run)."
+        )
     summary = [{**{k: r[k] for k in SUMMARY_KEYS}, "stages_us": r["stages_us"]} for r in rows]
     doc = {
         "benchmark": "benchmarks/bench_step.py",
@@ -516,7 +543,8 @@ def merge(src: Path, out: Path, note: str | None = None) -> None:
             )
     hosted = [r for r in rows if "host_us" in r]
     if hosted:
-        names = [n for n in hosted[0]["host_us"] if n not in ("run_us", "outside_stages_us")]
+        # every stage any row timed (rows of earlier runs may lack the newer stages: shown as "—")
+        names = list(dict.fromkeys(n for r in hosted for n in r["host_us"] if n not in ("run_us", "outside_stages_us")))
         lines += [
             "",
             "Where the eager step's time goes: host (CPU) time per step, µs, with no synchronisation inside "
@@ -530,7 +558,7 @@ def merge(src: Path, out: Path, note: str | None = None) -> None:
             h = r["host_us"]
             lines.append(
                 f"| {r['W']} | {r['T']} | {r['ctx']} | {r['kv_format']} | {h['run_us']:.0f} | "
-                + " | ".join(f"{h[n]:.0f}" for n in names)
+                + " | ".join(f"{h[n]:.0f}" if n in h else "—" for n in names)
                 + f" | {h['outside_stages_us']:.0f} |"
             )
     pairs = fp8_pairs(rows)

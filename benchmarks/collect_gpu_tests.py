@@ -41,6 +41,18 @@ def read(path: str) -> dict[str, dict]:
     return out
 
 
+#: Kernels of other projects that sanitize_all.py drives through this project's wrappers (FlashMLA's own CUDA
+#: kernels, FlashInfer's, CUTLASS/CUB/ATen helpers): a finding inside one is reported, attributed, but is not a
+#: finding in this project's code.
+THIRD_PARTY = re.compile(r"^(?:void )?(?:legacy::sm90|flash|flashinfer|cutlass|cute::|cub::|at::|c10::)")
+
+
+def _kernel_of(symbol: str) -> str:
+    """The kernel's name from a sanitizer's ``void ns::name<...>(args)+0x1f0``: the namespace path and name."""
+    name = symbol.removeprefix("void ").split("<")[0].split("(")[0]
+    return name.strip()
+
+
 def read_sanitizer(path: str) -> dict:
     """One compute-sanitizer report of ``sanitize_all.py``: the tool, the error/hazard count, the script's status."""
     text = Path(path).read_text(errors="replace")
@@ -48,6 +60,18 @@ def read_sanitizer(path: str) -> dict:
     m = re.findall(r"(?:ERROR|RACECHECK) SUMMARY: (\d+)", text)
     status = re.findall(r"checked launches, (\d+) mismatching, status (\d+)", text)
     skipped = re.findall(r"^(\w+): skipped \((.*)\)$", text, flags=re.M)
+    # each finding names the kernel it is in: "Race reported between Write access at SYMBOL+0x.. [N hazards]"
+    # (racecheck), "Invalid __global__ read of size 4 ... at SYMBOL+0x.." (memcheck)
+    kernels: dict[str, dict] = {}
+    for m_ in re.finditer(r"=+ (?:Error|Warning): Race reported between \w+ access at (.+?)\+0x[0-9a-f]+", text):
+        name = _kernel_of(m_.group(1))
+        k = kernels.setdefault(name, {"findings": 0, "third_party": bool(THIRD_PARTY.match(name))})
+        k["findings"] += 1
+    for m_ in re.finditer(r"=+ Invalid .*?\n=+\s+at (.+?)\+0x[0-9a-f]+", text):
+        name = _kernel_of(m_.group(1))
+        k = kernels.setdefault(name, {"findings": 0, "third_party": bool(THIRD_PARTY.match(name))})
+        k["findings"] += 1
+    ours = sum(k["findings"] for k in kernels.values() if not k["third_party"])
     return {
         "report": Path(path).name,
         "tool": tool,
@@ -56,6 +80,8 @@ def read_sanitizer(path: str) -> dict:
         "mismatches": int(status[-1][0]) if status else None,
         "launches": sum(int(n) for n in re.findall(r"^(\d+) checked launches", text, flags=re.M)) or None,
         "skipped": dict(skipped),
+        "kernels_with_findings": kernels,
+        "findings_in_this_projects_kernels": ours,
     }
 
 
@@ -105,7 +131,10 @@ def main() -> None:
         fh.write("\n")
     print(summary)
     for r in sanitizer:
-        print(f"{r['report']}: {r['tool']} {r['errors']} errors, sanitize_all status {r['script_status']}")
+        print(
+            f"{r['report']}: {r['tool']} {r['errors']} errors ({r['findings_in_this_projects_kernels']} in this "
+            f"project's kernels), sanitize_all status {r['script_status']}"
+        )
 
 
 if __name__ == "__main__":

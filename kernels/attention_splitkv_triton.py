@@ -81,7 +81,7 @@ from dcp_ref._checks import (
 )
 from dcp_ref.attention import check_sm_scale
 
-from ._util import cdiv, next_pow2, per_thread, sm_count
+from ._util import cdiv, check_flag, next_pow2, per_thread, sm_count
 
 __all__ = [
     "SPLITKV_DTYPES",
@@ -276,15 +276,25 @@ def splitkv_partial_kernel(
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FINAL: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    chk_ptr=None, CHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Phase 1: program ``(head group, split, token)`` (head group fastest: the programs that gather the same
-    rows run together and share them through L2). ``FINAL`` (one split): write the stage's outputs directly."""
+    rows run together and share them through L2). ``FINAL`` (one split): write the stage's outputs directly.
+
+    ``CHECK`` (``validate=True``): what :func:`dcp_ref.attention.check_attention_slots` refuses sets ``chk[0]``
+    to 1 with an atomic max — a count outside ``[0, K]`` (seen by program ``(0, 0, t)``, before an empty split
+    returns) or a used slot outside ``[0, S)`` (seen by the split that holds it: every used slot is in exactly
+    one non-empty split, whose programs poison the row). A good row writes nothing."""
     pid = tl.program_id(0)
     g = pid % HEAD_GROUPS
     rest = pid // HEAD_GROUPS
     sp = rest % NUM_SPLITS
     t = (rest // NUM_SPLITS).to(tl.int64)
-    cnt = tl.minimum(tl.maximum(tl.load(counts_ptr + t).to(tl.int64), 0), K)
+    raw = tl.load(counts_ptr + t).to(tl.int64)
+    cnt = tl.minimum(tl.maximum(raw, 0), K)
+    if CHECK:
+        if (g == 0) & (sp == 0) & ((raw < 0) | (raw > K)):
+            tl.atomic_max(chk_ptr, 1)
     start = sp.to(tl.int64) * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, cnt)
     if not FINAL:
@@ -314,6 +324,9 @@ def splitkv_partial_kernel(
         acc = acc * alpha[:, None]
         acc = mma(p.to(kv_v.dtype), kv_v, acc, DOT_PRECISION, UPCAST)
     poisoned = tl.max(bad_any, 0) != 0
+    if CHECK:
+        if poisoned & (g == 0):
+            tl.atomic_max(chk_ptr, 1)
     o, lse2 = finish_rows(m_i, l_i, acc, poisoned)
     v = tl.arange(0, BLOCK_DV)
     vmask = v < DV
@@ -580,7 +593,9 @@ def kv_rows_view(kv_cache: torch.Tensor, head_dim: int, name: str = "kv_cache") 
 
 
 def _validate_values(slots: torch.Tensor, counts: torch.Tensor, num_slots: int) -> None:
-    """The reference's host checks (one sync): ``0 <= counts <= K``; used slots in ``[0, num_slots)``."""
+    """The reference's host checks, with its messages: ``0 <= counts <= K``; used slots in ``[0, num_slots)``.
+
+    Run only after the kernel raised its flag (a validated call checks in phase 1, then reads the flag once)."""
     from dcp_ref.fp8_cache import check_fp8_slots  # the compact layout's checks, with the reference's messages
 
     check_values_readable(counts, "counts")
@@ -623,9 +638,12 @@ def sparse_mla_splitkv(
         out: optional ``[T, H, v_dim]`` buffer of q's dtype (any strides).  out_lse: optional float32 ``[T, H]``.
         workspace: float32 ``[plan.workspace_numel]`` from :func:`workspace_for` (allocated per call when the
             plan splits and none is given).
-        validate: check ``counts`` and the used ``slots`` on the host (one sync; the reference's messages).
-            ``False``: nothing is read on the host; counts are clamped to ``[0, K]`` on the device and a row
-            whose used slots leave ``[0, S)`` reads none of them and is poisoned (output and LSE NaN).
+        validate: check ``counts`` and the used ``slots`` as the reference does (its messages): phase 1 raises
+            a flag (the shared :func:`~dcp_ref.kernels._util.check_flag`) for a row the reference refuses, and
+            the call reads it once, after both launches (no extra launch; only a failing call reads more, to
+            name the culprit; ``out`` then holds the poisoned rows). ``False``: nothing is read on the host;
+            counts are clamped to ``[0, K]`` on the device and a row whose used slots leave ``[0, S)`` reads
+            none of them and is poisoned (output and LSE NaN).
         plan: a :func:`splitkv_plan` for these shapes (else made from the shapes and the tuning arguments).
         num_splits, block_h, block_n, num_warps, num_stages: tuning (see :func:`splitkv_plan`).
 
@@ -687,10 +705,13 @@ def sparse_mla_splitkv(
                 f"workspace must be a contiguous float32 tensor of at least {plan.workspace_numel} elements "
                 f"(workspace_for(plan, device)), got shape {tuple(workspace.shape)}"
             )
-    if validate and T:
-        _validate_values(slots, counts, S)
+    check = validate and T > 0
+    if check:  # the reference refuses a meta tensor before reading any value
+        check_values_readable(counts, "counts")
+        check_values_readable(slots, "slots")
     if T == 0 or dev.type == "meta":
         return out, out_lse  # nothing to compute (meta tensors: the shapes only, nothing read)
+    chk = check_flag(dev) if check else None
 
     split = plan.num_splits > 1
     ws_o, ws_lse = out, out_lse  # never touched with one split (the kernel writes the outputs)
@@ -708,7 +729,7 @@ def sparse_mla_splitkv(
         DV=v, DR=dr, BLOCK_DV=max(16, next_pow2(v)), BLOCK_DR=max(16, next_pow2(dr)) if dr else 16,
         BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, FINAL=not split, PAGED=s_kvb != kv_bs * s_kvr,
         DOT_PRECISION=precision, UPCAST=triton_interpreting() and q.dtype == torch.bfloat16,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, chk_ptr=chk, CHECK=chk is not None,
     )  # fmt: skip
     if split:
         cbh, cbv = plan.combine_block_h, plan.combine_block_v
@@ -719,6 +740,12 @@ def sparse_mla_splitkv(
             DV=v, BLOCK_HC=cbh, BLOCK_VC=cbv, BLOCK_S=max(2, next_pow2(plan.num_splits)),
             num_warps=plan.combine_warps,
         )  # fmt: skip
+    if chk is not None and int(chk.item()):  # the one host read of a validated call, after both launches
+        # Phase 1 raised the flag for a row the reference refuses (poisoned in `out`; nothing outside the cache was
+        # read): cleared for the next call, then the reference's checks name the culprit with its message.
+        chk.zero_()
+        _validate_values(slots, counts, S)
+        raise AssertionError("the split-KV kernel flagged a row that the reference accepts (a kernel bug)")
     return out, out_lse
 
 

@@ -39,9 +39,12 @@ with :data:`~dcp_ref.deinterleave.POISON_SLOT` (``2**31 - 1``, counted like a sl
 cache: the attention stage gives its row NaN) — every entry of a row whose request id is outside
 ``[0, B)``, an id this rank owns whose block is past the table or negative, a slot that does not
 fit below ``2**31 - 1`` (computed in int64, never wrapped into a plausible small slot).
-``validate=True`` (the default) runs the same launch, then reads **one** value: the maximum of the
-output, which is :data:`~dcp_ref.deinterleave.POISON_SLOT` exactly when the reference's value checks
-fail — and only then runs the reference's checker, which raises its precise message.
+``validate=True`` (the default) runs the same launch with its ``CHECK`` switch on: a tile (a row, for
+the row scan) that writes :data:`~dcp_ref.deinterleave.POISON_SLOT` into a counted entry — exactly
+where the reference's value checks fail — raises a flag with one atomic max (the shared per-stream
+:func:`~dcp_ref.kernels._util.check_flag`; a good tile writes nothing), and the call reads **one**
+value, that flag, after the launch: no extra launch. Only a raised flag is cleared and the reference's
+checker run, which raises its precise message. ``CHECK=False`` compiles the check out.
 """
 
 from __future__ import annotations
@@ -59,13 +62,12 @@ from dcp_ref._checks import (
     triton_interpreting,
 )
 from dcp_ref.deinterleave import (
-    POISON_SLOT,
     check_deinterleave_inputs,
     check_deinterleave_readable,
     raise_deinterleave_violation,
 )
 from dcp_ref.geometry import DcpGeometry
-from dcp_ref.kernels._util import cdiv, next_pow2
+from dcp_ref.kernels._util import cdiv, check_flag, next_pow2
 
 __all__ = [
     "deinterleave_compact",
@@ -79,6 +81,7 @@ __all__ = [
     "WARPS_RANGE",
     "deinterleave_kernel",
     "convert_tile",
+    "flag_poisoned",
     "row_setup",
     "compact_tile_atomic",
     "rowscan_kernel",
@@ -143,6 +146,15 @@ def convert_tile(
 
 
 @triton.jit
+def flag_poisoned(chk_ptr, slot, valid):
+    """``validate=True``: raise the flag ``chk[0]`` (an atomic max to 1) when a counted entry of this tile holds
+    :data:`~dcp_ref.deinterleave.POISON_SLOT` — exactly where the reference's value checks fail. A good tile
+    writes nothing; the wrapper reads the flag once after the launch."""
+    if tl.max((valid & (slot == 2147483647)).to(tl.int32), axis=0) != 0:
+        tl.atomic_max(chk_ptr, 1)
+
+
+@triton.jit
 def row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ: tl.constexpr):
     """The block-table row of query token ``row`` and whether its request id is in range."""
     if HAS_REQ:
@@ -195,9 +207,11 @@ def deinterleave_kernel(
     HAS_REQ: tl.constexpr,
     DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
     COMPACT_TO_FRONT: tl.constexpr, BLOCK: tl.constexpr,
+    chk_ptr=None, CHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(T, cdiv(K, BLOCK))``. Convert one tile; with ``COMPACT_TO_FRONT`` compact it with
-    the packed atomic counter ``ws_ptr[row]`` (int64, zero on entry, zero again on exit)."""
+    the packed atomic counter ``ws_ptr[row]`` (int64, zero on entry, zero again on exit).
+    ``CHECK`` (``validate=True``): a tile with a poisoned entry raises ``chk[0]`` (:func:`flag_poisoned`)."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -209,6 +223,8 @@ def deinterleave_kernel(
     )  # fmt: skip
     in_row = offs < K
     out_row_ptr = out_ptr + row64 * stride_or
+    if CHECK:
+        flag_poisoned(chk_ptr, slot, valid)
     if COMPACT_TO_FRONT:
         compact_tile_atomic(out_row_ptr, counts_ptr, ws_ptr, row, row64, slot, valid, in_row, K, stride_ok)
     else:
@@ -223,11 +239,13 @@ def rowscan_kernel(
     HAS_REQ: tl.constexpr,
     DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr, COMPACT: tl.constexpr,
+    chk_ptr=None, CHECK: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(T,)``: ordered compaction of one row by a sequential scan over its tiles, and its count.
 
     ``COMPACT=False`` (the masked layout): every entry stays at its position (``-1`` where not
-    here) and only the count is carried: conversion and count in one launch."""
+    here) and only the count is carried: conversion and count in one launch. ``CHECK``
+    (``validate=True``): a row with a poisoned entry raises ``chk[0]`` once, after its scan."""
     row = tl.program_id(0)
     row64 = row.to(tl.int64)
     bt_row_ptr, req_ok = row_setup(req_ptr, row, n_reqs, bt_ptr, stride_btr, HAS_REQ)
@@ -235,6 +253,8 @@ def rowscan_kernel(
     out_row_ptr = out_ptr + row64 * stride_or
     carry_v = tl.sum(tl.zeros((BLOCK,), dtype=tl.int32), axis=0)  # int32 scalar 0 (loop-carried)
     carry_i = carry_v
+    if CHECK:
+        poisoned = tl.zeros((BLOCK,), dtype=tl.int32)  # entries that hold the poison slot, over the tiles
     for start in range(0, K, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         slot, valid = convert_tile(
@@ -253,7 +273,12 @@ def rowscan_kernel(
             dest = offs
         tl.store(out_row_ptr + dest * stride_ok, tl.where(valid, slot, -1), mask=in_row)
         carry_v += tl.sum(v, axis=0)
+        if CHECK:
+            poisoned = poisoned | (valid & (slot == 2147483647)).to(tl.int32)
     tl.store(counts_ptr + row, carry_v)
+    if CHECK:
+        if tl.max(poisoned, axis=0) != 0:
+            tl.atomic_max(chk_ptr, 1)
 
 
 @triton.jit
@@ -286,8 +311,10 @@ def twopass_scatter_kernel(
     HAS_REQ: tl.constexpr,
     DCP_SIZE: tl.constexpr, DCP_RANK: tl.constexpr, DCP_INTERLEAVE: tl.constexpr, KV_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr, TILES_POW2: tl.constexpr,
+    chk_ptr=None, CHECK: tl.constexpr = False,
 ):  # fmt: skip
-    """Pass 2, grid ``(T, n_tiles)``: exclusive prefix of the tile counts, then the ordered write."""
+    """Pass 2, grid ``(T, n_tiles)``: exclusive prefix of the tile counts, then the ordered write.
+    ``CHECK`` (``validate=True``): a tile with a poisoned entry raises ``chk[0]`` (:func:`flag_poisoned`)."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -308,6 +335,8 @@ def twopass_scatter_kernel(
     pos_i = K - 1 - (base_i + tl.cumsum(inv, axis=0) - inv)
     dest = tl.where(valid, pos_v, pos_i)
     tl.store(out_ptr + row64 * stride_or + dest * stride_ok, tl.where(valid, slot, -1), mask=in_row)
+    if CHECK:
+        flag_poisoned(chk_ptr, slot, valid)
     if tile == 0:
         tl.store(counts_ptr + row, tl.sum(tile_counts, axis=0))
 
@@ -369,7 +398,7 @@ def _check_common(
     """The reference's free checks (shapes, dtypes, devices, geometry; no value read), then the device.
 
     Returns ``(geometry, device, validate)``. A validated call also refuses meta tensors here, before any
-    launch; its value checks come *after* the launch (:func:`_validated`)."""
+    launch (host only: no device op); its value checks run *in* the launch (:func:`_raise_if_flagged`)."""
     g = check_deinterleave_inputs(token_ids, req_of_token, block_table, geometry, False)
     assert isinstance(token_ids, torch.Tensor) and isinstance(block_table, torch.Tensor)
     assert req_of_token is None or isinstance(req_of_token, torch.Tensor)
@@ -390,13 +419,16 @@ def _constexprs(g: DcpGeometry) -> dict[str, int]:
     return dict(DCP_SIZE=g.world_size, DCP_RANK=g.rank, DCP_INTERLEAVE=g.interleave, KV_BLOCK=g.block_size)
 
 
-def _validated(out, token_ids, req_of_token, block_table, g: DcpGeometry) -> None:
-    """A validated call's value check, after the launch: the kernel wrote :data:`POISON_SLOT` exactly
-    where the reference's value checks fail (a request id outside ``[0, B)``, an owned id without a
-    block, a slot that does not fit below ``2**31 - 1``), so **one** reduction and one host read of
-    ``out`` decide; only then does the reference's checker run, to raise its precise message."""
-    if not out.numel() or int(out.amax()) < POISON_SLOT:
+def _raise_if_flagged(chk: torch.Tensor, token_ids, req_of_token, block_table, g: DcpGeometry) -> None:
+    """A validated call's value check, after the launch: the kernel raised ``chk`` exactly where it wrote
+    :data:`~dcp_ref.deinterleave.POISON_SLOT` into a counted entry, i.e. where the reference's value
+    checks fail (a request id outside ``[0, B)``, an owned id without a block, a slot that does not fit
+    below ``2**31 - 1``), so **one** host read of the flag decides, with no launch of its own. Only a
+    raised flag is cleared (it is shared by the calls of this stream) and the reference's checker run,
+    to raise its precise message."""
+    if not int(chk.item()):  # the one host read of a validated call
         return
+    chk.zero_()
     raise_deinterleave_violation(token_ids, req_of_token, block_table, g)
     raise AssertionError("the deinterleave kernel poisoned a row that the reference accepts (a kernel bug)")
 
@@ -439,8 +471,11 @@ def _check_aliases(token_ids, req_of_token, block_table, **outs) -> None:
     check_no_aliases(outs, dict(token_ids=token_ids, req_of_token=req_of_token, block_table=block_table))
 
 
-def _rowscan(token_ids, req_of_token, block_table, out, counts, g: DcpGeometry, b, nw, compact: bool) -> None:
-    """One :func:`rowscan_kernel` launch over all rows (``compact``: ordered compaction; else the masked layout)."""
+def _rowscan(
+    token_ids, req_of_token, block_table, out, counts, g: DcpGeometry, b, nw, compact: bool, chk: torch.Tensor | None
+) -> None:
+    """One :func:`rowscan_kernel` launch over all rows (``compact``: ordered compaction; else the masked layout;
+    ``chk``: a validated call's flag, switching the kernel's ``CHECK`` on)."""
     req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
     rowscan_kernel[(token_ids.shape[0],)](
         token_ids, req, block_table, out, counts,
@@ -448,6 +483,7 @@ def _rowscan(token_ids, req_of_token, block_table, out, counts, g: DcpGeometry, 
         token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1),
         out.stride(0), out.stride(1),
         HAS_REQ=req_of_token is not None, BLOCK=b, COMPACT=compact, num_warps=nw, **_constexprs(g),
+        chk_ptr=chk, CHECK=chk is not None,
     )  # fmt: skip
 
 
@@ -480,15 +516,17 @@ def global_ids_to_local_slots_triton(
     if t_rows == 0 or k == 0:
         return out
     req = req_of_token if req_of_token is not None else token_ids  # dummy pointer when HAS_REQ=False
+    chk = check_flag(dev) if validate else None  # CHECK=False compiles the check out
     deinterleave_kernel[(t_rows, cdiv(k, b))](
         token_ids, req, block_table, out, out, out,  # no counts, no workspace: COMPACT_TO_FRONT=False
         k, block_table.shape[0], block_table.shape[1],
         token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1),
         out.stride(0), out.stride(1),
         HAS_REQ=req_of_token is not None, COMPACT_TO_FRONT=False, BLOCK=b, num_warps=nw, **_constexprs(g),
+        chk_ptr=chk, CHECK=chk is not None,
     )  # fmt: skip
-    if validate:
-        _validated(out, token_ids, req_of_token, block_table, g)
+    if chk is not None:
+        _raise_if_flagged(chk, token_ids, req_of_token, block_table, g)
     return out
 
 
@@ -513,7 +551,7 @@ def deinterleave_masked_triton(
     separate ``(slots >= 0).sum`` would cost three more launches and two allocations).
     ``out`` / ``counts`` (int32 ``[T, K]`` / ``[T]``) are written and returned when given: then
     nothing is allocated and, with ``validate=False``, nothing is read on the host. A validated call
-    adds one reduction and one host read of ``out`` after the launch (and on a ``ValueError`` the
+    checks in the same launch and adds one host read of its flag after it (and on a ``ValueError`` the
     buffers hold the ``validate=False`` answer).
     """
     g, dev, validate = _check_common(token_ids, req_of_token, block_table, geometry, validate)
@@ -526,9 +564,10 @@ def deinterleave_masked_triton(
     if k == 0:
         counts.zero_()
         return out, counts
-    _rowscan(token_ids, req_of_token, block_table, out, counts, g, b, nw, compact=False)
-    if validate:
-        _validated(out, token_ids, req_of_token, block_table, g)
+    chk = check_flag(dev) if validate else None  # CHECK=False compiles the check out
+    _rowscan(token_ids, req_of_token, block_table, out, counts, g, b, nw, compact=False, chk=chk)
+    if chk is not None:
+        _raise_if_flagged(chk, token_ids, req_of_token, block_table, g)
     return out, counts
 
 
@@ -566,11 +605,11 @@ def deinterleave_compact(
         block, num_warps: tile width and warps, powers of two (:data:`BLOCK_RANGE`,
             :data:`WARPS_RANGE`); the defaults (per method and row count) are the H200 benchmark's
             best for K = 2048.
-        validate: as in the reference; the values are checked after the launch with one reduction
-            and one host read of ``out`` (the kernel writes :data:`POISON_SLOT` exactly where the
-            reference's checks fail; on a ``ValueError`` the buffers hold the ``validate=False``
-            answer). ``False`` on the hot path: no host read, out-of-contract metadata poisoned on
-            the device (module docstring).
+        validate: as in the reference; the values are checked in the launch, which raises a flag
+            where it writes :data:`~dcp_ref.deinterleave.POISON_SLOT` (exactly where the reference's
+            checks fail), and one host read of that flag follows it (on a ``ValueError`` the buffers
+            hold the ``validate=False`` answer). ``False`` on the hot path: no host read, out-of-contract
+            metadata poisoned on the device (module docstring).
     Returns:
         ``(out, counts)``: int32 ``[T, K]`` with the valid slots in ``out[i, :counts[i]]`` and
         ``-1`` after; int32 ``[T]``. No output buffer may share memory with an input or another
@@ -612,15 +651,16 @@ def deinterleave_compact(
     geo = dict(HAS_REQ=req_of_token is not None, BLOCK=b, num_warps=nw, **_constexprs(g))
     n_reqs, n_blocks = block_table.shape
     in_strides = (token_ids.stride(0), token_ids.stride(1), block_table.stride(0), block_table.stride(1))
+    chk = check_flag(dev) if validate else None  # CHECK=False compiles the check out
     if method == "atomic":
         deinterleave_kernel[(t_rows, n_tiles)](
             token_ids, req, block_table, out, counts, workspace,
             k, n_reqs, n_blocks,
             *in_strides, out.stride(0), out.stride(1),
-            COMPACT_TO_FRONT=True, **geo,
+            COMPACT_TO_FRONT=True, **geo, chk_ptr=chk, CHECK=chk is not None,
         )  # fmt: skip
     elif method == "rowscan":
-        _rowscan(token_ids, req_of_token, block_table, out, counts, g, b, nw, compact=True)
+        _rowscan(token_ids, req_of_token, block_table, out, counts, g, b, nw, compact=True, chk=chk)
     else:
         twopass_count_kernel[(t_rows, n_tiles)](
             token_ids, req, block_table, workspace,
@@ -633,7 +673,8 @@ def deinterleave_compact(
             k, n_reqs, n_blocks, n_tiles,
             *in_strides, out.stride(0), out.stride(1),
             TILES_POW2=next_pow2(n_tiles), **geo,
+            chk_ptr=chk, CHECK=chk is not None,  # the pass that writes the slots checks them
         )  # fmt: skip
-    if validate:
-        _validated(out, token_ids, req_of_token, block_table, g)
+    if chk is not None:
+        _raise_if_flagged(chk, token_ids, req_of_token, block_table, g)
     return out, counts

@@ -54,11 +54,10 @@ from dcp_ref._checks import (
     check_same_device,
     check_tensor,
     check_values_readable,
-    host_values,
 )
 from dcp_ref.fp8_cache import FP8_CACHE_DTYPES, FP8_DS_MLA, check_attention_layout, check_fp8_slots
 
-from ._util import cdiv, next_pow2
+from ._util import cdiv, check_flag, next_pow2
 
 __all__ = [
     "TOPK_BLOCK",
@@ -67,8 +66,8 @@ __all__ = [
     "ROW_POISONED",
     "SUPPORTED_HEADS",
     "prepare_indices",
+    "read_check",
     "finish_outputs",
-    "validate_from_row_state",
     "FlashMLAFp8Decode",
     "sparse_mla_fp8_flashmla",
 ]
@@ -104,6 +103,7 @@ def prepare_indices_kernel(
     K, K_PAD, num_slots,
     stride_s0, stride_s1,
     HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
+    chk_ptr=None, CHECK: tl.constexpr = False,
 ):  # fmt: skip
     """One program per row: ``idx[row, j] = slots[row, j]`` if it is read, else ``-1``.
 
@@ -112,11 +112,17 @@ def prepare_indices_kernel(
     ``[0, num_slots)``; the rest is ignored. Columns ``K .. K_PAD-1`` are padding (``-1``).
     ``state[row]``: 0 nothing to read, 1 something to read, 2 an entry that may not be read (the
     row is poisoned: NaN, as in the reference with ``validate=False``).
+
+    ``CHECK`` (``validate=True``): a row that :func:`dcp_ref.fp8_cache.check_fp8_slots` would refuse (a
+    poisoned row, or in the compact layout ``counts[row]`` outside ``[0, K]``) sets ``chk[0]`` to 1 with an
+    atomic max; a good row writes nothing, so the validated call's value checks are this launch plus one
+    read of ``chk``.
     """
     row = tl.program_id(0)
     limit = K
     if HAS_COUNTS:
-        limit = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int64), 0), K)
+        raw = tl.load(counts_ptr + row).to(tl.int64)
+        limit = tl.minimum(tl.maximum(raw, 0), K)
     seen = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, K_PAD, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -133,6 +139,12 @@ def prepare_indices_kernel(
         tl.store(idx_ptr + row * K_PAD + offs, tl.where(ok, s, -1).to(tl.int32), mask=offs < K_PAD)
         seen = tl.maximum(seen, tl.where(bad, 2, ok.to(tl.int32)))
     tl.store(state_ptr + row, tl.max(seen, axis=0))
+    if CHECK:
+        refused = tl.max(seen, axis=0) == 2
+        if HAS_COUNTS:
+            refused = refused | (raw < 0) | (raw > K)
+        if refused:
+            tl.atomic_max(chk_ptr, 1)
 
 
 @triton.jit
@@ -174,18 +186,29 @@ def prepare_indices(
     *,
     out: torch.Tensor | None = None,
     row_state: torch.Tensor | None = None,
+    validate: bool = False,
+    defer_read: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's indices from the step's slots: int32 ``[T, 1, K_pad]`` and a per-row flag.
 
     ``K_pad`` = ``K`` rounded up to a multiple of :data:`TOPK_BLOCK`. Every entry that is not read
     (``-1``, out of range, past ``counts[t]`` when counts are given, padding) is ``-1``: the kernel
-    never reads out of bounds. No host sync.
+    never reads out of bounds. No host sync (unless ``validate``).
 
     Args:
         slots: int32/int64 ``[T, K]``. counts: ``None`` (masked layout) or int32/int64 ``[T]``.
         num_slots: rows of the cache (an int ``>= 0``).
         out: optional int32 ``[T, 1, K_pad]`` buffer. row_state: optional int32 ``[T]`` buffer.
             Neither may share memory with an input or with the other.
+        validate: ``True``: the reference's value checks (:func:`dcp_ref.fp8_cache.check_fp8_slots`, the
+            masked layout's without ``counts``, the compact layout's with them; same messages), decided by
+            this launch: its ``CHECK`` switch raises a flag (the shared
+            :func:`~dcp_ref.kernels._util.check_flag`) for a row the reference refuses, so a validated call
+            adds **no launch**, only one host read of that flag after it (only a failing call reads more,
+            to build the message, after clearing the flag). ``False`` (the default): nothing is read.
+        defer_read: with ``validate``, raise the flag but do not read it: the caller launches work that is safe
+            on any input (FlashMLA over these indices: a poisoned row is never read), then reads it with
+            :func:`read_check` — the host does not wait between the launches.
     Returns:
         ``(indices, row_state)``: ``row_state[t]`` is :data:`ROW_EMPTY` (nothing to read),
         :data:`ROW_READ` or :data:`ROW_POISONED` (an entry that may not be read: never read, and
@@ -193,12 +216,17 @@ def prepare_indices(
     """
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
     num_slots = check_int_scalar(num_slots, "num_slots", min_value=0)
+    validate = check_bool(validate, "validate")
     T, K = slots.shape
     dev = slots.device
     if counts is not None:
         check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=dev)
         if counts.shape != (T,):
             raise ValueError(f"counts must be [T={T}], got shape {tuple(counts.shape)}")
+    if validate:  # host only (no device op): a value check needs values
+        check_values_readable(slots, "slots")
+        if counts is not None:
+            check_values_readable(counts, "counts")
     k_pad = max(TOPK_BLOCK, cdiv(K, TOPK_BLOCK) * TOPK_BLOCK)
     if out is None:
         out = torch.empty((T, 1, k_pad), dtype=torch.int32, device=dev)
@@ -217,13 +245,29 @@ def prepare_indices(
     if T == 0:
         return out, row_state
     block = min(1024, next_pow2(k_pad))
+    chk = check_flag(dev) if validate else None  # CHECK=False compiles the check out
     prepare_indices_kernel[(T,)](
         slots, counts if counts is not None else slots, out, row_state,
         K, k_pad, num_slots,
         slots.stride(0), slots.stride(1),
         HAS_COUNTS=counts is not None, BLOCK=block,
+        chk_ptr=chk, CHECK=chk is not None,
     )  # fmt: skip
+    if chk is not None and not defer_read:
+        read_check(slots, counts, num_slots)
     return out, row_state
+
+
+def read_check(slots: torch.Tensor, counts: torch.Tensor | None, num_slots: int) -> None:
+    """The one host read of a validated :func:`prepare_indices` (``slots`` / ``counts`` / ``num_slots`` as given
+    to it): when its kernel raised the flag for a row the reference refuses (a slot that may not be read, a count
+    outside ``[0, K]``), the flag is cleared for the next call and the reference's checker names the culprit."""
+    chk = check_flag(slots.device)
+    if not int(chk.item()):
+        return
+    chk.zero_()
+    check_fp8_slots(slots, counts, num_slots, "masked" if counts is None else "compact")
+    raise AssertionError("prepare_indices flagged a row that check_fp8_slots accepts (a kernel bug)")
 
 
 def finish_outputs(
@@ -279,32 +323,6 @@ def finish_outputs(
     return dst, out_lse
 
 
-def validate_from_row_state(
-    slots: torch.Tensor,
-    counts: torch.Tensor | None,
-    num_slots: int,
-    attention_layout: str,
-    row_state: torch.Tensor,
-) -> None:
-    """A validated call's value checks, from what :func:`prepare_indices` already computed on the device.
-
-    A row is :data:`ROW_POISONED` exactly when :func:`dcp_ref.fp8_cache.check_fp8_slots` would reject a
-    slot of it; in the compact layout the counts must also lie in ``[0, K]`` (the kernel clamps them).
-    So **one** small reduction and one host read decide; only a failing call runs the reference's
-    checker, which raises its precise message (naming ``slots`` or ``counts``).
-    """
-    if not row_state.numel():
-        return
-    stats = [row_state.max().to(torch.int64)]
-    if counts is not None:
-        stats += [counts.min(), counts.max()]
-    state, *cnt = host_values(*stats)
-    K = slots.shape[1]
-    if state == ROW_POISONED or (cnt and (cnt[0] < 0 or cnt[1] > K)):
-        check_fp8_slots(slots, counts, num_slots, attention_layout)
-        raise AssertionError("prepare_indices poisoned a row that check_fp8_slots accepts (a kernel bug)")
-
-
 def _check_cache(kv_cache: object) -> int:
     """Shape/dtype/stride checks of an FP8 cache for FlashMLA (no copy); returns its row count."""
     w = FP8_DS_MLA.bytes_per_token
@@ -349,9 +367,12 @@ class FlashMLAFp8Decode:
 
     Args:
         device: the CUDA device.
-        validate: check slot values on the host (one sync; ``ValueError`` like the reference
-            :func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8`). ``False`` for the hot path: an
-            entry that may not be read is then never read, and its row's output and LSE are NaN.
+        validate: check slot values (``ValueError`` like the reference
+            :func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8`), in the :func:`prepare_indices` launch
+            the call runs anyway: no extra launch, one host read of its flag after FlashMLA's kernel is
+            launched (its indices never let it read an unreadable entry; a refused call's outputs hold the
+            ``validate=False`` answer). ``False`` for the hot path: no host read; an entry that
+            may not be read is then never read, and its row's output and LSE are NaN.
     """
 
     #: The step feeds this attention the uncompacted slots (``-1`` scattered): no compaction.
@@ -467,23 +488,34 @@ class FlashMLAFp8Decode:
             cache4 = cache4.unsqueeze(2)
         k_pad = max(TOPK_BLOCK, cdiv(K, TOPK_BLOCK) * TOPK_BLOCK)
         sched, idx, row_state = self._plan(T, H, k_pad, tuple(cache4.shape))
-        prepare_indices(slots, counts, num_slots, out=idx, row_state=row_state)
+        # validate: the value checks run in this launch; its flag is read once, after FlashMLA's kernel is
+        # launched (the indices never let it read an unreadable slot), so the host does not wait in between.
+        # On a refused call the outputs then hold the validate=False answer (NaN rows), as the other stages.
+        prepare_indices(slots, counts, num_slots, out=idx, row_state=row_state, validate=validate, defer_read=True)
+        try:
+            o_raw, lse_raw = self._fm.flash_mla_with_kvcache(
+                q.unsqueeze(1),
+                cache4,
+                None,
+                None,
+                _V_DIM,
+                sched,
+                softmax_scale=float(sm_scale),
+                is_fp8_kvcache=True,
+                indices=idx,
+                use_legacy=True,
+            )
+            # out [T, 1, H, 512]; lse [T, H, 1] (legacy) or [T, 1, H]: one dim is 1 either way.
+            res = finish_outputs(
+                o_raw.reshape(T, H, _V_DIM), lse_raw.reshape(T, H), row_state, out=out, out_lse=out_lse
+            )
+        except BaseException:
+            if validate:
+                check_flag(slots.device).zero_()  # a call that stops before its read leaves the shared flag clear
+            raise
         if validate:
-            validate_from_row_state(slots, counts, num_slots, attention_layout, row_state)
-        o_raw, lse_raw = self._fm.flash_mla_with_kvcache(
-            q.unsqueeze(1),
-            cache4,
-            None,
-            None,
-            _V_DIM,
-            sched,
-            softmax_scale=float(sm_scale),
-            is_fp8_kvcache=True,
-            indices=idx,
-            use_legacy=True,
-        )
-        # out [T, 1, H, 512]; lse [T, H, 1] (legacy) or [T, 1, H]: one dim is 1 either way.
-        return finish_outputs(o_raw.reshape(T, H, _V_DIM), lse_raw.reshape(T, H), row_state, out=out, out_lse=out_lse)
+            read_check(slots, counts, num_slots)
+        return res
 
     __call__ = attention
 

@@ -126,7 +126,9 @@ __all__ = [
     "DEFAULT_RADIX_BITS",
     "DEFAULT_SELECT",
     "DEFAULT_PIVOTS",
-    "COMPACT_MAX_ROWS",
+    "COMPACT_LONE_ROWS",
+    "COMPACT_LONG_COLS",
+    "COMPACT_MANY_ROWS",
     "COMPACT_MIN_COLS",
     "prefer_compact",
     "SELECTS",
@@ -934,15 +936,18 @@ MAX_TILE = 8192
 #: compacted kernel takes 128 registers at 2048 keys and 8 warps, 255 at 4096: two programs per SM, or one.)
 STREAM_TILE = 2048
 
-#: :func:`prefer_compact`'s bounds — provisional, from three shapes. Measured on the H200 (CUDA-graph replay,
-#: k = 2048, each path with its default plan otherwise; the compacted path exact there and memcheck-clean),
-#: compacted against the streamed radix: T = 1, L = 131072: 26.6 vs 58.5 us (2.2x faster); T = 1, L = 32768:
-#: 19.3 vs 37.0 us; but T = 32, L = 131072: 490.5 vs 121.6 us (4x slower). So only a lone row (whose segments
-#: fill the GPU) of at least 32768 keys takes it. ``benchmarks/bench_local_topk.py`` times both paths at every
-#: long-row shape and records, per shape, which is faster and whether this rule picks it (``local_topk.json``,
-#: key ``compact_vs_streamed``, ``rule_agrees``): refine these constants from it.
-COMPACT_MAX_ROWS = 1
+#: :func:`prefer_compact`'s bounds, from both paths timed at every long-row shape on the H200 (2026-12-01,
+#: ``benchmarks/results/local_topk.json``, key ``compact_vs_streamed``; CUDA-graph replay, k = 2048, normal
+#: scores; compacted vs streamed radix, us): faster at T = 1, L = 32768 (19.3 vs 37.0) and 131072 (26.5 vs 59.2);
+#: at L = 32768 also for T = 32 (38.7 vs 50.7), 128 (51.6 vs 112.2) and 1024 (279.5 vs 791.6); at L = 131072 for
+#: T = 1024 (1745 vs 3975) — but slower at T = 32 (491.7 vs 121.9, 4x) and T = 128 (580.7 vs 563.5). So rows of at
+#: least COMPACT_MIN_COLS keys take it, except, from COMPACT_LONG_COLS keys on, a middle count of rows (more than
+#: COMPACT_LONE_ROWS, fewer than COMPACT_MANY_ROWS). L = 65536 and T between 128 and 1024 were not measured: the
+#: bounds keep those shapes on the streamed path, the measured one, until a run shows the compacted one faster.
 COMPACT_MIN_COLS = 32768
+COMPACT_LONG_COLS = 65536
+COMPACT_LONE_ROWS = 1
+COMPACT_MANY_ROWS = 1024
 
 #: Aim of the compacted path's sample: about this many sample keys at or above the bound (the bound's
 #: count is then known to ~1/sqrt of it: 7 %).
@@ -1001,10 +1006,13 @@ def _auto_segments(rows: int, n_cols: int, device: torch.device) -> int:
 
 def prefer_compact(rows: int, n_cols: int, k: int) -> bool:
     """Whether :func:`launch_plan` takes the compacted path by default (``compact=None``) for ``rows`` rows of
-    ``n_cols`` columns and ``k`` winners: where it measured faster than the streamed radix — at most
-    :data:`COMPACT_MAX_ROWS` rows of at least :data:`COMPACT_MIN_COLS` columns — and its candidate list fits a
-    tile (:func:`compact_cap`). A row that fits one tile is never compacted (:func:`launch_plan`)."""
-    return rows <= COMPACT_MAX_ROWS and n_cols >= COMPACT_MIN_COLS and compact_cap(k) > 0
+    ``n_cols`` columns and ``k`` winners: where it measured faster than the streamed radix — rows of at least
+    :data:`COMPACT_MIN_COLS` columns, and from :data:`COMPACT_LONG_COLS` columns on only a lone row
+    (:data:`COMPACT_LONE_ROWS`) or many (:data:`COMPACT_MANY_ROWS`) — and its candidate list fits a tile
+    (:func:`compact_cap`). A row that fits one tile is never compacted (:func:`launch_plan`)."""
+    if n_cols < COMPACT_MIN_COLS or compact_cap(k) == 0:
+        return False
+    return n_cols < COMPACT_LONG_COLS or rows <= COMPACT_LONE_ROWS or rows >= COMPACT_MANY_ROWS
 
 
 def launch_plan(

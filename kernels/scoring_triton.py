@@ -39,12 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_int_scalar, triton_interpreting
+from dcp_ref._checks import check_bool, check_int_scalar, check_values_readable, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.index_cache import INDEX_K_FP8
 from dcp_ref.scoring import ScoringArgs, check_scoring_inputs
 
-from ._util import cdiv, next_pow2, sm_count
+from ._util import cdiv, check_flag, next_pow2, sm_count
 
 __all__ = [
     "row_meta",
@@ -55,6 +55,7 @@ __all__ = [
     "score_tile",
     "fill_non_keys",
     "index_scores_kernel",
+    "index_scores_check_kernel",
     "KERNEL_Q_DTYPES",
     "ScoringPlan",
     "scoring_plan",
@@ -181,12 +182,24 @@ def index_scores_kernel(
     sq_t, sq_h, sq_d, sw_t, sw_h, sbt_r, sbt_c, so_t,
     HAS_STARTS: tl.constexpr, Q_FP8: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, SCAN_N: tl.constexpr,
+    chk_ptr=None, CHECK: tl.constexpr = False, CLEAR: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid ``(T, cdiv(n_cols, BLOCK_N * TILES))``: token ``t``'s keys and columns of ``TILES`` tiles."""
+    """Grid ``(T, cdiv(n_cols, BLOCK_N * TILES))``: token ``t``'s keys and columns of ``TILES`` tiles.
+
+    ``CHECK`` (``validate=True``): a row the reference refuses is exactly a poisoned row (the same
+    conditions, :func:`row_poisoned`), so program ``(t, 0)`` of such a row sets ``chk[0]`` to 1 with an
+    atomic max; a good row writes nothing. ``CLEAR``: program ``(0, 0)`` zeroes ``chk[0]`` (the width
+    the check kernel left there, already read on the host)."""
     t = tl.program_id(0)
     p = tl.program_id(1)
     req, bound, start = row_meta(req_ptr, bound_ptr, start_ptr, t, HAS_STARTS)
     bad = row_poisoned(bt_ptr, sbt_r, sbt_c, req, bound, start, n_req, n_tbl, n_blocks, n_cols, block_size, SCAN_N)
+    if CHECK:
+        if bad & (p == 0):
+            tl.atomic_max(chk_ptr, 1)
+    if CLEAR:
+        if (t == 0) & (p == 0):
+            tl.store(chk_ptr, tl.zeros([], tl.int64))
     q, w = load_query(q_ptr, w_ptr, t, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
     out_row = out_ptr + t.to(tl.int64) * so_t
     bt_row = bt_ptr + tl.minimum(tl.maximum(req, 0), tl.maximum(n_req - 1, 0)) * sbt_r
@@ -202,6 +215,33 @@ def index_scores_kernel(
         keys, scale = load_key_tile(cache_u8, cache_f32, phys, off, valid, block_size, D)
         s = score_tile(q, w, keys, scale, Q_FP8)
         tl.store(out_row + start + idx, s, mask=valid)
+
+
+@triton.jit
+def index_scores_check_kernel(
+    bt_ptr, req_ptr, bound_ptr, start_ptr, chk_ptr,
+    n_req, n_tbl, n_blocks, n_cols, block_size, sbt_r, sbt_c,
+    HAS_STARTS: tl.constexpr, WIDTH: tl.constexpr, SCAN_N: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(T,)``: a validated call's value checks where the scoring kernel cannot run them — its width is
+    not known yet (``out=None``), or it has no column to score (``L == 0``) and is not launched.
+
+    Row ``t`` out of contract (:func:`row_poisoned`, width ``n_cols``) raises ``chk[0]`` with an atomic max:
+    to 1, or with ``WIDTH`` (``n_cols`` is then :data:`NO_WIDTH`: no width to check) to ``NO_WIDTH``; a good
+    row with ``WIDTH`` raises it to ``row_starts[t] + local_bounds[t]``, so the one host read gives the width
+    ``L = max(row_starts + local_bounds)`` and the verdict together. (An end that wrapped below 0 or reaches
+    ``NO_WIDTH`` gives ``NO_WIDTH`` too: the host's own check decides.)"""
+    t = tl.program_id(0)
+    req, bound, start = row_meta(req_ptr, bound_ptr, start_ptr, t, HAS_STARTS)
+    bad = row_poisoned(bt_ptr, sbt_r, sbt_c, req, bound, start, n_req, n_tbl, n_blocks, n_cols, block_size, SCAN_N)
+    if WIDTH:
+        end = start + bound
+        code = tl.where(bad | (end < 0), n_cols, end)
+        if code > 0:
+            tl.atomic_max(chk_ptr, code)
+    else:
+        if bad:
+            tl.atomic_max(chk_ptr, 1)
 
 
 class ScoringPlan(NamedTuple):
@@ -291,12 +331,19 @@ def index_scores_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """This rank's index scores ``[T, L]`` from its FP8 index-key cache, on the GPU (one launch).
+    """This rank's index scores ``[T, L]`` from its FP8 index-key cache, on the GPU (one launch with ``out``).
 
     Same arguments, result (up to float32 rounding: the kernel accumulates in float32, the
     reference in float64), checks and messages as :func:`dcp_ref.scoring.index_scores`, whose
     docstring states the contract and the ``validate=False`` poison rule; ``index_q`` may be
     float8_e4m3fn, fp16, bf16 or float32 here.
+
+    ``validate=True`` checks the values on the device, from the rule the kernel poisons by (a row the
+    reference refuses is exactly a poisoned row): the scoring launch raises a flag (the shared
+    :func:`~dcp_ref.kernels._util.check_flag`) and the call reads it once, after the launch; only a failing
+    call reads more, to raise the reference's message (``out`` then holds the poisoned rows). Without
+    ``out`` the width ``max(row_starts + local_bounds)`` is the values' too: a small check kernel first
+    gives it and the verdict in the same one read (two launches).
 
     Tuning (see :func:`scoring_plan`): ``block_n`` keys per tile (power of two, 16-512), ``tiles``
     tiles per program, ``num_warps``, ``num_stages``.
@@ -304,26 +351,81 @@ def index_scores_triton(
     Returns:
         float32 ``[T, L]`` (``out`` when given).
     """
-    a = check_scoring_inputs(
-        index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts, out, validate
-    )  # fmt: skip
-    _check_device(index_q)
+    validate = check_bool(validate, "validate")
+    # The reference's free checks, in its order (types, shapes, devices); its value checks run on the device.
+    # Without `out`, a validated call's width is max(row_starts + local_bounds), which only the values give:
+    # n_cols=0 stands for it here, and the check kernel reads it with the verdict.
+    width_from_values = validate and out is None
+    args = (index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts, out)
+    a = check_scoring_inputs(*args, False, n_cols=0 if width_from_values else None)
     assert a.L is not None
     T, L = a.T, a.L
-    plan = scoring_plan(T, L, index_q.device, block_n=block_n, tiles=tiles, num_warps=num_warps, num_stages=num_stages)
-    if out is None:
-        out = torch.empty((T, L), dtype=torch.float32, device=index_q.device)
-    if T == 0 or L == 0:
-        return out
-    q, cache_u8, cache_f32 = kernel_views(a, index_q)
+    dev = index_q.device
+    check = validate and T > 0
+    if check:  # the reference refuses a meta tensor before reading any value
+        for name, tensor in (("req_of_token", req_of_token), ("local_bounds", local_bounds),
+                             ("row_starts", row_starts), ("block_table", block_table)):  # fmt: skip
+            if tensor is not None:
+                check_values_readable(tensor, name)
+    tuning = dict(block_n=block_n, tiles=tiles, num_warps=num_warps, num_stages=num_stages)
+    try:
+        _check_device(index_q)
+        plan = scoring_plan(T, L, dev, **tuning)  # (without `out`: planned again once the width is known)
+    except (TypeError, ValueError):
+        if check:  # the reference's value checks came first: a bad value is still the error reported
+            check_scoring_inputs(*args, True)
+        raise
     starts = row_starts if row_starts is not None else local_bounds  # never read without HAS_STARTS
-    index_scores_kernel[(T, plan.programs)](
-        q, weights, cache_u8, cache_f32, block_table, req_of_token, local_bounds, starts, out,
-        a.B, a.M, a.num_blocks, L, a.H, a.block_size,
-        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
-        block_table.stride(0), block_table.stride(1), out.stride(0),
-        HAS_STARTS=row_starts is not None, Q_FP8=index_q.dtype == torch.float8_e4m3fn,
-        H_PAD=max(16, next_pow2(a.H)), D=INDEX_K_FP8.head_dim, BLOCK_N=plan.block_n, TILES=plan.tiles, SCAN_N=SCAN,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )  # fmt: skip
+    meta = (block_table, req_of_token, local_bounds, starts)
+    chk = check_flag(dev) if check else None
+    clear = False  # whether the scoring launch zeroes the flag (the width the check kernel left in it)
+    if chk is not None and (width_from_values or L == 0):
+        # No scoring launch can check these values (the width is not known yet, or there is no column to score):
+        # the check kernel does, and its flag is the one host read (without `out` it carries the width too).
+        index_scores_check_kernel[(T,)](
+            *meta, chk, a.B, a.M, a.num_blocks, NO_WIDTH if width_from_values else L, a.block_size,
+            block_table.stride(0), block_table.stride(1),
+            HAS_STARTS=row_starts is not None, WIDTH=width_from_values, SCAN_N=SCAN,
+        )  # fmt: skip
+        code = int(chk.item())  # the one host read of this validated call
+        if width_from_values and code < NO_WIDTH:
+            L, clear = code, code > 0  # every row is in contract; a width of 0 left the flag at 0
+        elif code:
+            chk.zero_()
+            a = check_scoring_inputs(*args, True)  # raises the reference's message
+            if not width_from_values:
+                raise AssertionError("the scoring check flagged a row that the reference accepts (a kernel bug)")
+            assert a.L is not None
+            L = a.L  # an end too large for the flag's code (>= 2**62): the host's width
+        chk, check = (chk if clear else None), False
+    try:
+        if width_from_values:
+            plan = scoring_plan(T, L, dev, **tuning)
+            out = torch.empty((T, L), dtype=torch.float32, device=dev)
+        elif out is None:
+            out = torch.empty((T, L), dtype=torch.float32, device=dev)
+        if T == 0 or L == 0:
+            return out
+        q, cache_u8, cache_f32 = kernel_views(a, index_q)
+        index_scores_kernel[(T, plan.programs)](
+            q, weights, cache_u8, cache_f32, *meta, out,
+            a.B, a.M, a.num_blocks, L, a.H, a.block_size,
+            q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+            block_table.stride(0), block_table.stride(1), out.stride(0),
+            HAS_STARTS=row_starts is not None, Q_FP8=index_q.dtype == torch.float8_e4m3fn,
+            H_PAD=max(16, next_pow2(a.H)), D=INDEX_K_FP8.head_dim, BLOCK_N=plan.block_n, TILES=plan.tiles,
+            SCAN_N=SCAN, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            chk_ptr=chk, CHECK=check, CLEAR=clear,
+        )  # fmt: skip
+    except BaseException:
+        if clear:  # the launch that was to zero the flag did not run
+            assert chk is not None
+            chk.zero_()
+        raise
+    if check and chk is not None and int(chk.item()):  # the one host read of a validated call
+        # The kernel raised the flag for a row the reference refuses (that row is poisoned in `out`): cleared for
+        # the next call, then the reference's checks name the culprit with its message.
+        chk.zero_()
+        check_scoring_inputs(*args, True)
+        raise AssertionError("the scoring kernel flagged a row that the reference accepts (a kernel bug)")
     return out

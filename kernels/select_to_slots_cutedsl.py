@@ -47,10 +47,18 @@ histogram merges cost more than the 1/C of the work saves). A warp-vote form of 
 ``W``, ``K``, ``k``, ``I``, ``bs``, the index dtypes and the CTA shape are compile-time constants
 (:class:`SelectToSlotsConfig`, the compile cache key); ``rows``, ``rank``, ``B``, ``M`` and the strides of
 ``req_of_token`` / ``block_table`` / ``own_ids`` are runtime arguments. The wrapper
-(:func:`select_to_slots_cutedsl`) validates exactly as the reference (the shared
+(:func:`select_to_slots_cutedsl`) refuses exactly what the reference refuses, with its messages (the shared
 :func:`dcp_ref.select_to_slots.check_select_to_slots_inputs`), then with ``out_slots`` / ``out_counts`` given
 and ``validate=False`` allocates nothing and reads nothing on the host (CUDA-graph capturable). Compilation
 runs under :data:`dcp_ref.kernels.stages.KERNEL_LOCK` (CuTeDSL compiles are not thread-safe).
+
+**Validated call** (``validate=True``): the shape checks, then the values in one launch of a small Triton
+kernel before the CuTeDSL one (:func:`select_check_kernel`: ids, duplicate ids through a hash table, ``own_ids``,
+request ids, every selectable candidate's block of this rank) that raises the shared per-stream flag
+(:func:`~dcp_ref.kernels._util.check_flag`), and one host read of it. Only a raised flag runs the reference's
+check (which computes the selection, so that it names the exact culprit) after clearing the flag; the check
+kernel asks for the block of *every* candidate of this rank, not only the winners', so a losing candidate
+without a block is a false alarm that the reference's check then lets through (slow, never wrong).
 
 Limits: ``W*K <= 32768`` candidates per row (as the stable top-K: at most 32 keys per thread).
 """
@@ -64,14 +72,17 @@ from typing import Any
 import cutlass
 import cutlass.cute as cute
 import torch
+import triton
+import triton.language as tl
 from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from dcp_ref._checks import check_bool, check_values_readable, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
-from dcp_ref.select_to_slots import ORDERS, SENTINEL_SLOT, check_select_to_slots_inputs
+from dcp_ref.select_to_slots import ORDERS, SENTINEL_SLOT, SelectToSlotsInputs, check_select_to_slots_inputs
 
-from ._util import cdiv
+from ._util import cdiv, check_flag, next_pow2
 from .topk_cutedsl import (
     FIRST_BITS,
     MASK32,
@@ -99,6 +110,8 @@ __all__ = [
     "compile_to_ptx",
     "compile_artifacts",
     "cubin_resources",
+    "select_check_kernel",
+    "check_select_to_slots_values",
     "select_to_slots_cutedsl",
 ]
 
@@ -1133,6 +1146,279 @@ def make_config(
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# The validated call's value checks: one Triton launch that raises a flag, one host read.
+# ---------------------------------------------------------------------------------------------
+
+#: The most entries (int64) of the duplicate-id hash table: 32 MiB. It holds 4 entries per candidate (a load
+#: factor of at most 1/4); a call with more candidates runs the check in several launches (row groups), still with
+#: one host read.
+_HASH_MAX = 1 << 22
+#: The smallest hash table.
+_HASH_MIN = 1 << 10
+#: Probes per id before the check gives up and lets the exact reference check decide (at a load factor of at
+#: most 1/4 with double hashing, ``~4**-32`` per id).
+_MAX_PROBES = 32
+#: A hash entry is ``stamp << 24 | id`` (ids are below ``2**24``); stamps stay below ``_STAMP_LIMIT``, then the
+#: table is zeroed and they start again at 1.
+_STAMP_LIMIT = 1 << 31
+_HASH_TABLES: dict[tuple[int, Any, int], list[Any]] = {}
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _block_missing(local, need, b, bt_ptr, n_blocks, bt_s0, bt_s1, BS: tl.constexpr):
+    """Where ``need``: the block of local index ``local`` (request ``b``) is past the table, negative, or its slot
+    does not fit below ``2**31 - 1`` — a superset of what the reference refuses (it asks only for winners)."""
+    blk = local // BS
+    past = need & (blk >= n_blocks)
+    look = need & (blk < n_blocks)
+    e = tl.load(bt_ptr + b * bt_s0 + blk * bt_s1, mask=look, other=0).to(tl.int64)
+    slot = e * BS + local % BS
+    return past | (look & ((e < 0) | (e >= 2147483648) | (slot >= 2147483647)))
+
+
+@triton.jit(do_not_specialize=["stamp0"])
+def select_check_kernel(
+    g_ptr, req_ptr, bt_ptr, own_ptr, hash_ptr, chk_ptr,
+    rows, K, nch, row0, rank, n_req, n_blocks, req_st, bt_s0, bt_s1, own_s0, own_s1, stamp0, hash_mask,
+    W: tl.constexpr, I: tl.constexpr, BS: tl.constexpr, RANK_LOCAL: tl.constexpr, HAS_REQ: tl.constexpr,
+    BLOCK: tl.constexpr, MAX_PROBES: tl.constexpr,
+):  # fmt: skip
+    """Raise ``chk[0]`` (atomic max to 1) where :func:`dcp_ref.select_to_slots.check_select_to_slots_inputs`
+    may refuse row ``t = row0 + program_id(0)``; a good row writes nothing (the flag stays 0).
+
+    ``gathered`` is contiguous: ``[W, rows, K, 2]`` pairs (``global_id``) or ``[W, rows, K]`` scores
+    (``rank_local``). Every row: its request id in ``[0, n_req)``. ``global_id`` (program ``(t, w*nch + chunk)``,
+    ``BLOCK`` candidates of rank slice ``w``): each id ``-1``, NaN or an integer in ``[0, 2**24)``; no integer id
+    twice in the row (inserted into an open-addressing hash table of ``hash_mask + 1`` int64 entries, double
+    hashing, ``atomic_cas``; an entry is ``stamp << 24 | id`` with ``stamp = stamp0 + t - row0``, and an entry
+    stamped below ``stamp0`` is empty, so the table is never cleared between calls); every selectable candidate
+    (integer id, score not NaN) that this rank owns has its block. ``rank_local`` (program ``t``, a loop over
+    the row's own slice): ``own_ids`` ``-1`` or ``>= 0``, the valid ones strictly ascending (``own - j``, ``j``
+    the index among the valid ones, never decreases), ``-1`` only under a NaN score, and every candidate with a
+    score has its block. The block test covers every selectable candidate of this rank, not only the winners:
+    a flag raised for a losing candidate without a block (or an id still unplaced after ``MAX_PROBES`` probes) is
+    a false alarm that the exact reference check, run only then, clears.
+    """
+    t = (row0 + tl.program_id(0)).to(tl.int64)
+    if HAS_REQ:
+        b = tl.load(req_ptr + t * req_st).to(tl.int64)
+    else:
+        b = t
+    req_bad = (b < 0) | (b >= n_req)
+    b = tl.where(req_bad, 0, b)
+    # A bad request id raises the flag anyway: its row reads no block (a bound of 0, folded in as an int; the
+    # interpreter rejects broadcast scalar-bool masks).
+    nb = tl.where(req_bad, 0, n_blocks)
+    bad = tl.zeros([BLOCK], tl.int32)
+    if RANK_LOCAL:
+        cmax = tl.full([], -(2**40), tl.int64)
+        cnt = tl.zeros([], tl.int64)
+        for c0 in range(0, K, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            m = c < K
+            o = tl.load(own_ptr + t * own_s0 + c * own_s1, mask=m, other=-1).to(tl.int64)
+            s = tl.load(g_ptr + ((rank + 0 * t) * rows + t) * K + c, mask=m, other=float("nan"))  # int64 offsets
+            v = m & (o >= 0)
+            j = cnt + tl.cumsum(v.to(tl.int64), 0) - 1
+            bv = tl.where(v, o - j, -(2**40))
+            incl = tl.maximum(tl.associative_scan(bv, 0, _max_combine), cmax)
+            scored = m & (s == s)
+            wrong = (m & (o < -1)) | (v & (bv < incl)) | (scored & ~v)
+            missing = _block_missing(o, v & scored, b, bt_ptr, nb, bt_s0, bt_s1, BS)
+            bad = bad | (wrong | missing).to(tl.int32)
+            cmax = tl.maximum(cmax, tl.max(bv, 0))
+            cnt += tl.sum(v.to(tl.int64), 0)
+        flagged = req_bad | (tl.max(bad, 0) != 0)
+    else:
+        q = tl.program_id(1)
+        w = (q // nch).to(tl.int64)
+        c = (q % nch) * BLOCK + tl.arange(0, BLOCK)
+        m = c < K
+        off = ((w * rows + t) * K + c) * 2
+        s = tl.load(g_ptr + off, mask=m, other=float("nan"))
+        idf = tl.load(g_ptr + off + 1, mask=m, other=-1.0)
+        inr = (idf >= 0) & (idf < 16777216.0)
+        gid = tl.where(inr, idf, 0.0).to(tl.int32)
+        valid = m & inr & (gid.to(tl.float32) == idf)  # an integer id in [0, 2**24) (-0.0 is id 0)
+        bad_id = m & ~valid & (idf == idf) & (idf != -1.0)
+        owned = valid & (s == s) & ((gid // I) % W == rank)
+        local = ((gid // (W * I)) * I + gid % I).to(tl.int64)
+        missing = _block_missing(local, owned, b, bt_ptr, nb, bt_s0, bt_s1, BS)
+        # Duplicates: insert every valid id of the row into the hash table.
+        x = gid.to(tl.uint32) * 0x9E3779B1 + t.to(tl.uint32) * 0x85EBCA77
+        x = (x ^ (x >> 16)) * 0x7FEB352D
+        x = (x ^ (x >> 15)) * 0x846CA68B
+        x = x ^ (x >> 16)
+        slot = (x & hash_mask).to(tl.int64)
+        step = ((((x >> 7) ^ (x << 3)) & hash_mask) | 1).to(tl.int64)  # odd: visits every entry
+        mine = ((stamp0 + t - row0) << 24) | gid.to(tl.int64)
+        active = valid
+        cur = tl.load(hash_ptr + slot, mask=active, other=0)
+        dup = tl.zeros([BLOCK], tl.int32)
+        n_act = tl.sum(active.to(tl.int32), 0)
+        it = tl.zeros([], tl.int32)
+        while (n_act > 0) & (it < MAX_PROBES):
+            nxt = (slot + step) & hash_mask
+            ahead = tl.load(hash_ptr + nxt, mask=active, other=0)  # the next probe's entry, read beside the CAS
+            try_ = active & ((cur >> 24) < stamp0)  # the entry is empty (stamped before this launch)
+            old = tl.atomic_cas(hash_ptr + slot, tl.where(try_, cur, -1), mine, sem="relaxed")
+            found = active & (old == mine)  # the same id of the same row is already in the table
+            dup = dup | found.to(tl.int32)
+            active = active & ~(try_ & (old == cur)) & ~found
+            # Another id holds the entry: probe the next one (its value as read ahead; a stale read only costs
+            # a failed CAS). Else (an empty entry that changed under the read) try the same entry again.
+            taken = active & ((old >> 24) >= stamp0)
+            slot = tl.where(taken, nxt, slot)
+            cur = tl.where(taken, ahead, old)
+            n_act = tl.sum(active.to(tl.int32), 0)
+            it += 1
+        bad = (bad_id | missing).to(tl.int32) | dup
+        flagged = req_bad | (tl.max(bad, 0) != 0) | (n_act > 0)
+    if flagged:
+        tl.atomic_max(chk_ptr, 1)
+
+
+def _hash_table(dev: torch.device, entries: int) -> list[Any]:
+    """``[table, next stamp]``: the int64 hash table of :func:`select_check_kernel` (at least ``entries``), one per
+    thread, device and stream (as :func:`~dcp_ref.kernels._util.check_flag`), zeroed once and grown when needed."""
+    import threading
+
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (threading.get_ident(), dev, stream)
+    state = _HASH_TABLES.get(key)
+    if state is None or state[0].numel() < entries:
+        state = _HASH_TABLES[key] = [torch.zeros(entries, dtype=torch.int64, device=dev), 1]
+    return state
+
+
+def check_select_to_slots_values(
+    gathered: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    *,
+    order: str,
+    own_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """Launch :func:`select_check_kernel` over every row (inputs shape-checked; ``gathered`` contiguous, on CUDA
+    or under the interpreter): the shared check flag, 0 when every value is in contract, 1 when the reference's
+    value check may refuse them (read it once; when raised, clear it and run the reference's check). No host
+    read; ``global_id`` with more than ``_HASH_MAX / 4`` candidates runs one launch per group of rows."""
+    w, rows, kloc = gathered.shape[0], gathered.shape[1], gathered.shape[2]
+    dev = gathered.device
+    chk = check_flag(dev)
+    n_req, n_blocks = block_table.shape
+    rank_local = order == "rank_local"
+    has_req = req_of_token is not None
+    req_t = req_of_token if req_of_token is not None else chk
+    bt_t = chk if block_table.numel() == 0 else block_table
+    own_t = own_ids if rank_local and own_ids is not None else chk
+    common = dict(
+        W=w, I=geometry.interleave, BS=geometry.block_size, RANK_LOCAL=rank_local, HAS_REQ=has_req,
+        MAX_PROBES=_MAX_PROBES, num_warps=4,
+    )  # fmt: skip
+    strides = (
+        req_t.stride(0) if has_req else 0,
+        bt_t.stride(0) if bt_t is block_table else 0,
+        bt_t.stride(1) if bt_t is block_table else 0,
+        own_t.stride(0) if own_t is own_ids else 0,
+        own_t.stride(1) if own_t is own_ids else 0,
+    )
+    if rank_local:
+        block = min(max(next_pow2(kloc), 16), 1024)
+        select_check_kernel[(rows,)](
+            gathered, req_t, bt_t, own_t, chk, chk, rows, kloc, 1, 0, geometry.rank, n_req, n_blocks, *strides, 1, 0,
+            BLOCK=block, **common,
+        )  # fmt: skip
+        return chk
+    n = w * kloc
+    block = min(max(next_pow2(kloc), 16), 256)
+    nch = max(cdiv(kloc, block), 1)
+    group = max(1, min(rows, (_HASH_MAX // 4) // max(n, 1)))
+    entries = max(next_pow2(4 * group * n), _HASH_MIN)
+    state = _hash_table(dev, entries)
+    for row0 in range(0, rows, group):
+        g_rows = min(group, rows - row0)
+        if state[1] + g_rows >= _STAMP_LIMIT:  # ~2**31 rows checked on this table: start the stamps again
+            state[0].zero_()
+            state[1] = 1
+        select_check_kernel[(g_rows, w * nch)](
+            gathered, req_t, bt_t, own_t, state[0], chk, rows, kloc, nch, row0, geometry.rank, n_req, n_blocks,
+            *strides, state[1], entries - 1, BLOCK=block, **common,
+        )  # fmt: skip
+        state[1] += g_rows
+    return chk
+
+
+def _validate_values(
+    gathered: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    order: str,
+    own_ids: torch.Tensor | None,
+    defer: bool = False,
+) -> torch.Tensor | None:
+    """The validated call's value checks (after the shared shape checks, ``rows > 0``): one launch of
+    :func:`select_check_kernel` and one host read; only a raised flag runs the reference's exact check, which
+    raises its message (or, for a false alarm, returns). Where the kernel would not run (a CPU tensor without the
+    interpreter, a non-contiguous ``gathered``, too many candidates: the call fails after this anyway), the
+    reference's check runs directly. ``defer``: launch the check and return its flag unread (the caller launches
+    the select, which is safe on any input, then reads it with :func:`_finish_validation`: the host never waits
+    between the two launches); ``None`` when nothing is left to read."""
+    check_values_readable(gathered, "gathered")
+    check_values_readable(block_table, "block_table")
+    if req_of_token is not None:
+        check_values_readable(req_of_token, "req_of_token")
+    if own_ids is not None:
+        check_values_readable(own_ids, "own_ids")
+    dev = gathered.device
+    fast = (
+        (dev.type == "cuda" or triton_interpreting())
+        and gathered.is_contiguous()
+        and geometry.world_size * gathered.shape[2] <= MAX_CANDIDATES
+    )
+    if fast:
+        chk = check_select_to_slots_values(gathered, req_of_token, block_table, geometry, order=order, own_ids=own_ids)
+        if defer:
+            return chk
+        _finish_validation(chk, gathered, req_of_token, block_table, geometry, k, order=order, own_ids=own_ids)
+        return None
+    check_select_to_slots_inputs(
+        gathered, req_of_token, block_table, geometry, k, order=order, own_ids=own_ids, validate=True
+    )
+    return None
+
+
+def _finish_validation(
+    chk: torch.Tensor,
+    gathered: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    order: str,
+    own_ids: torch.Tensor | None,
+) -> None:
+    """Read the check kernel's flag (the one host read of a validated call); when raised, clear it and run the
+    reference's exact check, which raises its message (or returns, for a false alarm)."""
+    if not int(chk.item()):
+        return
+    chk.zero_()  # cleared for the next call on this stream; the reference's check names the culprit
+    check_select_to_slots_inputs(
+        gathered, req_of_token, block_table, geometry, k, order=order, own_ids=own_ids, validate=True
+    )
+
+
 def select_to_slots_cutedsl(
     gathered: torch.Tensor,
     req_of_token: torch.Tensor | None,
@@ -1155,7 +1441,8 @@ def select_to_slots_cutedsl(
     """Launch the select-to-slots kernel (CUDA only); the contract of
     :func:`dcp_ref.select_to_slots.select_to_slots`.
 
-    Arguments as the reference (validation shared: the same inputs raise the same errors), then:
+    Arguments as the reference (validation shared: the same inputs raise the same errors; the validated call's
+    value checks are one launch of :func:`select_check_kernel` and one host read, the module docstring), then:
     ``gathered``, ``out_slots``, ``out_counts`` must be contiguous CUDA tensors (``gathered`` is read as
     aligned words). The winners' slots come in an unspecified order (compare as sets); ``[count, k)`` is
     ``-1``. With ``out_slots`` / ``out_counts`` and ``validate=False``: no allocation, no host read.
@@ -1164,6 +1451,7 @@ def select_to_slots_cutedsl(
     (``global_id``: ``"lean"`` / ``"regs"``), ``config`` ``(threads, min_ctas)``, ``first_bits``, ``vec``,
     ``split`` (CTAs per row; ``None``: by ``rows``, :func:`default_split`) — see :func:`make_config`.
     """
+    validate = check_bool(validate, "validate")  # first, as the reference
     spec = check_select_to_slots_inputs(
         gathered,
         req_of_token,
@@ -1174,8 +1462,50 @@ def select_to_slots_cutedsl(
         own_ids=own_ids,
         out_slots=out_slots,
         out_counts=out_counts,
-        validate=validate,
+        validate=False,  # the shape checks only: the values are checked below, in one launch and one read
     )
+    pending = None
+    if validate and spec.rows:
+        # On the GPU the flag is read after the select is launched (it is safe on any input): the host does not
+        # wait between the two launches. On a refused call the buffers then hold the validate=False answer.
+        pending = _validate_values(
+            gathered, req_of_token, block_table, geometry, spec.k, order=order, own_ids=own_ids,
+            defer=gathered.device.type == "cuda",
+        )  # fmt: skip
+    try:
+        result = _select(
+            gathered, req_of_token, block_table, geometry, spec, order=order, own_ids=own_ids, out_slots=out_slots,
+            out_counts=out_counts, tvm_ffi=tvm_ffi, variant=variant, config=config, first_bits=first_bits, vec=vec,
+            split=split,
+        )  # fmt: skip
+    except BaseException:
+        if pending is not None:
+            pending.zero_()  # a call that stops before its read leaves the shared flag clear
+        raise
+    if pending is not None:
+        _finish_validation(pending, gathered, req_of_token, block_table, geometry, spec.k, order=order, own_ids=own_ids)
+    return result
+
+
+def _select(
+    gathered: torch.Tensor,
+    req_of_token: torch.Tensor | None,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    spec: SelectToSlotsInputs,
+    *,
+    order: str,
+    own_ids: torch.Tensor | None,
+    out_slots: torch.Tensor | None,
+    out_counts: torch.Tensor | None,
+    tvm_ffi: bool | None,
+    variant: str | None,
+    config: tuple[int, int] | None,
+    first_bits: int | None,
+    vec: int | None,
+    split: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The select-to-slots launch of :func:`select_to_slots_cutedsl`, after its checks."""
     w, rows, kloc, k = geometry.world_size, spec.rows, spec.kloc, spec.k
     n_req, n_blocks = spec.n_req, spec.n_blocks
     if w * kloc > MAX_CANDIDATES:

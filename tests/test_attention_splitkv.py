@@ -396,6 +396,147 @@ def test_validate_messages_are_the_references(kernel_device) -> None:
         assert str(ker.value) == str(ref.value)
 
 
+# ---------------------------------------------------------------------------------------------- the validated call
+_HOST_READ_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::equal"}
+
+
+def _wrapper_ops(monkeypatch, fn) -> list[str]:  # noqa: ANN001
+    """What ``fn()`` runs in the wrapper's own code, in order: each Triton launch (``triton:<kernel>``) and every
+    non-view aten op outside the launches (the ops a device would launch, and host reads); ``Tensor.tolist`` too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+    paused = [False]
+
+    class Launcher:
+        def __init__(self, kernel, name: str) -> None:  # noqa: ANN001
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                ops.append(f"triton:{self.name}")
+                paused[0] = True
+                try:
+                    return self.kernel[grid](*a, **k)
+                finally:
+                    paused[0] = False
+
+            return run
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not paused[0] and not func.is_view:
+                ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    orig = torch.Tensor.tolist
+
+    def tolist(self, *a, **k):  # type: ignore[no-untyped-def]
+        if not paused[0]:
+            ops.append("tolist")
+        return orig(self, *a, **k)
+
+    with monkeypatch.context() as m:  # undone on return
+        for name in ("splitkv_partial_kernel", "splitkv_combine_kernel"):
+            m.setattr(sk, name, Launcher(getattr(sk, name), name))
+        m.setattr(torch.Tensor, "tolist", tolist)
+        with Mode():
+            fn()
+    return ops
+
+
+def _flag(dev) -> int:  # noqa: ANN001
+    from dcp_ref.kernels._util import check_flag
+
+    return int(check_flag(torch.device(dev)).item())
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_validated_call_is_the_unvalidated_launches_plus_one_read(kernel_device, monkeypatch, num_splits) -> None:
+    """A planned validated call is the unvalidated call's launches (phase 1 with its CHECK switch on, phase 2)
+    and exactly one host read, of phase 1's flag, after both launches. (Before the fold: 21 torch ops and a
+    read ahead of the launches.)"""
+    T, H, K = 3, 16, 32
+    q, kv, slots, counts = make_case(T, H, 50, K, [32, 0, 3], seed=15, device=kernel_device)
+    plan = sk.splitkv_plan(T, H, K, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL, num_splits=num_splits, block_n=16)
+    ws = sk.workspace_for(plan, kernel_device)
+    out = torch.empty(T, H, V_SMALL, device=kernel_device)
+    lse = torch.empty(T, H, device=kernel_device)
+
+    def call(v: bool) -> None:
+        sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, out=out, out_lse=lse, workspace=ws, plan=plan,
+                              validate=v)  # fmt: skip
+
+    call(False), call(True)  # warm: compiled, and the flag exists from now on
+    plain = _wrapper_ops(monkeypatch, lambda: call(False))
+    checked = _wrapper_ops(monkeypatch, lambda: call(True))
+    launches = ["triton:splitkv_partial_kernel"] + (["triton:splitkv_combine_kernel"] if num_splits > 1 else [])
+    assert plain == launches, plain
+    reads = [op for op in checked if op in _HOST_READ_OPS or op == "tolist"]
+    assert len(reads) == 1 and checked == plain + reads, checked
+    assert _flag(kernel_device) == 0
+
+
+def _bad_splitkv_cases():
+    """``(label, slots [3, 40], counts)`` with a cache of S=60 rows, each refused by the reference. In blocks of 16
+    keys (three splits) row 0's slot 35 is in its third split and row 2's slot 17 in its second."""
+    good = torch.stack([torch.randperm(60, generator=torch.Generator().manual_seed(r))[:40] for r in range(3)])
+    good[1, 1:], good[2, 20:] = -1, -1
+    counts = [40, 1, 20]
+
+    def put(row: int, col: int, value: int) -> list:
+        bad = good.clone().tolist()
+        bad[row][col] = value
+        return bad
+
+    return [
+        ("a used slot past the cache", put(2, 17, 60), counts),
+        ("the poison slot", put(0, 35, 2**31 - 1), counts),
+        ("a negative used slot in a later split", put(0, 35, -3), counts),
+        ("counts past K", good.tolist(), [41, 1, 20]),
+        ("a negative count", good.tolist(), [40, -1, 20]),
+        ("both counts out of range", good.tolist(), [-2, 99, 20]),
+    ]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_validated_bad_inputs_raise_the_references_message_and_clear_the_flag(kernel_device, num_splits) -> None:
+    """Each bad input raises exactly the reference's message and leaves the flag cleared; unvalidated calls on
+    the same inputs never raise it (the row poisoned or the count clamped on the device); a good call passes."""
+    q = torch.randn(3, 2, D_SMALL, generator=torch.Generator().manual_seed(4))
+    kv = torch.randn(60, D_SMALL, generator=torch.Generator().manual_seed(5))
+    q_d, kv_d = q.to(kernel_device), kv.to(kernel_device)
+    opts = dict(num_splits=num_splits, block_n=16)
+    assert sk.splitkv_plan(3, 2, 40, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL, **opts).num_splits == num_splits
+    for label, rows, cnt in _bad_splitkv_cases():
+        for dtype in (torch.int32, torch.int64):
+            slots, counts = torch.tensor(rows, dtype=dtype), torch.tensor(cnt, dtype=dtype)
+            with pytest.raises(ValueError) as ref:
+                sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.3, v_dim=V_SMALL)
+            with pytest.raises(ValueError) as ker:
+                sk.sparse_mla_splitkv(
+                    q_d, kv_d, slots.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts
+                )
+            assert str(ker.value) == str(ref.value), label
+            assert _flag(kernel_device) == 0, label  # cleared: the next validated call starts clean
+            sk.sparse_mla_splitkv(q_d, kv_d, slots.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL,
+                                  validate=False, **opts)  # fmt: skip
+            assert _flag(kernel_device) == 0, label  # unvalidated: never raised
+    wide = torch.tensor(_bad_splitkv_cases()[0][1], dtype=torch.int64)
+    wide[2, 17] = 2**32 + 5  # narrowed to int32 it would be slot 5: tested as given
+    counts = torch.tensor([40, 1, 20])
+    with pytest.raises(ValueError) as ref:
+        sparse_mla_attention(q.double(), kv.double(), wide, counts, 0.3, v_dim=V_SMALL)
+    with pytest.raises(ValueError) as ker:
+        sk.sparse_mla_splitkv(q_d, kv_d, wide.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts)
+    assert str(ker.value) == str(ref.value) and _flag(kernel_device) == 0
+    wide[2, 17] = 59
+    out, lse = sk.sparse_mla_splitkv(q_d, kv_d, wide.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts)
+    ref_out, ref_lse = sparse_mla_attention(q, kv, wide, counts, 0.3, v_dim=V_SMALL)
+    assert_matches(out, lse, ref_out, ref_lse, rtol=1e-5, lse_atol=1e-5)
+    assert _flag(kernel_device) == 0
+
+
 # ---------------------------------------------------------------------------------------------- plan, stage
 def test_plan_depends_on_shapes_only() -> None:
     p = sk.splitkv_plan(1, 128, 2048, "cpu")

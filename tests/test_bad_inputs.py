@@ -1682,12 +1682,11 @@ def _host_reads(fn) -> list[str]:
 def _validated_calls(dev):
     from dcp_ref.fp8_cache import check_fp8_slots
     from dcp_ref.kernels.deinterleave_triton import deinterleave_compact, deinterleave_masked_triton
-    from dcp_ref.kernels.flashmla_fp8 import prepare_indices, validate_from_row_state
+    from dcp_ref.kernels.flashmla_fp8 import prepare_indices
 
     c = lambda t: t.to(dev)  # noqa: E731
     ids, req, bt = c(TOKEN_IDS), c(REQ), c(BLOCK_TABLE)
     sl = c(i32([[1, -1], [2, 3]]))
-    _, state = prepare_indices(sl, None, 40)
     return {
         "deinterleave (reference)": lambda: deinterleave_and_compact(ids, req, bt, DcpGeometry(2, 0, 2, 4)),
         "deinterleave (kernel, compact)": lambda: deinterleave_compact(ids, req, bt, DcpGeometry(2, 0, 2, 4)),
@@ -1697,12 +1696,12 @@ def _validated_calls(dev):
         "attention": lambda: sparse_mla_attention(Q, KV, SLOTS, COUNTS, 0.5, v_dim=6),
         "fp8 slots (masked)": lambda: check_fp8_slots(sl, None, 40),
         "fp8 slots (compact)": lambda: check_fp8_slots(sl, c(i32([1, 2])), 40, "compact"),
-        "FlashMLA FP8 (from the prologue)": lambda: validate_from_row_state(sl, None, 40, "masked", state),
+        "FlashMLA FP8 (from the prologue)": lambda: prepare_indices(sl, None, 40, validate=True),
     }
 
 
-#: The names of :func:`_validated_calls`, spelled out: building the calls launches a Triton kernel (the FP8
-#: prologue), which must not happen at collection (``TRITON_INTERPRET=0`` without a GPU has no driver).
+#: The names of :func:`_validated_calls`, spelled out: building the calls needs the kernel device (a fixture),
+#: and nothing may touch it at collection (``TRITON_INTERPRET=0`` without a GPU has no driver).
 _VALIDATED_CALL_NAMES = (
     "FlashMLA FP8 (from the prologue)",
     "attention",

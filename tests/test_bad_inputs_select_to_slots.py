@@ -259,3 +259,150 @@ def test_validate_false_poisons_instead_of_answering():
         assert int(n.sum()) > 0 and all(v == SENTINEL_SLOT for t in range(3) for v in s[t, : int(n[t])].tolist())
         s, n = _call(select_to_slots, base, dict(block_table=_big_table(), validate=False))
         assert all(v == SENTINEL_SLOT for t in range(3) for v in s[t, : int(n[t])].tolist())
+
+
+# ---- the kernel wrapper's validated call: one check launch, one host read ------------------------------------
+_SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::equal"}
+
+
+def _counted(monkeypatch, fn):
+    """``(aten ops, check launches, the exception's message)`` of ``fn()``. The check kernel's launches are counted
+    and run outside the dispatch mode: the interpreter's own copies of the launch arguments are not the call's
+    ops (on the GPU a launch is no aten op at all)."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    from dcp_ref.kernels import select_to_slots_cutedsl as mod
+
+    ops: list[str] = []
+    launches: list[tuple] = []
+    kernel = mod.select_check_kernel
+
+    class Launcher:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+                launches.append(grid)
+                with _disable_current_modes():
+                    return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(mod, "select_check_kernel", Launcher())
+    try:
+        with Mode():
+            fn()
+    except ValueError as e:
+        return ops, launches, str(e)
+    finally:
+        monkeypatch.setattr(mod, "select_check_kernel", kernel)
+    return ops, launches, None
+
+
+def _flag_value() -> int:
+    from dcp_ref.kernels._util import check_flag
+
+    return int(check_flag(torch.device("cpu")).item())
+
+
+@pytest.mark.parametrize("base", [gid_base, rl_base], ids=["global_id", "rank_local"])
+@pytest.mark.parametrize("req", [True, False], ids=["req", "req=None"])
+def test_kernel_validated_call_is_one_check_launch_and_one_read(monkeypatch, base, req):
+    """The validated call runs the unvalidated call's ops plus one launch of the check kernel and one host read
+    (``.item()`` of the flag); before, it ran the whole reference selection (~100-145 aten ops, 5-7 reads).
+    On this CPU machine both calls then stop at "needs CUDA", after the checks, so the count covers them all."""
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels.select_to_slots_cutedsl import select_to_slots_cutedsl
+
+    kwargs = base()
+    if not req:
+        kwargs.update(req_of_token=None, block_table=torch.cat([TABLE, TABLE[:1] + 6]))  # a row per token
+    out = dict(out_slots=torch.zeros(3, 3, dtype=torch.int32), out_counts=torch.zeros(3, dtype=torch.int32))
+    call = lambda v: select_to_slots_cutedsl(**kwargs, **out, validate=v)  # noqa: E731
+    _counted(monkeypatch, lambda: call(True))  # warm: the hash table is allocated once
+    plain, plain_launches, plain_err = _counted(monkeypatch, lambda: call(False))
+    ops, launches, err = _counted(monkeypatch, lambda: call(True))
+    assert plain_err == err and err.startswith("gathered must be a CUDA tensor")
+    assert plain_launches == [] and len(launches) == 1
+    assert ops == [*plain, "aten::_local_scalar_dense"], ops
+    assert [o for o in ops if o in _SYNC_OPS] == ["aten::_local_scalar_dense"]
+    assert _flag_value() == 0
+
+
+VALUE_CASES = [c for c in CASES if c[0] not in ("validate int",) and c[3] is ValueError]
+
+
+@pytest.mark.parametrize("name, base, change, exc, arg", VALUE_CASES, ids=[c[0] for c in VALUE_CASES])
+def test_kernel_refusal_clears_the_flag(monkeypatch, name, base, change, exc, arg):
+    """Every refused input raises the reference's message; a value error comes after one check launch whose flag
+    the wrapper clears before it raises (the next validated call on this stream starts from 0)."""
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels.select_to_slots_cutedsl import select_to_slots_cutedsl
+
+    with pytest.raises(exc) as ref:
+        _call(select_to_slots, base, change)
+    _, launches, err = _counted(monkeypatch, lambda: _call(select_to_slots_cutedsl, base, change))
+    assert err == str(ref.value)
+    assert len(launches) <= 1 and _flag_value() == 0
+    value_error = name in {
+        "gathered fractional id", "gathered id 2**24", "gathered id -2", "gathered duplicate id", "own_ids -2",
+        "own_ids not ascending", "own_ids -1 under a score", "req out of range", "req negative",
+        "block_table missing block", "block_table missing block (rank_local)", "block_table too short",
+        "block_table beyond int32",
+    }  # fmt: skip
+    assert len(launches) == value_error  # shape errors are raised before the launch, meta tensors too
+
+
+def test_kernel_false_alarm_is_cleared_by_the_reference_check(monkeypatch):
+    """A losing candidate of this rank without a block raises the flag (the kernel checks every candidate, the
+    reference only the winners): the reference's check then accepts the call, which goes on (here: to "needs
+    CUDA"), with the flag cleared."""
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels.select_to_slots_cutedsl import select_to_slots_cutedsl
+
+    kwargs = gid_base()
+    kwargs["k"] = 1
+    # rank 1's candidates whose scores are not the row's best: make their blocks vanish (row 0 is request 0)
+    pairs = kwargs["gathered"]
+    best = pairs[..., 0].permute(1, 0, 2).reshape(3, -1).nan_to_num(nan=-1e30).argmax(1)
+    table = TABLE.clone()
+    for t in range(2):
+        w, c = divmod(int(best[t]), 4)
+        keep = int(pairs[w, t, c, 1]) // 2 // GEO.block_size if w == 1 else None  # the winner's block, if ours
+        for b in range(table.shape[1]):
+            if b != keep:
+                table[REQ[t], b] = -1
+    kwargs["block_table"] = table
+    select_to_slots(**kwargs)  # the reference accepts: the winners keep their blocks
+    from dcp_ref.kernels.select_to_slots_cutedsl import check_select_to_slots_values
+
+    chk = check_select_to_slots_values(
+        kwargs["gathered"], kwargs["req_of_token"], table, GEO, order="global_id", own_ids=None
+    )
+    assert int(chk.item()) == 1  # ... but the check kernel flags the losers' missing blocks
+    chk.zero_()
+    _, launches, err = _counted(monkeypatch, lambda: select_to_slots_cutedsl(**kwargs))
+    assert err.startswith("gathered must be a CUDA tensor") and len(launches) == 1 and _flag_value() == 0
+
+
+def test_kernel_validation_without_the_kernel_is_the_reference_check(monkeypatch):
+    """Where the check kernel cannot run (a CPU tensor without the interpreter, a non-contiguous ``gathered``:
+    the call fails after the checks anyway), the reference's check runs instead, with its message."""
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels import select_to_slots_cutedsl as mod
+
+    bad = _dup_pairs()
+    strided = torch.stack([bad, bad], 2)[:, :, 0]  # [2, 3, 4, 2], not contiguous
+    assert not strided.is_contiguous() and torch.equal(strided, bad)
+    with pytest.raises(ValueError) as ref:
+        select_to_slots(strided, REQ, TABLE, GEO, 3)
+    _, launches, err = _counted(monkeypatch, lambda: mod.select_to_slots_cutedsl(strided, REQ, TABLE, GEO, 3))
+    assert err == str(ref.value) and launches == []
+    monkeypatch.setattr(mod, "triton_interpreting", lambda: False)
+    _, launches, err = _counted(monkeypatch, lambda: mod.select_to_slots_cutedsl(bad, REQ, TABLE, GEO, 3))
+    assert err == str(ref.value) and launches == []
+    _, launches, err = _counted(monkeypatch, lambda: mod.select_to_slots_cutedsl(PAIRS, REQ, TABLE, GEO, 3))
+    assert err.startswith("gathered must be a CUDA tensor") and launches == []

@@ -64,8 +64,12 @@ flashmla: skipped (flash_mla is not installed)
 ========= ERROR SUMMARY: 0 errors
 """
 _RACECHECK = """========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at void legacy::sm90::decode::sparse_kernel<KT<576>>(P)+0x4ce0
+=========     and Read access at void legacy::sm90::decode::sparse_kernel<KT<576>>(P)+0xa1b0 [768 hazards]
+========= Warning: Race reported between Write access at rowscan_kernel+0x230
+=========     and Read access at rowscan_kernel+0x7b0 [8 hazards]
 7 checked launches, 1 mismatching, status 1
-========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)
+========= RACECHECK SUMMARY: 2 hazards displayed (1 errors, 1 warnings)
 """
 
 
@@ -98,3 +102,10 @@ def test_merge_writes_counts_per_file_and_the_sanitizer_summary(tmp_path) -> Non
     assert by_tool["memcheck"]["errors"] == 0 and by_tool["memcheck"]["script_status"] == 0
     assert by_tool["memcheck"]["skipped"] == {"flashmla": "flash_mla is not installed"}
     assert by_tool["racecheck"]["errors"] == 2 and by_tool["racecheck"]["mismatches"] == 1
+    # each finding is attributed to its kernel: another project's (FlashMLA's) apart from this project's
+    assert by_tool["racecheck"]["kernels_with_findings"] == {
+        "legacy::sm90::decode::sparse_kernel": {"findings": 1, "third_party": True},
+        "rowscan_kernel": {"findings": 1, "third_party": False},
+    }
+    assert by_tool["racecheck"]["findings_in_this_projects_kernels"] == 1
+    assert by_tool["memcheck"]["findings_in_this_projects_kernels"] == 0

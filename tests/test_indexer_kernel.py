@@ -419,21 +419,28 @@ def test_launch_plan_from_shapes_only():
 
 
 def test_compacted_path_is_chosen_by_shape_and_an_explicit_compact_wins():
-    """``compact=None``: :func:`prefer_compact` (at most COMPACT_MAX_ROWS rows of at least COMPACT_MIN_COLS columns,
-    a candidate list that fits a tile), and never for a row that fits one tile; ``compact=True/False`` overrides
-    it both ways. The plan records the choice."""
+    """``compact=None``: :func:`prefer_compact` (rows of at least COMPACT_MIN_COLS columns; from COMPACT_LONG_COLS
+    on, only a lone row or COMPACT_MANY_ROWS rows; a candidate list that fits a tile), never for a row that fits
+    one tile; ``compact=True/False`` overrides it both ways. The plan records the choice."""
     cpu = torch.device("cpu")
-    rows_max, cols_min = ix.COMPACT_MAX_ROWS, ix.COMPACT_MIN_COLS
+    cols_min, cols_long, many = ix.COMPACT_MIN_COLS, ix.COMPACT_LONG_COLS, ix.COMPACT_MANY_ROWS
     assert cols_min > ix.MAX_TILE  # the rule only ever concerns rows longer than a tile
-    # (rows, cols, k) -> compacted by default? The measured shapes (k = 2048) first.
+    # (rows, cols, k) -> compacted by default? The shapes measured on the H200 (local_topk.json,
+    # compact_vs_streamed, k = 2048) first: the default must be the faster path at each.
     cases = {
-        (1, 131072, 2048): True,  # measured 2.2x faster compacted
-        (1, 32768, 2048): True,  # measured 1.9x faster
-        (32, 131072, 2048): False,  # measured 4x slower compacted
-        (rows_max, cols_min, 2048): True,
-        (rows_max, cols_min - 1, 2048): False,
-        (rows_max + 1, cols_min, 2048): False,
-        (1024, 32768, 2048): False,
+        (1, 32768, 2048): True,  # 19.3 vs 37.0 us streamed
+        (1, 131072, 2048): True,  # 26.5 vs 59.2
+        (32, 32768, 2048): True,  # 38.7 vs 50.7
+        (128, 32768, 2048): True,  # 51.6 vs 112.2
+        (1024, 32768, 2048): True,  # 279.5 vs 791.6
+        (1024, 131072, 2048): True,  # 1745 vs 3975
+        (32, 131072, 2048): False,  # 491.7 vs 121.9: 4x slower compacted
+        (128, 131072, 2048): False,  # 580.7 vs 563.5
+        (2, cols_long - 1, 2048): True,
+        (2, cols_long, 2048): False,
+        (many - 1, cols_long, 2048): False,
+        (many, cols_long, 2048): True,
+        (1, cols_min - 1, 2048): False,
         (1, 8192, 2048): False,  # one tile
         (1, 131072, ix.MAX_TILE // 2): True,  # the largest k whose list fits a tile
         (1, 131072, ix.MAX_TILE // 2 + 1): False,
@@ -450,8 +457,8 @@ def test_compacted_path_is_chosen_by_shape_and_an_explicit_compact_wins():
     s = torch.zeros(1, cols_min)
     assert ix.workspace_for(s, 2048).dtype == torch.int64
     assert ix.workspace_for(s, 2048, compact=False) is None
-    assert ix.workspace_for(torch.zeros(2, cols_min), 2048) is None
-    assert ix.workspace_for(torch.zeros(2, cols_min), 2048, compact=True).dtype == torch.int64
+    assert ix.workspace_for(torch.zeros(2, cols_long), 2048) is None
+    assert ix.workspace_for(torch.zeros(2, cols_long), 2048, compact=True).dtype == torch.int64
 
 
 def test_multi_level_split(kernel_device):

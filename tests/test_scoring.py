@@ -466,6 +466,186 @@ def test_kernel_empty_cases(kernel_device) -> None:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# The validated call: value checks in the kernel, one flag, one host read
+# ---------------------------------------------------------------------------------------------
+_HOST_READ_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::equal"}
+
+
+def _wrapper_ops(monkeypatch: pytest.MonkeyPatch, fn) -> list[str]:  # noqa: ANN001
+    """What ``fn()`` runs in the wrapper's own code, in order: each Triton launch (``triton:<kernel>``) and every
+    non-view aten op outside the launches (the ops a device would launch, and host reads); ``Tensor.tolist`` too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+    paused = [False]
+
+    class Launcher:
+        def __init__(self, kernel, name: str) -> None:  # noqa: ANN001
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                ops.append(f"triton:{self.name}")
+                paused[0] = True
+                try:
+                    return self.kernel[grid](*a, **k)
+                finally:
+                    paused[0] = False
+
+            return run
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not paused[0] and not func.is_view:
+                ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    orig = torch.Tensor.tolist
+
+    def tolist(self, *a, **k):  # type: ignore[no-untyped-def]
+        if not paused[0]:
+            ops.append("tolist")
+        return orig(self, *a, **k)
+
+    with monkeypatch.context() as m:  # undone on return
+        for name in ("index_scores_kernel", "index_scores_check_kernel"):
+            m.setattr(st_kernel, name, Launcher(getattr(st_kernel, name), name))
+        m.setattr(torch.Tensor, "tolist", tolist)
+        with Mode():
+            fn()
+    return ops
+
+
+def _reads(ops: list[str]) -> list[str]:
+    return [op for op in ops if op in _HOST_READ_OPS or op == "tolist"]
+
+
+def _flag(dev: torch.device) -> int:
+    from dcp_ref.kernels._util import check_flag
+
+    return int(check_flag(dev).item())
+
+
+@pytest.mark.parametrize("starts", [False, True])
+def test_validated_call_is_the_unvalidated_launch_plus_one_read(kernel_device, monkeypatch, starts) -> None:
+    """With ``out``: the validated call is the unvalidated call's one launch (its CHECK switch on) and one read of
+    the flag it raised. (Before the fold: 26-27 torch ops and 6 host reads ahead of the launch.) Without ``out``
+    the width comes from the values: the check kernel, the one read (verdict and width), the output, the launch."""
+    q, w, cache, bt, req, bounds, rs = make_problem(31, T=4, bs=4, H=4, starts=starts)
+    g = DcpGeometry(1, 0, 1, 4)
+    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
+    rs_d = _dev(kernel_device, rs)[0]
+    L = width(bounds, rs)
+    out = torch.empty(4, L + 2, device=kernel_device)
+
+    def call(v: bool, o: torch.Tensor | None = out) -> torch.Tensor:
+        return st_kernel.index_scores_triton(*args, g, row_starts=rs_d, out=o, validate=v, block_n=16)
+
+    call(False), call(True), call(True, None)  # warm: compiled, and the flag exists from now on
+    plain = _wrapper_ops(monkeypatch, lambda: call(False))
+    checked = _wrapper_ops(monkeypatch, lambda: call(True))
+    assert plain == ["triton:index_scores_kernel"], plain
+    assert len(_reads(checked)) == 1 and checked == plain + _reads(checked), checked
+    got: list[torch.Tensor] = []
+    free = _wrapper_ops(monkeypatch, lambda: got.append(call(True, None)))
+    assert free == ["triton:index_scores_check_kernel", *_reads(free), "aten::empty", "triton:index_scores_kernel"]
+    assert len(_reads(free)) == 1, free
+    assert got[0].shape == (4, L) and _flag(kernel_device) == 0  # the width was the read; the launch cleared it
+    want = index_scores(q, w, cache, bt, req, bounds, g, row_starts=rs, out=torch.empty(4, L))
+    assert_close_scores(got[0], want, rel=1e-5)
+
+
+def _bad_scoring_cases():
+    """``(label, changes)`` of a valid problem (T=6, bs=4, M=5, L=24): each a row the reference refuses."""
+    return [
+        ("request id -1", dict(req={0: -1})),
+        ("request id past the table", dict(req={2: 3})),
+        ("negative bound", dict(bounds={1: -3})),
+        ("negative row start", dict(rs={2: -1})),
+        ("more keys than the table's blocks", dict(bounds={3: 21})),
+        ("a missing block", dict(bt={(1, 0): -1})),
+        ("a block past the cache", dict(bt={(2, 2): 99})),
+        ("past out's columns", dict(rs={4: 20})),
+        ("several at once", dict(req={5: 7}, bounds={1: -2}, bt={(0, 1): -1})),
+    ]
+
+
+def _apply(problem, changes):
+    q, w, cache, bt, req, bounds, rs = (t.clone() if isinstance(t, torch.Tensor) else t for t in problem)
+    for name, t in (("req", req), ("bounds", bounds), ("rs", rs), ("bt", bt)):
+        for i, v in changes.get(name, {}).items():
+            t[i] = v
+    return q, w, cache, bt, req, bounds, rs
+
+
+@pytest.mark.parametrize("with_out", [True, False])
+@pytest.mark.parametrize("int_dtype", [torch.int32, torch.int64])
+def test_validated_bad_inputs_raise_the_references_message_and_clear_the_flag(kernel_device, with_out, int_dtype):
+    """Every bad row raises exactly the reference's message (the same ValueError), and the flag is left at 0;
+    unvalidated calls on the same inputs never raise it (poisoned rows, no raise), and a good call passes."""
+    q, w, cache, bt, req, bounds, rs = make_problem(3, T=6, bs=4, H=4, lens=(10, 7, 13), M=5, starts=True)
+    req[:], bounds[:], rs[:] = torch.tensor([0, 1, 2, 2, 0, 1]), torch.tensor([10, 7, 13, 9, 6, 0]), 0
+    base = tuple(
+        t.to(int_dtype) if t.dtype in (torch.int32, torch.int64) else t for t in (q, w, cache, bt, req, bounds, rs)
+    )
+    g = DcpGeometry(1, 0, 1, 4)
+    for label, changes in _bad_scoring_cases():
+        q, w, cache, bt, req, bounds, rs = _apply(base, changes)
+        if not with_out and "rs" not in changes:
+            rs = None
+        if not with_out and label == "past out's columns":
+            continue  # without out the width is the values': nothing to be past
+        kw_ref = dict(row_starts=rs, out=torch.empty(6, 24) if with_out else None)
+        with pytest.raises(ValueError) as ref:
+            index_scores(q, w, cache, bt, req, bounds, g, **kw_ref)
+        out = torch.full((6, 24), 5.0, device=kernel_device) if with_out else None
+        dev = _dev(kernel_device, q, w, cache, bt, req, bounds)
+        rs_d = _dev(kernel_device, rs)[0]
+        with pytest.raises(ValueError) as ker:
+            st_kernel.index_scores_triton(*dev, g, row_starts=rs_d, out=out, block_n=16)
+        assert str(ker.value) == str(ref.value), label
+        assert _flag(kernel_device) == 0, label  # cleared: the next validated call starts clean
+        if rs_d is not None or with_out:  # unvalidated (it needs out with row starts): poisoned, never raised
+            o = torch.empty(6, 24, device=kernel_device)
+            st_kernel.index_scores_triton(*dev, g, row_starts=rs_d, out=o, validate=False, block_n=16)
+            assert bool(torch.isnan(o).all(1).any()), label
+            assert _flag(kernel_device) == 0, label
+    q, w, cache, bt, req, bounds, rs = base
+    st_kernel.index_scores_triton(*_dev(kernel_device, q, w, cache, bt, req, bounds), g,
+                                  row_starts=_dev(kernel_device, rs)[0],
+                                  out=torch.empty(6, 24, device=kernel_device) if with_out else None)  # fmt: skip
+    assert _flag(kernel_device) == 0
+
+
+def test_validated_no_column_and_huge_ends(kernel_device) -> None:
+    """``out`` without columns launches no scoring, so the check kernel checks (one read). Without ``out``, row
+    ends too large for the check kernel's width code (>= 2**62) are decided by the host, as the reference does;
+    a width read from the flag but too large for a tensor fails as the reference's, and the flag is cleared."""
+    q, w, cache, bt, req, bounds, rs = make_problem(5, T=3, H=2, starts=True)
+    g = DcpGeometry(1, 0, 1, 8)
+    dev = _dev(kernel_device, q, w, cache, bt, req, bounds)
+    with pytest.raises(ValueError) as ref:
+        index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(3, 0))
+    with pytest.raises(ValueError) as ker:
+        st_kernel.index_scores_triton(*dev, g, out=torch.empty(3, 0, device=kernel_device))
+    assert str(ker.value) == str(ref.value) and _flag(kernel_device) == 0
+    zero = torch.zeros(3, dtype=torch.int64)
+    empty = st_kernel.index_scores_triton(
+        *dev[:5], zero.to(kernel_device), g, out=torch.empty(3, 0, device=kernel_device)
+    )
+    assert empty.shape == (3, 0) and _flag(kernel_device) == 0
+    assert st_kernel.index_scores_triton(*dev[:5], zero.to(kernel_device), g).shape == (3, 0)  # width 0: no launch
+    for start in (2**62, 2**62 - 9):  # a width no tensor has: the host decides / the output cannot be made
+        big = rs.clone()
+        big[1] = start  # (bound 2: an end of 2**62 + 2, or 2**62 - 7 read as the width, the flag then cleared)
+        with pytest.raises(RuntimeError) as ref_err:
+            index_scores(q, w, cache, bt, req, bounds, g, row_starts=big)
+        with pytest.raises(RuntimeError) as ker_err:
+            st_kernel.index_scores_triton(*dev, g, row_starts=big.to(kernel_device))
+        assert str(ker_err.value) == str(ref_err.value) and _flag(kernel_device) == 0
+
+
 def test_scoring_plan_from_shapes_only() -> None:
     cpu = torch.device("cpu")
     p = st_kernel.scoring_plan(32, 8192, cpu)
@@ -589,14 +769,15 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from dcp_ref.kernels.scoring_triton import index_scores_kernel
+from dcp_ref.kernels.scoring_triton import index_scores_check_kernel, index_scores_kernel
 from dcp_ref.kernels.scored_indexer_triton import scored_topk_pack_kernel
 
 PTRS = {"q_ptr": "*u8", "w_ptr": "*fp32", "cache_u8": "*u8", "cache_f32": "*fp32", "bt_ptr": "*i32", "req_ptr": "*i32",
-        "bound_ptr": "*i32", "start_ptr": "*i64"}
+        "bound_ptr": "*i32", "start_ptr": "*i64", "chk_ptr": "*i64", "n_cols": "i64"}
+KERNELS = {"scoring": index_scores_kernel, "check": index_scores_check_kernel, "fused": scored_topk_pack_kernel}
 report = []
 for kind, cfg, warps, stages in json.loads(sys.argv[1]):
-    kern = index_scores_kernel if kind == "scoring" else scored_topk_pack_kernel
+    kern = KERNELS[kind]
     names = kern.arg_names
     sig = {n: PTRS.get(n, "i32") for n in names}
     sig.update({"out_ptr": "*fp32" if kind == "scoring" else "*i64", "scratch_ptr": "*fp32", "no_width": "i64"})
@@ -605,8 +786,8 @@ for kind, cfg, warps, stages in json.loads(sys.argv[1]):
     c = triton.compile(ASTSource(kern, signature=sig, constexprs=cfg), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     ptx = c.asm["ptx"]
-    report.append({"sm_90a": "sm_90a" in ptx, "wgmma": "wgmma" in ptx, "cubin": len(c.asm["cubin"]) > 0,
-                   "shared": c.metadata.shared})
+    report.append({"kind": kind, "sm_90a": "sm_90a" in ptx, "wgmma": "wgmma" in ptx, "cubin": len(c.asm["cubin"]) > 0,
+                   "shared": c.metadata.shared, "atomic": "atom.global" in ptx or "red.global" in ptx})
 print(json.dumps(report))
 """
 
@@ -622,8 +803,13 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
 
     base = dict(HAS_STARTS=False, Q_FP8=True, H_PAD=64, D=128, SCAN_N=st_kernel.SCAN)
     sel = dict(WORLD=2, INTERLEAVE=1, RADIX_BITS=5, PAD_BLOCK=1024)
+    checks = dict(CHECK=False, CLEAR=False)
     configs = [
-        ("scoring", base | dict(BLOCK_N=64, TILES=4), 4, 3),
+        ("scoring", base | checks | dict(BLOCK_N=64, TILES=4), 4, 3),
+        ("scoring", base | dict(BLOCK_N=64, TILES=4, CHECK=True, CLEAR=False), 4, 3),  # a validated call, out given
+        ("scoring", base | dict(BLOCK_N=64, TILES=1, CHECK=False, CLEAR=True), 4, 3),  # ... without out
+        ("check", dict(HAS_STARTS=True, WIDTH=True, SCAN_N=st_kernel.SCAN), 4, 1),
+        ("check", dict(HAS_STARTS=False, WIDTH=False, SCAN_N=st_kernel.SCAN), 4, 1),
         ("fused", base | sel | dict(BLOCK_N=128, SEG=8192, SEL_TILE=8192, NAN_PAD=True), 16, 2),
         ("fused", base | sel | dict(BLOCK_N=64, SEG=8192, SEL_TILE=1024, NAN_PAD=False), 4, 3),
     ]
@@ -635,8 +821,10 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(report) == len(configs)
-    for r in report:
-        assert r["sm_90a"] and r["wgmma"] and r["cubin"] and r["shared"] <= 100 * 1024, r
+    for r, (kind, cfg, _, _) in zip(report, configs):
+        assert r["sm_90a"] and r["cubin"] and r["shared"] <= 100 * 1024, r
+        assert r["wgmma"] == (kind != "check"), r  # the check kernel has no dot
+        assert r["atomic"] == (kind == "check" or bool(cfg.get("CHECK"))), r  # CHECK=False compiles the check out
 
 
 # ---------------------------------------------------------------------------------------------

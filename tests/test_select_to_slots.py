@@ -523,6 +523,165 @@ def test_cutedsl_wrapper_needs_cuda_after_the_shared_checks():
 
 
 # ---------------------------------------------------------------------------------------------
+# The kernel wrapper's value check: one Triton launch raises a flag (interpreted here)
+# ---------------------------------------------------------------------------------------------
+
+MUTATIONS = {
+    "global_id": ("none", "dup", "frac", "big", "neg", "inf", "nan", "req", "hole", "huge", "short"),
+    "rank_local": ("none", "swap", "repeat", "unnamed", "neg", "req", "hole", "huge", "short"),
+}
+
+
+def _mutated(case: Case, order: str, rank: int, how: str, rng: random.Random):
+    """The case's tensors with one ``how`` change (``none``: as built), ``(gathered, req, table, own)``."""
+    gathered = case.pairs() if order == "global_id" else case.scores_only()
+    req = None if case.req is None else torch.tensor(case.req, dtype=torch.int32)
+    table = torch.tensor(case.table, dtype=torch.int64)
+    own = case.own_ids(rank) if order == "rank_local" else None
+    t = rng.randrange(case.T)
+    w, c = rng.randrange(case.W), rng.randrange(case.K)
+    if own is None and how in ("dup", "frac", "big", "neg", "inf", "nan"):
+        w2, c2 = rng.randrange(case.W), rng.randrange(case.K)
+        val = {"frac": 2.5, "big": 2.0**24, "neg": -2.0, "inf": math.inf, "nan": NAN}.get(how)
+        gathered[w, t, c, 1] = gathered[w2, t, c2, 1] if how == "dup" else val
+    elif own is not None and how in ("swap", "repeat", "unnamed", "neg"):
+        valid = [i for i in range(case.K) if own[t, i] >= 0]
+        if how == "swap" and len(valid) >= 2:
+            a, b = rng.sample(valid, 2)
+            own[t, a], own[t, b] = own[t, b].clone(), own[t, a].clone()
+        elif how == "repeat" and len(valid) >= 2:
+            a = rng.randrange(1, len(valid))
+            own[t, valid[a]] = own[t, valid[a - 1]]
+        elif how == "unnamed":
+            own[t, c] = -1
+            gathered[rank, t, c] = 0.25
+        elif how == "neg":
+            own[t, c] = -2
+    elif how == "req":
+        req = torch.tensor(case.req if case.req is not None else list(range(case.T)), dtype=torch.int32)
+        req[t] = rng.choice([-1, len(case.table), len(case.table) + 5])
+    elif how == "hole":
+        table[rng.randrange(table.shape[0]), rng.randrange(table.shape[1])] = -1
+    elif how == "huge":
+        table[rng.randrange(table.shape[0]), rng.randrange(table.shape[1])] = rng.choice([2**31 // case.bs, 2**40])
+    elif how == "short":
+        table = table[:, : rng.randrange(table.shape[1])].contiguous()
+    return gathered, req, table, own
+
+
+def _flag(gathered, req, table, g, order, own) -> int:
+    from dcp_ref.kernels.select_to_slots_cutedsl import check_select_to_slots_values
+
+    chk = check_select_to_slots_values(gathered, req, table, g, order=order, own_ids=own)
+    raised = int(chk.item())
+    chk.zero_()
+    return raised
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    W=st.integers(1, 4),
+    I=st.sampled_from([1, 2]),
+    K=st.integers(1, 7),
+    k=st.integers(1, 12),
+    T=st.integers(1, 3),
+    order=st.sampled_from(["global_id", "rank_local"]),
+    data=st.data(),
+)
+def test_kernel_value_check_flags_every_input_the_reference_refuses(seed, W, I, K, k, T, order, data):
+    """The flag of :func:`check_select_to_slots_values` is raised whenever the reference's validated call refuses
+    (never a miss); on a case built in contract it stays 0; a flag the reference clears comes only from a block
+    that a *losing* candidate of this rank lacks (the kernel checks every candidate, the reference the winners)."""
+    pytest.importorskip("cutlass")
+    rank = data.draw(st.integers(0, W - 1))
+    how = data.draw(st.sampled_from(MUTATIONS[order]))
+    rng = random.Random(seed)
+    case = random_case(rng, W, I, 2 * I, K, T, flavour=rng.choice(["randn", "ties", "nan"]), n_blocks=4)
+    if rng.random() < 0.3:
+        case.req = None
+    g = DcpGeometry(W, rank, I, 2 * I)
+    gathered, req, table, own = _mutated(case, order, rank, how, rng)
+    try:
+        select_to_slots(gathered, req, table, g, k, order=order, own_ids=own)
+        refused = False
+    except ValueError:
+        refused = True
+    flag = _flag(gathered, req, table, g, order, own)
+    assert flag or not refused, how  # never a miss
+    if how == "none":
+        assert not refused and not flag
+    if flag and not refused:
+        assert how in ("hole", "huge", "short"), how  # a false alarm: a losing candidate without a block
+
+
+def test_kernel_value_check_duplicates_in_a_large_row_and_across_calls(monkeypatch):
+    """The hash table finds one repeated id among 4096 (W = 4, K = 256, 4 rows), in any row and rank slice; calls
+    after it (the table is never cleared: entries of earlier calls are stale by their stamp) see no duplicate;
+    with a table capped to a few rows the check runs per group of rows, and stamps that reach their limit
+    restart on a zeroed table."""
+    pytest.importorskip("cutlass")
+    from dcp_ref.kernels import select_to_slots_cutedsl as mod
+
+    W, K, T = 4, 256, 4
+    g = DcpGeometry(W, 1, 1, 4)
+    gen = torch.Generator().manual_seed(3)
+    perm = torch.stack([torch.randperm(W * K * 8, generator=gen)[: W * K] for _ in range(T)])  # distinct ids
+    ids = perm.view(T, W, K).permute(1, 0, 2).float()
+    pairs = torch.stack([torch.randn(W, T, K, generator=gen), ids], -1).contiguous()
+    table = torch.arange(T * 2048, dtype=torch.int32).view(T, 2048)
+    for cap in (None, 2 * 4 * W * K, 4 * W * K):  # one launch, two rows per launch, one row per launch
+        if cap is not None:
+            monkeypatch.setattr(mod, "_HASH_MAX", cap)
+        for _ in range(2):
+            assert _flag(pairs, None, table, g, "global_id", None) == 0
+        for t, (w1, c1), (w2, c2) in ((0, (0, 0), (3, 255)), (3, (2, 17), (2, 200)), (1, (1, 5), (0, 9))):
+            bad = pairs.clone()
+            bad[w2, t, c2, 1] = bad[w1, t, c1, 1]
+            assert _flag(bad, None, table, g, "global_id", None) == 1
+            assert _flag(pairs, None, table, g, "global_id", None) == 0
+    monkeypatch.setattr(mod, "_STAMP_LIMIT", 8)  # every launch of T = 4 rows restarts the stamps
+    for _ in range(3):
+        assert _flag(pairs, None, table, g, "global_id", None) == 0
+    bad = pairs.clone()
+    bad[0, 2, 0, 1] = bad[1, 2, 1, 1]
+    assert _flag(bad, None, table, g, "global_id", None) == 1
+
+
+def test_kernel_value_check_rows_longer_than_one_block():
+    """Rows longer than the check kernel's block: ``rank_local`` carries the ascending test across its loop's
+    chunks (K = 1500, blocks of 1024: a repeat or a swap across the boundary is caught, a good row is not
+    flagged); ``global_id`` spreads a rank's slice over several programs (K = 600, blocks of 256) that share the
+    row's hash table."""
+    pytest.importorskip("cutlass")
+    K, T = 1500, 2
+    g = DcpGeometry(2, 1, 1, 4)
+    gen = torch.Generator().manual_seed(4)
+    loc = torch.cumsum(torch.randint(1, 3, (T, K), generator=gen), -1) - 1
+    loc[0, 700:710] = -1  # padding (NaN scores) inside the row
+    scores = torch.randn(2, T, K, generator=gen)
+    scores[1] = torch.where(loc >= 0, scores[1], NAN)
+    table = torch.arange(T * 1024, dtype=torch.int32).view(T, 1024)
+    own = loc.to(torch.int32)
+    assert _flag(scores, None, table, g, "rank_local", own) == 0
+    for a, b in ((1024, 1023), (1100, 1000), (1499, 0)):
+        bad = own.clone()
+        bad[1, a] = own[1, b]
+        with pytest.raises(ValueError, match=r"^own_ids must list"):
+            select_to_slots(scores, None, table, g, 8, order="rank_local", own_ids=bad)
+        assert _flag(scores, None, table, g, "rank_local", bad) == 1
+    K = 600
+    ids = torch.randperm(2 * T * K * 3, generator=gen)[: 2 * T * K].view(2, T, K).float()
+    pairs = torch.stack([torch.randn(2, T, K, generator=gen), ids], -1).contiguous()
+    table = torch.arange(T * 2048, dtype=torch.int32).view(T, 2048)
+    assert _flag(pairs, None, table, g, "global_id", None) == 0
+    for (w1, c1), (w2, c2) in (((0, 10), (0, 590)), ((0, 599), (1, 256)), ((1, 300), (1, 511))):
+        bad = pairs.clone()
+        bad[w2, 1, c2, 1] = bad[w1, 1, c1, 1]
+        assert _flag(bad, None, table, g, "global_id", None) == 1
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: the kernel against the reference (run with -m gpu on the H200)
 # ---------------------------------------------------------------------------------------------
 
@@ -672,6 +831,73 @@ def test_cutedsl_validated_call_matches_and_raises_like_the_reference(cuda_devic
     for fn in (select_to_slots, select_to_slots_cutedsl):
         with pytest.raises(ValueError, match=r"^req_of_token values must be in"):
             fn(pairs, bad, table, g, 256)
+
+
+@pytest.mark.gpu
+def test_cutedsl_validated_call_is_one_check_launch_and_one_read_at_step_shapes(cuda_device):
+    """At the step's shapes (K = k = 2048; W = 2 and 8; 1 and 32 rows) the validated call is the unvalidated call's
+    aten ops plus one host read (the check kernel's launch is no aten op), raises no false alarm (the table covers
+    every candidate), answers the same; a planted duplicate id (global_id) or unsorted own ids (rank_local) raise
+    the reference's message, and the flag is cleared after."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dcp_ref.kernels import select_to_slots_cutedsl as mod
+    from dcp_ref.kernels._util import check_flag
+
+    def ops(fn):  # type: ignore[no-untyped-def]
+        seen: list[str] = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                seen.append(func._schema.name)
+                return func(*args, **(kwargs or {}))
+
+        with Mode():
+            fn()
+        return seen
+
+    K = 2048
+    for W, rows in ((2, 1), (2, 32), (8, 32)):
+        pairs, scores, own, req, table = make_gpu_case(W, K, rows, 1, 64, 13 + W, cuda_device, poison=False)
+        g = DcpGeometry(W, W - 1, 1, 64)
+        for order, gathered, o in (("global_id", pairs, None), ("rank_local", scores, own[W - 1].contiguous())):
+            out_s = torch.empty(rows, K, dtype=torch.int32, device=cuda_device)
+            out_n = torch.empty(rows, dtype=torch.int32, device=cuda_device)
+
+            inputs = (gathered, req, table, g, K)
+            opts = dict(order=order, own_ids=o, out_slots=out_s, out_counts=out_n)
+
+            def call(v, inputs=inputs, opts=opts):  # type: ignore[no-untyped-def]
+                return mod.select_to_slots_cutedsl(*inputs, **opts, validate=v)
+
+            want = select_to_slots(gathered, req, table, g, K, order=order, own_ids=o, validate=False)
+            call(True), call(False)  # compile both
+            chk = mod.check_select_to_slots_values(gathered, req, table, g, order=order, own_ids=o)
+            assert int(chk.item()) == 0, (W, rows, order)  # no false alarm
+            plain, checked = ops(lambda: call(False)), ops(lambda: call(True))
+            assert checked == [*plain, "aten::_local_scalar_dense"], (W, rows, order, checked, plain)
+            assert _same(call(True), want, K)
+            if order == "global_id":
+                bad = gathered.clone()
+                t = rows - 1
+                ok = (bad[:, t, :, 1] >= 0).nonzero()
+                (w1, c1), (w2, c2) = ok[0].tolist(), ok[-1].tolist()
+                bad[w2, t, c2, 1] = bad[w1, t, c1, 1]
+                args = (bad, req, table, g, K)
+                kw: dict = {}
+            else:
+                bad_own = o.clone()
+                t = rows - 1
+                valid = (bad_own[t] >= 0).nonzero().flatten().tolist()
+                bad_own[t, valid[0]], bad_own[t, valid[-1]] = o[t, valid[-1]], o[t, valid[0]]
+                args = (gathered, req, table, g, K)
+                kw = dict(order="rank_local", own_ids=bad_own)
+            with pytest.raises(ValueError) as ref:
+                select_to_slots(*args, **kw)
+            with pytest.raises(ValueError) as ker:
+                mod.select_to_slots_cutedsl(*args, **kw)
+            assert str(ker.value) == str(ref.value)
+            assert int(check_flag(cuda_device).item()) == 0
 
 
 @pytest.mark.gpu

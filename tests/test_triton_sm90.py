@@ -41,6 +41,7 @@ COVER = [
     "tests/test_fp8_cache.py::test_finish_outputs_kernel",
     "tests/test_fp8_cache.py::test_prepare_indices_kernel",
     "tests/test_pipeline.py::test_kernels_backend_equals_single_device[1-1-1]",
+    "tests/test_bad_inputs_select_to_slots.py::test_kernel_validated_call_is_one_check_launch_and_one_read[req-global_id]",
 ]
 
 #: Launched kernels that the CPU suite cannot reach, and why (compiled from a hand-written launch instead).

@@ -27,10 +27,31 @@ what=${1:?usage: tools/gpu_check.sh cute|fi|bench|merge TGZ...|lists}
 cd "$(dirname "$0")/.."
 
 # ---- which call runs what (edit here when a test file or kernel family is added) ----------------------------------
-CUTE_TESTS="tests/test_topk.py tests/test_indexer_kernel.py tests/test_deinterleave.py tests/test_ownership.py
-  tests/test_scoring.py tests/test_select_to_slots.py"
-FI_TESTS="tests/test_testing_kit.py tests/test_pipeline.py tests/test_bad_inputs.py tests/test_fp8_cache.py
-  tests/test_step_fp8.py tests/test_step.py tests/test_attention.py tests/test_attention_splitkv.py"
+# One lane = one shell running its units one after another; a call runs its lanes at once (balanced by the times
+# measured on the H200, 2026-12-01). A unit is a test file, or FILE@PART for a part of one (kexpr below): the two
+# parts of a file are complements, so the file runs whole.
+CUTE_LANES=(
+  "tests/test_topk.py@10k"
+  "tests/test_indexer_kernel.py"
+  "tests/test_select_to_slots.py tests/test_scoring.py tests/test_topk.py@rest tests/test_ownership.py"
+  "tests/test_deinterleave.py"
+)
+FI_LANES=(
+  "tests/test_testing_kit.py@select"
+  "tests/test_testing_kit.py@rest"
+  "tests/test_bad_inputs.py tests/test_attention_splitkv.py tests/test_step.py tests/test_step_fp8.py
+   tests/test_pipeline.py tests/test_attention.py tests/test_fp8_cache.py"
+)
+kexpr() {  # the -k expression of a part
+  case "$1" in
+    10k) echo "differential_10k" ;;
+    select) echo "cutedsl_select" ;;
+    rest) case "$2" in *test_topk.py) echo "not differential_10k" ;; *) echo "not cutedsl_select" ;; esac ;;
+    *) echo "gpu_check.sh: unknown part @$1" >&2; return 1 ;;
+  esac
+}
+CUTE_TESTS=$(printf '%s\n' "${CUTE_LANES[@]}" | tr ' ' '\n' | grep . | sed 's/@.*//' | sort -u | tr '\n' ' ')
+FI_TESTS=$(printf '%s\n' "${FI_LANES[@]}" | tr ' ' '\n' | grep . | sed 's/@.*//' | sort -u | tr '\n' ' ')
 CUTE_FAMILIES="pack,deinterleave,lse_merge,indexer,indexer_compact,guard,scoring,scored_indexer,splitkv,topk_cutedsl,select_to_slots"
 FI_FAMILIES="flashinfer,flashmla,flashmla_fp8"
 # the layer rows `bench` measures (layout:W:T:ctx:cache:fused), in priority order: the issues' shapes
@@ -89,15 +110,19 @@ print(json.dumps(v))
 PY
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$work/nvidia_smi.txt"
 }
-lane() {  # lane TIMEOUT FILE...: one pytest process per file, one after another
+lane() {  # lane TIMEOUT UNIT...: one pytest process per unit, one after another
   local limit=$1
   shift
-  for f in "$@"; do
-    local name
+  for u in "$@"; do
+    local f=${u%@*} name k=()
     name=$(basename "$f" .py)
-    timeout "$limit" python3 -m pytest -m gpu "$f" -q -p no:cacheprovider --junitxml="$work/junit_$name.xml" \
+    if [ "$u" != "$f" ]; then
+      name="${name}_${u#*@}"
+      k=(-k "$(kexpr "${u#*@}" "$f")")
+    fi
+    timeout "$limit" python3 -m pytest -m gpu "$f" "${k[@]}" -q -p no:cacheprovider --junitxml="$work/junit_$name.xml" \
       > "$work/pytest_$name.txt" 2>&1
-    echo "$f: exit $? — $(tail -1 "$work/pytest_$name.txt")"
+    echo "$u: exit $? — $(tail -1 "$work/pytest_$name.txt")"
   done
 }
 san() {  # san TOOL FAMILIES: compute-sanitizer over sanitize_all.py
@@ -106,20 +131,12 @@ san() {  # san TOOL FAMILIES: compute-sanitizer over sanitize_all.py
     --only "$fams" --out "$work/sanitize_$tool" > "$work/${tool}_$what.txt" 2>&1
   echo "compute-sanitizer $tool ($fams): exit $? — $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/${tool}_$what.txt" | tail -1)"
 }
-# split a list of files into N lanes, longest files first (by line count), round robin
-lanes_of() {
-  local n=$1
+run_lanes() {  # run_lanes TIMEOUT LANE...: every lane at once, in the background
+  local limit=$1
   shift
-  wc -l "$@" | grep -v ' total$' | sort -rn | awk -v n="$n" '{print NR % n, $2}'
-}
-run_tests() {  # run_tests N_LANES TIMEOUT FILES...
-  local n=$1 limit=$2
-  shift 2
-  local plan
-  plan=$(lanes_of "$n" "$@")
-  for i in $(seq 0 $((n - 1))); do
-    # shellcheck disable=SC2046
-    lane "$limit" $(echo "$plan" | awk -v i="$i" '$1 == i {print $2}') &
+  for l in "$@"; do
+    # shellcheck disable=SC2086
+    lane "$limit" $l &
   done
 }
 
@@ -127,8 +144,7 @@ case "$what" in
   cute)
     install .gpu/cute
     python3 -c "import cutlass, torch, triton; print('cutlass ok; torch', torch.__version__, 'triton', triton.__version__)" || exit 3
-    # shellcheck disable=SC2086
-    run_tests 4 "${TEST_S:-420}" $CUTE_TESTS
+    run_lanes "${TEST_S:-420}" "${CUTE_LANES[@]}"
     (san memcheck "$CUTE_FAMILIES"; san racecheck "$CUTE_FAMILIES") &
     wait
     ;;
@@ -136,8 +152,7 @@ case "$what" in
     install .gpu/flashinfer
     python3 -c "import cutlass, flashinfer, flash_mla; print('cutlass, flashinfer, flash_mla: ok')" \
       || { echo "fresh machine: CuTeDSL from the 'cute' call is gone; run both calls again" >&2; exit 3; }
-    # shellcheck disable=SC2086
-    run_tests 4 "${TEST_S:-420}" $FI_TESTS
+    run_lanes "${TEST_S:-420}" "${FI_LANES[@]}"
     (san memcheck "$FI_FAMILIES"; san racecheck "$FI_FAMILIES") &
     wait
     ;;
@@ -154,8 +169,11 @@ case "$what" in
       case "$bname" in
         local_topk) b local_topk 200 benchmarks/bench_local_topk.py --out "$work" --peers .gpu/ix_peers/vllm --no-sweep ;;
         layer) b layer 170 benchmarks/bench_layer.py --out "$work" --budget-s 140 --configs "${LAYER_ROWS:-$LAYER_DEFAULT}" ;;
-        step) b step 200 benchmarks/bench_step.py --out "$work/step_raw" --T 1,32 &&
-          python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work" > /dev/null ;;
+        step)  # W = 1 on both caches (W = 2 needs two GPUs: its rows stay from their run, marked so)
+          b step 200 benchmarks/bench_step.py --out "$work/step_raw"
+          b step_fp8 150 benchmarks/bench_step.py --fp8 --out "$work/step_raw"
+          python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work" --keep benchmarks/results/step.json \
+            --note "tools/gpu_check.sh bench: W = 1, one H200, the two caches one after the other." > /dev/null ;;
         validation) b validation 150 benchmarks/bench_validation.py --out "$work" ;;
         scoring)  # DeepGEMM's fp8_paged_mqa_logits (built from source, .gpu/dgsrc) in its own process, then ours
           dg=()
