@@ -165,7 +165,7 @@ class StageInfo:
 
 #: Results files whose benchmark exists but has not run on the H200 yet (the session that wrote it ran out of
 #: device time): a stage pointing at one of these has no measurement to show.
-AWAITING_DEVICE: tuple[str, ...] = ("layer.json", "scoring.json")
+AWAITING_DEVICE: tuple[str, ...] = ()
 
 #: One table of stages, in step order: the single source for the README's stage table, chapter 00's, the API
 #: page and CONTRIBUTING (``tests/test_stage_map.py`` checks that they agree with it).
