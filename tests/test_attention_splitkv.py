@@ -22,6 +22,7 @@ import threading
 
 import pytest
 import torch
+from opcount import HOST_READS, OpCount
 
 from dcp_ref.attention import sparse_mla_attention
 from dcp_ref.kernels import attention_splitkv_triton as sk
@@ -397,52 +398,15 @@ def test_validate_messages_are_the_references(kernel_device) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the validated call
-_HOST_READ_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::equal"}
 
 
 def _wrapper_ops(monkeypatch, fn) -> list[str]:  # noqa: ANN001
-    """What ``fn()`` runs in the wrapper's own code, in order: each Triton launch (``triton:<kernel>``) and every
-    non-view aten op outside the launches (the ops a device would launch, and host reads); ``Tensor.tolist`` too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ops: list[str] = []
-    paused = [False]
-
-    class Launcher:
-        def __init__(self, kernel, name: str) -> None:  # noqa: ANN001
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-                ops.append(f"triton:{self.name}")
-                paused[0] = True
-                try:
-                    return self.kernel[grid](*a, **k)
-                finally:
-                    paused[0] = False
-
-            return run
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not paused[0] and not func.is_view:
-                ops.append(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
-    orig = torch.Tensor.tolist
-
-    def tolist(self, *a, **k):  # type: ignore[no-untyped-def]
-        if not paused[0]:
-            ops.append("tolist")
-        return orig(self, *a, **k)
-
-    with monkeypatch.context() as m:  # undone on return
-        for name in ("splitkv_partial_kernel", "splitkv_combine_kernel"):
-            m.setattr(sk, name, Launcher(getattr(sk, name), name))
-        m.setattr(torch.Tensor, "tolist", tolist)
-        with Mode():
-            fn()
-    return ops
+    """What ``fn()`` runs in the wrapper's own code, in order (``tests/opcount.py``): each Triton launch and every
+    non-view aten op outside the launches (the ops a device would launch, and host reads)."""
+    counter = OpCount()
+    with counter.recording([(sk, "splitkv_partial_kernel"), (sk, "splitkv_combine_kernel")]):
+        fn()
+    return counter.ops
 
 
 def _flag(dev) -> int:  # noqa: ANN001
@@ -472,7 +436,7 @@ def test_validated_call_is_the_unvalidated_launches_plus_one_read(kernel_device,
     checked = _wrapper_ops(monkeypatch, lambda: call(True))
     launches = ["triton:splitkv_partial_kernel"] + (["triton:splitkv_combine_kernel"] if num_splits > 1 else [])
     assert plain == launches, plain
-    reads = [op for op in checked if op in _HOST_READ_OPS or op == "tolist"]
+    reads = [op for op in checked if op in HOST_READS]
     assert len(reads) == 1 and checked == plain + reads, checked
     assert _flag(kernel_device) == 0
 

@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+from opcount import HOST_READS, OpCount
 
 from dcp_ref.attention import sparse_mla_attention
 from dcp_ref.kernels import flashmla_sparse as fm
@@ -177,60 +178,20 @@ def test_prologue_buffers_are_planned_per_thread_and_shape(fake: list) -> None:
 
 
 # ---- the validated call: the prologue's flag, one host read, no extra launch ----------------------------
-_HOST_READ_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::equal"}
 
 
 def _wrapper_ops(monkeypatch: pytest.MonkeyPatch, fn) -> list[str]:  # noqa: ANN001
     """What ``fn()`` runs in the wrapper's own code, in order: each Triton launch of the prologue / epilogue
     (``triton:<name>``), the FlashMLA call (``flash_mla``) and every non-view aten op outside them (the ops a
     device would launch, plus host reads). ``Tensor.tolist`` is recorded too (a CPU tolist dispatches nothing)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ops: list[str] = []
-    paused = [False]
-
-    def quiet(name: str, call):  # noqa: ANN001, ANN202
-        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            if not paused[0]:
-                ops.append(name)
-            paused[0] = True
-            try:
-                return call(*a, **k)
-            finally:
-                paused[0] = False
-
-        return run
-
-    class Launcher:
-        def __init__(self, kernel, name: str) -> None:  # noqa: ANN001
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            return quiet(f"triton:{self.name}", self.kernel[grid])
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not paused[0] and not func.is_view:
-                ops.append(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
-    orig = torch.Tensor.tolist
-
-    def tolist(self, *a, **k):  # type: ignore[no-untyped-def]
-        if not paused[0]:
-            ops.append("tolist")
-        return orig(self, *a, **k)
-
-    inner = fm._flash_mla()
+    counter = OpCount()
+    fwd = counter.quiet("flash_mla", fm._flash_mla().flash_mla_sparse_fwd)
+    kernels = [(fm, "_prologue_kernel", "prologue"), (fm, "_epilogue_kernel", "epilogue")]
     with monkeypatch.context() as m:  # undone on return: a later count wraps the real kernels again
-        m.setattr(fm, "_prologue_kernel", Launcher(fm._prologue_kernel, "prologue"))
-        m.setattr(fm, "_epilogue_kernel", Launcher(fm._epilogue_kernel, "epilogue"))
-        fwd = quiet("flash_mla", inner.flash_mla_sparse_fwd)
         m.setattr(fm, "_flash_mla", lambda: types.SimpleNamespace(flash_mla_sparse_fwd=fwd))
-        m.setattr(torch.Tensor, "tolist", tolist)
-        with Mode():
+        with counter.recording(kernels):
             fn()
-    return ops
+    return counter.ops
 
 
 def test_a_validated_call_adds_one_host_read_and_no_launch(fake: list, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,9 +207,9 @@ def test_a_validated_call_adds_one_host_read_and_no_launch(fake: list, monkeypat
     call(False), call(True)  # warm: the scratch buffers and the flag exist from now on
     plain = _wrapper_ops(monkeypatch, lambda: call(False))
     checked = _wrapper_ops(monkeypatch, lambda: call(True))
-    reads = [op for op in checked if op in _HOST_READ_OPS or op == "tolist"]
+    reads = [op for op in checked if op in HOST_READS]
     assert len(reads) == 1, checked
-    assert not any(op in _HOST_READ_OPS or op == "tolist" for op in plain), plain
+    assert not any(op in HOST_READS for op in plain), plain
     if fm._use_triton(q.device):
         assert plain == ["triton:prologue", "flash_mla", "triton:epilogue"], plain
         assert checked == ["triton:prologue", reads[0], "flash_mla", "triton:epilogue"], checked

@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opcount import HOST_READS, OpCount
 
 from dcp_ref.cache_write import write_tokens
 from dcp_ref.deinterleave import global_ids_to_local_slots
@@ -469,56 +470,19 @@ def test_kernel_empty_cases(kernel_device) -> None:
 # ---------------------------------------------------------------------------------------------
 # The validated call: value checks in the kernel, one flag, one host read
 # ---------------------------------------------------------------------------------------------
-_HOST_READ_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::equal"}
 
 
 def _wrapper_ops(monkeypatch: pytest.MonkeyPatch, fn) -> list[str]:  # noqa: ANN001
-    """What ``fn()`` runs in the wrapper's own code, in order: each Triton launch (``triton:<kernel>``) and every
-    non-view aten op outside the launches (the ops a device would launch, and host reads); ``Tensor.tolist`` too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ops: list[str] = []
-    paused = [False]
-
-    class Launcher:
-        def __init__(self, kernel, name: str) -> None:  # noqa: ANN001
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid):  # noqa: ANN001, ANN204
-            def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
-                ops.append(f"triton:{self.name}")
-                paused[0] = True
-                try:
-                    return self.kernel[grid](*a, **k)
-                finally:
-                    paused[0] = False
-
-            return run
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not paused[0] and not func.is_view:
-                ops.append(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
-    orig = torch.Tensor.tolist
-
-    def tolist(self, *a, **k):  # type: ignore[no-untyped-def]
-        if not paused[0]:
-            ops.append("tolist")
-        return orig(self, *a, **k)
-
-    with monkeypatch.context() as m:  # undone on return
-        for name in ("index_scores_kernel", "index_scores_check_kernel"):
-            m.setattr(st_kernel, name, Launcher(getattr(st_kernel, name), name))
-        m.setattr(torch.Tensor, "tolist", tolist)
-        with Mode():
-            fn()
-    return ops
+    """What ``fn()`` runs in the wrapper's own code, in order (``tests/opcount.py``): each Triton launch and every
+    non-view aten op outside the launches (the ops a device would launch, and host reads)."""
+    counter = OpCount()
+    with counter.recording([(st_kernel, "index_scores_kernel"), (st_kernel, "index_scores_check_kernel")]):
+        fn()
+    return counter.ops
 
 
 def _reads(ops: list[str]) -> list[str]:
-    return [op for op in ops if op in _HOST_READ_OPS or op == "tolist"]
+    return [op for op in ops if op in HOST_READS]
 
 
 def _flag(dev: torch.device) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from opcount import HOST_READS, OpCount
 
 from dcp_ref.deinterleave import deinterleave_and_compact, deinterleave_masked, global_ids_to_local_slots
 from dcp_ref.fp8_cache import check_fp8_slots, quantize_kv_fp8
@@ -27,61 +28,28 @@ from dcp_ref.geometry import DcpGeometry
 dk = pytest.importorskip("dcp_ref.kernels.deinterleave_triton")
 fm8 = pytest.importorskip("dcp_ref.kernels.flashmla_fp8")
 
-_HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero", "aten::equal", "tolist"}
 POISON = 2**31 - 1  # the deinterleave stage's poison slot, written here independently of the code
 
 
+def _check_label(name: str, k: dict) -> str:
+    on = k.get("CHECK", False)
+    assert on == (k.get("chk_ptr") is not None), k  # the switch and its flag travel together
+    return f"triton:{name}[{'CHECK' if on else '-'}]"
+
+
 def _counted(monkeypatch, module: Any, kernels: tuple[str, ...], fn: Callable[[], Any]) -> tuple[list[str], Any]:
-    """``(ops, result)`` of ``fn()``: in order, each launch of one of ``module``'s ``kernels`` as
-    ``triton:<name>[CHECK]`` (or ``[-]``) and every non-view aten op the wrapper runs outside the launches (what
-    a device would launch, and host reads), plus ``Tensor.tolist``. ``result`` is ``fn()``'s return value or the
-    exception it raised."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ops: list[str] = []
-    paused = [False]
-
-    class Launcher:
-        def __init__(self, kernel: Any, name: str) -> None:
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid: Any) -> Callable[..., Any]:
-            def run(*a: Any, **k: Any) -> Any:
-                on = k.get("CHECK", False)
-                assert on == (k.get("chk_ptr") is not None), k  # the switch and its flag travel together
-                ops.append(f"triton:{self.name}[{'CHECK' if on else '-'}]")
-                paused[0] = True
-                try:
-                    return self.kernel[grid](*a, **k)
-                finally:
-                    paused[0] = False
-
-            return run
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not paused[0] and not func.is_view:
-                ops.append(func._schema.name)
-            return func(*args, **(kwargs or {}))
-
-    orig = torch.Tensor.tolist
-
-    def tolist(self: torch.Tensor, *a: Any, **k: Any) -> Any:
-        if not paused[0]:
-            ops.append("tolist")
-        return orig(self, *a, **k)
-
+    """``(ops, result)`` of ``fn()`` (``tests/opcount.py``): in order, each launch of one of ``module``'s
+    ``kernels`` as ``triton:<name>[CHECK]`` (or ``[-]``) and every non-view aten op the wrapper runs outside the
+    launches (what a device would launch, and host reads), plus ``Tensor.tolist``. ``result`` is ``fn()``'s
+    return value or the exception it raised."""
+    counter = OpCount()
     result: Any
-    with monkeypatch.context() as m:  # undone on return
-        for name in kernels:
-            m.setattr(module, name, Launcher(getattr(module, name), name))
-        m.setattr(torch.Tensor, "tolist", tolist)
+    with counter.recording([(module, name) for name in kernels], label=_check_label):
         try:
-            with Mode():
-                result = fn()
+            result = fn()
         except Exception as e:  # noqa: BLE001 - returned for the caller to compare
             result = e
-    return ops, result
+    return counter.ops, result
 
 
 def _flag(dev: torch.device) -> torch.Tensor:
@@ -91,7 +59,7 @@ def _flag(dev: torch.device) -> torch.Tensor:
 
 
 def _reads(ops: list[str]) -> list[str]:
-    return [op for op in ops if op in _HOST_READS]
+    return [op for op in ops if op in HOST_READS]
 
 
 def _launches(ops: list[str]) -> list[str]:
@@ -191,7 +159,7 @@ def test_deinterleave_bad_input_raises_the_reference_message_and_clears_the_flag
     launch_ops = _launches(ops)
     assert [op.split("[")[0] for op in launch_ops] == [f"triton:{k}" for k in kernels]
     # the first read is the flag's, right after the launches; only the error path reads more
-    first_read = next(i for i, op in enumerate(ops) if op in _HOST_READS)
+    first_read = next(i for i, op in enumerate(ops) if op in HOST_READS)
     assert first_read == ops.index(launch_ops[-1]) + 1 and ops[first_read + 1] == "aten::zero_", ops
     # unvalidated: the device answer (poisoned), no raise, no read, and the flag is not touched
     ops_u, res = _counted(monkeypatch, dk, DK_KERNELS, lambda: call(ids, req, bt, False))
