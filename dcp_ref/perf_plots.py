@@ -314,22 +314,25 @@ def plot_attention(attn: Mapping[str, Any], peak_tflops: float = 989.0, dpi: int
 
 def plot_local_topk(local: Mapping[str, Any], dpi: int = DPI) -> Any:
     """The indexer stage (local top-K + pack, k = 2048) against query tokens T, one panel per local row length
-    L: the fused Triton kernel against today's torch path (``torch.topk`` + the Triton pack, not exact at ties)
-    and the exact stable torch version (all CUDA-graph replays, from ``local_topk.json``'s ``summary``)."""
+    L: the fused Triton kernel (exact: ties broken by lower index) against vLLM's ``top_k_per_row_decode`` + its
+    pack, measured in the same run, and ``torch.topk`` + the Triton pack (neither stable at ties). All CUDA-graph
+    replays, from ``local_topk.json``'s ``summary``, normal scores (its heavy-ties rows are not plotted)."""
     _need(local, "local_topk", ["summary"])
-    lengths = sorted({r["L"] for r in local["summary"]})
+    rows = [r for r in local["summary"] if r.get("dist", "normal") == "normal"]
+    lengths = sorted({r["L"] for r in rows})
     fig, axes = _figure(
         len(lengths),
         "The indexer stage (each rank's top-2048 of its own keys, packed for the all-gather): the fused "
-        "kernel against torch (device time, lower is better).",
+        "kernel against vLLM's top-K + pack and torch (device time, lower is better).",
         dpi=dpi,
     )
     for ax, n in zip(axes, lengths):
-        rs = sorted((r for r in local["summary"] if r["L"] == n), key=lambda r: r["T"])
+        rs = sorted((r for r in rows if r["L"] == n), key=lambda r: r["T"])
         x = [r["T"] for r in rs]
-        ax.plot(x, [r["fused_us"] for r in rs], "o-", label="ours (fused Triton)")
-        ax.plot(x, [r["torch_path_us"] for r in rs], "^:", label="torch.topk + pack (not exact)")
-        ax.plot(x, [r["stable_torch_us"] for r in rs], "v:", label="torch stable (exact)")
+        ax.plot(x, [r["fused_us"] for r in rs], "o-", label="ours (fused Triton, exact)")
+        if all(r.get("vllm_us") is not None for r in rs):
+            ax.plot(x, [r["vllm_us"] for r in rs], "s--", label="vLLM top-K + pack (ties arbitrary)")
+        ax.plot(x, [r["torch_us"] for r in rs], "^:", label="torch.topk + pack (not exact)")
         ax.set(xscale="log", yscale="log", title=f"L = {_short(n)}", xlabel="T (rows)", ylabel="µs")
     return _finish(fig, axes)
 

@@ -224,21 +224,23 @@ def test_indexer_and_fp8_attention_series() -> None:
                 "T": t,
                 "L": n,
                 "k": 2048,
+                "dist": "normal",
                 "fused_us": t + n / 1024,
-                "torch_path_us": 3.0 * t + n,
-                "stable_torch_us": 7.0 * t,
+                "torch_us": 3.0 * t + n,
+                "vllm_us": 7.0 * t,
                 "same_result": True,
             }
             for t in (32, 1)
             for n in (4096, 32768)
         ]
+        + [{"T": 1, "L": 4096, "k": 2048, "dist": "ties", "fused_us": 99.0, "torch_us": 1.0, "vllm_us": 1.0}]
     }
     fig = pp.plot_local_topk(local)
     _check_small(fig)
     s = pp.plotted_series(fig)
-    assert s["L = 4K | ours (fused Triton)"] == ([1.0, 32.0], [5.0, 36.0])
+    assert s["L = 4K | ours (fused Triton, exact)"] == ([1.0, 32.0], [5.0, 36.0])
     assert s["L = 32K | torch.topk + pack (not exact)"] == ([1.0, 32.0], [32771.0, 32864.0])
-    assert s["L = 32K | torch stable (exact)"][1] == [7.0, 224.0]
+    assert s["L = 32K | vLLM top-K + pack (ties arbitrary)"][1] == [7.0, 224.0]  # the ties row is not plotted
     fp8 = {
         "summary": [
             {
@@ -268,8 +270,8 @@ def test_indexer_and_fp8_attention_series() -> None:
 def test_committed_indexer_and_fp8_files_plot() -> None:
     local, fp8 = _json("local_topk"), _json("fp8_attention")
     s = pp.plotted_series(pp.plot_local_topk(local))
-    rows = sorted((r for r in local["summary"] if r["L"] == 4096), key=lambda r: r["T"])
-    assert s["L = 4K | ours (fused Triton)"][1] == [r["fused_us"] for r in rows]
+    rows = sorted((r for r in local["summary"] if r["L"] == 4096 and r["dist"] == "normal"), key=lambda r: r["T"])
+    assert s["L = 4K | ours (fused Triton, exact)"][1] == [r["fused_us"] for r in rows]
     g = pp.plotted_series(pp.plot_fp8_attention(fp8))
     assert len(g) == 2 * 2 * 2  # (fp8, bf16) x (W = 1, 2) x (K = 1024, 2048)
 
