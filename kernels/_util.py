@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["cdiv", "next_pow2", "sm_count", "per_thread", "check_flag"]
+__all__ = ["cdiv", "next_pow2", "sm_count", "per_thread", "check_flag", "raise_if_flagged"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,8 +68,9 @@ def check_flag(dev: torch.device) -> torch.Tensor:
     """A zeroed int64 flag for a validated call's in-kernel checks, one per thread, device and stream,
     made once: a good call leaves it at 0, a call that finds it raised clears it before raising.
 
-    Shared by the wrappers that check inside their kernel (the pack, the indexer): each reads and
-    clears the flag before it returns, so calls on one stream never see each other's flag.
+    Shared by the wrappers that check inside their kernel (the pack, the indexer, the deinterleave, the scoring,
+    the attentions, select-to-slots' check): each reads it once with :func:`raise_if_flagged`, which clears a
+    raised flag before raising, so calls on one stream never see each other's flag.
     """
     import torch
 
@@ -79,3 +80,18 @@ def check_flag(dev: torch.device) -> torch.Tensor:
     if flag is None:
         flag = _CHECK_FLAGS[key] = torch.zeros(1, dtype=torch.int64, device=dev)
     return flag
+
+
+def raise_if_flagged(
+    chk: torch.Tensor | None, reference_check: Callable[[], object], what: str, *, false_alarms: bool = False
+) -> None:
+    """The one host read of a validated call whose kernel raised :func:`check_flag` for a row the reference
+    refuses. A raised flag is cleared first (the calls of this stream share it), then ``reference_check()`` raises
+    the reference's exact message. If it returns, the kernel flagged a row the reference accepts: a kernel bug
+    (``AssertionError`` naming ``what``), unless the kernel's check may over-approximate (``false_alarms``)."""
+    if chk is None or not int(chk.item()):
+        return
+    chk.zero_()
+    reference_check()
+    if not false_alarms:
+        raise AssertionError(f"{what} flagged a row that the reference accepts (a kernel bug)")

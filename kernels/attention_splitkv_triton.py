@@ -81,7 +81,7 @@ from dcp_ref._checks import (
 )
 from dcp_ref.attention import check_sm_scale
 
-from ._util import cdiv, check_flag, next_pow2, per_thread, sm_count
+from ._util import cdiv, check_flag, next_pow2, per_thread, raise_if_flagged, sm_count
 
 __all__ = [
     "SPLITKV_DTYPES",
@@ -740,12 +740,9 @@ def sparse_mla_splitkv(
             DV=v, BLOCK_HC=cbh, BLOCK_VC=cbv, BLOCK_S=max(2, next_pow2(plan.num_splits)),
             num_warps=plan.combine_warps,
         )  # fmt: skip
-    if chk is not None and int(chk.item()):  # the one host read of a validated call, after both launches
-        # Phase 1 raised the flag for a row the reference refuses (poisoned in `out`; nothing outside the cache was
-        # read): cleared for the next call, then the reference's checks name the culprit with its message.
-        chk.zero_()
-        _validate_values(slots, counts, S)
-        raise AssertionError("the split-KV kernel flagged a row that the reference accepts (a kernel bug)")
+    # after both launches: phase 1 raised the flag for a row the reference refuses (poisoned in `out`; nothing
+    # outside the cache was read)
+    raise_if_flagged(chk, lambda: _validate_values(slots, counts, S), "the split-KV kernel")
     return out, out_lse
 
 

@@ -67,7 +67,7 @@ from dcp_ref.deinterleave import (
     raise_deinterleave_violation,
 )
 from dcp_ref.geometry import DcpGeometry
-from dcp_ref.kernels._util import cdiv, check_flag, next_pow2
+from dcp_ref.kernels._util import cdiv, check_flag, next_pow2, raise_if_flagged
 
 __all__ = [
     "deinterleave_compact",
@@ -426,11 +426,9 @@ def _raise_if_flagged(chk: torch.Tensor, token_ids, req_of_token, block_table, g
     below ``2**31 - 1``), so **one** host read of the flag decides, with no launch of its own. Only a
     raised flag is cleared (it is shared by the calls of this stream) and the reference's checker run,
     to raise its precise message."""
-    if not int(chk.item()):  # the one host read of a validated call
-        return
-    chk.zero_()
-    raise_deinterleave_violation(token_ids, req_of_token, block_table, g)
-    raise AssertionError("the deinterleave kernel poisoned a row that the reference accepts (a kernel bug)")
+    raise_if_flagged(
+        chk, lambda: raise_deinterleave_violation(token_ids, req_of_token, block_table, g), "the deinterleave kernel"
+    )
 
 
 def _check_out(buf, name, shape, dtype, dev):

@@ -57,7 +57,7 @@ from dcp_ref._checks import (
 )
 from dcp_ref.fp8_cache import FP8_CACHE_DTYPES, FP8_DS_MLA, check_attention_layout, check_fp8_slots
 
-from ._util import cdiv, check_flag, next_pow2
+from ._util import cdiv, check_flag, next_pow2, raise_if_flagged
 
 __all__ = [
     "TOPK_BLOCK",
@@ -217,6 +217,7 @@ def prepare_indices(
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2)
     num_slots = check_int_scalar(num_slots, "num_slots", min_value=0)
     validate = check_bool(validate, "validate")
+    defer_read = check_bool(defer_read, "defer_read")
     T, K = slots.shape
     dev = slots.device
     if counts is not None:
@@ -262,12 +263,10 @@ def read_check(slots: torch.Tensor, counts: torch.Tensor | None, num_slots: int)
     """The one host read of a validated :func:`prepare_indices` (``slots`` / ``counts`` / ``num_slots`` as given
     to it): when its kernel raised the flag for a row the reference refuses (a slot that may not be read, a count
     outside ``[0, K]``), the flag is cleared for the next call and the reference's checker names the culprit."""
-    chk = check_flag(slots.device)
-    if not int(chk.item()):
-        return
-    chk.zero_()
-    check_fp8_slots(slots, counts, num_slots, "masked" if counts is None else "compact")
-    raise AssertionError("prepare_indices flagged a row that check_fp8_slots accepts (a kernel bug)")
+    layout = "masked" if counts is None else "compact"
+    raise_if_flagged(
+        check_flag(slots.device), lambda: check_fp8_slots(slots, counts, num_slots, layout), "prepare_indices"
+    )
 
 
 def finish_outputs(

@@ -36,7 +36,7 @@ from dcp_ref._checks import (
 )
 from dcp_ref.attention import check_attention_slots, check_sm_scale
 
-from ._util import cdiv, check_flag, next_pow2, per_thread
+from ._util import cdiv, check_flag, next_pow2, per_thread, raise_if_flagged
 
 __all__ = ["FLASHMLA_LSE_BASE", "FLASHMLA_HEADS", "flashmla_unsupported", "sparse_mla_flashmla"]
 
@@ -253,12 +253,9 @@ def sparse_mla_flashmla(
     else:
         safe, cnt, poisoned = _prologue_torch(slots, counts, S, KP)
         chk = ((poisoned != 0) | (counts < 0) | (counts > K)).any().view(1) if check else None
-    if chk is not None and int(chk.item()):  # the one host read of a validated call, before the kernel
-        # The prologue raised the flag for a row the reference refuses (a count outside [0, K], a used slot
-        # outside the cache): cleared for the next call, then the reference's checker names the culprit.
-        chk.zero_()
-        check_attention_slots(slots, counts, S)
-        raise AssertionError("the FlashMLA prologue flagged a row that the reference accepts (a kernel bug)")
+    # before the kernel: the prologue raised the flag for a row the reference refuses (a count outside [0, K], a
+    # used slot outside the cache)
+    raise_if_flagged(chk, lambda: check_attention_slots(slots, counts, S), "the FlashMLA prologue")
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
         q,
         kv_cache.reshape(-1, 1, _DQK),

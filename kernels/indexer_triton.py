@@ -1010,6 +1010,9 @@ def prefer_compact(rows: int, n_cols: int, k: int) -> bool:
     :data:`COMPACT_MIN_COLS` columns, and from :data:`COMPACT_LONG_COLS` columns on only a lone row
     (:data:`COMPACT_LONE_ROWS`) or many (:data:`COMPACT_MANY_ROWS`) — and its candidate list fits a tile
     (:func:`compact_cap`). A row that fits one tile is never compacted (:func:`launch_plan`)."""
+    rows = check_int_scalar(rows, "rows", min_value=0)
+    n_cols = check_int_scalar(n_cols, "n_cols", min_value=0)
+    k = check_int_scalar(k, "k", min_value=1)
     if n_cols < COMPACT_MIN_COLS or compact_cap(k) == 0:
         return False
     return n_cols < COMPACT_LONG_COLS or rows <= COMPACT_LONE_ROWS or rows >= COMPACT_MANY_ROWS

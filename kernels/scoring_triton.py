@@ -44,7 +44,7 @@ from dcp_ref.geometry import DcpGeometry
 from dcp_ref.index_cache import INDEX_K_FP8
 from dcp_ref.scoring import ScoringArgs, check_scoring_inputs
 
-from ._util import cdiv, check_flag, next_pow2, sm_count
+from ._util import cdiv, check_flag, next_pow2, raise_if_flagged, sm_count
 
 __all__ = [
     "row_meta",
@@ -422,10 +422,6 @@ def index_scores_triton(
             assert chk is not None
             chk.zero_()
         raise
-    if check and chk is not None and int(chk.item()):  # the one host read of a validated call
-        # The kernel raised the flag for a row the reference refuses (that row is poisoned in `out`): cleared for
-        # the next call, then the reference's checks name the culprit with its message.
-        chk.zero_()
-        check_scoring_inputs(*args, True)
-        raise AssertionError("the scoring kernel flagged a row that the reference accepts (a kernel bug)")
+    if check:  # the kernel raised the flag for a row the reference refuses (that row is poisoned in `out`)
+        raise_if_flagged(chk, lambda: check_scoring_inputs(*args, True), "the scoring kernel")
     return out

@@ -453,6 +453,9 @@ def test_compacted_path_is_chosen_by_shape_and_an_explicit_compact_wins():
         forced = ix.launch_plan(rows, cols, k, cpu, compact=True)
         assert forced.compact == (ix.compact_cap(k) > 0), (rows, cols, k)
     assert ix.prefer_compact(1, 1 << 20, 2048)  # no upper bound on the row length
+    for bad, name in (((-1, 32768, 2048), "rows"), ((1, 2.5, 2048), "n_cols"), ((1, 32768, 0), "k")):
+        with pytest.raises((TypeError, ValueError), match=name):
+            ix.prefer_compact(*bad)
     # the workspace follows the same choice: int64 words for the compacted plan, none / float32 pairs otherwise
     s = torch.zeros(1, cols_min)
     assert ix.workspace_for(s, 2048).dtype == torch.int64

@@ -319,5 +319,7 @@ def test_fp8_prepare_indices_validate_is_a_bool(kernel_device) -> None:
     for bad in (1, "yes", None):
         with pytest.raises(TypeError, match="validate must be a bool"):
             fm8.prepare_indices(slots, None, 40, validate=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="defer_read must be a bool"):
+            fm8.prepare_indices(slots, None, 40, validate=True, defer_read=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="slots is a meta tensor"):
         fm8.prepare_indices(slots.to("meta"), None, 40, validate=True)
