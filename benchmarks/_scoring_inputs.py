@@ -4,8 +4,10 @@ Both scripts run as scripts (``python3 benchmarks/x.py``), so this folder is on 
 imports torch and the project's plain-PyTorch reference only — never cutlass, flashinfer or deep_gemm —
 because the DeepGEMM peer runs in its own process with its own (clashing) apache-tvm-ffi.
 
-The problem (one DCP rank's decode layer, as the scoring stage sees it): ``T`` query tokens, one request
-per token (``B = T``, ``next_n = 1``), each with ``L`` local keys, all valid (``local_bounds = L``); the
+The problem (one DCP rank's decode layer, as the scoring stage sees it): ``T`` query tokens in ``B = T /
+next_n`` requests of ``next_n`` consecutive tokens each (``next_n = 1``: one token per request; ``next_n = 2``:
+multi-token prediction, MTP), each request with ``L`` local keys; token ``i`` (0-based) of its request sees the
+first ``L - next_n + 1 + i`` of them (causal: the last token sees all ``L``; ``next_n = 1``: every key); the
 DeepSeek V3.2 indexer's 64 heads x 128 dims; the FP8 index-key cache paged in blocks of 64 tokens
 (132 bytes per token: the block's 64 x 128 e4m3 values, then its 64 float32 scales), blocks handed out
 in a shuffled order. Keys: random e4m3 bytes (every finite code, random sign) with a power-of-two scale
@@ -27,8 +29,13 @@ if ROOT not in sys.path:  # the project, when it is not installed (the DeepGEMM 
 
 from _graphs import capture  # noqa: E402  (this folder is on sys.path: the benchmarks run as scripts)
 
+#: ``(T, L)`` at ``next_n = 1`` (``B = T``).
 SHAPES = [(t, n) for t in (1, 32, 128) for n in (4096, 32768, 131072)]
 QUICK = [(32, 32768), (1, 131072)]
+MTP_NEXT_N = 2
+#: ``(T, L)`` at ``next_n = 2`` (MTP): ``T`` query tokens, ``B = T / 2`` requests in {1, 32, 128}.
+MTP_SHAPES = [(2 * b, n) for b in (1, 32, 128) for n in (4096, 32768, 131072)]
+QUICK_MTP = [(64, 32768), (2, 131072)]
 HEADS = 64
 DIM = 128
 BLOCK = 64
@@ -42,17 +49,31 @@ def seed_of(t: int, n: int) -> int:
     return 1000 * t + n // 64
 
 
-def build_inputs(t: int, n: int, device: str = "cuda", seed: int | None = None) -> dict[str, torch.Tensor]:
-    """The scoring problem of ``T = t`` tokens over ``L = n`` local keys each (module docstring).
+def all_shapes(quick: bool = False) -> list[tuple[int, int, int]]:
+    """``(T, L, next_n)`` of both families: :data:`SHAPES` at ``next_n = 1``, then :data:`MTP_SHAPES` at 2."""
+    one, mtp = (QUICK, QUICK_MTP) if quick else (SHAPES, MTP_SHAPES)
+    return [(t, n, 1) for t, n in one] + [(t, n, MTP_NEXT_N) for t, n in mtp]
+
+
+def build_inputs(
+    t: int, n: int, device: str = "cuda", seed: int | None = None, next_n: int = 1
+) -> dict[str, torch.Tensor]:
+    """The scoring problem of ``T = t`` tokens in ``B = t / next_n`` requests over ``L = n`` local keys each
+    (module docstring).
 
     Returns ``index_q`` float8_e4m3fn ``[T, 64, 128]``, ``weights`` float32 ``[T, 64]``, ``index_cache``
-    uint8 ``[num_blocks, 64 * 132]``, ``block_table`` int32 ``[T, n / 64]``, ``req_of_token`` int32 ``[T]``,
-    ``local_bounds`` int32 ``[T]`` (all ``n``).
+    uint8 ``[B * n / 64, 64 * 132]``, ``block_table`` int32 ``[B, n / 64]``, ``req_of_token`` int32 ``[T]``
+    (``arange(B)`` each repeated ``next_n`` times), ``local_bounds`` int32 ``[T]`` (token ``i`` of its request:
+    ``n - next_n + 1 + i``; all ``n`` at ``next_n = 1``). At ``next_n = 1`` the bytes are those this function
+    made before it took ``next_n`` (the same generator calls in the same order).
     """
     assert n % BLOCK == 0
+    assert next_n >= 1 and t % next_n == 0, f"T = {t} is not a multiple of next_n = {next_n}"
+    assert n >= next_n, (n, next_n)
     g = torch.Generator(device=device).manual_seed(seed_of(t, n) if seed is None else seed)
     nblk = n // BLOCK
-    num_blocks = t * nblk
+    b = t // next_n
+    num_blocks = b * nblk
     cache = torch.empty((num_blocks, BLOCK * (DIM + 4)), dtype=torch.uint8, device=device)
     # values: random e4m3 bytes; the two NaN codes (0x7F, 0xFF) become their finite neighbours 0x7E, 0xFE
     codes = torch.randint(0, 256, (num_blocks, BLOCK * DIM), device=device, generator=g, dtype=torch.uint8)
@@ -63,22 +84,35 @@ def build_inputs(t: int, n: int, device: str = "cuda", seed: int | None = None) 
     perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
     q = torch.randn((t, HEADS, DIM), device=device, generator=g).to(torch.float8_e4m3fn)
     w = torch.randn((t, HEADS), device=device, generator=g) / 8
+    pos = torch.arange(next_n, device=device, dtype=torch.int32).repeat(b)  # each token's place in its request
     return {
         "index_q": q,
         "weights": w,
         "index_cache": cache,
-        "block_table": perm.view(t, nblk).contiguous(),
-        "req_of_token": torch.arange(t, device=device, dtype=torch.int32),
-        "local_bounds": torch.full((t,), n, device=device, dtype=torch.int32),
+        "block_table": perm.view(b, nblk).contiguous(),
+        "req_of_token": torch.arange(b, device=device, dtype=torch.int32).repeat_interleave(next_n),
+        "local_bounds": (n - next_n + 1) + pos,
     }
 
 
+def next_n_of(inp: dict[str, torch.Tensor]) -> int:
+    """The ``next_n`` that :func:`build_inputs` made ``inp`` with: ``T / B``."""
+    t, b = inp["index_q"].shape[0], inp["block_table"].shape[0]
+    assert b > 0 and t % b == 0, (t, b)
+    return t // b
+
+
 def reference_rows(inp: dict[str, torch.Tensor], rows: int = REF_ROWS) -> torch.Tensor:
-    """The float64 oracle (:func:`dcp_ref.scoring.index_scores`, rounded to float32) of the first ``rows`` tokens."""
+    """The float64 oracle (:func:`dcp_ref.scoring.index_scores`, rounded to float32) of the first ``rows`` tokens,
+    rounded up to whole requests (``next_n`` tokens each); ``-inf`` past each token's bound.
+
+    The oracle scores each token on its own (``req_of_token`` names its request's block-table row), so the
+    scores are those of any ``next_n``: it is called without that keyword."""
     from dcp_ref.geometry import DcpGeometry
     from dcp_ref.scoring import index_scores
 
-    r = min(rows, inp["index_q"].shape[0])
+    nn = next_n_of(inp)
+    r = min(-(-rows // nn) * nn, inp["index_q"].shape[0])
     n = inp["block_table"].shape[1] * BLOCK
     out = torch.empty((r, n), dtype=torch.float32, device=inp["index_q"].device)
     return index_scores(
@@ -129,6 +163,20 @@ def graph_time(fn: Callable[[], Any], reps: int | None = None) -> dict[str, Any]
         return do_bench_us(fn) | {"timing": "events", "capture_error": f"{type(e).__name__}: {e}"[:300]}
 
 
+def sweep_time(fn: Callable[[], Any], reps: int) -> dict[str, Any]:
+    """The sweep's cheaper timer: a CUDA graph of ``reps`` calls replayed under ``do_bench`` (warm-up 5 ms,
+    25 ms of replays, median / p20 / p80), / reps. No events fallback: a call that cannot be captured raises."""
+    import triton.testing
+
+    g = capture(fn, calls=reps)
+    try:
+        q = triton.testing.do_bench(g.replay, warmup=5, rep=25, quantiles=[0.5, 0.2, 0.8])
+    finally:
+        del g
+    return {"median_us": q[0] * 1e3 / reps, "p20_us": q[1] * 1e3 / reps, "p80_us": q[2] * 1e3 / reps,
+            "reps": reps, "timing": "graph, do_bench rep=25 ms"}  # fmt: skip
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB device copy (read + write), measured in this run."""
     import triton.testing
@@ -145,10 +193,12 @@ def device_info() -> dict[str, Any]:
     return {"name": p.name, "sms": p.multi_processor_count, "capability": f"{p.major}.{p.minor}"}
 
 
-def floors(t: int, n: int, bandwidth: float, out_bytes: int) -> dict[str, Any]:
-    """The read floor (the keys, ``T * L * 132`` bytes, plus ``out_bytes`` written, at the measured copy
-    bandwidth) and the FP8 compute floor (``2 * T * L * 64 * 128`` FLOP at the dense peak); which binds."""
-    read_us = (t * n * (DIM + 4) + out_bytes) / bandwidth * 1e6
+def floors(t: int, n: int, bandwidth: float, out_bytes: int, next_n: int = 1) -> dict[str, Any]:
+    """The read floor (the keys once per request, ``(T / next_n) * L * 132`` bytes, plus ``out_bytes`` written,
+    at the measured copy bandwidth) and the FP8 compute floor (``2 * T * L * 64 * 128`` FLOP at the dense peak:
+    every token scores every key); which binds."""
+    assert t % next_n == 0, (t, next_n)
+    read_us = ((t // next_n) * n * (DIM + 4) + out_bytes) / bandwidth * 1e6
     compute_us = 2 * t * n * HEADS * DIM / FP8_PEAK_FLOPS * 1e6
     return {
         "read_floor_us": read_us,

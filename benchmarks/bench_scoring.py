@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Benchmark the scoring stage on one H200: FP8 index keys -> index scores, and fused -> top-K -> pack.
+"""Benchmark the scoring stage on one H200: FP8 index keys -> index scores (next_n 1 and 2), and fused -> top-K -> pack.
 
     python3 benchmarks/bench_scoring.py --out $OUT [--peers .gpu/peers/vllm] [--deepgemm $OUT/deepgemm_logits.json]
+        [--no-fused] [--no-sweep | --sweep-budget 300] [--fused-sweep] [--next-n 1,2] [--ncu-json ncu.json ...]
     python3 benchmarks/bench_scoring.py --quick --no-sweep --out /tmp/s   # a smoke test
+    python3 benchmarks/bench_scoring.py --print-plans benchmarks/results/scoring.json   # CPU: the PLANS table
 
 On the H200 (``../shared/gpu/README.md``): the CuTeDSL bundle (59 MiB), DeepGEMM's source build (``.gpu/dgsrc``,
 2.6 MiB: ``../shared/gpu/deepgemm-src/README.md``) and the tracked tree do not fit one call's 64 MiB together,
@@ -17,49 +19,72 @@ so make two calls back to back (the machine stays warm, ``/tmp/dcp-gpu-site`` ke
         python3 benchmarks/bench_scoring.py --out $OUT --peers .gpu/peers/vllm --deepgemm $OUT/deepgemm_logits.json")
 
 (If the second call lands on a fresh machine, CuTeDSL is missing: vLLM's pack column is skipped and recorded
-in ``peer_errors``; the rest runs.)
+in ``peer_errors``; the rest runs.) ``--no-fused --no-sweep`` times ours (and reads DeepGEMM's JSON) only: the
+quick loop while tuning the kernel.
 
-Shapes: ``T`` in {1, 32, 128} x local ``L`` in {4096, 32768, 131072}, 64 index heads x 128, block size 64, one
-request per token (``B = T``, ``next_n = 1``), every key valid, random FP8 keys (``_scoring_inputs.py``: the
-same bytes as the DeepGEMM peer's). Per shape:
+Shapes (``_scoring_inputs.py``: the same bytes as the DeepGEMM peer's): ``next_n = 1`` — ``T`` in {1, 32, 128}
+query tokens, one request each (``B = T``, every key valid) — and ``next_n = 2`` (MTP) — ``T`` in {2, 64, 256},
+``B = T / 2`` requests of two consecutive tokens, the first seeing ``L - 1`` keys and the second ``L`` — each
+x local ``L`` in {4096, 32768, 131072}; 64 index heads x 128, block size 64, random FP8 keys. Per shape:
 
-* ``ours`` — :func:`dcp_ref.kernels.scoring_triton.index_scores_triton` (``out=``, ``validate=False``), default
-  plan; its relative error against the float64 oracle (:func:`dcp_ref.scoring.index_scores`) on the first
-  rows (``max_rel_err``: ``max |err| / max |score|``);
-* ``fused`` — :func:`dcp_ref.kernels.scored_indexer_triton.scored_topk_pack` with ``k = 2048`` (scores never
-  written) and, for comparison, ``ours_chain`` = the scoring kernel + ``indexer_topk_pack`` on its scores; the
-  fused candidates are compared with the chain's as per-row sets of (score, id) bit patterns
-  (``fused_same_as_chain``: rows equal; last-bit differences between the two kernels' float32 sums can swap
-  a near-tie at the threshold, so ``fused_tolerant_ok`` also checks the selection against the chain's scores
-  within 1e-5 relative);
+* ``ours`` — :func:`dcp_ref.kernels.scoring_triton.index_scores_triton` (``out=``, ``validate=False``,
+  ``next_n=``), default plan; its relative error against the float64 oracle (:func:`dcp_ref.scoring.index_scores`)
+  on the first rows (``max_rel_err``: ``max |err| / max |score|``);
+* ``fused`` (``next_n = 1`` only: the fused kernel has no ``next_n``) —
+  :func:`dcp_ref.kernels.scored_indexer_triton.scored_topk_pack` with ``k = 2048`` (scores never written) and, for
+  comparison (every shape), ``ours_chain`` = the scoring kernel + ``indexer_topk_pack`` on its scores; the fused
+  candidates are compared with the chain's as per-row sets of (score, id) bit patterns (``fused_same_as_chain``:
+  rows equal; last-bit differences between the two kernels' float32 sums can swap a near-tie at the threshold,
+  so ``fused_tolerant_ok`` also checks the selection against the chain's scores within 1e-5 relative);
 * ``vllm`` — vLLM's indexer top-K (``top_k_per_row_decode``, ctypes, no CuTeDSL needed) and pack
-  (``pack_dcp_topk_candidates``, its module imports cutlass: needs the CuTeDSL bundle) on our scores, from
-  ``--peers DIR`` (``../shared/peers/vllm``); skipped when absent;
-* ``deepgemm`` — read from ``--deepgemm JSON`` (written by ``peer_deepgemm_logits.py`` in its own process:
-  DeepGEMM 0.2.0's apache-tvm-ffi clashes with FlashInfer's): ``fp8_paged_mqa_logits`` (+ its metadata call,
-  reported separately) and its relative error on the same inputs; ``peer_chain_us`` = DeepGEMM logits + vLLM
-  top-K + vLLM pack;
-* floors: the read floor (``T * L * 132`` bytes of keys + the output, at the copy bandwidth measured in this
-  run) and the FP8 compute floor (``2 * T * L * 64 * 128`` FLOP at 1979 TFLOP/s dense), and which binds.
+  (``pack_dcp_topk_candidates``, its module imports cutlass: needs the CuTeDSL bundle) on our scores (per-row
+  lengths), from ``--peers DIR`` (``../shared/peers/vllm``); skipped when absent;
+* ``deepgemm`` — read from ``--deepgemm JSON`` (written by ``peer_deepgemm_logits.py`` in its own process),
+  joined on ``(T, L, next_n)``: ``fp8_paged_mqa_logits`` (+ its metadata call, reported separately) and its
+  relative error on the same inputs; ``peer_chain_us`` = DeepGEMM logits + vLLM top-K + vLLM pack;
+* floors: the read floor (the keys once per request, ``B * L * 132`` bytes, + the output, at the copy bandwidth
+  measured in this run) and the FP8 compute floor (``2 * T * L * 64 * 128`` FLOP at 1979 TFLOP/s dense), and
+  which binds; the target ``target_us = 1.3 * read_floor_us + 3`` (``meets_target``).
 
-FlashInfer 0.7's ``fp8_paged_mqa_logits`` is an SM100-only CuTeDSL kernel: it is not a peer on the H200.
+``--no-fused`` skips the fused, chain and vLLM columns. FlashInfer 0.7's ``fp8_paged_mqa_logits`` is an
+SM100-only CuTeDSL kernel: it is not a peer on the H200.
 
 Times: device time per call from replaying a CUDA graph of back-to-back calls (``do_bench`` median / calls),
-as ``bench_local_topk.py``. ``--sweep`` (default on): launch configurations of both kernels at a few shapes,
-each checked (``same_as_default`` / error) and timed, within ``--sweep-budget`` seconds, so that one device run
-picks the defaults. Writes ``scoring.json`` (summary rows ``{"T", "L", "ours_us", "fused_chain_us",
-"deepgemm_us", "peer_chain_us", "max_rel_err"}``, details, sweep) and ``scoring.md`` under ``--out``.
+as ``bench_local_topk.py``. The sweep (default on; ``--no-sweep``): the scoring kernel's launch configurations
+``{block_n: 64, 128} x {num_warps: 4, 8} x {num_stages: 2, 3, 4} x {tiles: 1, 2, 4, 8, 16, 32}`` (after the
+plan's own, ``config: {}``; a config the plan resolves to one already timed at that shape, or with more tiles
+than the row has, is skipped) at every shape of both ``next_n``, configurations in the outer loop (a seeded
+shuffle) and shapes inner, so that a cut by ``--sweep-budget`` seconds leaves every shape with the same
+configurations; each checked (``max_rel_err`` against the oracle rows, ``vs_default_rel_err`` against the
+default plan's whole output) and timed with a cheaper timer (``_scoring_inputs.sweep_time``: a CUDA graph of
+``reps`` calls, ``do_bench`` rep = 25 ms). :func:`best_plans` picks, per ``(next_n, T, L)``, the fastest
+configuration within 1e-3; ``--print-plans scoring.json`` prints them as the ``PLANS`` literal of
+``kernels/scoring_triton.py`` (no GPU needed). ``--fused-sweep``: the fused kernel's configurations
+(:data:`FUSED_SWEEP`) at :data:`FUSED_SWEEP_SHAPES` as before, off by default. ``--ncu-json FILE`` (repeatable):
+summaries written by ``profile_scoring.py --summarize``, kept under ``ncu`` and tabulated.
+
+Writes ``scoring.json`` under ``--out``: ``summary`` rows ``{"T", "B", "L", "next_n", "ours_us", "read_floor_us",
+"compute_floor_us", "binds", "target_us", "meets_target", "max_rel_err", "plan", "deepgemm_us",
+"deepgemm_max_rel_err", "deepgemm_metadata_us", "vs_deepgemm"}`` (+ ``fused_chain_us``, ``ours_unfused_chain_us``,
+``vllm_topk_pack_us``, ``peer_chain_us``, ``fused_read_floor_us``, ``fused_same_as_chain``, ``fused_tolerant_ok``
+where measured, else ``None``), ``results`` (the per-shape details), ``sweep`` (records ``{"kernel": "scoring",
+"T", "B", "L", "next_n", "config", "plan", "graph": {"median_us", ...}, "max_rel_err", "vs_default_rel_err"}`` or
+``"error"``), ``sweep_best`` (per shape: the default and the best plan and times), ``ncu``; and ``scoring.md``
+(the summary table, the sweep's best against the default plan, the ncu summaries).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
+import random
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import _meta
@@ -68,15 +93,23 @@ import torch
 
 RANK, W, I = 0, 1, 1  # the id arithmetic only (one rank's keys); scoring does not depend on it
 DEV = "cuda"
-#: (T, L) where alternative launch configurations are timed.
-SWEEP_SHAPES = [(32, 32768), (128, 131072), (1, 131072), (128, 4096)]
-SCORING_SWEEP = [
-    dict(block_n=bn, tiles=tl, num_warps=nw, num_stages=ns)
-    for bn, tl, nw, ns in [
-        (64, 1, 4, 3), (64, 2, 4, 3), (64, 4, 4, 4), (64, 4, 4, 2), (64, 2, 8, 3), (32, 4, 4, 3),
-        (128, 1, 4, 3), (128, 1, 8, 3), (128, 2, 8, 3), (256, 1, 8, 3),
-    ]
-]  # fmt: skip
+#: the target: ``TARGET_FACTOR * read floor + TARGET_SLACK_US`` (a launch and its tail on top of the read)
+TARGET_FACTOR, TARGET_SLACK_US = 1.3, 3.0
+#: the largest relative error (against the float64 oracle) a sweep configuration may have to be picked
+MAX_REL_ERR = 1e-3
+#: the scoring kernel's sweep space (``tiles`` = tiles of ``block_n`` keys per program; ``tma``: the values by the
+#: bulk tensor copy engine, else ``cp.async``; 128-key tiles span two blocks: cp.async, 8 warps). Explored first on
+#: the H200 (2026-12-01, 22 configurations x 12 shapes): a register cap (``maxnreg``) and loading the scales in
+#: place were never faster, so they are gone.
+SWEEP_SPACE: dict[str, tuple[Any, ...]] = {
+    "tiles": (1, 2, 4, 8, 16, 32, 64),
+    "num_stages": (3, 4, 5, 6),
+    "tma": (True, False),
+}
+SWEEP_EXTRA = [dict(block_n=128, num_warps=8, tiles=t, num_stages=s, tma=False) for t in (4, 16) for s in (3, 4)]
+PLAN_FIELDS = ("block_n", "tiles", "num_warps", "num_stages", "tma")
+#: (T, L) where the fused kernel's configurations are timed (``--fused-sweep``; next_n = 1)
+FUSED_SWEEP_SHAPES = [(32, 32768), (128, 131072), (1, 131072), (128, 4096)]
 #: (sm_90a, compiled here: 16 warps x 8192-key segments use 128 registers per thread -> one program per SM;
 #: 4 warps with a streamed select (sel_tile < seg) ~140-160 -> three per SM, so that one program's scoring
 #: overlaps another's selection.)
@@ -130,32 +163,52 @@ def tolerant_selection_ok(cand: torch.Tensor, scores: torch.Tensor, k: int, rel:
     return not bool(beats.any())
 
 
-def run_shape(t: int, n: int, bw: float, peers: dict[str, Any]) -> dict[str, Any]:
+def nn_kw(next_n: int) -> dict[str, int]:
+    """The ``next_n=`` keyword, only where it is not 1 (so that a kernel without it still runs the next_n = 1 rows)."""
+    return {} if next_n == 1 else {"next_n": next_n}
+
+
+def target_us(read_floor_us: float) -> float:
+    return TARGET_FACTOR * read_floor_us + TARGET_SLACK_US
+
+
+def shape_list(quick: bool, next_ns: Iterable[int]) -> list[tuple[int, int, int]]:
+    """``(T, L, next_n)`` of the families in ``next_ns`` (1: ``si.SHAPES``, 2: ``si.MTP_SHAPES``)."""
+    want = set(next_ns)
+    return [s for s in si.all_shapes(quick) if s[2] in want]
+
+
+def run_shape(t: int, n: int, nn: int, bw: float, peers: dict[str, Any], fused_cols: bool = True) -> dict[str, Any]:
     from dcp_ref.geometry import DcpGeometry
-    from dcp_ref.kernels import scored_indexer_triton as fused
-    from dcp_ref.kernels.indexer_triton import indexer_topk_pack, workspace_for
     from dcp_ref.kernels.scoring_triton import index_scores_triton, scoring_plan
 
     k = si.TOPK
     g = DcpGeometry(W, RANK, I, si.BLOCK)
-    rec: dict[str, Any] = {"T": t, "L": n, "k": k}
-    inp = si.build_inputs(t, n, DEV)
+    rec: dict[str, Any] = {"T": t, "B": t // nn, "L": n, "next_n": nn, "k": k}
+    inp = si.build_inputs(t, n, DEV, next_n=nn)
     args = [inp[x] for x in ("index_q", "weights", "index_cache", "block_table", "req_of_token", "local_bounds")]
     bounds = inp["local_bounds"]
     ref = si.reference_rows(inp)
     rec["ref_rows"] = ref.shape[0]
-    rec["floors_scores"] = si.floors(t, n, bw, t * n * 4)
-    rec["floors_fused"] = si.floors(t, n, bw, t * k * 8)
+    rec["floors_scores"] = si.floors(t, n, bw, t * n * 4, next_n=nn)
     # ---- ours: the scoring kernel
     scores = torch.full((t, n), float("nan"), device=DEV)
-    rec["plan"] = scoring_plan(t, n, scores.device)._asdict()
-    ours = lambda: index_scores_triton(*args, g, out=scores, validate=False)  # noqa: E731
+    rec["plan"] = scoring_plan(t, n, scores.device, **nn_kw(nn))._asdict()
+    ours = lambda: index_scores_triton(*args, g, out=scores, validate=False, **nn_kw(nn))  # noqa: E731
     ours()
     torch.cuda.synchronize()
     rec["max_rel_err"] = si.rel_error(scores, ref)
-    rec["ours_all_finite"] = bool(torch.isfinite(scores).all())
+    inside = torch.arange(n, device=DEV)[None, :] < bounds[:, None].long()
+    rec["ours_all_finite"] = bool(torch.isfinite(scores[inside]).all())  # each token's own columns
+    rec["ours_neginf_past_bounds"] = bool((scores[~inside] == float("-inf")).all())
+    del inside
     rec["ours"] = si.graph_time(ours)
-    # ---- ours, unfused chain: scores + indexer_topk_pack
+    if not fused_cols:
+        return rec
+    from dcp_ref.kernels.indexer_triton import indexer_topk_pack, workspace_for
+
+    rec["floors_fused"] = si.floors(t, n, bw, t * k * 8, next_n=nn)
+    # ---- ours, unfused chain: scores + indexer_topk_pack (per-row lengths: any next_n)
     chain_out = torch.empty((t, k, 2), device=DEV)
     ws = workspace_for(scores, k)
     chain = lambda: (ours(), indexer_topk_pack(scores, bounds, k, g, out=chain_out, validate=False,  # noqa: E731
@@ -163,19 +216,22 @@ def run_shape(t: int, n: int, bw: float, peers: dict[str, Any]) -> dict[str, Any
     chain()
     torch.cuda.synchronize()
     rec["ours_chain"] = si.graph_time(chain)
-    # ---- fused
-    plan = fused.scored_plan(t, n, k, scores.device)
-    rec["fused_plan"] = plan._asdict()
-    scratch, fws = fused.scratch_for(plan, DEV), fused.workspace_for(plan, t, k, DEV)
-    cand = torch.full((t, k, 2), float("nan"), device=DEV)
-    fz = lambda: fused.scored_topk_pack(*args, g, k, n_cols=n, out=cand, workspace=fws, scratch=scratch,  # noqa: E731
-                                        validate=False)  # fmt: skip
-    fz()
-    torch.cuda.synchronize()
-    same = (pair_bits(cand) == pair_bits(chain_out)).all(1)
-    rec["fused_same_as_chain"] = float(same.float().mean())
-    rec["fused_tolerant_ok"] = tolerant_selection_ok(cand, scores, k)
-    rec["fused"] = si.graph_time(fz)
+    # ---- fused (no next_n: next_n = 1 rows only)
+    if nn == 1:
+        from dcp_ref.kernels import scored_indexer_triton as fused
+
+        plan = fused.scored_plan(t, n, k, scores.device)
+        rec["fused_plan"] = plan._asdict()
+        scratch, fws = fused.scratch_for(plan, DEV), fused.workspace_for(plan, t, k, DEV)
+        cand = torch.full((t, k, 2), float("nan"), device=DEV)
+        fz = lambda: fused.scored_topk_pack(*args, g, k, n_cols=n, out=cand, workspace=fws,  # noqa: E731
+                                            scratch=scratch, validate=False)  # fmt: skip
+        fz()
+        torch.cuda.synchronize()
+        same = (pair_bits(cand) == pair_bits(chain_out)).all(1)
+        rec["fused_same_as_chain"] = float(same.float().mean())
+        rec["fused_tolerant_ok"] = tolerant_selection_ok(cand, scores, k)
+        rec["fused"] = si.graph_time(fz)
     # ---- vLLM's top-K + pack on our scores
     if "topk_decode" in peers:
         try:
@@ -202,10 +258,197 @@ def run_shape(t: int, n: int, bw: float, peers: dict[str, Any]) -> dict[str, Any
     return rec
 
 
-def sweep(budget: float, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+# ---- the scoring kernel's sweep ----------------------------------------------------------------------------
+def scoring_configs(seed: int = 0) -> list[dict[str, Any]]:
+    """Every configuration of :data:`SWEEP_SPACE` (64-key tiles, 4 warps) and :data:`SWEEP_EXTRA`, in a seeded
+    shuffle: a budget cut after any prefix still leaves a spread of each parameter's values."""
+    keys = list(SWEEP_SPACE)
+    cfgs = [dict(block_n=64, num_warps=4) | dict(zip(keys, vals, strict=True))
+            for vals in itertools.product(*(SWEEP_SPACE[k] for k in keys))]  # fmt: skip
+    cfgs += [dict(c) for c in SWEEP_EXTRA]
+    random.Random(seed).shuffle(cfgs)
+    return cfgs
+
+
+def plan_key(plan: dict[str, Any]) -> tuple[Any, ...]:
+    """The plan's launch as the ``PLANS`` value: ``(block_n, tiles, num_warps, num_stages, tma)``."""
+    return tuple(bool(plan[f]) if f == "tma" else int(plan[f]) for f in PLAN_FIELDS)
+
+
+PlanOf = Callable[[tuple[int, int, int], dict[str, int]], dict[str, Any]]
+
+
+def sweep_schedule(
+    shapes: list[tuple[int, int, int]], configs: list[dict[str, int]], plan_of: PlanOf
+) -> list[tuple[tuple[int, int, int], dict[str, int], dict[str, Any] | str]]:
+    """The sweep's (shape, config, resolved plan or error text) in run order: the plan's own ``{}`` at every shape
+    first, then ``configs`` in the outer loop and ``shapes`` inner. At a shape, a config is dropped when its plan
+    repeats one already scheduled there (the plan clamps ``tiles`` to the row), when it asks for more tiles than
+    the row has, or when its plan has no program per row; a config the plan refuses is kept with the error."""
+    out: list[tuple[tuple[int, int, int], dict[str, int], dict[str, Any] | str]] = []
+    seen: dict[tuple[int, int, int], set[tuple[Any, ...]]] = {s: set() for s in shapes}
+    for cfg in [{}, *configs]:
+        for shape in shapes:
+            try:
+                plan = plan_of(shape, cfg)
+            except Exception as e:  # noqa: BLE001 - a config the plan refuses: recorded as that shape's error
+                out.append((shape, cfg, f"{type(e).__name__}: {e}"[:400]))
+                continue
+            n_tiles = -(-shape[1] // int(plan["block_n"]))
+            if cfg and (int(plan.get("programs", 1)) < 1 or cfg.get("tiles", 1) > n_tiles):
+                continue
+            key = plan_key(plan)
+            if key in seen[shape]:
+                continue
+            seen[shape].add(key)
+            out.append((shape, cfg, plan))
+    return out
+
+
+def sweep_scoring(budget: float, shapes: list[tuple[int, int, int]], configs: list[dict[str, int]]) -> dict[str, Any]:
+    """Time :func:`sweep_schedule`'s configurations within ``budget`` seconds; ``{"records", "budget_s",
+    "elapsed_s", "scheduled", "run", "cut"}``."""
+    from dcp_ref.geometry import DcpGeometry
+    from dcp_ref.kernels.scoring_triton import index_scores_triton, scoring_plan
+
+    g = DcpGeometry(W, RANK, I, si.BLOCK)
+    t0 = time.monotonic()
+    state: dict[tuple[int, int, int], dict[str, Any]] = {}
+    for t, n, nn in shapes:
+        inp = si.build_inputs(t, n, DEV, next_n=nn)
+        args = [inp[x] for x in ("index_q", "weights", "index_cache", "block_table", "req_of_token", "local_bounds")]
+        state[(t, n, nn)] = {"args": args, "ref": si.reference_rows(inp), "out": torch.empty((t, n), device=DEV),
+                             "base": None, "reps": None}  # fmt: skip
+    dev = torch.device(DEV)
+    plan_of: PlanOf = lambda s, c: scoring_plan(s[0], s[1], dev, **nn_kw(s[2]), **c)._asdict()  # noqa: E731
+    sched = sweep_schedule(shapes, configs, plan_of)
+    records: list[dict[str, Any]] = []
+    failed: dict[tuple[int, ...], str] = {}  # (plan, next_n) -> the resource error it met (not shape-dependent)
+    cut = False
+    for shape, cfg, plan in sched:
+        if time.monotonic() - t0 > budget:
+            cut = True
+            break
+        t, n, nn = shape
+        st = state[shape]
+        rec: dict[str, Any] = {"kernel": "scoring", "T": t, "B": t // nn, "L": n, "next_n": nn, "config": cfg}
+        if isinstance(plan, str):
+            rec["error"] = plan
+            records.append(rec)
+            continue
+        rec["plan"] = plan
+        fkey = (*plan_key(plan), nn)
+        if fkey in failed:
+            rec["error"] = f"skipped: {failed[fkey]}"
+            records.append(rec)
+            continue
+        try:
+            o = st["out"]
+            o.fill_(float("nan"))
+            kw = nn_kw(nn) | cfg
+            fn = lambda: index_scores_triton(*st["args"], g, out=o, validate=False, **kw)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            rec["max_rel_err"] = si.rel_error(o, st["ref"])
+            if st["base"] is None:  # the default plan's output: every later config is compared with all of it
+                st["base"] = o.clone()
+                st["reps"] = si.reps_for(fn)
+            else:
+                rec["vs_default_rel_err"] = si.rel_error(o, st["base"])
+                rec["mask_same_as_default"] = bool(torch.equal(torch.isfinite(o), torch.isfinite(st["base"])))
+            rec["graph"] = si.sweep_time(fn, st["reps"])
+        except Exception as e:  # noqa: BLE001 - a config that fails to compile or run is recorded
+            rec["error"] = f"{type(e).__name__}: {e}"[:400]
+            if "OutOfResources" in rec["error"] or "out of resource" in rec["error"].lower():
+                failed[fkey] = rec["error"][:200]
+            try:
+                torch.cuda.synchronize()
+            except Exception as e2:  # noqa: BLE001 - a sticky CUDA error: every later config will say so too
+                rec["sync_error"] = f"{type(e2).__name__}: {e2}"[:200]
+        records.append(rec)
+        print(f"sweep scoring T={t} L={n} next_n={nn} {cfg} -> {rec.get('graph', {}).get('median_us')} "
+              f"err={rec.get('max_rel_err')} {rec.get('error', '')[:120]}", flush=True)  # fmt: skip
+    return {"records": records, "budget_s": budget, "elapsed_s": time.monotonic() - t0, "scheduled": len(sched),
+            "run": len(records), "cut": cut}  # fmt: skip
+
+
+def valid_record(r: dict[str, Any], max_rel_err: float = MAX_REL_ERR) -> bool:
+    """A timed scoring record without error, within ``max_rel_err`` of the oracle rows (and, where recorded, of
+    the default plan's whole output, with the same ``-inf`` columns)."""
+    if r.get("kernel", "scoring") != "scoring" or "error" in r or "plan" not in r:
+        return False
+    us = r.get("graph", {}).get("median_us")
+    err = r.get("max_rel_err")
+    if not isinstance(us, (int, float)) or not isinstance(err, (int, float)) or not err <= max_rel_err:
+        return False
+    vs = r.get("vs_default_rel_err")
+    return (vs is None or vs <= max_rel_err) and r.get("mask_same_as_default", True) is not False
+
+
+def shape_key(r: dict[str, Any]) -> tuple[int, int, int]:
+    """``(next_n, T, L)``: the key of ``PLANS``."""
+    return int(r.get("next_n", 1)), int(r["T"]), int(r["L"])
+
+
+def best_plans(records: list[dict[str, Any]]) -> dict[tuple[int, int, int], tuple[Any, ...]]:
+    """Per ``(next_n, T, L)``: ``(block_n, tiles, num_warps, num_stages, tma)`` of the fastest valid scoring record
+    (:func:`valid_record`: no error, ``max_rel_err <= 1e-3``), from its resolved ``plan``."""
+    return {k: plan_key(v["plan"]) for k, v in best_records(records).items()}
+
+
+def best_records(records: list[dict[str, Any]]) -> dict[tuple[int, int, int], dict[str, Any]]:
+    best: dict[tuple[int, int, int], dict[str, Any]] = {}
+    for r in records:
+        if not valid_record(r):
+            continue
+        k = shape_key(r)
+        if k not in best or r["graph"]["median_us"] < best[k]["graph"]["median_us"]:
+            best[k] = r
+    return best
+
+
+def sweep_best(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per shape: the default plan (``config: {}``) and the best valid one, their times, and how many
+    configurations were timed / failed."""
+    best = best_records(records)
+    rows = []
+    for k in sorted({shape_key(r) for r in records if r.get("kernel", "scoring") == "scoring"}):
+        mine = [r for r in records if r.get("kernel", "scoring") == "scoring" and shape_key(r) == k]
+        d = next((r for r in mine if r.get("config") == {}), None)
+        b = best.get(k)
+        d_us = d.get("graph", {}).get("median_us") if d else None
+        b_us = b["graph"]["median_us"] if b else None
+        rows.append({
+            "next_n": k[0], "T": k[1], "L": k[2],
+            "default_plan": list(plan_key(d["plan"])) if d and "plan" in d else None, "default_us": d_us,
+            "best_plan": list(plan_key(b["plan"])) if b else None, "best_us": b_us,
+            "best_config": b.get("config") if b else None,
+            "speedup": d_us / b_us if d_us and b_us else None,
+            "timed": sum(1 for r in mine if "graph" in r), "errors": sum(1 for r in mine if "error" in r),
+        })  # fmt: skip
+    return rows
+
+
+def plans_literal(records: list[dict[str, Any]]) -> str:
+    """:func:`best_plans` as a Python dict literal, sorted, one entry per line, each with its time (and the
+    default plan's) as a comment: ``ast.literal_eval`` reads it back."""
+    rows = {(r["next_n"], r["T"], r["L"]): r for r in sweep_best(records)}
+    lines = ["{"]
+    for k, v in sorted(best_plans(records).items()):
+        r = rows.get(k, {})
+        note = f"  # {r['best_us']:.2f} us" if r.get("best_us") else ""
+        if r.get("default_us"):
+            note += f"; default {tuple(r['default_plan'])} {r['default_us']:.2f} us"
+        lines.append(f"    {k!r}: {v!r},{note}")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def sweep_fused(budget: float, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """The fused kernel's configurations (:data:`FUSED_SWEEP`) at ``shapes`` (next_n = 1), within ``budget`` s."""
     from dcp_ref.geometry import DcpGeometry
     from dcp_ref.kernels import scored_indexer_triton as fused
-    from dcp_ref.kernels.scoring_triton import index_scores_triton, scoring_plan
+    from dcp_ref.kernels.scoring_triton import index_scores_triton
 
     k = si.TOPK
     g = DcpGeometry(W, RANK, I, si.BLOCK)
@@ -215,29 +458,11 @@ def sweep(budget: float, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
         inp = si.build_inputs(t, n, DEV)
         args = [inp[x] for x in ("index_q", "weights", "index_cache", "block_table", "req_of_token", "local_bounds")]
         base = index_scores_triton(*args, g, validate=False)
-        ref = si.reference_rows(inp)
         base_cand = fused.scored_topk_pack(*args, g, k, n_cols=n, validate=False)
-        for kw in [{}, *SCORING_SWEEP]:
-            if time.monotonic() - t0 > budget:
-                return out
-            rec: dict[str, Any] = {"kernel": "scoring", "T": t, "L": n, "config": kw}
-            try:
-                rec["plan"] = scoring_plan(t, n, base.device, **kw)._asdict()
-                o = torch.full_like(base, float("nan"))
-                fn = lambda: index_scores_triton(*args, g, out=o, validate=False, **kw)  # noqa: E731
-                fn()
-                torch.cuda.synchronize()
-                rec["max_rel_err"] = si.rel_error(o, ref)
-                rec["graph"] = si.graph_time(fn)
-            except Exception as e:  # noqa: BLE001 - a config that fails to compile or run is recorded
-                rec["error"] = f"{type(e).__name__}: {e}"[:400]
-            out.append(rec)
-            print(f"sweep scoring T={t} L={n} {kw} -> {rec.get('graph', {}).get('median_us')} "
-                  f"err={rec.get('max_rel_err')} {rec.get('error', '')}", flush=True)  # fmt: skip
         for kw in [{}, *FUSED_SWEEP]:
             if time.monotonic() - t0 > budget:
                 return out
-            rec = {"kernel": "fused", "T": t, "L": n, "config": kw}
+            rec: dict[str, Any] = {"kernel": "fused", "T": t, "B": t, "L": n, "next_n": 1, "config": kw}
             try:
                 plan = fused.scored_plan(t, n, k, base.device, **kw)
                 rec["plan"] = plan._asdict()
@@ -258,7 +483,8 @@ def sweep(budget: float, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
     return out
 
 
-def load_deepgemm(path: str | None) -> dict[str, Any]:
+# ---- the JSON, the tables ---------------------------------------------------------------------------------
+def load_json(path: str | None) -> dict[str, Any]:
     if not path:
         return {}
     try:
@@ -268,31 +494,48 @@ def load_deepgemm(path: str | None) -> dict[str, Any]:
         return {"error": f"reading {path}: {type(e).__name__}: {e}"}
 
 
+def load_deepgemm(path: str | None) -> dict[str, Any]:
+    return load_json(path)
+
+
+def load_ncu(paths: list[str] | None) -> list[dict[str, Any]]:
+    """``profile_scoring.py --summarize`` outputs, each with its ``file``."""
+    return [{"file": os.path.basename(p)} | load_json(p) for p in paths or []]
+
+
 def summarize(results: list[dict[str, Any]], dg: dict[str, Any]) -> list[dict[str, Any]]:
-    by = {(s["T"], s["L"]): s for s in dg.get("shapes", [])}
+    by = {(s["T"], s["L"], s.get("next_n", 1)): s for s in dg.get("shapes", []) if "error" not in s}
     rows = []
     for r in results:
         med = lambda key: r.get(key, {}).get("median_us")  # noqa: E731
-        d = by.get((r["T"], r["L"]), {})
-        vllm = med("vllm_topk_pack")
-        dgu = d.get("deepgemm_us")
+        nn = r.get("next_n", 1)
+        d = by.get((r["T"], r["L"], nn), {})
+        ours, vllm, dgu = med("ours"), med("vllm_topk_pack"), d.get("deepgemm_us")
+        read = r["floors_scores"]["read_floor_us"]
+        tgt = target_us(read)
         rows.append(
             {
                 "T": r["T"],
+                "B": r.get("B", r["T"] // nn),
                 "L": r["L"],
-                "ours_us": med("ours"),
-                "fused_chain_us": med("fused"),
-                "deepgemm_us": dgu,
-                "peer_chain_us": dgu + vllm if dgu is not None and vllm is not None else None,
-                "max_rel_err": r.get("max_rel_err"),
-                "ours_unfused_chain_us": med("ours_chain"),
-                "vllm_topk_pack_us": vllm,
-                "deepgemm_metadata_us": d.get("metadata_us"),
-                "deepgemm_max_rel_err": d.get("max_rel_err"),
-                "read_floor_us": r["floors_scores"]["read_floor_us"],
+                "next_n": nn,
+                "ours_us": ours,
+                "read_floor_us": read,
                 "compute_floor_us": r["floors_scores"]["compute_floor_us"],
                 "binds": r["floors_scores"]["binds"],
-                "fused_read_floor_us": r["floors_fused"]["read_floor_us"],
+                "target_us": tgt,
+                "meets_target": ours is not None and ours <= tgt,
+                "max_rel_err": r.get("max_rel_err"),
+                "plan": r.get("plan"),
+                "deepgemm_us": dgu,
+                "deepgemm_max_rel_err": d.get("max_rel_err"),
+                "deepgemm_metadata_us": d.get("metadata_us"),
+                "vs_deepgemm": ours / dgu if ours is not None and dgu else None,
+                "fused_chain_us": med("fused"),
+                "ours_unfused_chain_us": med("ours_chain"),
+                "vllm_topk_pack_us": vllm,
+                "peer_chain_us": dgu + vllm if dgu is not None and vllm is not None else None,
+                "fused_read_floor_us": r.get("floors_fused", {}).get("read_floor_us") if nn == 1 else None,
                 "fused_same_as_chain": r.get("fused_same_as_chain"),
                 "fused_tolerant_ok": r.get("fused_tolerant_ok"),
             }
@@ -300,26 +543,90 @@ def summarize(results: list[dict[str, Any]], dg: dict[str, Any]) -> list[dict[st
     return rows
 
 
+def fmt(v: Any, spec: str = ".1f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "**no**"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def ncu_markdown(entries: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "",
+        "## Nsight Compute (one launch each: `profile_scoring.py`)",
+        "",
+        "| file | label | kernel | grid | block | µs | DRAM % | DRAM GB/s | SM % | occupancy (achieved / theoretical) "
+        "| regs | smem/block | L2 hit % | top stalls |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for e in entries:
+        if "error" in e:
+            lines.append(f"| {e.get('file')} | - | error: {e['error'][:100]} | | | | | | | | | | | |")
+            continue
+        for k in e.get("kernels", []):
+            stalls = ", ".join(f"{n} {v:.1f}" for n, v in k.get("warp_stalls_top5", [])) or "-"
+            occ = f"{fmt(k.get('achieved_occupancy_pct'))} / {fmt(k.get('theoretical_occupancy_pct'))}"
+            lines.append(
+                f"| {e.get('file')} | {e.get('label') or '-'} | {str(k.get('name'))[:60]} "
+                f"| {k.get('grid_size') or '-'} "
+                f"| {k.get('block_size') or '-'} | {fmt(k.get('duration_us'), '.2f')} "
+                f"| {fmt(k.get('dram_throughput_pct'))} | {fmt(k.get('dram_bandwidth_GBps'), '.0f')} "
+                f"| {fmt(k.get('compute_sm_throughput_pct'))} | {occ} | {fmt(k.get('registers_per_thread'), '.0f')} "
+                f"| {fmt(k.get('shared_memory_per_block_bytes'), '.0f')} | {fmt(k.get('l2_hit_rate_pct'))} | {stalls} |"
+            )
+    return lines
+
+
 def markdown(data: dict[str, Any]) -> str:
-    f = lambda v: "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))  # noqa: E731
+    f = fmt
     lines = [
         f"# Scoring stage on {data['device']['name']} — torch {data['versions']['torch']}, triton "
         f"{data['versions']['triton']}, {data['date_utc']}",
         "",
-        f"64 index heads x 128, block 64, k = {si.TOPK}, random FP8 keys, every key valid. Device µs per call "
-        f"(CUDA-graph replay). Copy bandwidth {data['copy_bandwidth_TBps']:.2f} TB/s. *peer chain* = DeepGEMM "
-        "logits + vLLM top-K + vLLM pack.",
+        f"64 index heads x 128, block 64, k = {si.TOPK}, random FP8 keys; next_n = 2: two tokens per request, the "
+        f"first seeing L - 1 keys. Device µs per call (CUDA-graph replay). Copy bandwidth "
+        f"{data['copy_bandwidth_TBps']:.2f} TB/s. *target* = {TARGET_FACTOR} x read floor + {TARGET_SLACK_US:.0f} µs; "
+        "*read floor*: the keys once per request + the scores; *peer chain* = DeepGEMM logits + vLLM top-K + vLLM "
+        "pack; *fused*: next_n = 1 only.",
         "",
-        "| T | L | ours | fused (scoring+top-K+pack) | ours unfused chain | DeepGEMM | peer chain | read floor "
-        "| compute floor | binds | rel err | fused = chain |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "| next_n | T | B | L | ours | target | meets | DeepGEMM | ours / DG | fused (scoring+top-K+pack) "
+        "| ours unfused chain | peer chain | read floor | compute floor | binds | rel err | DG rel err "
+        "| fused = chain |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for s in data["summary"]:
         lines.append(
-            f"| {s['T']} | {s['L']} | {f(s['ours_us'])} | {f(s['fused_chain_us'])} | {f(s['ours_unfused_chain_us'])} "
-            f"| {f(s['deepgemm_us'])} | {f(s['peer_chain_us'])} | {f(s['read_floor_us'])} | "
-            f"{f(s['compute_floor_us'])} | {s['binds']} | {s['max_rel_err']:.2e} | {s['fused_same_as_chain']} |"
+            f"| {s['next_n']} | {s['T']} | {s['B']} | {s['L']} | {f(s['ours_us'])} | {f(s['target_us'])} "
+            f"| {f(s['meets_target'])} | {f(s['deepgemm_us'])} | {f(s['vs_deepgemm'], '.2f')} "
+            f"| {f(s['fused_chain_us'])} | {f(s['ours_unfused_chain_us'])} | {f(s['peer_chain_us'])} "
+            f"| {f(s['read_floor_us'])} | {f(s['compute_floor_us'])} | {s['binds']} | {f(s['max_rel_err'], '.2e')} "
+            f"| {f(s['deepgemm_max_rel_err'], '.2e')} | {f(s['fused_same_as_chain'], '.3f')} |"
         )
+    if data.get("sweep_best"):
+        sw = data.get("sweep_meta", {})
+        lines += [
+            "",
+            "## Sweep: best vs default plan",
+            "",
+            f"Plan = (block_n, tiles, num_warps, num_stages). {sw.get('run', '?')} of {sw.get('scheduled', '?')} "
+            f"(shape, config) pairs run in {sw.get('elapsed_s', 0):.0f} s (budget {sw.get('budget_s', 0):.0f} s"
+            f"{', cut' if sw.get('cut') else ''}); best = fastest with max rel err <= {MAX_REL_ERR:g}.",
+            "",
+            "| next_n | T | L | default plan | default µs | best plan | best µs | default / best | timed | errors |",
+            "|---:|---:|---:|---|---:|---|---:|---:|---:|---:|",
+        ]
+        for r in data["sweep_best"]:
+            dp = tuple(r["default_plan"]) if r["default_plan"] else None
+            bp = tuple(r["best_plan"]) if r["best_plan"] else None
+            lines.append(
+                f"| {r['next_n']} | {r['T']} | {r['L']} | {f(dp)} | {f(r['default_us'], '.2f')} | {f(bp)} "
+                f"| {f(r['best_us'], '.2f')} | {f(r['speedup'], '.2f')} | {r['timed']} | {r['errors']} |"
+            )
+    if data.get("ncu"):
+        lines += ncu_markdown(data["ncu"])
     return "\n".join(lines) + "\n"
 
 
@@ -331,56 +638,89 @@ def write(out_dir: str, data: dict[str, Any]) -> None:
             fh.write(markdown(data))
 
 
-def main() -> int:
+def print_plans(path: str) -> int:
+    """``--print-plans``: the ``PLANS`` literal from a ``scoring.json``'s sweep (CPU only)."""
+    data = load_json(path)
+    if "error" in data:
+        print(data["error"], file=sys.stderr)
+        return 2
+    records = data.get("sweep", [])
+    if not best_plans(records):
+        print(f"{path}: no valid scoring sweep record", file=sys.stderr)
+        return 1
+    print(plans_literal(records))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results", help="directory for scoring.json / scoring.md")
     ap.add_argument("--peers", help="folder with vLLM's peer modules (../shared/peers/vllm, copied under .gpu/)")
     ap.add_argument("--deepgemm", help="JSON written by peer_deepgemm_logits.py in its own process")
-    ap.add_argument("--quick", action="store_true", help=f"only {si.QUICK}")
-    ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the launch-config sweep")
-    ap.add_argument("--sweep-budget", type=float, default=150.0, help="seconds for the sweep")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help=f"only {si.QUICK} (next_n 1) and {si.QUICK_MTP} (next_n 2)")
+    ap.add_argument("--next-n", default="1,2", help="shape families: 1 (SHAPES), 2 (MTP_SHAPES) or 1,2 (default)")
+    ap.add_argument("--no-fused", dest="fused", action="store_false", help="skip the fused, chain and vLLM columns")
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the scoring launch-config sweep")
+    ap.add_argument("--sweep-budget", type=float, default=300.0, help="seconds for the scoring sweep")
+    ap.add_argument("--fused-sweep", action="store_true", help=f"also sweep the fused kernel at {FUSED_SWEEP_SHAPES}")
+    ap.add_argument("--fused-sweep-budget", type=float, default=150.0, help="seconds for the fused sweep")
+    ap.add_argument("--ncu-json", action="append", default=None, help="profile_scoring.py --summarize output "
+                    "(repeatable): kept under 'ncu', tabulated in scoring.md")  # fmt: skip
+    ap.add_argument("--print-plans", metavar="SCORING_JSON", help="print the PLANS literal from that file's sweep "
+                    "(no GPU needed) and exit")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.print_plans:
+        return print_plans(args.print_plans)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    peers, peer_errors = load_peers(args.peers)
+    next_ns = [int(v) for v in args.next_n.split(",") if v.strip()]
+    shapes = shape_list(args.quick, next_ns)
+    peers, peer_errors = load_peers(args.peers) if args.fused else ({}, {"peers": "--no-fused"})
     bw = si.copy_bandwidth()
     data: dict[str, Any] = {
-        "benchmark": "scoring stage: FP8 index keys -> index scores (kernels/scoring_triton.py), fused with the "
-        "local top-K + pack (kernels/scored_indexer_triton.py); peers: DeepGEMM fp8_paged_mqa_logits, vLLM top-K "
-        "+ pack",
+        "benchmark": "scoring stage: FP8 index keys -> index scores (kernels/scoring_triton.py; next_n 1 and 2), "
+        "fused with the local top-K + pack (kernels/scored_indexer_triton.py; next_n 1); peers: DeepGEMM "
+        "fp8_paged_mqa_logits, vLLM top-K + pack",
         "device": si.device_info(),
         "versions": _meta.versions(),
         "date_utc": _meta.now_utc(),
-        "argv": sys.argv[1:],
+        "argv": sys.argv[1:] if argv is None else argv,
         "copy_bandwidth_TBps": bw / 1e12,
         "fp8_peak_TFLOPs": si.FP8_PEAK_FLOPS / 1e12,
         "timing": "device time per call: CUDA graph of `reps` calls replayed under triton.testing.do_bench "
-        "(median, p20/p80) / reps; 'events' when a call could not be captured",
+        "(median, p20/p80) / reps; 'events' when a call could not be captured; the sweep: the same with do_bench "
+        "rep = 25 ms",
+        "target": f"target_us = {TARGET_FACTOR} * read_floor_us + {TARGET_SLACK_US}",
         "peers": sorted(peers),
         "peer_errors": peer_errors,
-        "inputs": {"heads": si.HEADS, "dim": si.DIM, "block_size": si.BLOCK, "k": si.TOPK, "B": "T", "next_n": 1,
+        "inputs": {"heads": si.HEADS, "dim": si.DIM, "block_size": si.BLOCK, "k": si.TOPK, "B": "T / next_n",
+                   "next_n": "per row: 1 (SHAPES) or 2 (MTP_SHAPES: token i of a request sees L - 1 + i keys)",
                    "keys": "random e4m3 bytes, power-of-two scales 2**-9..2**-6", "ref_rows": si.REF_ROWS},
     }  # fmt: skip
     dg = load_deepgemm(args.deepgemm)
     data["deepgemm"] = dg
+    if args.ncu_json:
+        data["ncu"] = load_ncu(args.ncu_json)
     results: list[dict[str, Any]] = []
-    for t, n in si.QUICK if args.quick else si.SHAPES:
+    for t, n, nn in shapes:
         try:
-            rec = run_shape(t, n, bw, peers)
+            rec = run_shape(t, n, nn, bw, peers, fused_cols=args.fused)
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - a failing shape is recorded; the others still run
             rec = {
                 "T": t,
+                "B": t // nn,
                 "L": n,
+                "next_n": nn,
                 "error": f"{type(e).__name__}: {e}"[:1000],
                 "traceback": traceback.format_exc()[-3000:],
             }
             torch.cuda.empty_cache()
         results.append(rec)
         print(
-            f"T={t:4d} L={n:6d} ours={rec.get('ours', {}).get('median_us', float('nan')):9.1f} "
+            f"T={t:4d} L={n:6d} next_n={nn} ours={rec.get('ours', {}).get('median_us', float('nan')):9.1f} "
             f"fused={rec.get('fused', {}).get('median_us', float('nan')):9.1f} "
             f"chain={rec.get('ours_chain', {}).get('median_us', float('nan')):9.1f} "
             f"vllm={rec.get('vllm_topk_pack', {}).get('median_us', float('nan')):8.1f} "
@@ -392,10 +732,23 @@ def main() -> int:
     data["summary"] = summarize([r for r in results if "error" not in r], dg)
     write(args.out, data)
     if args.sweep:
-        data["sweep"] = sweep(args.sweep_budget, si.QUICK if args.quick else SWEEP_SHAPES)
+        sw = sweep_scoring(args.sweep_budget, shapes, scoring_configs())
+        data["sweep"] = sw.pop("records")
+        data["sweep_meta"] = sw | {"space": {k: list(v) for k, v in SWEEP_SPACE.items()}, "extra": SWEEP_EXTRA}
+        data["sweep_best"] = sweep_best(data["sweep"])
+        write(args.out, data)
+    if args.fused_sweep and 1 in next_ns:
+        data.setdefault("sweep", []).extend(
+            sweep_fused(args.fused_sweep_budget, si.QUICK if args.quick else FUSED_SWEEP_SHAPES)
+        )
         write(args.out, data)
     print(json.dumps(data["summary"], indent=1))
-    ok = all("error" not in r and r.get("max_rel_err", 1.0) < 1e-3 and r.get("fused_tolerant_ok") for r in results)
+    if data.get("sweep_best"):
+        print(plans_literal(data["sweep"]))
+    ok = all(
+        "error" not in r and r.get("max_rel_err", 1.0) < MAX_REL_ERR and r.get("fused_tolerant_ok", True)
+        for r in results
+    )
     return 0 if ok else 1
 
 

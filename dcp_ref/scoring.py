@@ -13,6 +13,11 @@ index-key cache (:mod:`dcp_ref.index_cache`), found through the KV cache's block
 
     slot(j) = block_table[req_of_token[t], j // block_size] * block_size + j % block_size
 
+With MTP (speculative decode, ``next_n > 1``) the query tokens come in consecutive groups of
+``next_n`` tokens of one request — tokens ``g * next_n .. g * next_n + next_n - 1`` — so that a kernel
+may score a whole group from one read of each key. The scores are unchanged: each token still has
+its own query, weights, bound and row start.
+
 Under DCP a rank holds only its own keys (the index keys are sharded with the KV rows), so it
 scores ``[T, L]`` local columns, not the whole context; the indexer stage then keeps its stable
 top-K and the exchange merges the ranks' candidates exactly (chapter 02).
@@ -37,8 +42,11 @@ A row whose metadata is out of contract — ``req_of_token[t]`` outside ``[0, B)
 ``local_bounds[t]`` or ``row_starts[t]``, ``row_starts[t] + local_bounds[t]`` beyond the output's
 columns, more keys than the table's blocks cover, or a needed block (``j // block_size`` for some
 ``j < local_bounds[t]``) that is ``-1`` or not a block of the cache — is **poisoned**: every column
-of that row is NaN. Nothing outside the cache or the table is read, and no plausible score is
-produced. (The indexer stage treats NaN as a masked key, so a poisoned row yields no candidate.)
+of that row is NaN. So is every row of a group of ``next_n`` tokens whose request ids differ (the
+group is out of contract as a whole). The comparisons are exact for any int64 values (no
+``row_starts + local_bounds`` that wraps around near ``2**63`` passes as in range). Nothing outside
+the cache or the table is read, and no plausible score is produced. (The indexer stage treats NaN
+as a masked key, so a poisoned row yields no candidate.)
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ class ScoringArgs(NamedTuple):
     num_blocks: int  #: blocks of the cache
     block_size: int  #: tokens per block (the geometry's)
     blocks: torch.Tensor  #: the cache as uint8 ``[num_blocks, block_size * 132]``
+    next_n: int = 1  #: query tokens per group of one request (MTP; ``T % next_n == 0``)
 
 
 def _check_index_vector(t: object, name: str, T: int, dev: torch.device) -> torch.Tensor:
@@ -112,15 +121,18 @@ def check_scoring_inputs(
     width: bool = True,
     n_cols: object = None,
     layout: IndexKeyLayout = INDEX_K_FP8,
+    next_n: object = 1,
 ) -> ScoringArgs:
     """Every check of :func:`index_scores`, shared with the Triton kernels (same inputs, same messages).
 
     Always (free): types, dtypes, ranks, shapes, devices, contiguity of ``out``. With ``validate``:
-    the values (one host sync) — request ids in range, non-negative bounds and starts, the blocks
-    each token needs present in the table and the cache, and (``width``) every row inside ``out``.
+    the values (one host sync) — request ids in range, one request per group of ``next_n`` tokens,
+    non-negative bounds and starts, the blocks each token needs present in the table and the cache,
+    and (``width``) every row inside ``out`` (all exact in Python ints: no int64 wrap-around).
     ``width=False``: the caller writes no ``[T, L]`` matrix (``out`` is not checked here).
     ``n_cols`` (with ``out=None``): the width ``L`` of the score matrix a fused caller stands for
-    (checked as ``out``'s width would be).
+    (checked as ``out``'s width would be). ``next_n`` (an int ``>= 1`` dividing ``T``): the query
+    tokens come in consecutive groups of ``next_n`` tokens of one request (MTP).
     """
     validate = check_bool(validate, "validate")
     if not isinstance(geometry, DcpGeometry):
@@ -139,6 +151,9 @@ def check_scoring_inputs(
     assert isinstance(weights, torch.Tensor)
     if weights.shape != (T, H):
         raise ValueError(f"weights must be [T={T}, H={H}] (one weight per token and head), got {tuple(weights.shape)}")
+    next_n = check_int_scalar(next_n, "next_n", min_value=1)
+    if T % next_n:
+        raise ValueError(f"next_n={next_n} must divide the T={T} query tokens (groups of next_n tokens of one request)")
     blocks = index_cache_blocks(index_cache, bs, layout=layout)
     if blocks.device != dev:
         raise ValueError(f"index_cache must be on device {dev} (index_q's), got {blocks.device}")
@@ -186,18 +201,28 @@ def check_scoring_inputs(
                 f"req_of_token values must be in [0, B={B}) (rows of block_table), got min {int(r.min())}, "
                 f"max {int(r.max())}"
             )
+        if next_n > 1:
+            groups = r.reshape(-1, next_n)
+            mixed = groups != groups[:, :1]
+            if bool(mixed.any()):
+                g, k = (int(v) for v in mixed.nonzero()[0])
+                t0, t = g * next_n, g * next_n + k
+                raise ValueError(
+                    f"req_of_token must name one request per group of next_n={next_n} tokens, but token {t0} "
+                    f"names {int(r[t0])} and token {t} names {int(r[t])}"
+                )
         n = bounds.long()
         if bool((n < 0).any()):
             raise ValueError(f"local_bounds must be non-negative, found {int(n.min())}")
         s = torch.zeros_like(n) if starts is None else starts.long()
         if bool((s < 0).any()):
             raise ValueError(f"row_starts must be non-negative, found {int(s.min())}")
-        need = torch.div(n + bs - 1, bs, rounding_mode="floor")
+        need = _blocks_needed(n, M, bs)
         if bool((need > M).any()):
             t = int((need > M).nonzero()[0, 0])
             raise ValueError(
-                f"local_bounds[{t}]={int(n[t])} needs {int(need[t])} blocks of {bs} keys, but block_table has {M} "
-                "per request"
+                f"local_bounds[{t}]={int(n[t])} needs {-(-int(n[t]) // bs)} blocks of {bs} keys, but block_table "
+                f"has {M} per request"
             )
         if M:
             rows = block_table.long()[r]  # [T, M]
@@ -212,17 +237,39 @@ def check_scoring_inputs(
                     f"{int(n[t])} through it"
                 )
         if width:
-            end = s + n
+            what = "row_starts + local_bounds" if starts is not None else "local_bounds"
             if L is None:
-                L = int(end.max())
-            elif bool((end > L).any()):
-                t = int((end > L).nonzero()[0, 0])
-                what = "row_starts + local_bounds" if starts is not None else "local_bounds"
-                has = f"out has {L} columns" if out is not None else f"n_cols={L}"
-                raise ValueError(f"{has}, but token {t} needs {what} = {int(end[t])}")
+                wraps = s > _INT64_MAX - n  # s + n would wrap around (n >= 0 here: the test itself cannot)
+                if bool(wraps.any()):
+                    t = int(wraps.nonzero()[0, 0])
+                    raise ValueError(
+                        f"{what} must fit int64 (the width of the score matrix), but token {t} needs "
+                        f"{int(s[t]) + int(n[t])}"
+                    )
+                L = int((s + n).max())
+            else:
+                past = _past_end(n, s, L)
+                if bool(past.any()):
+                    t = int(past.nonzero()[0, 0])
+                    has = f"out has {L} columns" if out is not None else f"n_cols={L}"
+                    raise ValueError(f"{has}, but token {t} needs {what} = {int(s[t]) + int(n[t])}")
     if width and L is None:  # validate with T == 0
         L = 0
-    return ScoringArgs(T, H, L, B, M, nb, bs, blocks)
+    return ScoringArgs(T, H, L, B, M, nb, bs, blocks, next_n)
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _blocks_needed(n: torch.Tensor, M: int, bs: int) -> torch.Tensor:
+    """``ceil(n / bs)`` for int64 ``n >= 0``, without wrapping near ``2**63``: a bound above ``M * bs``
+    (already more keys than the table covers) is clamped to ``M * bs + 1``, which needs ``M + 1`` blocks."""
+    return torch.div(n.clamp_max(M * bs + 1) + bs - 1, bs, rounding_mode="floor")
+
+
+def _past_end(n: torch.Tensor, s: torch.Tensor, L: int) -> torch.Tensor:
+    """``s + n > L`` for int64 ``n >= 0`` (any ``s``) and ``0 <= L < 2**63``, exactly: never computes ``s + n``."""
+    return (n > L) | (s > L - n)
 
 
 def _row_state(
@@ -232,11 +279,14 @@ def _row_state(
     local_bounds: torch.Tensor,
     row_starts: torch.Tensor | None,
     n_cols: int | None,
+    next_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Device-side row metadata, no host read: ``(bad [T], rows [T, M], bound [T], start [T], req_ok [T])``.
 
-    ``bad`` is the poison rule of the module docstring (``n_cols=None``: no width to check);
-    ``rows`` the table row of each token (zeros for a bad request id).
+    ``bad`` is the poison rule of the module docstring (``n_cols=None``: no width to check; every
+    row of a group of ``next_n`` tokens with different request ids is bad; ``next_n=None``: the
+    checked ``a.next_n``); ``rows`` the table row of each token (zeros for a bad request id).
+    All comparisons are exact for any int64 values (nothing wraps around near ``2**63``).
     """
     dev = local_bounds.device
     B, M, bs, nb = a.B, a.M, a.block_size, a.num_blocks
@@ -244,10 +294,15 @@ def _row_state(
     n = local_bounds.long()
     s = torch.zeros_like(n) if row_starts is None else row_starts.long()
     req_ok = (r >= 0) & (r < B)
-    need = torch.div(n.clamp_min(0) + bs - 1, bs, rounding_mode="floor")
+    n0 = n.clamp_min(0)  # a negative bound is bad already; clamped, nothing below wraps
+    need = _blocks_needed(n0, M, bs)
     bad = ~req_ok | (n < 0) | (s < 0) | (need > M)
     if n_cols is not None:
-        bad |= s + n > n_cols
+        bad |= _past_end(n0, s, n_cols)
+    g = a.next_n if next_n is None else next_n
+    if g > 1 and r.shape[0]:
+        groups = r.reshape(-1, g)
+        bad |= (groups != groups[:, :1]).any(dim=1, keepdim=True).expand(-1, g).reshape(-1)
     if B and M:
         rows = block_table.long()[torch.where(req_ok, r, 0)]  # [T, M]
         needed = torch.arange(M, device=dev).unsqueeze(0) < need.unsqueeze(1)
@@ -270,6 +325,7 @@ def index_scores(
     out: torch.Tensor | None = None,
     validate: bool = True,
     layout: IndexKeyLayout = INDEX_K_FP8,
+    next_n: int = 1,
 ) -> torch.Tensor:
     """This rank's index scores ``[T, L]`` from its FP8 index-key cache (the oracle, float64 inside).
 
@@ -300,6 +356,10 @@ def index_scores(
             ``False``: no host read; an out-of-contract row is poisoned (all NaN), see the module
             docstring.
         layout: the cache layout (default :data:`~dcp_ref.index_cache.INDEX_K_FP8`).
+        next_n: query tokens per group of one request (MTP / speculative decode; an int ``>= 1``
+            dividing ``T``): tokens ``g * next_n .. g * next_n + next_n - 1`` must name the same
+            request (validated; ``validate=False``: every row of a mixed group is poisoned). The
+            scores do not depend on it.
     Returns:
         float32 ``[T, L]`` (``out`` when given).
     Raises:
@@ -307,7 +367,7 @@ def index_scores(
     """
     a = check_scoring_inputs(
         index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts, out, validate,
-        layout=layout,
+        layout=layout, next_n=next_n,
     )  # fmt: skip
     assert a.L is not None
     T, H, L, bs = a.T, a.H, a.L, a.block_size
@@ -315,7 +375,7 @@ def index_scores(
     result = out if out is not None else torch.empty((T, L), dtype=torch.float32, device=dev)
     if T == 0 or L == 0:
         return result
-    bad, rows, n, s, _ = _row_state(a, block_table, req_of_token, local_bounds, row_starts, L)
+    bad, rows, n, s, _ = _row_state(a, block_table, req_of_token, local_bounds, row_starts, L, a.next_n)
     values, scales = _fields(a.blocks, bs, layout)
     qf = index_q.to(torch.float64)  # e4m3 -> float64 is exact
     wf = weights.to(torch.float64).unsqueeze(2)  # [T, H, 1]
@@ -352,14 +412,16 @@ def reference_scoring(
     *,
     row_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    next_n: int = 1,
 ) -> torch.Tensor:
     """The scoring stage on the reference: :func:`index_scores` with ``validate=False`` (no host read).
 
-    Writes into ``out`` (float32 ``[T, L]``) when given; out-of-contract rows are poisoned (NaN).
+    Writes into ``out`` (float32 ``[T, L]``) when given; out-of-contract rows are poisoned (NaN),
+    including every row of a group of ``next_n`` tokens (MTP) whose request ids differ.
     """
     return index_scores(
         index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry,
-        row_starts=row_starts, out=out, validate=False,
+        row_starts=row_starts, out=out, validate=False, next_n=next_n,
     )  # fmt: skip
 
 

@@ -227,6 +227,10 @@ class ScoringSpec:
         index_dim: dims per index head (128).
         fused: score inside the indexer (the ``scored_indexer`` stage): the ``[T, L]`` score matrix is never
             written. Needs ``order="global_id"``.
+        next_n: query tokens per request in decode (MTP / speculative: the draft tokens with the last one), laid
+            out as the ownership stage does (consecutive tokens of one request): the scoring stage then reads each
+            key once for a request's tokens. A run whose groups of ``next_n`` tokens name two requests is out of
+            contract (poisoned, or refused with ``validate=True``). Not with ``fused``.
     """
 
     max_keys: int
@@ -234,9 +238,13 @@ class ScoringSpec:
     index_heads: int = 64
     index_dim: int = 128
     fused: bool = False
+    next_n: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_keys", "index_heads", "index_dim"):
+        if self.fused and self.next_n != 1:
+            raise ValueError(f"next_n must be 1 with fused=True (the fused indexer scores one token per read), got "
+                             f"{self.next_n}")  # fmt: skip
+        for name in ("max_keys", "index_heads", "index_dim", "next_n"):
             object.__setattr__(self, name, check_int_scalar(getattr(self, name), name, min_value=1))
         if not isinstance(self.fused, bool):
             raise TypeError(f"fused must be a bool, got {type(self.fused).__name__}")
@@ -653,13 +661,15 @@ def reference_scoring(
     *,
     row_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    next_n: int = 1,
 ) -> torch.Tensor:
-    """:func:`dcp_ref.scoring.index_scores` (dequantized, float32)."""
+    """:func:`dcp_ref.scoring.index_scores` (dequantized, float32); ``next_n``: query tokens per request (MTP)."""
     from .scoring import reference_scoring as scoring
 
     return scoring(
-        index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts=row_starts, out=out
-    )
+        index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts=row_starts,
+        out=out, next_n=next_n,
+    )  # fmt: skip
 
 
 @named_impl("torch")

@@ -557,6 +557,9 @@ class PlannedStep:
             check_tensor(index_weights, "index_weights", dtypes=(torch.float32,), ndim=2, device=s.device)
             if tuple(index_weights.shape) != (T, sc.index_heads):
                 raise ValueError(f"index_weights must be [T={T}, {sc.index_heads}], got {tuple(index_weights.shape)}")
+            if T % sc.next_n:
+                raise ValueError(f"spec.scoring.next_n={sc.next_n} must divide the T={T} query tokens (groups of "
+                                 "next_n tokens of one request)")  # fmt: skip
         if not isinstance(meta, StepMetadata):
             raise TypeError(f"meta must be a StepMetadata (see decode_metadata), got {type(meta).__name__}")
         for name in ("local_bounds", "req_of_token", "row_starts"):
@@ -584,6 +587,10 @@ class PlannedStep:
         req = meta.req_of_token.long()
         if int(req.min()) < 0 or int(req.max()) >= B:
             raise ValueError(f"meta.req_of_token must lie in [0, {B}) (rows of shard.block_table)")
+        nn = self.spec.scoring.next_n if self.spec.scoring is not None else 1
+        if nn > 1 and bool((req.view(-1, nn) != req.view(-1, nn)[:, :1]).any()):
+            raise ValueError(f"meta.req_of_token must name one request per group of spec.scoring.next_n={nn} tokens "
+                             "(the ownership stage's layout: a request's query tokens are consecutive)")  # fmt: skip
         n_cols = self._n_cols(shard)
         need = int((starts + local).max())
         if need > n_cols:
@@ -692,7 +699,8 @@ class PlannedStep:
                 assert b.scores is not None
                 fn = st.scoring
                 scores = _result("scoring", fn, fn(
-                    index_q, index_weights, shard.index_cache, bt, req, bounds, cg, row_starts=starts, out=b.scores
+                    index_q, index_weights, shard.index_cache, bt, req, bounds, cg, row_starts=starts, out=b.scores,
+                    next_n=s.scoring.next_n,
                 ), b.scores)  # fmt: skip
             if s.order == "rank_local":
                 assert b.own_ids is not None

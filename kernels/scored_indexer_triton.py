@@ -78,7 +78,7 @@ from .scoring_triton import (
     load_query,
     row_meta,
     row_poisoned,
-    score_tile,
+    score_keys,
 )
 
 __all__ = [
@@ -108,7 +108,7 @@ def score_segment(
         valid = o < n
         phys, off = key_slots(bt_row, sbt_c, j0 + o, valid, block_size)
         keys, scale = load_key_tile(cache_u8, cache_f32, phys, off, valid, block_size, D)
-        tl.store(scratch_row + o, score_tile(q, w, keys, scale, Q_FP8), mask=valid)
+        tl.store(scratch_row + o, score_keys(keys, scale, q, w, Q_FP8), mask=valid)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ programs; sharing one key tile among them is the next step if MTP decode matters
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -52,12 +52,20 @@ __all__ = [
     "load_query",
     "key_slots",
     "load_key_tile",
-    "score_tile",
-    "fill_non_keys",
+    "token_meta",
+    "count_bad_entries",
+    "group_entries_bad",
+    "tile_values",
+    "tile_blocks",
+    "tile_scales",
+    "score_keys",
+    "fill_columns",
     "index_scores_kernel",
     "index_scores_check_kernel",
     "KERNEL_Q_DTYPES",
+    "PLANS",
     "ScoringPlan",
+    "group_size",
     "scoring_plan",
     "kernel_views",
     "index_scores_triton",
@@ -69,6 +77,8 @@ KERNEL_Q_DTYPES = (torch.float8_e4m3fn, torch.float16, torch.bfloat16, torch.flo
 SCAN = 1024
 #: A column beyond every row: the fused indexer has no output width to check.
 NO_WIDTH = 1 << 62
+#: Output columns per store of the fill (the ``-inf`` / NaN columns that hold no key).
+FILL = 256
 
 
 @triton.jit
@@ -151,92 +161,240 @@ def load_key_tile(cache_u8, cache_f32, phys, off, valid, block_size, D: tl.const
 
 
 @triton.jit
-def score_tile(q, w, keys, scale, Q_FP8: tl.constexpr):
-    """``sum_h w[h] * relu(q[h] . keys[n]) * scale[n]`` for the ``N`` keys of a tile -> float32 ``[N]``.
+def token_meta(req_ptr, bound_ptr, start_ptr, t, n_req, n_tbl, n_cols, BS: tl.constexpr, HAS_STARTS: tl.constexpr):
+    """``(request, bound, start, blocks needed, bad)`` of token ``t`` (int64 scalars; ``start = 0`` without starts).
 
-    FP8: one ``tl.dot`` of float8e4nv operands with float32 accumulation; otherwise the keys are
-    widened to float32 (exact) and the dot runs in IEEE float32. ReLU as ``where(s < 0, 0, s)``
-    keeps NaN (``maximum`` would drop it).
+    ``bad``: the token's scalars are out of contract — the request outside ``[0, n_req)``, a negative bound or
+    start, ``start + bound`` past ``n_cols`` (tested as ``bound > n_cols`` or ``start > n_cols - bound``, so that
+    values near 2**63 cannot wrap), or more blocks than the table has. The table entries are checked separately
+    (:func:`count_bad_entries`).
     """
-    if Q_FP8:
-        s = tl.dot(q, tl.trans(keys))
-    else:
-        s = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
-    s = tl.where(s < 0, 0.0, s)
-    return tl.sum(s * w[:, None], 0) * scale
+    req = tl.load(req_ptr + t).to(tl.int64)
+    bound = tl.load(bound_ptr + t).to(tl.int64)
+    start = tl.zeros([], tl.int64)
+    if HAS_STARTS:
+        start = tl.load(start_ptr + t).to(tl.int64)
+    bad = (req < 0) | (req >= n_req) | (bound < 0) | (start < 0) | (bound > n_cols) | (start > n_cols - bound)
+    need = (tl.minimum(tl.maximum(bound, 0), n_cols) + BS - 1) // BS  # (clamped: no wrap; a bad bound is bad anyway)
+    bad = bad | (need > n_tbl)
+    return req, bound, start, tl.where(bad, 0, need), bad
 
 
 @triton.jit
-def fill_non_keys(out_row, cols, n_cols, start, n_keys, bad):
-    """Columns ``cols`` of one output row that hold no key (``[start, start + n_keys)`` do): ``-inf``,
-    or NaN in a poisoned row (whose ``n_keys`` is 0, so that every column gets NaN)."""
-    is_key = (cols >= start) & (cols < start + n_keys)
-    fill = tl.where(bad, float("nan"), float("-inf")) + tl.zeros(cols.shape, tl.float32)
-    tl.store(out_row + cols, fill, mask=(cols < n_cols) & ~is_key)
+def count_bad_entries(bt_row, sbt_c, lo, hi, n_blocks, SCAN_N: tl.constexpr):
+    """How many of the table entries ``lo .. hi - 1`` of one row are not a block of the cache (``< 0`` or
+    ``>= n_blocks``), read ``SCAN_N`` at a time (int32 scalar)."""
+    wrong = tl.zeros([], tl.int32)
+    for c in range(lo, hi, SCAN_N):
+        o = c + tl.arange(0, SCAN_N)
+        m = o < hi
+        blk = tl.load(bt_row + o.to(tl.int64) * sbt_c, mask=m, other=0).to(tl.int64)
+        wrong += tl.sum((m & ((blk < 0) | (blk >= n_blocks))).to(tl.int32), 0)
+    return wrong
+
+
+@triton.jit
+def group_entries_bad(bt_row, sbt_c, need0, need1, n_blocks, SCAN_N: tl.constexpr):
+    """Whether token 0 / token 1 of a group needs a table entry that is not a block (each entry read once:
+    the entries both need, then those only the one with more blocks needs)."""
+    lo = tl.minimum(need0, need1)
+    hi = tl.maximum(need0, need1)
+    both = count_bad_entries(bt_row, sbt_c, 0, lo, n_blocks, SCAN_N)
+    more = both + count_bad_entries(bt_row, sbt_c, lo, hi, n_blocks, SCAN_N)
+    return tl.where(need0 > need1, more, both) > 0, tl.where(need1 > need0, more, both) > 0
+
+
+@triton.jit
+def tile_values(cache_u8, desc_v, bt_row, sbt_c, j0, n_keys, n_blocks, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                D: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """The e4m3 values ``[BLOCK_N, D]`` (float8e4nv) of local keys ``j0 .. j0 + BLOCK_N - 1`` of one request;
+    0 where ``j >= n_keys`` or the table entry is not a block (nothing is read there).
+
+    A cache block of ``BS`` keys is ``BS * D`` value bytes, then ``BS`` float32 scales. With ``BLOCK_N == BS``
+    (tiles aligned to blocks) the tile is one block: one table entry and 8 KiB of contiguous bytes, which the
+    compiler streams with 16-byte ``cp.async`` copies ``num_stages - 3`` tiles ahead (the entry's load is the first
+    stage). Otherwise every key finds its own block (``BS`` is a compile-time constant, so each key's ``D`` values
+    are still known to be 16-byte aligned when ``BS`` is even). ``TMA``: the tile is one block, loaded by the bulk
+    tensor copy engine through ``desc_v`` (the cache as float8 rows of ``D`` bytes, ``BS * (D + 4) / D`` rows per
+    block: the values are its first ``BS`` rows), straight into shared memory for the ``wgmma``; keys past
+    ``n_keys`` are read too (they are in the block) and their scores are never stored.
+    """
+    r = tl.arange(0, BLOCK_N)
+    j = j0 + r
+    if TMA:  # one bulk tensor copy of the block's [BS, D] values; a row outside the cache is zero-filled by it
+        phys = tl.load(bt_row + (j0 // BS) * sbt_c)
+        row = tl.where((phys >= 0) & (phys < n_blocks), phys, n_blocks) * (BS * (D + 4) // D)
+        return desc_v.load([row.to(tl.int32), 0])
+    if BLOCK_N == BS:
+        phys = tl.load(bt_row + (j0 // BS) * sbt_c).to(tl.int64)  # one entry for the tile (j0: int64)
+        ok = j < tl.where((phys >= 0) & (phys < n_blocks), n_keys, 0)  # (scalars first: one compare per key)
+        off = r.to(tl.int64)
+    else:
+        valid = j < n_keys
+        phys = tl.load(bt_row + (j // BS).to(tl.int64) * sbt_c, mask=valid, other=0).to(tl.int64)
+        ok = valid & (phys >= 0) & (phys < n_blocks)
+        off = (j % BS).to(tl.int64)
+    d = tl.arange(0, D)
+    vals = tl.load(cache_u8 + (phys * (BS * (D + 4)) + off * D)[:, None] + d[None, :], mask=ok[:, None], other=0)
+    return vals.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def tile_blocks(bt_row, sbt_c, j0, n_keys, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The table entries (int64 ``[BLOCK_N]``, one per key; 0 where ``j >= n_keys``) of keys ``j0 ..``."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + (j // BS).to(tl.int64) * sbt_c, mask=j < n_keys, other=0).to(tl.int64)
+
+
+@triton.jit
+def tile_scales(cache_f32, phys, j0, n_keys, n_blocks, BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """The float32 scales ``[BLOCK_N]`` of keys ``j0 ..`` in blocks ``phys`` (:func:`tile_blocks`); 0 where
+    ``j >= n_keys`` or the entry is not a block."""
+    j = j0 + tl.arange(0, BLOCK_N)
+    ok = (j < n_keys) & (phys >= 0) & (phys < n_blocks)
+    return tl.load(cache_f32 + phys * (BS * (D + 4) // 4) + BS * D // 4 + (j % BS).to(tl.int64), mask=ok, other=0.0)
+
+
+@triton.jit
+def score_keys(keys, scale, q, w, Q_FP8: tl.constexpr):
+    """``sum_h w[h] * relu(keys[n] . q[h]) * scale[n]`` -> float32 ``[N]``.
+
+    Keys are the dot's M side (``[N, D] x [D, H]``, as DeepGEMM orients it): each warp's accumulator rows are
+    keys and its columns heads, so the sum over heads stays inside a thread and its quad (shuffles), never
+    through shared memory. FP8: float8e4nv operands, float32 accumulation (``wgmma`` on sm_90a); otherwise the
+    keys are widened to float32 (exact) and the dot runs in IEEE float32. ReLU as ``where(s < 0, 0, s)`` keeps
+    NaN (``maximum`` would drop it).
+    """
+    if Q_FP8:
+        s = tl.dot(keys, tl.trans(q))
+    else:
+        s = tl.dot(keys.to(tl.float32), tl.trans(q), input_precision="ieee")
+    s = tl.where(s < 0, 0.0, s)
+    return tl.sum(s * w[None, :], 1) * scale
+
+
+@triton.jit
+def fill_columns(out_row, c_lo, c_hi, start, n_keys, bad, FILL_N: tl.constexpr):
+    """Columns ``c_lo .. c_hi - 1`` of one output row that hold no key (keys are ``[start, start + n_keys)``):
+    ``-inf``; every column when ``bad`` (a poisoned row): NaN. Tiles with no such column are skipped."""
+    fill = tl.where(bad, float("nan"), float("-inf"))
+    k_lo = tl.where(bad, c_hi, start)  # a poisoned row: every column is "before its keys"
+    k_hi = start + n_keys
+    for c0 in range(c_lo, c_hi, FILL_N):
+        if (c0 < k_lo) | (c0 + FILL_N > k_hi):
+            cols = c0 + tl.arange(0, FILL_N)
+            m = (cols < c_hi) & ((cols < k_lo) | (cols >= k_hi))
+            tl.store(out_row + cols, fill + tl.zeros([FILL_N], tl.float32), mask=m)
 
 
 @triton.jit
 def index_scores_kernel(
-    q_ptr, w_ptr, cache_u8, cache_f32, bt_ptr, req_ptr, bound_ptr, start_ptr, out_ptr,
-    n_req, n_tbl, n_blocks, n_cols, n_heads, block_size,
+    q_ptr, w_ptr, cache_u8, cache_f32, desc_v, bt_ptr, req_ptr, bound_ptr, start_ptr, out_ptr,
+    n_req, n_tbl, n_blocks, n_cols, n_heads, chunk,
     sq_t, sq_h, sq_d, sw_t, sw_h, sbt_r, sbt_c, so_t,
-    HAS_STARTS: tl.constexpr, Q_FP8: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILES: tl.constexpr, SCAN_N: tl.constexpr,
-    chk_ptr=None, CHECK: tl.constexpr = False, CLEAR: tl.constexpr = False,
+    HAS_STARTS: tl.constexpr, Q_FP8: tl.constexpr, NEXT_N: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, SCAN_N: tl.constexpr, FILL_N: tl.constexpr,
+    TMA: tl.constexpr = False, chk_ptr=None, CHECK: tl.constexpr = False, CLEAR: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid ``(T, cdiv(n_cols, BLOCK_N * TILES))``: token ``t``'s keys and columns of ``TILES`` tiles.
+    """Grid ``(T / NEXT_N, cdiv(n_cols, chunk))``: program ``(g, p)`` scores local keys ``[p * chunk, (p + 1) *
+    chunk)`` for the ``NEXT_N`` (1 or 2) tokens of group ``g`` — each key tile read once for them all — and owns
+    output columns ``[p * chunk, (p + 1) * chunk)`` of their rows (the fill).
 
-    ``CHECK`` (``validate=True``): a row the reference refuses is exactly a poisoned row (the same
-    conditions, :func:`row_poisoned`), so program ``(t, 0)`` of such a row sets ``chk[0]`` to 1 with an
-    atomic max; a good row writes nothing. ``CLEAR``: program ``(0, 0)`` zeroes ``chk[0]`` (the width
-    the check kernel left there, already read on the host)."""
-    t = tl.program_id(0)
+    Row rule (:func:`token_meta`, :func:`count_bad_entries`): a token whose scalars, or whose needed table
+    entries, are out of contract, and both tokens of a group that names two requests, are poisoned (NaN
+    everywhere). Decode (no ``row_starts``): key ``j`` is column ``j``, inside this program's own columns, so the
+    table scan runs after the keys are scored (its reads overlap the key stream's instead of delaying it; a
+    poisoned row's columns are then overwritten, after a barrier). With ``row_starts`` a key may land in another
+    program's columns, so the scan runs first and a poisoned row scores nothing.
+
+    ``CHECK`` (``validate=True``): program ``(g, 0)`` of a group with a poisoned row sets ``chk[0]`` to 1 (atomic
+    max); ``CLEAR``: program ``(0, 0)`` zeroes it first (the width the check kernel left there).
+    """
+    g = tl.program_id(0)
     p = tl.program_id(1)
-    req, bound, start = row_meta(req_ptr, bound_ptr, start_ptr, t, HAS_STARTS)
-    bad = row_poisoned(bt_ptr, sbt_r, sbt_c, req, bound, start, n_req, n_tbl, n_blocks, n_cols, block_size, SCAN_N)
-    if CHECK:
-        if bad & (p == 0):
-            tl.atomic_max(chk_ptr, 1)
+    t0 = g * NEXT_N
     if CLEAR:
-        if (t == 0) & (p == 0):
+        if (g == 0) & (p == 0):
             tl.store(chk_ptr, tl.zeros([], tl.int64))
-    q, w = load_query(q_ptr, w_ptr, t, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
-    out_row = out_ptr + t.to(tl.int64) * so_t
-    bt_row = bt_ptr + tl.minimum(tl.maximum(req, 0), tl.maximum(n_req - 1, 0)) * sbt_r
-    n_keys = tl.where(bad, 0, bound)  # a poisoned row scores no key
-    for i in range(TILES):
-        n0 = (p * TILES + i) * BLOCK_N
-        idx = n0 + tl.arange(0, BLOCK_N)
-        # columns of this tile that hold no key (-inf / NaN) ...
-        fill_non_keys(out_row, idx, n_cols, start, n_keys, bad)
-        # ... and the keys j = idx of this tile, written at column start + j
-        valid = idx < n_keys
-        phys, off = key_slots(bt_row, sbt_c, idx, valid, block_size)
-        keys, scale = load_key_tile(cache_u8, cache_f32, phys, off, valid, block_size, D)
-        s = score_tile(q, w, keys, scale, Q_FP8)
-        tl.store(out_row + start + idx, s, mask=valid)
+    req0, b0, s0, need0, bad0 = token_meta(req_ptr, bound_ptr, start_ptr, t0, n_req, n_tbl, n_cols, BS, HAS_STARTS)
+    req1, b1, s1, need1, bad1 = req0, b0, s0, need0, bad0
+    if NEXT_N == 2:
+        req1, b1, s1, need1, bad1 = token_meta(req_ptr, bound_ptr, start_ptr, t0 + 1, n_req, n_tbl, n_cols, BS,
+                                               HAS_STARTS)  # fmt: skip
+        mixed = req1 != req0
+        bad0 = bad0 | mixed
+        bad1 = bad1 | mixed
+        need0 = tl.where(mixed, 0, need0)
+        need1 = tl.where(mixed, 0, need1)
+    bt_row = bt_ptr + tl.minimum(tl.maximum(req0, 0), tl.maximum(n_req - 1, 0)) * sbt_r
+    if HAS_STARTS:  # keys may land in other programs' columns: the whole verdict first
+        e0, e1 = group_entries_bad(bt_row, sbt_c, need0, need1, n_blocks, SCAN_N)
+        bad0 = bad0 | e0
+        bad1 = bad1 | e1
+    nk0 = tl.where(bad0, 0, b0)
+    nk1 = tl.where(bad1, 0, b1)
+    q0, w0 = load_query(q_ptr, w_ptr, t0, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
+    q1, w1 = q0, w0
+    if NEXT_N == 2:
+        q1, w1 = load_query(q_ptr, w_ptr, t0 + 1, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
+    out0 = out_ptr + t0.to(tl.int64) * so_t
+    out1 = out0 + so_t
+    c_lo = p.to(tl.int64) * chunk
+    c_hi = tl.minimum(c_lo + chunk, n_cols)
+    j_hi = tl.minimum(c_lo + chunk, tl.maximum(nk0, nk1))
+    nk = tl.maximum(nk0, nk1)
+    # The scales are not a dot operand, so the compiler's pipeliner does not prefetch them: each tile's scales are
+    # asked for one tile ahead, and the table entries they need two tiles ahead (no load is used in the iteration
+    # that issues it; measured 2-4% faster at the median of 36 configurations than loading them in place).
+    sc_next = tile_scales(cache_f32, tile_blocks(bt_row, sbt_c, c_lo, nk, BS, BLOCK_N), c_lo, nk, n_blocks, BS,
+                          BLOCK_N, D)  # fmt: skip
+    blk_next = tile_blocks(bt_row, sbt_c, c_lo + BLOCK_N, nk, BS, BLOCK_N)
+    for j0 in range(c_lo, j_hi, BLOCK_N):
+        keys = tile_values(cache_u8, desc_v, bt_row, sbt_c, j0, nk, n_blocks, BS, BLOCK_N, D, TMA)
+        scale = sc_next
+        sc_next = tile_scales(cache_f32, blk_next, j0 + BLOCK_N, nk, n_blocks, BS, BLOCK_N, D)
+        blk_next = tile_blocks(bt_row, sbt_c, j0 + 2 * BLOCK_N, nk, BS, BLOCK_N)
+        j = j0 + tl.arange(0, BLOCK_N)
+        tl.store(out0 + s0 + j, score_keys(keys, scale, q0, w0, Q_FP8), mask=j < nk0)
+        if NEXT_N == 2:
+            tl.store(out1 + s1 + j, score_keys(keys, scale, q1, w1, Q_FP8), mask=j < nk1)
+    if not HAS_STARTS:  # decode: the table verdict now (this program's key columns are its own)
+        e0, e1 = group_entries_bad(bt_row, sbt_c, need0, need1, n_blocks, SCAN_N)
+        if e0 | e1:
+            tl.debug_barrier()  # the scores just stored (by other threads) are overwritten below
+        bad0 = bad0 | e0
+        bad1 = bad1 | e1
+    if CHECK:
+        if (bad0 | bad1) & (p == 0):
+            tl.atomic_max(chk_ptr, 1)
+    fill_columns(out0, c_lo, c_hi, s0, nk0, bad0, FILL_N)
+    if NEXT_N == 2:
+        fill_columns(out1, c_lo, c_hi, s1, nk1, bad1, FILL_N)
 
 
 @triton.jit
 def index_scores_check_kernel(
     bt_ptr, req_ptr, bound_ptr, start_ptr, chk_ptr,
-    n_req, n_tbl, n_blocks, n_cols, block_size, sbt_r, sbt_c,
-    HAS_STARTS: tl.constexpr, WIDTH: tl.constexpr, SCAN_N: tl.constexpr,
+    n_req, n_tbl, n_blocks, n_cols, sbt_r, sbt_c,
+    HAS_STARTS: tl.constexpr, NEXT_N: tl.constexpr, WIDTH: tl.constexpr, BS: tl.constexpr, SCAN_N: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(T,)``: a validated call's value checks where the scoring kernel cannot run them — its width is
     not known yet (``out=None``), or it has no column to score (``L == 0``) and is not launched.
 
-    Row ``t`` out of contract (:func:`row_poisoned`, width ``n_cols``) raises ``chk[0]`` with an atomic max:
-    to 1, or with ``WIDTH`` (``n_cols`` is then :data:`NO_WIDTH`: no width to check) to ``NO_WIDTH``; a good
-    row with ``WIDTH`` raises it to ``row_starts[t] + local_bounds[t]``, so the one host read gives the width
-    ``L = max(row_starts + local_bounds)`` and the verdict together. (An end that wrapped below 0 or reaches
-    ``NO_WIDTH`` gives ``NO_WIDTH`` too: the host's own check decides.)"""
+    Row ``t`` out of contract (:func:`token_meta` and its table entries, width ``n_cols``; or its group of
+    ``NEXT_N`` tokens names two requests) raises ``chk[0]`` with an atomic max: to 1, or with ``WIDTH``
+    (``n_cols`` is then :data:`NO_WIDTH`: no width to check) to ``NO_WIDTH``; a good row with ``WIDTH`` raises it
+    to ``row_starts[t] + local_bounds[t]``, so the one host read gives the width ``L = max(row_starts +
+    local_bounds)`` and the verdict together (an end at or past ``NO_WIDTH`` gives ``NO_WIDTH`` too: the host's
+    own check decides)."""
     t = tl.program_id(0)
-    req, bound, start = row_meta(req_ptr, bound_ptr, start_ptr, t, HAS_STARTS)
-    bad = row_poisoned(bt_ptr, sbt_r, sbt_c, req, bound, start, n_req, n_tbl, n_blocks, n_cols, block_size, SCAN_N)
+    req, bound, start, need, bad = token_meta(req_ptr, bound_ptr, start_ptr, t, n_req, n_tbl, n_cols, BS, HAS_STARTS)
+    if NEXT_N > 1:
+        bad = bad | (req != tl.load(req_ptr + (t // NEXT_N) * NEXT_N).to(tl.int64))
+    row = bt_ptr + tl.minimum(tl.maximum(req, 0), tl.maximum(n_req - 1, 0)) * sbt_r
+    bad = bad | (count_bad_entries(row, sbt_c, 0, tl.where(bad, 0, need), n_blocks, SCAN_N) > 0)
     if WIDTH:
-        end = start + bound
-        code = tl.where(bad | (end < 0), n_cols, end)
+        code = tl.where(bad, n_cols, start + bound)  # (not bad: both below NO_WIDTH, no wrap)
         if code > 0:
             tl.atomic_max(chk_ptr, code)
     else:
@@ -244,14 +402,41 @@ def index_scores_check_kernel(
             tl.atomic_max(chk_ptr, 1)
 
 
+#: The launch the plan takes per measured shape: ``(group size, T, L) -> (block_n, tiles, num_warps, num_stages,
+#: tma)``, the fastest valid configuration of the committed device sweep :data:`PLANS_SOURCE` (printed by
+#: ``benchmarks/bench_scoring.py --print-plans``; ``tests/test_scoring_plans.py`` checks that the two agree). The
+#: group size is 2 for MTP (``next_n`` even: two tokens per read of a key; ``T`` counts tokens), else 1. Other
+#: shapes take the nearest measured one (in log2 T and log2 L); block sizes other than 64 the heuristic below.
+PLANS: dict[tuple[int, int, int], tuple[int, int, int, int, bool]] = {
+    (1, 1, 4096): (64, 1, 4, 3, True),  # 3.35 us
+    (1, 1, 32768): (64, 1, 4, 5, True),  # 5.02 us
+    (1, 1, 131072): (64, 4, 4, 3, True),  # 8.63 us
+    (1, 32, 4096): (64, 4, 4, 4, True),  # 8.09 us
+    (1, 32, 32768): (64, 16, 4, 5, False),  # 45.76 us
+    (1, 32, 131072): (64, 16, 4, 6, True),  # 157.37 us
+    (1, 128, 4096): (64, 16, 4, 5, True),  # 23.96 us
+    (1, 128, 32768): (64, 16, 4, 6, True),  # 153.53 us
+    (1, 128, 131072): (64, 64, 4, 6, True),  # 593.21 us
+    (2, 2, 131072): (64, 4, 4, 4, True),  # 11.69 us
+    (2, 64, 32768): (64, 16, 4, 6, True),  # 58.78 us
+    (2, 256, 131072): (64, 64, 4, 5, True),  # 947.87 us
+}
+#: The sweep :data:`PLANS` was read from (H200, 2026-12-01).
+PLANS_SOURCE = "benchmarks/results/scoring_sweep.json"
+#: The cache block the table was measured for (DeepSeek V3.2's index-key cache).
+PLANS_BLOCK_SIZE = 64
+
+
 class ScoringPlan(NamedTuple):
     """How one call runs (see :func:`scoring_plan`)."""
 
-    block_n: int  #: keys per tile (a power of two >= 16)
-    tiles: int  #: tiles per program (the query is loaded once per program)
+    block_n: int  #: keys per tile (a power of two >= 16): the dot's M side
+    tiles: int  #: tiles per program (each program scores ``block_n * tiles`` keys of its group)
     num_warps: int
-    num_stages: int
-    programs: int  #: programs per row (grid axis 1)
+    num_stages: int  #: software-pipelining depth of the key stream
+    programs: int  #: programs per group of tokens (grid axis 1)
+    group: int = 1  #: tokens per program that share each key read (2: MTP pairs)
+    tma: bool = False  #: values by the bulk tensor copy engine (a tile is one block of 32 * k keys)
 
 
 def _pow2_arg(v: object, name: str, lo: int, hi: int) -> int:
@@ -261,33 +446,72 @@ def _pow2_arg(v: object, name: str, lo: int, hi: int) -> int:
     return x
 
 
+def group_size(next_n: int) -> int:
+    """Tokens one program scores from each key read: 2 when ``next_n`` is even (MTP pairs), else 1."""
+    return 2 if next_n % 2 == 0 else 1
+
+
+def _nearest_plan(group: int, rows: int, n_cols: int) -> tuple[int, int, int, int, bool] | None:
+    import math
+
+    keys = [k for k in PLANS if k[0] == group]
+    if not keys:
+        return None
+    lt, ll = math.log2(max(rows, 1)), math.log2(max(n_cols, 1))
+    best = min(keys, key=lambda k: ((math.log2(k[1]) - lt) ** 2 + (math.log2(k[2]) - ll) ** 2, k))
+    return PLANS[best]
+
+
 def scoring_plan(
     rows: int,
     n_cols: int,
     device: torch.device,
     *,
+    next_n: int = 1,
+    block_size: int = PLANS_BLOCK_SIZE,
     block_n: int | None = None,
     tiles: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tma: bool | None = None,
 ) -> ScoringPlan:
-    """How :func:`index_scores_triton` scores ``rows`` rows of ``n_cols`` columns (shapes only, no sync).
+    """How :func:`index_scores_triton` scores ``rows`` query tokens (``next_n`` per request) over ``n_cols``
+    columns of a cache of ``block_size``-key blocks (shapes only, no sync).
 
-    Defaults: ``BLOCK_N = 64`` keys per tile (the 64 x 128 FP8 query times 64 keys: one warpgroup's
-    wgmma, ``num_warps = 4``), 3 pipeline stages, and as many tiles per program (1-4) as keep about four
-    programs per SM busy: the query (8 KiB) is then read once per 1-4 tiles of 8.4 KiB of keys. (Compiled
-    for sm_90a: ~160-170 registers per thread and no spills at 64 x 1-4; 128-key tiles x 2+ tiles spill.)
+    Block size 64 (V3.2): the launch of the nearest shape in :data:`PLANS` (the committed sweep). Otherwise:
+    ``block_n`` = the block size when it is a power of two in [16, 128] (a tile is then one block: one table
+    entry, contiguous bytes), else 64; 4 warps; 4 pipeline stages; tiles per program such that about 8 programs
+    per SM stay busy (1-32); the bulk tensor copy (``tma``) wherever a tile is one block of a multiple of 32 keys.
+    Each keyword overrides its part (``tma=True`` where a tile is not such a block: ``ValueError``).
     """
-    if block_n is None:
-        block_n = min(64, max(16, next_pow2(max(n_cols, 1))))
-    block_n = _pow2_arg(block_n, "block_n", 16, 512)
-    n_tiles = max(1, cdiv(max(n_cols, 1), block_n))
-    if tiles is None:
-        tiles = max(1, min(4, (rows * n_tiles) // max(1, 4 * sm_count(device))))
-    tiles = max(check_int_scalar(tiles, "tiles", min_value=1), cdiv(n_tiles, 65535))  # grid axis 1 <= 65535
-    num_warps = 4 if num_warps is None else _pow2_arg(num_warps, "num_warps", 1, 32)
-    num_stages = 3 if num_stages is None else check_int_scalar(num_stages, "num_stages", min_value=1)
-    return ScoringPlan(block_n, tiles, num_warps, num_stages, cdiv(n_tiles, tiles))
+    rows = check_int_scalar(rows, "rows", min_value=0)
+    n_cols = check_int_scalar(n_cols, "n_cols", min_value=0)
+    next_n = check_int_scalar(next_n, "next_n", min_value=1)
+    group = group_size(next_n)
+    groups = max(1, rows // group)
+    table = _nearest_plan(group, rows, n_cols) if block_size == PLANS_BLOCK_SIZE else None
+    d_tma: bool | None = None  # (the heuristic: the bulk copy wherever a tile is one block of whole rows)
+    if table is not None:
+        d_bn, d_tiles, d_warps, d_stages, d_tma = table
+    else:
+        d_bn = block_size if block_size in (16, 32, 64, 128) else 64
+        n_tiles = cdiv(max(n_cols, 1), d_bn)
+        d_tiles = max(1, min(32, (groups * n_tiles) // max(1, 8 * sm_count(device))))
+        d_warps, d_stages = 4, 4
+    block_n = _pow2_arg(d_bn if block_n is None else block_n, "block_n", 16, 512)
+    if block_n > max(16, next_pow2(max(n_cols, 1))) and block_n == d_bn:
+        block_n = max(16, next_pow2(max(n_cols, 1)))  # a short row: no tile wider than it
+    n_tiles = cdiv(max(n_cols, 1), block_n)
+    tiles = check_int_scalar(d_tiles if tiles is None else tiles, "tiles", min_value=1)
+    tiles = max(min(tiles, n_tiles), cdiv(n_tiles, 65535))  # grid axis 1 <= 65535
+    num_warps = _pow2_arg(d_warps if num_warps is None else num_warps, "num_warps", 1, 32)
+    num_stages = check_int_scalar(d_stages if num_stages is None else num_stages, "num_stages", min_value=1)
+    tma_ok = block_n == block_size and block_size % 32 == 0  # a tile is one block of whole 128-byte rows
+    if tma is None:
+        tma = tma_ok and (d_tma is None or d_tma or block_n != d_bn)
+    elif check_bool(tma, "tma") and not tma_ok:
+        raise ValueError(f"tma=True needs block_n == block_size, a multiple of 32 (got {block_n}, {block_size})")
+    return ScoringPlan(block_n, tiles, num_warps, num_stages, cdiv(n_tiles, tiles), group, tma)
 
 
 def kernel_views(a: ScoringArgs, index_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -298,6 +522,20 @@ def kernel_views(a: ScoringArgs, index_q: torch.Tensor) -> tuple[torch.Tensor, t
     q = index_q.view(torch.uint8) if index_q.dtype == torch.float8_e4m3fn else index_q
     flat = a.blocks.reshape(-1)
     return q, flat, flat.view(torch.float32)
+
+
+def value_descriptor(a: ScoringArgs, cache_u8: torch.Tensor) -> object:
+    """The bulk-copy (TMA) descriptor of the cache's values: the bytes as float8 rows of 128, ``block_size * 132 /
+    128`` rows per block, a box of ``[block_size, 128]`` (a block's values). Built per call on the host (a small
+    object; the driver encodes it at launch, and a CUDA graph keeps it as a kernel parameter)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    D = INDEX_K_FP8.head_dim
+    rows = a.num_blocks * (a.block_size * (D + 4) // D)
+    if rows >= 2**31 or cache_u8.data_ptr() % 16:
+        raise ValueError("tma=True needs a 16-byte aligned cache of fewer than 2**31 rows of 128 bytes")
+    flat = cache_u8.view(torch.float8_e4m3fn)[: rows * D].view(rows, D)
+    return TensorDescriptor(flat, [rows, D], [D, 1], [a.block_size, D])
 
 
 def _check_device(index_q: torch.Tensor) -> None:
@@ -326,10 +564,12 @@ def index_scores_triton(
     row_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     validate: bool = True,
+    next_n: int = 1,
     block_n: int | None = None,
     tiles: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """This rank's index scores ``[T, L]`` from its FP8 index-key cache, on the GPU (one launch with ``out``).
 
@@ -337,6 +577,9 @@ def index_scores_triton(
     reference in float64), checks and messages as :func:`dcp_ref.scoring.index_scores`, whose
     docstring states the contract and the ``validate=False`` poison rule; ``index_q`` may be
     float8_e4m3fn, fp16, bf16 or float32 here.
+
+    ``next_n`` (MTP): tokens come in groups of ``next_n`` consecutive tokens of one request; with an even
+    ``next_n`` each program scores two of them from one read of each key (half the bytes per token).
 
     ``validate=True`` checks the values on the device, from the rule the kernel poisons by (a row the
     reference refuses is exactly a poisoned row): the scoring launch raises a flag (the shared
@@ -357,23 +600,25 @@ def index_scores_triton(
     # n_cols=0 stands for it here, and the check kernel reads it with the verdict.
     width_from_values = validate and out is None
     args = (index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts, out)
-    a = check_scoring_inputs(*args, False, n_cols=0 if width_from_values else None)
+    a = check_scoring_inputs(*args, False, n_cols=0 if width_from_values else None, next_n=next_n)
     assert a.L is not None
     T, L = a.T, a.L
     dev = index_q.device
     check = validate and T > 0
+    reference_check = lambda: check_scoring_inputs(*args, True, next_n=next_n)  # noqa: E731  (raises its message)
     if check:  # the reference refuses a meta tensor before reading any value
         for name, tensor in (("req_of_token", req_of_token), ("local_bounds", local_bounds),
                              ("row_starts", row_starts), ("block_table", block_table)):  # fmt: skip
             if tensor is not None:
                 check_values_readable(tensor, name)
-    tuning = dict(block_n=block_n, tiles=tiles, num_warps=num_warps, num_stages=num_stages)
+    tuning: dict[str, Any] = dict(block_n=block_n, tiles=tiles, num_warps=num_warps, num_stages=num_stages, tma=tma)
     try:
         _check_device(index_q)
-        plan = scoring_plan(T, L, dev, **tuning)  # (without `out`: planned again once the width is known)
+        plan = scoring_plan(T, L, dev, next_n=a.next_n, block_size=a.block_size, **tuning)  # (re-planned below
+        # once the width is known, without `out`)
     except (TypeError, ValueError):
         if check:  # the reference's value checks came first: a bad value is still the error reported
-            check_scoring_inputs(*args, True)
+            reference_check()
         raise
     starts = row_starts if row_starts is not None else local_bounds  # never read without HAS_STARTS
     meta = (block_table, req_of_token, local_bounds, starts)
@@ -383,16 +628,17 @@ def index_scores_triton(
         # No scoring launch can check these values (the width is not known yet, or there is no column to score):
         # the check kernel does, and its flag is the one host read (without `out` it carries the width too).
         index_scores_check_kernel[(T,)](
-            *meta, chk, a.B, a.M, a.num_blocks, NO_WIDTH if width_from_values else L, a.block_size,
+            *meta, chk, a.B, a.M, a.num_blocks, NO_WIDTH if width_from_values else L,
             block_table.stride(0), block_table.stride(1),
-            HAS_STARTS=row_starts is not None, WIDTH=width_from_values, SCAN_N=SCAN,
+            HAS_STARTS=row_starts is not None, NEXT_N=a.next_n, WIDTH=width_from_values, BS=a.block_size,
+            SCAN_N=SCAN,
         )  # fmt: skip
         code = int(chk.item())  # the one host read of this validated call
         if width_from_values and code < NO_WIDTH:
             L, clear = code, code > 0  # every row is in contract; a width of 0 left the flag at 0
         elif code:
             chk.zero_()
-            a = check_scoring_inputs(*args, True)  # raises the reference's message
+            a = reference_check()  # raises the reference's message
             if not width_from_values:
                 raise AssertionError("the scoring check flagged a row that the reference accepts (a kernel bug)")
             assert a.L is not None
@@ -400,21 +646,22 @@ def index_scores_triton(
         chk, check = (chk if clear else None), False
     try:
         if width_from_values:
-            plan = scoring_plan(T, L, dev, **tuning)
+            plan = scoring_plan(T, L, dev, next_n=a.next_n, block_size=a.block_size, **tuning)
             out = torch.empty((T, L), dtype=torch.float32, device=dev)
         elif out is None:
             out = torch.empty((T, L), dtype=torch.float32, device=dev)
         if T == 0 or L == 0:
             return out
         q, cache_u8, cache_f32 = kernel_views(a, index_q)
-        index_scores_kernel[(T, plan.programs)](
-            q, weights, cache_u8, cache_f32, *meta, out,
-            a.B, a.M, a.num_blocks, L, a.H, a.block_size,
+        desc_v = value_descriptor(a, cache_u8) if plan.tma else None
+        index_scores_kernel[(T // plan.group, plan.programs)](
+            q, weights, cache_u8, cache_f32, desc_v, *meta, out,
+            a.B, a.M, a.num_blocks, L, a.H, plan.block_n * plan.tiles,
             q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
             block_table.stride(0), block_table.stride(1), out.stride(0),
-            HAS_STARTS=row_starts is not None, Q_FP8=index_q.dtype == torch.float8_e4m3fn,
-            H_PAD=max(16, next_pow2(a.H)), D=INDEX_K_FP8.head_dim, BLOCK_N=plan.block_n, TILES=plan.tiles,
-            SCAN_N=SCAN, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            HAS_STARTS=row_starts is not None, Q_FP8=index_q.dtype == torch.float8_e4m3fn, NEXT_N=plan.group,
+            H_PAD=max(16, next_pow2(a.H)), D=INDEX_K_FP8.head_dim, BS=a.block_size, BLOCK_N=plan.block_n,
+            SCAN_N=SCAN, FILL_N=FILL, TMA=plan.tma, num_warps=plan.num_warps, num_stages=plan.num_stages,
             chk_ptr=chk, CHECK=check, CLEAR=clear,
         )  # fmt: skip
     except BaseException:
@@ -423,5 +670,5 @@ def index_scores_triton(
             chk.zero_()
         raise
     if check:  # the kernel raised the flag for a row the reference refuses (that row is poisoned in `out`)
-        raise_if_flagged(chk, lambda: check_scoring_inputs(*args, True), "the scoring kernel")
+        raise_if_flagged(chk, reference_check, "the scoring kernel")
     return out

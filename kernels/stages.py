@@ -333,12 +333,13 @@ def _scoring_triton(
     *,
     row_starts: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    next_n: int = 1,
 ) -> torch.Tensor:
     from .scoring_triton import index_scores_triton
 
     with _launch(index_q.device):
         return index_scores_triton(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry,
-                                   row_starts=row_starts, out=out, validate=False)  # fmt: skip
+                                   row_starts=row_starts, out=out, validate=False, next_n=next_n)  # fmt: skip
 
 
 @named_impl("triton-fused")

@@ -453,6 +453,76 @@ def test_kernel_poisons_like_the_reference(kernel_device) -> None:
     assert got2.shape == (6, bt.shape[1] * 4)
 
 
+def mtp_problem(seed, *, B=3, next_n=2, bs=8, lens=(24, 40, 9), exact=False):
+    """``B`` requests with ``next_n`` query tokens each, as the ownership stage lays them out: consecutive tokens
+    of one request, causal bounds ``len - next_n + 1 + i``."""
+    q, w, cache, bt, _, _, _ = make_problem(seed, T=B * next_n, B=B, bs=bs, lens=lens, exact=exact)
+    req = torch.arange(B).repeat_interleave(next_n)
+    bounds = torch.tensor([max(0, lens[b] - next_n + 1 + i) for b in range(B) for i in range(next_n)])
+    return q, w, cache, bt, req, bounds
+
+
+@pytest.mark.parametrize("next_n,bs,block_n,tma", [(2, 8, 16, False), (2, 16, 16, False), (3, 16, 16, False),
+                                                   (4, 4, 32, False), (2, 64, 64, False), (2, 64, 64, True),
+                                                   (3, 32, 32, True)])  # fmt: skip
+def test_kernel_mtp_groups_score_like_single_tokens(kernel_device, next_n, bs, block_n, tma) -> None:
+    """MTP: the tokens of a request scored from one read of each key give each token's own scores — equal to
+    the brute-force sums, and bit for bit to the same kernel scoring the tokens one by one."""
+    lens = (70, 130, 9) if bs >= 32 else (24, 40, 9)
+    q, w, cache, bt, req, bounds = mtp_problem(7 + next_n, next_n=next_n, bs=bs, lens=lens)
+    g = DcpGeometry(1, 0, 1, bs)
+    T, L = q.shape[0], int(bounds.max()) + 3
+    want = brute_scores(q, w, cache, bt, req, bounds, bs, L)
+    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
+    got = st_kernel.index_scores_triton(*args, g, out=torch.full((T, L), 7.0, device=kernel_device), next_n=next_n,
+                                        block_n=block_n, tiles=2, tma=tma)  # fmt: skip
+    single = st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), block_n=block_n,
+                                           tiles=2, tma=tma)  # fmt: skip
+    assert_close_scores(got, want, rel=1e-5 if got.device.type == "cpu" else 2e-3)  # (FP8 tensor-core sums)
+    assert torch.equal(got.cpu(), single.cpu())
+    plan = st_kernel.scoring_plan(T, L, got.device, next_n=next_n, block_size=bs, block_n=block_n, tiles=2)
+    assert plan.group == (2 if next_n % 2 == 0 else 1)
+
+
+def test_kernel_mtp_group_of_two_requests_is_poisoned_or_refused(kernel_device) -> None:
+    q, w, cache, bt, req, bounds = mtp_problem(5, next_n=2)
+    req[3] = 0  # tokens 2 and 3 (group 1) name requests 1 and 0
+    g = DcpGeometry(1, 0, 1, 8)
+    T, L = q.shape[0], int(bounds.max())
+    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
+    want = index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(T, L), validate=False, next_n=2)
+    got = st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), validate=False,
+                                        next_n=2, block_n=16)  # fmt: skip
+    assert bool(torch.isnan(got[2:4]).all()) and bool(torch.isfinite(got[0, : int(bounds[0])]).all())
+    assert_close_scores(got, want, rel=1e-5)
+    for out in (torch.empty(T, L, device=kernel_device), None):
+        with pytest.raises(ValueError) as kernel_err:
+            st_kernel.index_scores_triton(*args, g, out=out, next_n=2, block_n=16)
+        with pytest.raises(ValueError) as ref_err:
+            index_scores(q, w, cache, bt, req, bounds, g, out=None if out is None else torch.empty(T, L), next_n=2)
+        assert str(kernel_err.value) == str(ref_err.value) and str(kernel_err.value).startswith("req_of_token")
+    with pytest.raises(ValueError, match=r"^next_n"):
+        st_kernel.index_scores_triton(
+            args[0][:5], args[1][:5], *args[2:4], args[4][:5], args[5][:5], g, next_n=2
+        )  # T = 5: no whole groups
+
+
+def test_kernel_ends_near_int64_max_are_poisoned_not_wrapped(kernel_device) -> None:
+    """A row start near 2**63 must not wrap ``start + bound`` past the width check (an out-of-bounds store)."""
+    q, w, cache, bt, req, bounds, rs = make_problem(9, T=3, bs=8, starts=True)
+    rs = rs.long()
+    rs[1] = 2**63 - 4
+    bounds = bounds.long()
+    g = DcpGeometry(1, 0, 1, 8)
+    L = 64
+    want = index_scores(q, w, cache, bt, req, bounds, g, row_starts=rs, out=torch.empty(3, L), validate=False)
+    got = st_kernel.index_scores_triton(*_dev(kernel_device, q, w, cache, bt, req, bounds), g,
+                                        row_starts=_dev(kernel_device, rs)[0],
+                                        out=torch.empty(3, L, device=kernel_device), validate=False)  # fmt: skip
+    assert bool(torch.isnan(got[1]).all()) and bool(torch.isnan(want[1]).all())
+    assert_close_scores(got, want, rel=1e-5 if got.device.type == "cpu" else 2e-3)  # (FP8 tensor-core sums)
+
+
 def test_kernel_empty_cases(kernel_device) -> None:
     q, w, cache, bt, req, bounds, _ = make_problem(5, T=3, H=2)
     g = DcpGeometry(1, 0, 1, 8)
@@ -611,11 +681,12 @@ def test_validated_no_column_and_huge_ends(kernel_device) -> None:
 
 
 def test_scoring_plan_from_shapes_only() -> None:
+    """The plan reads shapes only (its table: tests/test_scoring_plans.py)."""
     cpu = torch.device("cpu")
     p = st_kernel.scoring_plan(32, 8192, cpu)
-    assert (p.block_n, p.num_warps, p.num_stages) == (64, 4, 3) and p.programs * p.tiles * 64 >= 8192
-    assert st_kernel.scoring_plan(1, 10, cpu).block_n == 16
-    assert st_kernel.scoring_plan(1, 2**22, cpu, block_n=16, tiles=1).programs <= 65535
+    assert p.programs * p.tiles * p.block_n >= 8192 and p.group == 1
+    with pytest.raises(ValueError, match=r"^next_n"):
+        st_kernel.scoring_plan(32, 8192, cpu, next_n=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -737,7 +808,7 @@ from dcp_ref.kernels.scoring_triton import index_scores_check_kernel, index_scor
 from dcp_ref.kernels.scored_indexer_triton import scored_topk_pack_kernel
 
 PTRS = {"q_ptr": "*u8", "w_ptr": "*fp32", "cache_u8": "*u8", "cache_f32": "*fp32", "bt_ptr": "*i32", "req_ptr": "*i32",
-        "bound_ptr": "*i32", "start_ptr": "*i64", "chk_ptr": "*i64", "n_cols": "i64"}
+        "bound_ptr": "*i32", "start_ptr": "*i64", "chk_ptr": "*i64", "n_cols": "i64", "chunk": "i64"}
 KERNELS = {"scoring": index_scores_kernel, "check": index_scores_check_kernel, "fused": scored_topk_pack_kernel}
 report = []
 for kind, cfg, warps, stages in json.loads(sys.argv[1]):
@@ -766,14 +837,18 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
     import sys
 
     base = dict(HAS_STARTS=False, Q_FP8=True, H_PAD=64, D=128, SCAN_N=st_kernel.SCAN)
+    new = dict(BS=64, FILL_N=st_kernel.FILL)
     sel = dict(WORLD=2, INTERLEAVE=1, RADIX_BITS=5, PAD_BLOCK=1024)
     checks = dict(CHECK=False, CLEAR=False)
     configs = [
-        ("scoring", base | checks | dict(BLOCK_N=64, TILES=4), 4, 3),
-        ("scoring", base | dict(BLOCK_N=64, TILES=4, CHECK=True, CLEAR=False), 4, 3),  # a validated call, out given
-        ("scoring", base | dict(BLOCK_N=64, TILES=1, CHECK=False, CLEAR=True), 4, 3),  # ... without out
-        ("check", dict(HAS_STARTS=True, WIDTH=True, SCAN_N=st_kernel.SCAN), 4, 1),
-        ("check", dict(HAS_STARTS=False, WIDTH=False, SCAN_N=st_kernel.SCAN), 4, 1),
+        ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=64), 4, 4),  # a tile is one cache block
+        ("scoring", base | new | checks | dict(NEXT_N=2, BLOCK_N=64), 4, 4),  # MTP pairs: one read, two dots
+        ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=128), 8, 3),  # a tile spans two blocks
+        ("scoring", base | new | dict(NEXT_N=1, BLOCK_N=64, CHECK=True, CLEAR=False), 4, 4),  # validated, out given
+        ("scoring", base | new | dict(NEXT_N=1, BLOCK_N=64, CHECK=False, CLEAR=True), 4, 4),  # ... without out
+        ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=64, HAS_STARTS=True), 4, 4),  # prefill rows
+        ("check", dict(HAS_STARTS=True, NEXT_N=1, WIDTH=True, BS=64, SCAN_N=st_kernel.SCAN), 4, 1),
+        ("check", dict(HAS_STARTS=False, NEXT_N=2, WIDTH=False, BS=64, SCAN_N=st_kernel.SCAN), 4, 1),
         ("fused", base | sel | dict(BLOCK_N=128, SEG=8192, SEL_TILE=8192, NAN_PAD=True), 16, 2),
         ("fused", base | sel | dict(BLOCK_N=64, SEG=8192, SEL_TILE=1024, NAN_PAD=False), 4, 3),
     ]

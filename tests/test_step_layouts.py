@@ -309,9 +309,10 @@ def _run_layer(p, stages="reference", **kw):
     max_keys = max(int(m.local_bounds.max()) for m in (p.metadata(r) for r in range(W)))
 
     fused = kw.pop("fused", False)
+    next_n = kw.pop("next_n", 1)
 
     def body(group, shard):
-        spec = _spec(p, group.rank, scoring=ScoringSpec(max_keys, index_heads=4, fused=fused), **kw)
+        spec = _spec(p, group.rank, scoring=ScoringSpec(max_keys, index_heads=4, fused=fused, next_n=next_n), **kw)
         step = PlannedStep(group, spec, st)
         trace: dict = {}
         out, lse = step.run(_q_for(p, group.rank, spec), shard, p.metadata(group.rank), index_q=p.index_q,
@@ -320,6 +321,22 @@ def _run_layer(p, stages="reference", **kw):
 
     res = SimulatedWorld(W).run(body, p.shards)
     return torch.cat([o for o, _, _ in res], 1), torch.cat([l for _, l, _ in res], 1), [t for _, _, t in res]
+
+
+@pytest.mark.parametrize("stages", ["reference", "kernels"])
+def test_the_layer_scores_a_requests_mtp_tokens_from_one_read(stages) -> None:
+    """spec.scoring.next_n = 2 (the problem's two query tokens per request): the same layer, bit for bit, as
+    scoring every token on its own; a step whose groups name two requests is refused when validating."""
+    from dcp_ref.stages import ScoringSpec
+
+    p = _scored_problem(2, 1, seed=5)
+    kw = dict(exchange="owner", order="global_id", combine="alltoall", q_replicate=False)
+    out1, lse1, _ = _run_layer(p, stages, **kw)
+    out2, lse2, traces = _run_layer(p, stages, next_n=2, **kw)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    assert all(next(iter(t["impl"])) == "scoring" for t in traces)
+    with pytest.raises(ValueError, match=r"^next_n must be 1 with fused=True"):
+        ScoringSpec(8, fused=True, next_n=2)
 
 
 @pytest.mark.parametrize("stages", ["reference", "kernels"])

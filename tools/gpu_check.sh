@@ -183,7 +183,7 @@ case "$what" in
             echo "== deepgemm peer: exit $? ($(tail -1 "$work/bench_deepgemm.txt" | cut -c1-150))"
             [ -f "$work/deepgemm_logits.json" ] && dg=(--deepgemm "$work/deepgemm_logits.json")
           fi
-          b scoring 200 benchmarks/bench_scoring.py --out "$work" --peers .gpu/ix_peers/vllm --no-sweep "${dg[@]}" ;;
+          b scoring 300 benchmarks/bench_scoring.py --out "$work" --peers .gpu/ix_peers/vllm --no-sweep "${dg[@]}" ;;
       esac
     done
     ;;
