@@ -627,6 +627,8 @@ def markdown(data: dict[str, Any]) -> str:
             )
     if data.get("ncu"):
         lines += ncu_markdown(data["ncu"])
+    if data.get("findings"):  # what the profiles and the sweep taught (kept in scoring.json, carried by --findings)
+        lines += ["", "## Findings", ""] + [f"- {x}" for x in data["findings"]]
     return "\n".join(lines) + "\n"
 
 
@@ -666,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fused-sweep-budget", type=float, default=150.0, help="seconds for the fused sweep")
     ap.add_argument("--ncu-json", action="append", default=None, help="profile_scoring.py --summarize output "
                     "(repeatable): kept under 'ncu', tabulated in scoring.md")  # fmt: skip
+    ap.add_argument(
+        "--findings", help="a JSON list of sentences to keep in scoring.json / scoring.md (the profiles' lessons)"
+    )
     ap.add_argument("--print-plans", metavar="SCORING_JSON", help="print the PLANS literal from that file's sweep "
                     "(no GPU needed) and exit")  # fmt: skip
     args = ap.parse_args(argv)
@@ -703,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     data["deepgemm"] = dg
     if args.ncu_json:
         data["ncu"] = load_ncu(args.ncu_json)
+    if args.findings:
+        data["findings"] = load_json(args.findings)
     results: list[dict[str, Any]] = []
     for t, n, nn in shapes:
         try:

@@ -5,21 +5,23 @@ the same ``validate=False`` poison rule)::
 
     scores[t, row_starts[t] + j] = sum_h w[t, h] * relu(q[t, h] . k_fp8[j]) * scale[j]     (j < local_bounds[t])
 
-How one program works (grid ``(T, cdiv(L, BLOCK_N * TILES))``; program ``(t, p)`` owns tiles
-``p*TILES .. p*TILES + TILES - 1`` of ``BLOCK_N`` keys of token ``t``):
+How one program works (grid ``(T / group, cdiv(L, BLOCK_N * tiles))``; program ``(g, p)`` owns keys and columns
+``[p * chunk, (p + 1) * chunk)`` of the ``group`` tokens of group ``g``: 1, or 2 for an MTP pair of one request):
 
-1. **Row metadata** (:func:`row_meta`, :func:`row_poisoned`): the token's request, bound and start,
-   and whether the row is out of contract — checked on the device from the table entries the row
-   needs (every program of the row reaches the same verdict; no host read, no cross-program sync).
-2. **The query** (:func:`load_query`): ``[H_PAD, 128]`` FP8 query and ``[H_PAD]`` weights, loaded once
-   per program (heads padded to a power of two >= 16 with zero rows and zero weights).
-3. **Per tile**: the columns of the tile that hold no key get ``-inf`` (NaN in a poisoned row);
-   the tile's keys ``j`` get their slots through the block table (:func:`key_slots`: keys of one tile
-   may span several blocks), their 128 e4m3 bytes and float32 scale (:func:`load_key_tile`: the
-   block's values first, then its scales, as DeepGEMM and vLLM lay it out), then
-   :func:`score_tile`: an FP8 ``tl.dot`` ``[H_PAD, 128] x [128, BLOCK_N]`` with float32 accumulation,
-   ReLU (``where(s < 0, 0, s)``: NaN stays NaN), the weighted sum over heads in registers, times the
-   scale.
+1. **Row metadata** (:func:`token_meta`): each token's request, bound and start, and whether its scalars are out of
+   contract (overflow-safe); both tokens of a pair that names two requests are poisoned.
+2. **The query** (:func:`load_query`): ``[H_PAD, 128]`` FP8 query and ``[H_PAD]`` weights per token, loaded once.
+3. **Per tile** of ``BLOCK_N`` keys: with ``BLOCK_N`` = the cache block (64 for V3.2) a tile is one block — one
+   table entry and 8 KiB of contiguous values (:func:`tile_values`: the bulk tensor copy engine (TMA) or 16-byte
+   ``cp.async``, pipelined by the compiler ``num_stages`` deep), and 256 bytes of scales (:func:`tile_blocks`,
+   :func:`tile_scales`, asked for one tile ahead: the pipeliner prefetches only dot operands). Then
+   :func:`score_keys`: one FP8 ``wgmma`` per token, ``[BLOCK_N, 128] x [128, H]`` (keys on the M side, so the
+   weighted head sum stays in a thread's quad), ReLU that keeps NaN, times the scale; stored at ``start + j``.
+4. **The table verdict and the fill** (:func:`count_bad_entries`, :func:`fill_columns`): a needed entry that is not
+   a block poisons the row (decode: checked after the keys, overlapping their stream; with ``row_starts``: first);
+   the program's columns that hold no key get ``-inf``, a poisoned row NaN.
+
+The launch comes from :data:`PLANS` (the committed H200 sweep) via :func:`scoring_plan`.
 
 Every load is masked (by the row's bound and the row's verdict), addresses are int64, so even with
 ``validate=False`` nothing outside the cache, the table or ``out`` is touched. No allocation with
@@ -27,8 +29,8 @@ Every load is masked (by the row's bound and the row's verdict), addresses are i
 
 ``index_q`` may be float8_e4m3fn (the FP8 ``tl.dot``) or fp16 / bf16 / float32 (teaching: the keys are
 widened to float32 and the dot runs in IEEE float32); float64 queries are the reference's only.
-Not done (yet): tokens of one request (``next_n > 1``) read the same keys but are scored by separate
-programs; sharing one key tile among them is the next step if MTP decode matters.
+MTP pairs pay two dots and two head sums per tile (measured 1.3-2.2x DeepGEMM, which does both in one
+``wgmma`` of N = 128): the next step for ``next_n = 2``.
 """
 
 from __future__ import annotations

@@ -173,7 +173,8 @@ def test_shapes_and_floors(si):
 # ---- bench_scoring: sweep, plans, summary ----------------------------------------------------------------
 def rec(nn, t, n, plan, us, err=1e-4, **extra):
     r = {"kernel": "scoring", "T": t, "B": t // nn, "L": n, "next_n": nn, "config": extra.pop("config", {"x": 1})}
-    r["plan"] = dict(zip(("block_n", "tiles", "num_warps", "num_stages"), plan, strict=True)) | {"programs": 1}
+    plan = (*plan, plan[0] == 64) if len(plan) == 4 else plan  # tma: 64-key tiles (one block each) in these records
+    r["plan"] = dict(zip(("block_n", "tiles", "num_warps", "num_stages", "tma"), plan, strict=True)) | {"programs": 1}
     if us is not None:
         r["graph"] = {"median_us": us}
     if err is not None:
@@ -208,10 +209,10 @@ def synthetic_records():
 
 def test_best_plans(bs):
     got = bs.best_plans(synthetic_records())
-    assert got == {(1, 32, 4096): (64, 2, 8, 3), (2, 64, 4096): (128, 4, 8, 3)}
+    assert got == {(1, 32, 4096): (64, 2, 8, 3, True), (2, 64, 4096): (128, 4, 8, 3, False)}
     rows = {(r["next_n"], r["T"], r["L"]): r for r in bs.sweep_best(synthetic_records())}
     r = rows[(1, 32, 4096)]
-    assert r["default_plan"] == [64, 4, 4, 4] and r["default_us"] == 9.0 and r["best_us"] == 5.0
+    assert r["default_plan"] == [64, 4, 4, 4, True] and r["default_us"] == 9.0 and r["best_us"] == 5.0
     assert r["speedup"] == pytest.approx(1.8) and r["errors"] == 1 and r["timed"] == 7
     assert rows[(2, 2, 131072)]["best_plan"] is None
 
@@ -225,7 +226,7 @@ def test_print_plans_reads_back(bs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "{" and lines[-1] == "}" and len(lines) == 4  # one entry per line
-    assert lines[1].startswith("    (1, 32, 4096): (64, 2, 8, 3),")
+    assert lines[1].startswith("    (1, 32, 4096): (64, 2, 8, 3, True),")
     assert ast.literal_eval(proc.stdout) == bs.best_plans(synthetic_records())
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"sweep": []}))
@@ -240,7 +241,8 @@ def test_sweep_schedule(bs):
         n_tiles = -(-shape[1] // bn)
         tiles = min(cfg.get("tiles", 2), n_tiles)
         return {"block_n": bn, "tiles": tiles, "num_warps": cfg.get("num_warps", 4),
-                "num_stages": cfg.get("num_stages", 4), "programs": -(-n_tiles // tiles)}  # fmt: skip
+                "num_stages": cfg.get("num_stages", 4), "tma": cfg.get("tma", bn == 64),
+                "programs": -(-n_tiles // tiles)}  # fmt: skip
 
     shapes = [(1, 128, 1), (64, 4096, 2)]
     cfgs = [
@@ -256,8 +258,10 @@ def test_sweep_schedule(bs):
                    ((1, 128, 1), cfgs[3]), ((64, 4096, 2), cfgs[3])]  # fmt: skip
     assert isinstance(sched[-1][2], str) and "num_stages" in sched[-1][2]
     space = bs.scoring_configs()
-    assert len(space) == 72 and len({tuple(sorted(c.items())) for c in space}) == 72
-    assert space == bs.scoring_configs() and set(space[0]) == {"block_n", "tiles", "num_warps", "num_stages"}
+    n = 7 * 4 * 2 + len(bs.SWEEP_EXTRA)  # tiles x stages x tma at 64-key tiles, then the 128-key ones
+    assert len(space) == n and len({tuple(sorted(c.items())) for c in space}) == n
+    assert space == bs.scoring_configs() and all(set(c) == {"block_n", "tiles", "num_warps", "num_stages", "tma"}
+                                                 for c in space)  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreted kernel on the CPU (the GPU run is the H200's)")
@@ -331,7 +335,7 @@ def test_summarize_and_markdown(bs):
     md = bs.markdown(data)
     assert "| next_n | T | B | L | ours | target | meets | DeepGEMM |" in md
     assert "| 2 | 64 | 32 | 4096 | 12.0 | 8.2 | **no** | 8.0 | 1.50 |" in md
-    assert "## Sweep: best vs default plan" in md and "| 1 | 32 | 4096 | (64, 4, 4, 4) | 9.00 | (64, 2, 8, 3) |" in md
+    assert "## Sweep: best vs default plan" in md and "| 1 | 32 | 4096 | (64, 4, 4, 4, True) | 9.00 | (64, 2, 8, 3, True) |" in md
     assert "Stall Long Scoreboard 9.8" in md
 
 

@@ -800,7 +800,7 @@ def test_scored_plan_from_shapes_only() -> None:
 
 
 COMPILE_SCRIPT = r"""
-import json, sys
+import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -817,12 +817,18 @@ for kind, cfg, warps, stages in json.loads(sys.argv[1]):
     sig = {n: PTRS.get(n, "i32") for n in names}
     sig.update({"out_ptr": "*fp32" if kind == "scoring" else "*i64", "scratch_ptr": "*fp32", "no_width": "i64"})
     sig = {n: sig[n] for n in names}
+    if "desc_v" in sig:  # the bulk-copy descriptor of a TMA launch (else no descriptor: None, a constexpr)
+        cfg = dict(cfg, TMA=cfg.get("TMA", False))
+        if cfg["TMA"]:
+            sig["desc_v"] = "tensordesc<fp8e4nv[%d, 128]>" % cfg["BS"]
+        else:
+            cfg = dict(cfg, desc_v=None)
     sig.update({n: "constexpr" for n in cfg})
     c = triton.compile(ASTSource(kern, signature=sig, constexprs=cfg), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     ptx = c.asm["ptx"]
     report.append({"kind": kind, "sm_90a": "sm_90a" in ptx, "wgmma": "wgmma" in ptx, "cubin": len(c.asm["cubin"]) > 0,
-                   "shared": c.metadata.shared, "atomic": "atom.global" in ptx or "red.global" in ptx})
+                   "shared": c.metadata.shared, "atomic": re.search(r"(atom|red)\.global[.\w]*\.max", ptx) is not None})
 print(json.dumps(report))
 """
 
@@ -842,6 +848,8 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
     checks = dict(CHECK=False, CLEAR=False)
     configs = [
         ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=64), 4, 4),  # a tile is one cache block
+        ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=64, TMA=True), 4, 6),  # ... by the bulk copy
+        ("scoring", base | new | checks | dict(NEXT_N=2, BLOCK_N=64, TMA=True), 4, 5),
         ("scoring", base | new | checks | dict(NEXT_N=2, BLOCK_N=64), 4, 4),  # MTP pairs: one read, two dots
         ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=128), 8, 3),  # a tile spans two blocks
         ("scoring", base | new | dict(NEXT_N=1, BLOCK_N=64, CHECK=True, CLEAR=False), 4, 4),  # validated, out given
@@ -863,7 +871,7 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
     for r, (kind, cfg, _, _) in zip(report, configs):
         assert r["sm_90a"] and r["cubin"] and r["shared"] <= 100 * 1024, r
         assert r["wgmma"] == (kind != "check"), r  # the check kernel has no dot
-        assert r["atomic"] == (kind == "check" or bool(cfg.get("CHECK"))), r  # CHECK=False compiles the check out
+        assert r["atomic"] == (kind == "check" or bool(cfg.get("CHECK"))), r  # the flag's max: only with CHECK
 
 
 # ---------------------------------------------------------------------------------------------
