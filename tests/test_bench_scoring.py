@@ -335,7 +335,10 @@ def test_summarize_and_markdown(bs):
     md = bs.markdown(data)
     assert "| next_n | T | B | L | ours | target | meets | DeepGEMM |" in md
     assert "| 2 | 64 | 32 | 4096 | 12.0 | 8.2 | **no** | 8.0 | 1.50 |" in md
-    assert "## Sweep: best vs default plan" in md and "| 1 | 32 | 4096 | (64, 4, 4, 4, True) | 9.00 | (64, 2, 8, 3, True) |" in md
+    assert (
+        "## Sweep: best vs default plan" in md
+        and "| 1 | 32 | 4096 | (64, 4, 4, 4, True) | 9.00 | (64, 2, 8, 3, True) |" in md
+    )
     assert "Stall Long Scoreboard 9.8" in md
 
 

@@ -29,16 +29,7 @@ BIG = 2**63  # int64 wraps around at 2**63: every "near 2**63" value below is BI
 # ---------------------------------------------------------------------------------------------
 # Independent decoding and brute force
 # ---------------------------------------------------------------------------------------------
-def e4m3(byte: int) -> float:
-    """float8_e4m3fn from its bit fields: 1 sign, 4 exponent (bias 7), 3 mantissa; S.1111.111 is NaN."""
-    s, e, m = byte >> 7, (byte >> 3) & 15, byte & 7
-    if e == 15 and m == 7:
-        return NAN
-    v = (m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-    return -v if s else v
-
-
-E4M3 = [e4m3(b) for b in range(256)]
+from fp8_bits import E4M3  # noqa: E402  (tests/ is on sys.path: the independent decoder)
 
 
 def brute(q, w, cache, bt, req, bounds, bs, L, starts=None) -> torch.Tensor:
