@@ -526,6 +526,12 @@ def kernel_views(a: ScoringArgs, index_q: torch.Tensor) -> tuple[torch.Tensor, t
     return q, flat, flat.view(torch.float32)
 
 
+def tma_fits(a: ScoringArgs, cache_u8: torch.Tensor) -> bool:
+    """Whether the bulk copy can address this cache: 16-byte aligned, under 2**31 rows of 128 bytes (int32 rows)."""
+    rows = a.num_blocks * (a.block_size * (INDEX_K_FP8.head_dim + 4) // INDEX_K_FP8.head_dim)
+    return rows < 2**31 and cache_u8.data_ptr() % 16 == 0
+
+
 def value_descriptor(a: ScoringArgs, cache_u8: torch.Tensor) -> object:
     """The bulk-copy (TMA) descriptor of the cache's values: the bytes as float8 rows of 128, ``block_size * 132 /
     128`` rows per block, a box of ``[block_size, 128]`` (a block's values). Built per call on the host (a small
@@ -534,8 +540,8 @@ def value_descriptor(a: ScoringArgs, cache_u8: torch.Tensor) -> object:
 
     D = INDEX_K_FP8.head_dim
     rows = a.num_blocks * (a.block_size * (D + 4) // D)
-    if rows >= 2**31 or cache_u8.data_ptr() % 16:
-        raise ValueError("tma=True needs a 16-byte aligned cache of fewer than 2**31 rows of 128 bytes")
+    if not tma_fits(a, cache_u8):
+        raise ValueError("tma=True needs a 16-byte aligned index_cache of fewer than 2**31 rows of 128 bytes")
     flat = cache_u8.view(torch.float8_e4m3fn)[: rows * D].view(rows, D)
     return TensorDescriptor(flat, [rows, D], [D, 1], [a.block_size, D])
 
@@ -655,6 +661,8 @@ def index_scores_triton(
         if T == 0 or L == 0:
             return out
         q, cache_u8, cache_f32 = kernel_views(a, index_q)
+        if plan.tma and tma is None and not tma_fits(a, cache_u8):  # the plan's choice, not the caller's: fall back
+            plan = plan._replace(tma=False)
         desc_v = value_descriptor(a, cache_u8) if plan.tma else None
         index_scores_kernel[(T // plan.group, plan.programs)](
             q, weights, cache_u8, cache_f32, desc_v, *meta, out,

@@ -498,6 +498,24 @@ def test_kernel_mtp_group_of_two_requests_is_poisoned_or_refused(kernel_device) 
         )  # T = 5: no whole groups
 
 
+def test_kernel_unaligned_cache_falls_back_from_the_bulk_copy(kernel_device) -> None:
+    """A cache view that is not 16-byte aligned: the plan's TMA choice falls back to cp.async (same scores);
+    asking for tma=True there is refused by name."""
+    q, w, cache, bt, req, bounds = mtp_problem(4, next_n=1, bs=64, lens=(70, 130, 9))
+    g = DcpGeometry(1, 0, 1, 64)
+    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
+    flat = torch.empty(cache.numel() + 4, dtype=torch.uint8, device=kernel_device)
+    shifted = flat[4:].view(cache.shape)  # 4 bytes off the allocation's alignment
+    shifted.copy_(args[2])
+    T, L = q.shape[0], int(bounds.max())
+    want = st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device))
+    got = st_kernel.index_scores_triton(*args[:2], shifted, *args[3:], g, out=torch.empty(T, L, device=kernel_device))
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    with pytest.raises(ValueError, match=r"^tma=True needs a 16-byte aligned index_cache"):
+        st_kernel.index_scores_triton(*args[:2], shifted, *args[3:], g, out=torch.empty(T, L, device=kernel_device),
+                                      tma=True)  # fmt: skip
+
+
 def test_kernel_ends_near_int64_max_are_poisoned_not_wrapped(kernel_device) -> None:
     """A row start near 2**63 must not wrap ``start + bound`` past the width check (an out-of-bounds store)."""
     q, w, cache, bt, req, bounds, rs = make_problem(9, T=3, bs=8, starts=True)
