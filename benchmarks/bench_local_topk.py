@@ -67,8 +67,9 @@ TIE_RULES = {
 #: and "within 3x of the read floor or the launch floor".
 TARGETS_US = {(32, 8192): 8.0, (1024, 32768): 150.0, (1, 131072): 20.0, (128, 32768): 25.0}
 
-#: The launch-plan sweep, in priority order: (T, L, tuning). Tunings not given take the default plan's.
-SWEEP = (
+#: The Triton kernel's launch-plan sweep (``--triton-sweep``), in priority order: (T, L, tuning). Tunings not given
+#: take the default plan's.
+TRITON_SWEEP = (
     # rows held in registers: radix vs search, warps, pivots
     [(32, 8192, dict(select=s, num_warps=w)) for s in ("search", "radix") for w in (8, 16, 32)]
     + [(32, 8192, dict(select="search", pivots=1)), (32, 8192, dict(radix_bits=6, select="radix"))]
@@ -87,6 +88,29 @@ SWEEP = (
     + [(128, 131072, dict(split=s, tile=t)) for s, t in ((1, 2048), (1, 4096), (2, 2048))]
     + [(1024, 8192, dict(select=s)) for s in ("search", "radix")]
 )
+
+
+#: The CuTeDSL kernel's sweep (the default ``--sweep``), shapes in priority order: every (cluster, threads) that holds
+#: the row at 8, 16 or 32 keys a thread with an 8-bit first digit, then the default plan's CTAs with 11 and 12 bits.
+CUTE_SWEEP_SHAPES = [
+    (32, 8192), (1024, 32768), (128, 32768), (1, 131072), (1024, 8192), (1024, 4096), (32, 32768),
+    (1, 32768), (1024, 131072), (128, 131072), (32, 131072), (1, 4096), (1, 8192), (32, 4096),
+]  # fmt: skip
+
+
+def cute_sweep() -> list[tuple[int, int, dict]]:
+    from dcp_ref.kernels.local_topk_cutedsl import CLUSTERS, plan_for
+
+    out = []
+    for t, n in CUTE_SWEEP_SHAPES:
+        for c in CLUSTERS:
+            for th in (256, 512, 1024):
+                if -(-n // (c * th)) in (8, 16, 32) or (n // (c * th) < 8 and th == 256 and c == 1):
+                    out.append((t, n, {"engine": "cutedsl", "cute": (c, th, 8)}))
+        base = plan_for(t, n, K, 4)
+        if base is not None:
+            out += [(t, n, {"engine": "cutedsl", "cute": (base[0], base[1], fb)}) for fb in (11, 12)]
+    return out
 
 
 def bench(fn) -> dict:
@@ -198,12 +222,13 @@ class Peers:
 
 def run_fused(scores, lengths, want, tune: dict, *, time_it: bool = True) -> dict:
     from dcp_ref.kernels.indexer_triton import DEFAULT_RADIX_BITS, compact_paths, launch_plan, workspace_for
+    from dcp_ref.kernels.local_topk_cutedsl import vec_for
 
     t, n = scores.shape
-    plan_args = {
-        a: tune[a] for a in ("split", "tile", "num_warps", "compact", "select", "sample", "pivots") if a in tune
-    }
-    plan = launch_plan(t, n, K, scores.device, **plan_args)
+    knobs = ("split", "tile", "num_warps", "compact", "select", "sample", "pivots", "engine", "cute")
+    plan_args = {a: tune[a] for a in knobs if a in tune}
+    vec = vec_for(scores) if tune.get("engine") != "triton" else 0
+    plan = launch_plan(t, n, K, scores.device, vec=vec, **plan_args)
     rec = {"tune": tune, "plan": plan._asdict(), "radix_bits": tune.get("radix_bits", DEFAULT_RADIX_BITS)}
     try:
         from dcp_ref.kernels.indexer_triton import indexer_topk_pack
@@ -247,12 +272,13 @@ def run_shape(t: int, n: int, bw: float, floor_us: float, peers: Peers, dist: st
         "tie_rules": TIE_RULES,
     }
     rec["fused"] = run_fused(scores, lengths, want, {})
+    rec["triton"] = run_fused(scores, lengths, want, {"engine": "triton"})
     if dist == "normal" and n > MAX_TILE:
-        # Both paths of a row longer than a tile, timed alike: the default plan's is the record above, the other
-        # is forced (compact=True / False, every other tuning the default's).
-        ours = "compacted" if rec["fused"]["plan"]["compact"] else "streamed"
+        # The Triton kernel's two paths of a row longer than a tile, timed alike: its default plan's is the record
+        # above, the other is forced (compact=True / False, every other tuning the default's).
+        ours = "compacted" if rec["triton"]["plan"]["compact"] else "streamed"
         other = "streamed" if ours == "compacted" else "compacted"
-        rec[ours] = rec["fused"] | {"timed_as": "fused (the default plan)"}
+        rec[ours] = rec["triton"] | {"timed_as": "triton (its default plan)"}
         rec[other] = run_fused(scores, lengths, want, {"compact": other == "compacted"})
     if peers.topk is not None:
         idx = torch.empty((t, K), dtype=torch.int32, device=DEV)
@@ -301,7 +327,7 @@ def compare_paths(results: list[dict]) -> list[dict]:
             continue
         st, co = (r[p].get("graph", {}).get("median_us") for p in ("streamed", "compacted"))
         faster = None if st is None or co is None else ("compacted" if co < st else "streamed")
-        picks = "compacted" if r["fused"]["plan"]["compact"] else "streamed"
+        picks = "compacted" if r["triton"]["plan"]["compact"] else "streamed"
         out.append(
             {
                 "T": r["T"],
@@ -334,6 +360,7 @@ def summarize(results: list[dict]) -> list[dict]:
                 "k": r["k"],
                 "dist": r["dist"],
                 "fused_us": fu,
+                "triton_us": r.get("triton", {}).get("graph", {}).get("median_us"),
                 "vllm_us": r.get("vllm", {}).get("median_us"),
                 "vllm_topk_us": r.get("vllm_topk", {}).get("median_us"),
                 "torch_us": r["torch"]["median_us"],
@@ -363,15 +390,17 @@ def targets(summary: list[dict]) -> list[dict]:
                     "met": bool(s["fused_us"]) and s["fused_us"] <= lim,
                 }
             )
-    with_peer = [s for s in normal if s["vllm_us"]]
+    with_peer = [s for s in summary if s["vllm_us"]]
     if with_peer:
-        slow = [[s["T"], s["L"]] for s in with_peer if not s["fused_us"] or s["fused_us"] >= s["vllm_us"]]
+        slow = [[s["T"], s["L"], s["dist"]] for s in with_peer if not s["fused_us"] or s["fused_us"] >= s["vllm_us"]]
         worst = max(with_peer, key=lambda s: (s["fused_us"] or float("inf")) / s["vllm_us"])
         res.append(
             {
-                "target": "faster than vLLM's top-K + pack at every measured shape",
+                "target": "faster than vLLM's top-K + pack at every measured shape and ties row",
                 "worst_ratio": (worst["fused_us"] or float("inf")) / worst["vllm_us"],
-                "at": [worst["T"], worst["L"]],
+                "at": [worst["T"], worst["L"], worst["dist"]],
+                "faster_at": len(with_peer) - len(slow),
+                "of": len(with_peer),
                 "slower_at": slow,
                 "met": not slow,
             }
@@ -446,6 +475,9 @@ def fmt(v, spec: str = ".1f") -> str:
 
 
 def plan_str(p: dict) -> str:
+    if p.get("engine") == "cutedsl":
+        c, t, cpt, fb = p["cute"]
+        return f"cutedsl {c}×{t} / {cpt * p['vec']} keys a thread / first {fb} bits"
     if p.get("compact"):
         return (
             f"compact S={p['split']} tile {p['tile']} cap {p['cap']} sample {p['sample']} / {p['num_warps']}w / "
@@ -462,21 +494,23 @@ def markdown(data: dict) -> str:
         f"triton {m['versions']['triton']}, {m['date_utc']}",
         "",
         f"k = {K}, W = {W}, rank {RANK}, I = {I}; standard normal float32 scores (and 16-value ties rows), every key "
-        "valid. Device time per call (CUDA-graph replay), µs medians. *fused* = ours (stable, exact); *vLLM* = "
+        "valid. Device time per call (CUDA-graph replay), µs medians. *fused* = ours, the default plan (stable, "
+        "exact); "
+        '*Triton* = ours on the Triton kernel (`engine="triton"`, its default plan); *vLLM* = '
         f"`top_k_per_row_decode` + pack ({m['peers'].get('pack', '-')}), not stable at ties; *vLLM top-K* alone; "
         "*torch* = `torch.topk` + our pack. Read floor = T·L·4 bytes at the measured copy bandwidth "
         f"({m['copy_bandwidth_TBps']:.2f} TB/s); launch floor = one empty launch ({m['launch_floor_us']:.1f} µs). "
         "Paths = rows per path of the compacted plan (list / ties at the bound / relisted above it / fallback).",
         "",
-        "| T | L | fused | vLLM | vLLM top-K | torch | read floor | launch floor | fused ÷ floor | plan | paths "
-        "| same |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|:---:|",
+        "| T | L | fused | Triton | vLLM | vLLM top-K | torch | read floor | launch floor | fused ÷ floor | plan "
+        "| paths | same |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|:---:|",
     ]
     for s in m["summary"]:
         paths = "-" if not s["paths"] else "/".join(str(v) for v in s["paths"].values())
         lines.append(
             f"| {s['T']} | {s['L']}{'' if s['dist'] == 'normal' else ' (' + s['dist'] + ')'} | {fmt(s['fused_us'])} | "
-            f"{fmt(s['vllm_us'])} | {fmt(s['vllm_topk_us'])} | {fmt(s['torch_us'])} | "
+            f"{fmt(s.get('triton_us'))} | {fmt(s['vllm_us'])} | {fmt(s['vllm_topk_us'])} | {fmt(s['torch_us'])} | "
             f"{fmt(s['read_floor_us'], '.3g')} | "
             f"{fmt(s['launch_floor_us'])} | {fmt(s['fused_over_floor'])}× | {plan_str(s['plan'])} | {paths} | "
             f"{'✓' if s['same_result'] else '✗'} |"
@@ -539,6 +573,9 @@ def main() -> int:
     ap.add_argument("--peers", default=".gpu/ix_peers/vllm", help="folder with vLLM's topk_decode.py + .so")
     ap.add_argument("--quick", action="store_true", help=f"only {QUICK}")
     ap.add_argument("--no-sweep", "--no-tuning", dest="sweep", action="store_false", help="skip the launch-plan sweep")
+    ap.add_argument(
+        "--triton-sweep", action="store_true", help="sweep the Triton kernel's plans, not the CuTeDSL one's"
+    )
     ap.add_argument("--no-ties", dest="ties", action="store_false", help="skip the heavy-ties inputs")
     ap.add_argument("--sweep-budget", "--tuning-budget", dest="budget", type=float, default=110.0,
                     help="seconds for the launch-plan sweep")  # fmt: skip
@@ -553,7 +590,8 @@ def main() -> int:
     floor = launch_floor()["median_us"]
     peers = Peers(args.peers)
     data = {
-        "benchmark": "indexer stage: fused local top-K + pack (kernels/indexer_triton.py) vs vLLM's and torch's",
+        "benchmark": "indexer stage: local top-K + pack (kernels/local_topk_cutedsl.py, kernels/indexer_triton.py) vs "
+        "vLLM's and torch's",
         "device": {
             "name": props.name,
             "sms": props.multi_processor_count,
@@ -611,7 +649,7 @@ def main() -> int:
     if args.sweep:
         sweep, inputs = [], {}
         t0 = time.monotonic()
-        for t, n, tune in SWEEP:
+        for t, n, tune in TRITON_SWEEP if args.triton_sweep else cute_sweep():
             if time.monotonic() - t0 > args.budget:
                 print(f"sweep stopped after {args.budget} s", flush=True)
                 break

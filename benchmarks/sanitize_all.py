@@ -321,8 +321,9 @@ def fam_indexer(f: Family) -> None:
             lengths = torch.randint(-5, cols + 10, (rows,), generator=g)  # negative and past the row: clamped
             starts = torch.randint(-3, cols + 3, (rows,), generator=g).to(torch.int32)
             got = indexer_topk_pack(
-                scores.to(DEV), lengths.to(DEV), k, DcpGeometry(W, 1, I, I), starts.to(DEV), validate=False
-            )
+                scores.to(DEV), lengths.to(DEV), k, DcpGeometry(W, 1, I, I), starts.to(DEV), validate=False,
+                engine="triton",
+            )  # fmt: skip
             want = pack_candidates(
                 scores,
                 local_topk(scores, k, lengths, starts, validate=False),
@@ -335,6 +336,39 @@ def fam_indexer(f: Family) -> None:
                 return [sorted((float(i), float(s)) for s, i in row.tolist() if i >= 0) for row in x]
 
             f.check(f"rows={rows} cols={cols} k={k} W={W} bad windows", as_set(got.cpu()) == as_set(want))
+
+
+def fam_local_topk(f: Family) -> None:
+    """The CuTeDSL local top-K (``engine="cutedsl"``): windows outside the scores (clamped), NaN / ±inf, ties, every
+    vector width (aligned, 8-byte, unaligned views), one CTA and clusters of 2 / 4 / 8, both orders."""
+    from dcp_ref.indexer import local_topk_rank_local
+    from dcp_ref.kernels.indexer_triton import indexer_topk_pack
+
+    g = gen(17)
+    for rows, cols, k, off, cute in [(3, 40, 8, 0, None), (4, 301, 17, 1, None), (5, 4096, 100, 2, None),
+                                     (3, 9000, 2048, 0, (2, 512, None)), (2, 40000, 2048, 0, (8, 256, 11)),
+                                     (2, 131072, 2048, 0, None)]:  # fmt: skip
+        with f.case(f"rows={rows} cols={cols} k={k} cute={cute}"):
+            base = (torch.randint(0, 6, (rows, cols + 8), generator=g).float() / 5) - 0.5
+            base[torch.rand(rows, cols + 8, generator=g) < 0.1] = NAN
+            base[torch.rand(rows, cols + 8, generator=g) < 0.05] = -INF
+            scores = base.to(DEV)[:, off : off + cols]  # a row-strided view (unaligned when off is odd)
+            lengths = torch.randint(-5, cols + 10, (rows,), generator=g)
+            lengths[0] = 2**40  # huge: clamped
+            starts = torch.randint(-3, cols + 3, (rows,), generator=g)
+            gm = DcpGeometry(2, 1, 2, 2)
+            got = indexer_topk_pack(scores, lengths.to(DEV), k, gm, starts.to(DEV), validate=False, engine="cutedsl",
+                                    cute=cute)  # fmt: skip
+            host = scores.cpu()
+            want = pack_candidates(host, local_topk(host, k, lengths, starts, validate=False), gm, starts,
+                                   validate=False)  # fmt: skip
+            f.check(f"rows={rows} cols={cols} k={k} off={off} cute={cute} bad windows: = reference (sets)",
+                    torch.equal(_pair_sets(got.cpu()), _pair_sets(want)))  # fmt: skip
+            rs, ri = indexer_topk_pack(scores, lengths.to(DEV), k, gm, starts.to(DEV), validate=False,
+                                       engine="cutedsl", cute=cute, order="rank_local")  # fmt: skip
+            ws_, wi = local_topk_rank_local(host, k, lengths, starts, validate=False)
+            ok = torch.equal(ri.cpu(), wi) and torch.equal(rs.cpu().view(torch.int32), ws_.view(torch.int32))
+            f.check(f"rows={rows} cols={cols} k={k} cute={cute} rank_local: = reference exactly", ok)
 
 
 def _attention_inputs(g: torch.Generator, T: int, H: int, K: int, S: int):
@@ -889,6 +923,7 @@ FAMILIES: dict[str, tuple[Callable[[Family], None], str, str]] = {
     "splitkv": (fam_splitkv, "triton", "triton"),
     "topk_cutedsl": (fam_topk, "cutlass", "cuda"),
     "select_to_slots": (fam_select_to_slots, "cutlass", "cuda"),
+    "local_topk": (fam_local_topk, "cutlass", "cuda"),
     "flashinfer": (fam_flashinfer, "flashinfer", "cuda"),
     "flashmla": (fam_flashmla, "flash_mla", "cuda"),
     "flashmla_fp8": (fam_flashmla_fp8, "flash_mla", "cuda"),
@@ -901,6 +936,7 @@ _FILES = {
     "scored_indexer": "kernels/scored_indexer_triton.py",
     "splitkv": "kernels/attention_splitkv_triton.py",
     "select_to_slots": "kernels/select_to_slots_cutedsl.py",
+    "local_topk": "kernels/local_topk_cutedsl.py",
     "flashmla": "kernels/flashmla_sparse.py",
 }
 

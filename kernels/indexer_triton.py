@@ -911,6 +911,13 @@ class LaunchPlan(NamedTuple):
     sample: int = 0  #: sample size of the compacted path's bound, 0 if not compact
     select: str = "radix"  #: how a tile held in registers is selected (:data:`SELECTS`)
     pivots: int = 3  #: pivots per step of ``select="search"``
+    engine: str = "triton"  #: ``"triton"`` (the fields above) or ``"cutedsl"`` (:mod:`.local_topk_cutedsl`)
+    cute: tuple[int, int, int, int] | None = None  #: the CuTeDSL kernel's ``(cluster, threads, cpt, first_bits)``
+    vec: int = 0  #: keys per vector load of the CuTeDSL kernel (the scores' alignment allows it)
+
+
+#: Who runs the indexer stage (:func:`launch_plan` picks by shape and layout when ``engine=None``).
+ENGINES = ("triton", "cutedsl")
 
 
 #: Digit width of the radix select (bits per pass; at most 7 passes). See the module docstring for why
@@ -1031,8 +1038,20 @@ def launch_plan(
     select: str | None = None,
     sample: int | None = None,
     pivots: int | None = None,
+    engine: str | None = None,
+    vec: int = 0,
+    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> LaunchPlan:
     """How :func:`indexer_topk_pack` runs ``rows`` rows of ``n_cols`` columns (shapes only, no sync).
+
+    **Engine.** ``engine=None`` takes the CuTeDSL kernel (:mod:`dcp_ref.kernels.local_topk_cutedsl`: a row
+    read once into registers, a cluster of CTAs for long rows) wherever it can run — a CUDA device, no Triton
+    knob given (``split``, ``tile``, ``num_warps``, ``compact``, ``select``, ``sample``, ``pivots``), scores
+    whose layout allows ``vec >= 1`` keys per vector load (:func:`~dcp_ref.kernels.local_topk_cutedsl.vec_for`;
+    0 = it cannot read them) and :func:`~dcp_ref.kernels.local_topk_cutedsl.plan_for` holds the row — and the
+    Triton kernel elsewhere. ``"triton"`` / ``"cutedsl"`` force one (``"cutedsl"`` where it cannot run is a
+    ``ValueError``). ``cute``: ``(cluster, threads, first_bits)`` overrides of the CuTeDSL plan (``None``
+    entries: by shape).
 
     A row of up to :data:`MAX_TILE` columns (``tile`` when given) is one tile, held in registers
     (``select``). A longer one takes the compacted path where :func:`prefer_compact` says so (``compact=None``:
@@ -1047,6 +1066,22 @@ def launch_plan(
     """
     sel = DEFAULT_SELECT if select is None else select
     piv = DEFAULT_PIVOTS if pivots is None else pivots
+    if engine is not None and engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES} or None, got {engine!r}")
+    triton_knobs = any(x is not None for x in (split, tile, num_warps, compact, select, sample, pivots))
+    if engine == "cutedsl" and triton_knobs:
+        raise ValueError(
+            "engine='cutedsl' takes no Triton tuning (split, tile, num_warps, compact, select, sample, pivots)"
+        )
+    if engine != "triton" and not triton_knobs:
+        cp = _cute_plan(rows, n_cols, k, device, vec, cute)
+        if cp is not None:
+            return LaunchPlan(0, True, 0, 1, select=sel, pivots=piv, engine="cutedsl", cute=cp, vec=vec)
+        if engine == "cutedsl":
+            raise ValueError(
+                f"engine='cutedsl' cannot run this call (CUDA device, float32 scores with unit column stride and a "
+                f"row of at most 8 * 32768 keys, k <= 32768 needed): rows={rows}, cols={n_cols}, k={k}, vec={vec}"
+            )
     cap = compact_cap(k)
     fits = n_cols <= (tile or MAX_TILE)
     if compact is None:
@@ -1069,6 +1104,25 @@ def launch_plan(
     seg = cdiv(n_cols, split) if split > 1 else n_cols
     t, one, w = _tile_config(seg, tile, num_warps)
     return LaunchPlan(t, one, w, split, _split_levels(split, k, tile or MAX_TILE), False, 0, 0, sel, piv)
+
+
+def _cute_plan(
+    rows: int,
+    n_cols: int,
+    k: int,
+    device: torch.device,
+    vec: int,
+    cute: tuple[int | None, int | None, int | None] | None,
+) -> tuple[int, int, int, int] | None:
+    """The CuTeDSL kernel's plan, or ``None`` where it cannot run (see :func:`launch_plan`)."""
+    if vec < 1 or device.type != "cuda" or triton_interpreting() or rows < 1:
+        return None
+    try:
+        from .local_topk_cutedsl import plan_for
+    except ImportError:  # nvidia-cutlass-dsl missing: the Triton kernel runs
+        return None
+    cluster, threads, first_bits = cute if cute is not None else (None, None, None)
+    return plan_for(rows, n_cols, k, vec, cluster=cluster, threads=threads, first_bits=first_bits)
 
 
 def _compact_words(plan: LaunchPlan) -> int:
@@ -1135,6 +1189,8 @@ def indexer_topk_pack(
     select: str | None = None,
     sample: int | None = None,
     pivots: int | None = None,
+    engine: str | None = None,
+    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> torch.Tensor: ...
 
 
@@ -1159,6 +1215,8 @@ def indexer_topk_pack(
     select: str | None = None,
     sample: int | None = None,
     pivots: int | None = None,
+    engine: str | None = None,
+    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -1182,6 +1240,8 @@ def indexer_topk_pack(
     select: str | None = None,
     sample: int | None = None,
     pivots: int | None = None,
+    engine: str | None = None,
+    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Local stable top-``k`` of each score row, packed for the all-gather (the indexer stage).
 
@@ -1213,10 +1273,13 @@ def indexer_topk_pack(
         workspace: the buffer :func:`workspace_for` makes (same tuning arguments) when the plan needs
             one (compacted path: int64, zeroed; split streamed path: float32 ``[T, sum(levels), k, 2]``);
             allocated when needed and not given.
-        split, radix_bits, tile, num_warps, compact, select, sample, pivots: tuning (see
-            :func:`launch_plan`). ``split``: segments per row; ``radix_bits``: digit width of the radix
-            select, 5-13 (default :data:`DEFAULT_RADIX_BITS`); ``tile``: keys per tile, a power of two (a
-            row of at most ``tile`` keys stays in registers; the compacted path streams tiles of it);
+        engine, cute: who runs the call (``None``: the plan picks; ``"triton"`` / ``"cutedsl"``) and the CuTeDSL
+            kernel's ``(cluster, threads, first_bits)`` tuning; see :func:`launch_plan`.
+        split, radix_bits, tile, num_warps, compact, select, sample, pivots: the Triton kernel's tuning (see
+            :func:`launch_plan`; any of them but ``radix_bits`` makes the plan take the Triton kernel).
+            ``split``: segments per row; ``radix_bits``: digit width of the radix select, 5-13 (default
+            :data:`DEFAULT_RADIX_BITS`); ``tile``: keys per tile, a power of two (a row of at most ``tile`` keys
+            stays in registers; the compacted path streams tiles of it);
             ``num_warps``: warps per program; ``compact``: the compacted path for long rows (``None``:
             :func:`prefer_compact`); ``select``: ``"radix"`` or ``"search"`` (:data:`SELECTS`); ``sample``:
             sample size of the compacted path, a power of two in ``[16, MAX_TILE]``; ``pivots``: 1 or 3 per
@@ -1293,8 +1356,26 @@ def indexer_topk_pack(
         # stride this large (a column-major view of a huge matrix) would overflow them. Masked-off
         # lanes never dereference their (possibly wrapped) address.
         scores = scores.contiguous()
+    vec = 0
+    if engine != "triton" and dev.type == "cuda" and not triton_interpreting():
+        from .local_topk_cutedsl import vec_for
+
+        vec = vec_for(scores)
     plan = launch_plan(rows, cols, k, dev, split=split, tile=tile, num_warps=num_warps, compact=compact,
-                       select=select, sample=sample, pivots=pivots)  # fmt: skip
+                       select=select, sample=sample, pivots=pivots, engine=engine, vec=vec, cute=cute)  # fmt: skip
+    if plan.engine == "cutedsl":
+        if rows:
+            from .local_topk_cutedsl import local_topk_pack_cutedsl
+
+            chk = check_flag(dev) if fused_check else None
+            assert plan.cute is not None
+            local_topk_pack_cutedsl(scores, lengths, k, g.rank * g.interleave, g.stripe, g.interleave, row_starts,
+                                    out, out_ids, chk, plan.cute, plan.vec, order)  # fmt: skip
+            if chk is not None and int(chk.item()):  # the one host read of a validated call
+                chk.zero_()
+                _validate_values(cols, lengths, row_starts, g, ids=not rank_local)  # raises the precise message
+                raise ValueError("lengths / row_starts put a row's window outside scores")  # unreachable
+        return (out, out_ids) if rank_local else out  # type: ignore[return-value]
     if plan.compact:
         workspace = _check_words(workspace, (rows, _compact_words(plan)), dev)
     else:

@@ -32,7 +32,7 @@ cd "$(dirname "$0")/.."
 # parts of a file are complements, so the file runs whole.
 CUTE_LANES=(
   "tests/test_topk.py@10k"
-  "tests/test_indexer_kernel.py"
+  "tests/test_indexer_kernel.py tests/test_local_topk_cutedsl.py"
   "tests/test_select_to_slots.py tests/test_scoring.py tests/test_topk.py@rest tests/test_ownership.py"
   "tests/test_deinterleave.py"
 )
@@ -52,7 +52,7 @@ kexpr() {  # the -k expression of a part
 }
 CUTE_TESTS=$(printf '%s\n' "${CUTE_LANES[@]}" | tr ' ' '\n' | grep . | sed 's/@.*//' | sort -u | tr '\n' ' ')
 FI_TESTS=$(printf '%s\n' "${FI_LANES[@]}" | tr ' ' '\n' | grep . | sed 's/@.*//' | sort -u | tr '\n' ' ')
-CUTE_FAMILIES="pack,deinterleave,lse_merge,indexer,indexer_compact,guard,scoring,scored_indexer,splitkv,topk_cutedsl,select_to_slots"
+CUTE_FAMILIES="pack,deinterleave,lse_merge,indexer,indexer_compact,guard,scoring,scored_indexer,splitkv,topk_cutedsl,select_to_slots,local_topk"
 FI_FAMILIES="flashinfer,flashmla,flashmla_fp8"
 # the layer rows `bench` measures (layout:W:T:ctx:cache:fused), in priority order: the issues' shapes
 LAYER_DEFAULT="dcp:1:32:8192:bf16:0,dcp:1:1:8192:bf16:0,dcp:8:32:32768:bf16:0,tp:8:32:32768:bf16:0,dcp:1:32:8192:bf16:1"

@@ -1,0 +1,730 @@
+"""CuTeDSL kernel: the indexer stage's local stable top-K + pack, every score read from HBM once.
+
+The GPU twin of ``pack_candidates(scores, local_topk(scores, k, lengths, row_starts), geometry,
+row_starts)`` (:mod:`dcp_ref.indexer`, :mod:`dcp_ref.topk`), with the layout of
+:func:`dcp_ref.kernels.indexer_triton.indexer_topk_pack`: ``order="global_id"`` writes ``(score, global id)``
+pairs, the winners by increasing local index, then ``(-inf, -1)``; ``order="rank_local"`` writes the winners'
+scores (exact float32 bits) by increasing local index with NaN padding, and their local indices (``-1``).
+
+**One read.** A row lives in registers, spread over a CTA — or, for rows longer than one CTA holds (32 keys a
+thread, 1024 threads), over a thread-block **cluster** of ``C`` CTAs (2, 4 or 8): every CTA loads its share
+once, with 16-byte vector loads (``vec`` = 4 keys; 2 or 1 where the scores are not aligned for it), and every
+radix pass runs on the registers. A cluster's CTAs count each pass into their own shared-memory histogram and
+sum the ``C`` histograms through distributed shared memory (``ld.shared::cluster``), so that every CTA finds
+the same threshold with no broadcast (the passes, the histogram merge and the bin scan are those of
+:class:`~dcp_ref.kernels.select_to_slots_cutedsl.SelectToSlotsKernel`, which are those of the stable top-K).
+
+**Keys.** ``hi`` = the score's order-preserving bits (``-0.0`` made ``+0.0``; NaN and columns outside the row's
+window ``[start, start + length)`` give ``0``: invalid). The index is not in the key: the radix passes fix the
+32 score bits (8-bit digits; ``first_bits`` 11 or 12 widens the first), and a threshold value shared by more
+keys than are still needed is resolved by **position** in the commit.
+
+**Commit in index order.** With the threshold found, a key wins when it is above it, or equal to it and among
+the first ``need`` such keys by local index. Item ``s`` of vector load ``ci`` of thread ``tid`` of cluster CTA
+``c`` is key ``pos = ((c*cpt + ci)*T + tid)*vec + s`` of the row, so index order is (CTA, load, thread, item):
+one exclusive scan per load over the block (a warp scan, then a scan of the warp totals), plus the totals of
+the cluster's lower CTAs, gives every key the number of winners (and of tied keys) before it — its output slot,
+with no atomics, and the winners come out in increasing local index as the contract says.
+
+Limits (checked by :func:`plan_for`, which returns ``None`` outside them: the Triton kernel takes the row):
+``cols <= 8 * 32768`` keys per row, ``k <= 32768``, float32 scores with unit column stride.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
+
+from ._util import cdiv, check_flag
+from .select_to_slots_cutedsl import SelectToSlotsKernel, cluster_sync, dsmem_load
+from .topk_cutedsl import FIRST_BITS, MASK32, State, _use_tvm_ffi, digit_schedule, warp_inclusive_scan
+
+__all__ = [
+    "CLUSTERS",
+    "LocalTopKConfig",
+    "LocalTopKKernel",
+    "MAX_KEYS_PER_THREAD",
+    "plan_for",
+    "compile_local_topk",
+    "compile_artifacts",
+    "local_topk_pack_cutedsl",
+]
+
+#: CTAs per row (a thread-block cluster above 1; 8 is the portable maximum).
+CLUSTERS = (1, 2, 4, 8)
+#: Keys a thread holds in registers at most.
+MAX_KEYS_PER_THREAD = 32
+#: Keys a thread holds with (nearly) no register spill (ptxas, sm_90a, 1024 threads = 64 registers: 32 keys
+#: spill 152 bytes a thread, 16 keys 24-40; 512 threads of 16 keys: none): the plan's first choice.
+SPILL_FREE_KEYS = 16
+#: Shared-state words of this kernel beyond :class:`State`'s (its words 9-15 are free).
+CTA_ABOVE = 9  #: this CTA's winners above the threshold (read by the cluster's higher CTAs)
+CTA_TIES = 10  #: this CTA's keys equal to the threshold
+#: Streaming multiprocessors of the H200 (the plan spreads few long rows over them).
+_SMS = 132
+#: The least keys per CTA when the plan spreads a row over a cluster.
+SPREAD_MIN_KEYS = 8192
+NEG_INF_BITS = 0xFF800000
+NEG_ONE_BITS = 0xBF800000  # float32 -1.0
+NAN_BITS = 0x7FC00000
+SIGN = 0x80000000
+
+
+@dataclass(frozen=True)
+class LocalTopKConfig:
+    """One compiled configuration (the compile cache key; ``rows``, ``cols``, strides and geometry are dynamic).
+
+    Attributes:
+        k: winners per row.
+        cluster: CTAs per row (:data:`CLUSTERS`).
+        threads: threads per CTA (256, 512 or 1024).
+        cpt: vector loads per thread; a row holds ``cluster * threads * cpt * vec`` keys at most.
+        vec: keys per vector load (4, 2 or 1; the scores' alignment decides).
+        order: ``"global_id"`` or ``"rank_local"``.
+        len_bits, start_bits: 0 (no tensor), 32 or 64 (its dtype) for ``lengths`` / ``row_starts``.
+        check: the in-kernel window check of a validated call (raises the flag).
+        first_bits: width of the first radix digit (:data:`~dcp_ref.kernels.topk_cutedsl.FIRST_BITS`).
+        min_ctas: ptxas ``minctasm`` (CTAs per SM the registers must allow; 0: no cap).
+        tvm_ffi: compiled for the TVM-FFI call path.
+    """
+
+    k: int
+    cluster: int = 1
+    threads: int = 1024
+    cpt: int = 8
+    vec: int = 4
+    order: str = "global_id"
+    len_bits: int = 32
+    start_bits: int = 0
+    check: bool = False
+    first_bits: int = 8
+    min_ctas: int = 0
+    tvm_ffi: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cluster not in CLUSTERS:
+            raise ValueError(f"cluster must be one of {CLUSTERS}, got {self.cluster!r}")
+        if self.threads not in (256, 512, 1024):
+            raise ValueError(f"threads must be 256, 512 or 1024, got {self.threads!r}")
+        if self.vec not in (1, 2, 4):
+            raise ValueError(f"vec must be 1, 2 or 4, got {self.vec!r}")
+        if not 1 <= self.cpt * self.vec <= MAX_KEYS_PER_THREAD:
+            raise ValueError(
+                f"cpt * vec must be in [1, {MAX_KEYS_PER_THREAD}] keys per thread, got {self.cpt * self.vec}"
+            )
+        if self.order not in ("global_id", "rank_local"):
+            raise ValueError(f"order must be 'global_id' or 'rank_local', got {self.order!r}")
+        if self.len_bits not in (0, 32, 64) or self.start_bits not in (0, 32, 64):
+            raise ValueError("len_bits and start_bits must be 0, 32 or 64")
+        if self.first_bits not in FIRST_BITS:
+            raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {self.first_bits!r}")
+        if not 1 <= self.k <= 32768:
+            raise ValueError(f"k must be in [1, 32768], got {self.k!r}")
+
+    @property
+    def capacity(self) -> int:
+        """Keys per row the configuration holds."""
+        return self.cluster * self.threads * self.cpt * self.vec
+
+
+def score_schedule(first_bits: int) -> tuple[tuple[int, int, int], ...]:
+    """The radix passes over the 32 score bits, most significant first, as ``(word, shift, bits)`` (word 0)."""
+    return tuple(p for p in digit_schedule(first_bits) if p[0] == 0)
+
+
+class LocalTopKKernel(SelectToSlotsKernel):
+    """One compiled :class:`LocalTopKConfig` (module docstring).
+
+    Reused: :meth:`radix_pass_s2s` and :meth:`merge` (the passes, the cluster's histogram sum) from
+    :class:`~dcp_ref.kernels.select_to_slots_cutedsl.SelectToSlotsKernel`, and :meth:`pick_bin` (the bin scan)
+    from :class:`~dcp_ref.kernels.topk_cutedsl.StableTopKKernel`. Only their score-word passes run here. New: the
+    kernel body, the windowed vector loads (:meth:`load_row`), the index-order commit (:meth:`load_counts`,
+    :meth:`chunk_base`, :meth:`commit`) and the padding.
+    """
+
+    def __init__(self, cfg: LocalTopKConfig) -> None:  # the parents' attributes, set for this kernel's passes
+        self.lcfg = cfg
+        self.k = cfg.k
+        self.split = cfg.cluster
+        self.threads = cfg.threads
+        self.warps = cfg.threads // 32
+        self.min_ctas = cfg.min_ctas
+        self.vec = cfg.vec
+        self.cpt = cfg.cpt
+        self.items = cfg.cpt * cfg.vec
+        self.lpc = cfg.cpt * cfg.threads  # vector loads per CTA
+        self.n = self.items * cfg.threads  # keys per CTA
+        self.world, self.kloc = 1, self.n
+        self.sorted_ = False
+        self.small = False
+        self.lean = False
+        self.rank_local = False  # (the parent's tie-break mode: not used by score passes)
+        self.schedule = score_schedule(cfg.first_bits)
+        self.schedule_bins = tuple(1 << b for _, _, b in self.schedule)
+        self.max_bins = max(self.schedule_bins)
+        self.hist_stride = self.max_bins + 32
+        self.hloc_size = 2 * self.hist_stride if cfg.cluster > 1 else 1
+        self.sort_size = self.lo_size = 1
+        # One 32-bit scan word per vector load holds both counts when they fit in 16 bits each.
+        self.packed = cfg.capacity < (1 << 16) and cfg.k < (1 << 16)
+
+    @cute.jit
+    def __call__(
+        self,
+        sc: cute.Tensor,
+        lens: cute.Tensor,
+        starts: cute.Tensor,
+        out64: cute.Tensor,
+        out32: cute.Tensor,
+        outid: cute.Tensor,
+        flag: cute.Tensor,
+        rows: Int32,
+        cols: Int32,
+        rstride: Int64,
+        rank_i: Int32,
+        stripe: Int32,
+        inter: Int32,
+        stream: Any,
+    ) -> None:
+        args = (sc, lens, starts, out64, out32, outid, flag, rows, cols, rstride, rank_i, stripe, inter)
+        if const_expr(self.split > 1):
+            self.topk_kernel(*args).launch(
+                grid=[rows * self.split, 1, 1], block=[self.threads, 1, 1], cluster=[self.split, 1, 1], stream=stream
+            )
+        elif const_expr(self.min_ctas > 1):
+            self.topk_kernel(*args).launch(
+                grid=[rows, 1, 1],
+                block=[self.threads, 1, 1],
+                stream=stream,
+                min_blocks_per_mp=self.min_ctas,
+                preferred_smem_carveout=100,
+            )
+        else:
+            self.topk_kernel(*args).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def topk_kernel(
+        self,
+        sc: cute.Tensor,
+        lens: cute.Tensor,
+        starts: cute.Tensor,
+        out64: cute.Tensor,
+        out32: cute.Tensor,
+        outid: cute.Tensor,
+        flag: cute.Tensor,
+        rows: Int32,
+        cols: Int32,
+        rstride: Int64,
+        rank_i: Int32,
+        stripe: Int32,
+        inter: Int32,
+    ) -> None:
+        """One CTA (or cluster) per row: window, loads + pass 0, radix passes, padding, index-order commit."""
+        T = const_expr(self.threads)
+        C = const_expr(self.split)
+        KSEL = const_expr(self.k)
+        NB0 = const_expr(self.schedule_bins[0])
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = tid % 32
+        warp = tid // 32
+        row = bid
+        crank = Int32(0)
+        if const_expr(C > 1):
+            row = bid // C
+            crank = cute.arch.block_idx_in_cluster()
+
+        smem = cutlass.memory.SmemAllocator()
+        hist = smem.allocate_tensor(Int32, cute.make_layout(2 * self.hist_stride), byte_alignment=16)
+        wsum = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
+        st = smem.allocate_tensor(Int32, cute.make_layout(State.WORDS), byte_alignment=16)
+        hloc = smem.allocate_tensor(Int32, cute.make_layout(self.hloc_size), byte_alignment=16)
+        tab = smem.allocate_tensor(
+            Int32, cute.make_layout(2 * self.cpt * 32), byte_alignment=16
+        )  # warp totals per load
+
+        if tid < State.WORDS:
+            st[tid] = Int32(0)
+        for x in cutlass.range(tid, NB0 + 1, T):
+            if const_expr(C > 1):
+                hloc[x] = Int32(0)
+            else:
+                hist[x] = Int32(0)
+
+        start, end = self.row_window(lens, starts, flag, row, cols, tid, crank)
+        cute.arch.sync_threads()
+
+        khi = cute.make_rmem_tensor((self.items,), Uint32)
+        if const_expr(C > 1):
+            self.load_row(sc, row, rstride, start, end, tid, lane, crank, khi, hloc)
+            cluster_sync()  # every CTA's pass-0 histogram is complete
+            self.merge(0, hloc, hist, tid)
+        else:
+            self.load_row(sc, row, rstride, start, end, tid, lane, crank, khi, hist)
+        cute.arch.sync_threads()
+
+        n_valid = Int32(C * self.n) - hist[NB0]
+        take = cutlass.min(n_valid, Int32(KSEL))
+        if tid == 0:
+            st[State.NEED] = take
+            st[State.DONE] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
+        obase = Int64(row) * Int64(KSEL)
+        self.write_padding(out64, out32, outid, obase, take, tid, crank)
+        cute.arch.sync_threads()
+
+        for d in cutlass.range_constexpr(len(self.schedule)):
+            self.radix_pass_s2s(d, khi, khi, khi, hist, hloc, wsum, st, tid, lane, warp, Int32(0))
+
+        self.commit(sc, row, rstride, start, khi, st, tab, out64, out32, outid, obase, tid, lane, warp, crank,
+                    rank_i, stripe, inter)  # fmt: skip
+
+    @cute.jit
+    def row_window(
+        self, lens: cute.Tensor, starts: cute.Tensor, flag: cute.Tensor, row: Int32, cols: Int32, tid: Int32,
+        crank: Int32,
+    ) -> tuple[Int32, Int32]:  # fmt: skip
+        """``(start, end)`` columns of the row's keys, clamped to ``[0, cols]`` (never a read outside the scores).
+
+        A validated call (``check``) raises ``flag`` for a window the reference refuses: a negative or too large
+        start or length, or ``start + length > cols`` (compared without the sum: no overflow)."""
+        c64 = Int64(cols)
+        s_raw = Int64(0)
+        if const_expr(self.lcfg.start_bits > 0):
+            s_raw = Int64(starts[row])
+        s64 = cutlass.min(cutlass.max(s_raw, Int64(0)), c64)
+        l_raw = c64 - s64
+        if const_expr(self.lcfg.len_bits > 0):
+            l_raw = Int64(lens[row])
+        l64 = cutlass.min(cutlass.max(l_raw, Int64(0)), c64 - s64)
+        if const_expr(self.lcfg.check):
+            bad = (s_raw < Int64(0)) | (s_raw > c64) | (l_raw < Int64(0)) | (l_raw > c64 - s64)
+            if bad & (tid == 0) & (crank == 0):
+                flag[0] = Int64(1)
+        start = Int32(s64)
+        return start, Int32(s64 + l64)
+
+    @cute.jit
+    def load_row(
+        self,
+        sc: cute.Tensor,
+        row: Int32,
+        rstride: Int64,
+        start: Int32,
+        end: Int32,
+        tid: Int32,
+        lane: Int32,
+        crank: Int32,
+        khi: cute.Tensor,
+        hist: cute.Tensor,
+    ) -> None:
+        """This thread's keys of the row, by vector loads, with pass 0's histogram counted on the way.
+
+        Vector load ``ci`` covers columns ``c0 + g*vec ... + vec - 1``, ``g = (crank*cpt + ci)*T + tid``, from the
+        aligned column ``c0 = start - start % vec``; a load wholly past the window's end is not issued (nothing
+        past it is read). Keys outside ``[start, end)`` and NaN are invalid (``hi = 0``): not counted in a bin;
+        this thread's count of them goes into the dummy bin ``NB0`` with one atomic per warp (``n_valid``)."""
+        T = const_expr(self.threads)
+        VEC = const_expr(self.vec)
+        SH0 = const_expr(self.schedule[0][1])
+        NB0 = const_expr(self.schedule_bins[0])
+        c0 = start - start % VEC
+        vbase = (Int64(row) * rstride + Int64(c0)) // Int64(VEC)  # the row's first vector (rstride % vec == 0)
+        words = cute.make_tensor(sc.iterator, cute.make_layout((1 << 30, VEC), stride=(VEC, 1)))
+        invalid = Int32(0)
+        for ci in cutlass.range_constexpr(self.cpt):
+            g = (crank * self.cpt + ci) * T + tid
+            col0 = c0 + g * VEC
+            vals = cute.make_rmem_tensor((VEC,), Int32)
+            for s in cutlass.range_constexpr(VEC):
+                vals[s] = Int32(0)
+            if col0 < end:
+                v = words[vbase + Int64(g), None].load()
+                for s in cutlass.range_constexpr(VEC):
+                    vals[s] = v[s]
+            for s in cutlass.range_constexpr(VEC):
+                col = col0 + s
+                sb = vals[s].bitcast(Uint32)
+                sb = Uint32(cutlass.select_(sb == Uint32(SIGN), Uint32(0), sb))  # -0.0 ties +0.0
+                flip = Uint32(Int32(sb.bitcast(Int32) >> 31).bitcast(Uint32) | Uint32(SIGN))
+                ok = (col >= start) & (col < end) & ((sb & Uint32(0x7FFFFFFF)) <= Uint32(0x7F800000))
+                hi = Uint32(cutlass.select_(ok, sb ^ flip, Uint32(0)))
+                khi[ci * VEC + s] = hi
+                if ok:
+                    cute.arch.atomic_add(hist.iterator + Int32((hi >> Uint32(SH0)) & Uint32(NB0 - 1)), Int32(1))
+                else:
+                    invalid = invalid + Int32(1)
+        total = cute.arch.warp_redux_sync(invalid, "add")
+        if (lane == 0) & (total > 0):
+            cute.arch.atomic_add(hist.iterator + NB0, total)
+
+    @cute.jit
+    def write_padding(
+        self, out64: cute.Tensor, out32: cute.Tensor, outid: cute.Tensor, obase: Int64, take: Int32, tid: Int32,
+        crank: Int32,
+    ) -> None:  # fmt: skip
+        """Slots ``[take, k)``: ``(-inf, -1)`` pairs, or NaN scores and ``-1`` ids (``rank_local``). No winner is
+        ever written there, so the fill cannot race with the commit."""
+        T = const_expr(self.threads)
+        C = const_expr(self.split)
+        for j in cutlass.range(take + crank * T + tid, self.k, C * T):
+            if const_expr(self.lcfg.order == "rank_local"):
+                out32[obase + Int64(j)] = Int32(Uint32(NAN_BITS).bitcast(Int32))
+                outid[obase + Int64(j)] = Int32(-1)
+            else:
+                out64[obase + Int64(j)] = Int64((Uint64(NEG_ONE_BITS) << Uint64(32)) | Uint64(NEG_INF_BITS))
+
+    @cute.jit
+    def load_counts(self, khi: cute.Tensor, ci: int, lower: Uint32, tv: Uint32) -> tuple[Int32, Int32]:
+        """``(above, ties)`` of vector load ``ci``'s keys: how many are above the threshold, how many equal it."""
+        a = Int32(0)
+        t = Int32(0)
+        for s in cutlass.range_constexpr(self.vec):
+            hi = khi[ci * self.vec + s]
+            a = a + cutlass.select_(hi >= lower, Int32(1), Int32(0))
+            t = t + cutlass.select_((hi == tv) & (hi != Uint32(0)), Int32(1), Int32(0))
+        return a, t
+
+    @cute.jit
+    def chunk_base(self, tab: cute.Tensor, ci: int, lane: Int32, warp: Int32) -> tuple[Int32, Int32]:
+        """``(before, total)`` of load ``ci`` from its warp totals in ``tab``: the counts of the warps before this
+        one, and of the whole CTA."""
+        v = Int32(0)
+        if lane < self.warps:
+            v = tab[ci * 32 + lane]
+        vi = warp_inclusive_scan(v, lane)
+        return cute.arch.shuffle_sync(vi - v, warp), cute.arch.shuffle_sync(vi, 31)
+
+    @cute.jit
+    def commit(
+        self,
+        sc: cute.Tensor,
+        row: Int32,
+        rstride: Int64,
+        start: Int32,
+        khi: cute.Tensor,
+        st: cute.Tensor,
+        tab: cute.Tensor,
+        out64: cute.Tensor,
+        out32: cute.Tensor,
+        outid: cute.Tensor,
+        obase: Int64,
+        tid: Int32,
+        lane: Int32,
+        warp: Int32,
+        crank: Int32,
+        rank_i: Int32,
+        stripe: Int32,
+        inter: Int32,
+    ) -> None:
+        """Write the winners in index order (module docstring).
+
+        The threshold: once done, the winners are exactly the keys ``hi >= phi`` (``phi``: the found prefix, its
+        low bits zero; ``0`` when every valid key wins); otherwise all 32 score bits are fixed at ``phi`` and the
+        winners are the keys above it plus the first ``need`` keys equal to it, by local index.
+
+        Counts per vector load (above, ties: one word when both fit in 16 bits, ``packed``) are scanned twice
+        rather than kept: a first warp scan per load leaves the warp totals in ``tab``; after one barrier (and,
+        in a cluster, the lower CTAs' totals) each load's exclusive prefix is the loads before it, the warps
+        before this one (a scan of ``tab``) and the lanes before this one (the warp scan again). No per-load
+        registers are held, so 32 keys a thread fit 1024 threads' 64 registers."""
+        T = const_expr(self.threads)
+        C = const_expr(self.split)
+        VEC = const_expr(self.vec)
+        CPT = const_expr(self.cpt)
+        TIES0 = const_expr(CPT)  # tab rows of the tie counts (unpacked)
+        done = st[State.DONE] != 0
+        need = st[State.NEED]
+        phi = st[State.PREFIX_HI].bitcast(Uint32)
+        lower = Uint32(cutlass.select_(done, cutlass.max(phi, Uint32(1)), phi + Uint32(1)))
+        tv = Uint32(cutlass.select_(done, Uint32(0), phi))  # no valid key is 0: no ties once done
+        for ci in cutlass.range_constexpr(CPT):
+            a, t = self.load_counts(khi, ci, lower, tv)
+            if const_expr(self.packed):
+                inc = warp_inclusive_scan(a + (t << 16), lane)
+                if lane == 31:
+                    tab[ci * 32 + warp] = inc
+            else:
+                inc_a = warp_inclusive_scan(a, lane)
+                inc_t = warp_inclusive_scan(t, lane)
+                if lane == 31:
+                    tab[ci * 32 + warp] = inc_a
+                    tab[(TIES0 + ci) * 32 + warp] = inc_t
+        cute.arch.sync_threads()
+        run_a = Int32(0)
+        run_t = Int32(0)
+        if const_expr(C > 1):
+            # The cluster's lower CTAs hold the keys before this CTA's: their totals, from their shared memory.
+            tot_a = Int32(0)
+            tot_t = Int32(0)
+            if lane < self.warps:
+                for ci in cutlass.range_constexpr(CPT):
+                    tot_a = tot_a + tab[ci * 32 + lane]
+                    if const_expr(not self.packed):
+                        tot_t = tot_t + tab[(TIES0 + ci) * 32 + lane]
+            tot_a = cute.arch.warp_redux_sync(tot_a, "add")
+            tot_t = cute.arch.warp_redux_sync(tot_t, "add")
+            if tid == 0:
+                st[CTA_ABOVE] = tot_a
+                st[CTA_TIES] = tot_t
+            cluster_sync()
+            for c in cutlass.range_constexpr(C - 1):
+                if c < crank:
+                    run_a = run_a + dsmem_load(st.iterator + CTA_ABOVE, c)
+                    if const_expr(not self.packed):
+                        run_t = run_t + dsmem_load(st.iterator + CTA_TIES, c)
+        c0 = start - start % VEC
+        for ci in cutlass.range_constexpr(CPT):
+            a, t = self.load_counts(khi, ci, lower, tv)
+            a0 = Int32(0)
+            t0 = Int32(0)
+            if const_expr(self.packed):
+                before, total = self.chunk_base(tab, ci, lane, warp)
+                x = a + (t << 16)
+                pre = run_a + before + warp_inclusive_scan(x, lane) - x
+                run_a = run_a + total
+                t0 = Int32(Uint32(pre.bitcast(Uint32) >> Uint32(16)).bitcast(Int32))
+                a0 = pre & Int32(0xFFFF)
+            else:
+                before_a, total_a = self.chunk_base(tab, ci, lane, warp)
+                before_t, total_t = self.chunk_base(tab, TIES0 + ci, lane, warp)
+                a0 = run_a + before_a + warp_inclusive_scan(a, lane) - a
+                t0 = run_t + before_t + warp_inclusive_scan(t, lane) - t
+                run_a = run_a + total_a
+                run_t = run_t + total_t
+            g = (crank * CPT + ci) * T + tid
+            for s in cutlass.range_constexpr(VEC):
+                hi = khi[ci * VEC + s]
+                is_a = hi >= lower
+                is_t = (hi == tv) & (hi != Uint32(0))
+                if is_a | (is_t & (t0 < need)):
+                    col = c0 + g * VEC + s
+                    self.write_winner(sc, row, rstride, col, col - start, hi, a0 + cutlass.min(t0, need), out64,
+                                      out32, outid, obase, rank_i, stripe, inter)  # fmt: skip
+                a0 = a0 + cutlass.select_(is_a, Int32(1), Int32(0))
+                t0 = t0 + cutlass.select_(is_t, Int32(1), Int32(0))
+        if const_expr(C > 1):
+            cluster_sync()  # the lower CTAs' totals have been read: their shared memory may go
+
+    @cute.jit
+    def write_winner(
+        self,
+        sc: cute.Tensor,
+        row: Int32,
+        rstride: Int64,
+        col: Int32,
+        j: Int32,
+        hi: Uint32,
+        slot: Int32,
+        out64: cute.Tensor,
+        out32: cute.Tensor,
+        outid: cute.Tensor,
+        obase: Int64,
+        rank_i: Int32,
+        stripe: Int32,
+        inter: Int32,
+    ) -> None:
+        """One winner into its slot: its exact score bits (from the key; a zero is re-read, for its sign) and its
+        global id ``(j // I) * W*I + rank*I + j % I`` as float32, or its local index ``j`` (``rank_local``)."""
+        sb = Uint32(cutlass.select_((hi & Uint32(SIGN)) != Uint32(0), hi ^ Uint32(SIGN), hi ^ Uint32(MASK32)))
+        if hi == Uint32(SIGN):
+            sb = sc[Int64(row) * rstride + Int64(col)].bitcast(Uint32)
+        dst = obase + Int64(slot)
+        if const_expr(self.lcfg.order == "rank_local"):
+            out32[dst] = sb.bitcast(Int32)
+            outid[dst] = j
+        else:
+            q = j // inter
+            gid = q * stripe + rank_i + (j - q * inter)
+            gb = Float32(gid).bitcast(Uint32)
+            out64[dst] = Int64((Uint64(gb) << Uint64(32)) | Uint64(sb))
+
+
+def _fake_args(cfg: LocalTopKConfig) -> tuple[Any, ...]:
+    """Fake tensors and scalars in :meth:`LocalTopKKernel.__call__`'s order (shapes dynamic)."""
+
+    def flat(dtype: Any, align: int) -> Any:
+        return cute.runtime.make_fake_compact_tensor(dtype, (cute.sym_int64(),), assumed_align=align)
+
+    def idx(bits: int) -> Any:
+        return flat(Int64 if bits == 64 else Int32, 8 if bits == 64 else 4)
+
+    return (
+        flat(Int32, 4 * cfg.vec),  # scores, as 32-bit words
+        idx(cfg.len_bits),
+        idx(cfg.start_bits),
+        flat(Int64, 8),  # pairs (global_id)
+        flat(Int32, 4),  # scores (rank_local)
+        flat(Int32, 4),  # local indices (rank_local)
+        flat(Int64, 8),  # the check flag
+        Int32(1),
+        Int32(1),
+        Int64(1),
+        Int32(0),
+        Int32(1),
+        Int32(1),
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def compile_local_topk(cfg: LocalTopKConfig) -> Any:
+    """The compiled kernel of one configuration (cached; CuTeDSL compiles are serialised). Works without a GPU."""
+    from .stages import KERNEL_LOCK
+
+    with KERNEL_LOCK:
+        stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=cfg.tvm_ffi)
+        kern = LocalTopKKernel(cfg)
+        if cfg.tvm_ffi:
+            return cute.compile(kern, *_fake_args(cfg), stream, options="--enable-tvm-ffi")
+        return cute.compile(kern, *_fake_args(cfg), stream)
+
+
+def compile_artifacts(cfg: LocalTopKConfig, dump_dir: str) -> tuple[str, bytes]:
+    """Compile one configuration (uncached) and return ``(PTX text, cubin bytes)`` — the CPU CI check.
+
+    Needs ``CUTE_DSL_ARCH=sm_90a`` (no GPU needed); ``dump_dir`` must exist."""
+    from .stages import KERNEL_LOCK
+
+    with KERNEL_LOCK:
+        kern = LocalTopKKernel(cfg)
+        stream = cutlass.runtime.make_fake_stream()
+        fn = cute.compile(kern, *_fake_args(cfg), stream, options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
+    ptx = fn.__ptx__ or ""
+    if ptx and not ptx.lstrip().startswith("//") and os.path.exists(ptx):
+        with open(ptx) as fh:
+            ptx = fh.read()
+    cubin = fn.__cubin__ or b""
+    if isinstance(cubin, str):
+        with open(cubin, "rb") as fb:
+            cubin = fb.read()
+    return ptx, cubin
+
+
+def vec_for(scores: torch.Tensor) -> int:
+    """Keys per vector load the scores' layout allows: 4 (16-byte loads), 2 or 1; 0 when the kernel cannot
+    read them (not float32, or a column stride other than 1)."""
+    if scores.dtype != torch.float32 or (scores.shape[1] > 1 and scores.stride(1) != 1):
+        return 0
+    rows, cols = scores.shape
+    rs = scores.stride(0) if rows > 1 else cols
+    if rows * rs + cols >= 1 << 30:  # the kernel's vector offsets: < 2**30 vectors of 4 keys (int32 words: 2**31)
+        return 0
+    for v in (4, 2):
+        if cols % v == 0 and rs % v == 0 and scores.data_ptr() % (4 * v) == 0:
+            return v
+    return 1
+
+
+def plan_for(
+    rows: int,
+    cols: int,
+    k: int,
+    vec: int,
+    *,
+    cluster: int | None = None,
+    threads: int | None = None,
+    first_bits: int | None = None,
+) -> tuple[int, int, int, int] | None:
+    """``(cluster, threads, cpt, first_bits)`` for a ``[rows, cols]`` problem, or ``None`` when the kernel
+    cannot take it (the Triton kernel does). The default: the fewest CTAs per row (a cluster) that hold the row
+    at <= :data:`SPILL_FREE_KEYS` keys a thread (else 32), each the smallest CTA that does; when the rows are
+    few, more CTAs per row (see below). The arguments override (benchmark sweeps)."""
+    if vec < 1 or not 1 <= k <= 32768 or cols < 1:
+        return None
+    fb = 8 if first_bits is None else first_bits
+    if cluster is None:
+        # The fewest CTAs that hold the row spill-free (<= SPILL_FREE_KEYS a thread), else at <= 32 a thread.
+        c = next(
+            (c for lim in (SPILL_FREE_KEYS, MAX_KEYS_PER_THREAD) for c in CLUSTERS if _fit(cols, c, threads, lim)), 0
+        )
+        if not c:
+            return None
+        # Few rows leave SMs idle: spread a long row over more CTAs while the grid stays within half the SMs
+        # and every CTA keeps >= SPREAD_MIN_KEYS keys.
+        while c < CLUSTERS[-1] and rows * 2 * c <= _SMS // 2 and cdiv(cols, 2 * c) >= SPREAD_MIN_KEYS:
+            c *= 2
+    else:
+        c = cluster
+    fit = _fit(cols, c, threads, SPILL_FREE_KEYS) or _fit(cols, c, threads, MAX_KEYS_PER_THREAD)
+    if fit is None:
+        return None
+    return c, fit[0], cdiv(fit[1], vec), fb
+
+
+def _fit(cols: int, cluster: int, threads: int | None, limit: int) -> tuple[int, int] | None:
+    """``(threads, keys per thread)`` of the smallest CTA (or the ``threads`` given) that holds a ``cluster``-th
+    of a row at <= ``limit`` keys a thread."""
+    share = cdiv(cols, cluster)
+    for t in (256, 512, 1024) if threads is None else (threads,):
+        if cdiv(share, t) <= limit:
+            return t, cdiv(share, t)
+    return None
+
+
+def local_topk_pack_cutedsl(
+    scores: torch.Tensor,
+    lengths: torch.Tensor | None,
+    k: int,
+    rank_i: int,
+    stripe: int,
+    interleave: int,
+    row_starts: torch.Tensor | None,
+    out: torch.Tensor,
+    out_ids: torch.Tensor | None,
+    flag: torch.Tensor | None,
+    plan: tuple[int, int, int, int],
+    vec: int,
+    order: str = "global_id",
+    tvm_ffi: bool | None = None,
+    min_ctas: int = 0,
+) -> None:
+    """Launch the kernel on checked arguments (the caller, ``indexer_topk_pack``, checked every one of them and
+    made the plan with :func:`plan_for`): no host synchronisation, no allocation (CUDA-graph capturable).
+
+    ``out``: float32 ``[T, k, 2]`` pairs (``global_id``) or ``[T, k]`` scores (``rank_local``, with ``out_ids``
+    int32 ``[T, k]``), contiguous. ``flag``: the validated call's check flag (int64 ``[1]``) or ``None``."""
+    rows, cols = scores.shape
+    cluster, threads, cpt, first_bits = plan
+    ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
+
+    def bits(t: torch.Tensor | None) -> int:
+        return 0 if t is None else (64 if t.dtype == torch.int64 else 32)
+
+    cfg = LocalTopKConfig(
+        k, cluster, threads, cpt, vec, order, bits(lengths), bits(row_starts), flag is not None, first_bits,
+        min_ctas, ffi,
+    )  # fmt: skip
+    fn = compile_local_topk(cfg)
+    dev = scores.device
+    dummy32 = out.view(-1).view(torch.int32)
+    words = scores.view(torch.int32).reshape(-1) if scores.is_contiguous() else scores.view(torch.int32)
+    if not scores.is_contiguous():
+        # a row-strided view: the kernel addresses row*stride + column in the base storage
+        words = torch.as_strided(scores.view(torch.int32), (scores.stride(0) * (rows - 1) + cols,), (1,))
+    lens = lengths.contiguous() if lengths is not None else dummy32
+    starts = row_starts.contiguous() if row_starts is not None else dummy32
+    if order == "rank_local":
+        out64 = flag if flag is not None else check_flag(dev)  # never written: a cached int64 word
+        out32 = out.view(-1).view(torch.int32)
+        outid = out_ids.view(-1) if out_ids is not None else dummy32
+    else:
+        out64 = out.view(-1).view(torch.int64)
+        out32 = outid = dummy32
+    flg = flag if flag is not None else out64
+    rstride = scores.stride(0) if rows > 1 else cols
+    args = (words, lens, starts, out64, out32, outid, flg, rows, cols, rstride, rank_i, stripe, interleave)
+    if ffi:
+        fn(*args)
+    else:
+        import cuda.bindings.driver as cuda  # shipped with nvidia-cutlass-dsl
+        from cutlass.cute.runtime import from_dlpack
+
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        tens = [from_dlpack(a, assumed_align=(4 * vec if i == 0 else a.element_size())) for i, a in enumerate(args[:7])]
+        fn(*tens, Int32(rows), Int32(cols), Int64(rstride), Int32(rank_i), Int32(stripe), Int32(interleave), stream)
