@@ -327,30 +327,32 @@ class LocalTopKKernel(SelectToSlotsKernel):
         """This thread's keys of the row, by vector loads, with pass 0's histogram counted on the way.
 
         Vector load ``ci`` covers columns ``c0 + g*vec ... + vec - 1``, ``g = (crank*cpt + ci)*T + tid``, from the
-        aligned column ``c0 = start - start % vec``; a load wholly past the window's end is not issued (nothing
-        past it is read). Keys outside ``[start, end)`` and NaN are invalid (``hi = 0``): not counted in a bin;
+        aligned column ``c0 = start - start % vec``; a load wholly past the window's end reads the row's first
+        vector instead (nothing past the window is read; all loads are issued before any is used). Keys outside
+        ``[start, end)`` and NaN are invalid (``hi = 0``): not counted in a bin;
         this thread's count of them goes into the dummy bin ``NB0`` with one atomic per warp (``n_valid``)."""
         T = const_expr(self.threads)
         VEC = const_expr(self.vec)
         SH0 = const_expr(self.schedule[0][1])
         NB0 = const_expr(self.schedule_bins[0])
         c0 = start - start % VEC
-        vbase = (Int64(row) * rstride + Int64(c0)) // Int64(VEC)  # the row's first vector (rstride % vec == 0)
+        vrow = Int64(row) * rstride // Int64(VEC)  # the row's column 0 (rstride % vec == 0): always in bounds
+        vbase = vrow + Int64(c0 // VEC)
         words = cute.make_tensor(sc.iterator, cute.make_layout((1 << 30, VEC), stride=(VEC, 1)))
-        invalid = Int32(0)
+        # Every load first, none under a branch: a load wholly past the window reads the row's column 0 instead
+        # (in bounds, cached, masked below), so the cpt loads are in flight together rather than one latency each.
         for ci in cutlass.range_constexpr(self.cpt):
             g = (crank * self.cpt + ci) * T + tid
-            col0 = c0 + g * VEC
-            vals = cute.make_rmem_tensor((VEC,), Int32)
+            off = Int64(cutlass.select_(c0 + g * VEC < end, vbase + Int64(g), vrow))
+            v = words[off, None].load()
             for s in cutlass.range_constexpr(VEC):
-                vals[s] = Int32(0)
-            if col0 < end:
-                v = words[vbase + Int64(g), None].load()
-                for s in cutlass.range_constexpr(VEC):
-                    vals[s] = v[s]
+                khi[ci * VEC + s] = v[s].bitcast(Uint32)
+        invalid = Int32(0)
+        for ci in cutlass.range_constexpr(self.cpt):
+            col0 = c0 + ((crank * self.cpt + ci) * T + tid) * VEC
             for s in cutlass.range_constexpr(VEC):
                 col = col0 + s
-                sb = vals[s].bitcast(Uint32)
+                sb = khi[ci * VEC + s]
                 sb = Uint32(cutlass.select_(sb == Uint32(SIGN), Uint32(0), sb))  # -0.0 ties +0.0
                 flip = Uint32(Int32(sb.bitcast(Int32) >> 31).bitcast(Uint32) | Uint32(SIGN))
                 ok = (col >= start) & (col < end) & ((sb & Uint32(0x7FFFFFFF)) <= Uint32(0x7F800000))
