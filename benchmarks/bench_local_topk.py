@@ -91,8 +91,7 @@ TRITON_SWEEP = (
 
 
 #: The CuTeDSL kernel's sweep (the default ``--sweep``), shapes in priority order: every (cluster, threads) that holds
-#: the row at 8, 16 or 32 keys a thread (the default first digit and candidate list), then at the default plan's
-#: CTAs the other first digits and no candidate list.
+#: the row at 8, 16 or 32 keys a thread with an 8-bit first digit, then the default plan's CTAs with 11 and 12 bits.
 CUTE_SWEEP_SHAPES = [
     (32, 8192), (1024, 32768), (128, 32768), (1, 131072), (1024, 8192), (1024, 4096), (32, 32768),
     (1, 32768), (1024, 131072), (128, 131072), (32, 131072), (1, 4096), (1, 8192), (32, 4096),
@@ -100,19 +99,17 @@ CUTE_SWEEP_SHAPES = [
 
 
 def cute_sweep() -> list[tuple[int, int, dict]]:
-    from dcp_ref.kernels.local_topk_cutedsl import CLUSTERS, FIRST_BITS, plan_for
+    from dcp_ref.kernels.local_topk_cutedsl import CLUSTERS, plan_for
 
     out = []
     for t, n in CUTE_SWEEP_SHAPES:
         for c in CLUSTERS:
             for th in (256, 512, 1024):
                 if -(-n // (c * th)) in (8, 16, 32) or (n // (c * th) < 8 and th == 256 and c == 1):
-                    out.append((t, n, {"engine": "cutedsl", "cute": (c, th)}))
+                    out.append((t, n, {"engine": "cutedsl", "cute": (c, th, 8)}))
         base = plan_for(t, n, K, 4)
         if base is not None:
-            c, th, _, fb, _ = base
-            out += [(t, n, {"engine": "cutedsl", "cute": (c, th, b)}) for b in FIRST_BITS if b != fb]
-            out.append((t, n, {"engine": "cutedsl", "cute": (c, th, 8, 0)}))  # no candidate list
+            out += [(t, n, {"engine": "cutedsl", "cute": (base[0], base[1], fb)}) for fb in (11, 12)]
     return out
 
 
@@ -479,8 +476,8 @@ def fmt(v, spec: str = ".1f") -> str:
 
 def plan_str(p: dict) -> str:
     if p.get("engine") == "cutedsl":
-        c, t, cpt, fb, cap = p["cute"]
-        return f"cutedsl {c}×{t} / {cpt * p['vec']} keys a thread / first {fb} bits / list {cap}"
+        c, t, cpt, fb = p["cute"]
+        return f"cutedsl {c}×{t} / {cpt * p['vec']} keys a thread / first {fb} bits"
     if p.get("compact"):
         return (
             f"compact S={p['split']} tile {p['tile']} cap {p['cap']} sample {p['sample']} / {p['num_warps']}w / "

@@ -912,7 +912,7 @@ class LaunchPlan(NamedTuple):
     select: str = "radix"  #: how a tile held in registers is selected (:data:`SELECTS`)
     pivots: int = 3  #: pivots per step of ``select="search"``
     engine: str = "triton"  #: ``"triton"`` (the fields above) or ``"cutedsl"`` (:mod:`.local_topk_cutedsl`)
-    cute: tuple[int, int, int, int, int] | None = None  #: CuTeDSL ``(cluster, threads, cpt, first_bits, list_cap)``
+    cute: tuple[int, int, int, int] | None = None  #: the CuTeDSL kernel's ``(cluster, threads, cpt, first_bits)``
     vec: int = 0  #: keys per vector load of the CuTeDSL kernel (the scores' alignment allows it)
 
 
@@ -1040,7 +1040,7 @@ def launch_plan(
     pivots: int | None = None,
     engine: str | None = None,
     vec: int = 0,
-    cute: tuple[int | None, ...] | None = None,
+    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> LaunchPlan:
     """How :func:`indexer_topk_pack` runs ``rows`` rows of ``n_cols`` columns (shapes only, no sync).
 
@@ -1050,8 +1050,8 @@ def launch_plan(
     whose layout allows ``vec >= 1`` keys per vector load (:func:`~dcp_ref.kernels.local_topk_cutedsl.vec_for`;
     0 = it cannot read them) and :func:`~dcp_ref.kernels.local_topk_cutedsl.plan_for` holds the row — and the
     Triton kernel elsewhere. ``"triton"`` / ``"cutedsl"`` force one (``"cutedsl"`` where it cannot run is a
-    ``ValueError``). ``cute``: ``(cluster, threads, first_bits[, list_cap])`` overrides of the CuTeDSL plan
-    (``None`` entries: by shape).
+    ``ValueError``). ``cute``: ``(cluster, threads, first_bits)`` overrides of the CuTeDSL plan (``None``
+    entries: by shape).
 
     A row of up to :data:`MAX_TILE` columns (``tile`` when given) is one tile, held in registers
     (``select``). A longer one takes the compacted path where :func:`prefer_compact` says so (``compact=None``:
@@ -1112,8 +1112,8 @@ def _cute_plan(
     k: int,
     device: torch.device,
     vec: int,
-    cute: tuple[int | None, ...] | None,
-) -> tuple[int, int, int, int, int] | None:
+    cute: tuple[int | None, int | None, int | None] | None,
+) -> tuple[int, int, int, int] | None:
     """The CuTeDSL kernel's plan, or ``None`` where it cannot run (see :func:`launch_plan`)."""
     if vec < 1 or device.type != "cuda" or triton_interpreting() or rows < 1:
         return None
@@ -1121,8 +1121,8 @@ def _cute_plan(
         from .local_topk_cutedsl import plan_for
     except ImportError:  # nvidia-cutlass-dsl missing: the Triton kernel runs
         return None
-    cluster, threads, first_bits, list_cap = (tuple(cute) + (None,) * 4)[:4] if cute is not None else (None,) * 4
-    return plan_for(rows, n_cols, k, vec, cluster=cluster, threads=threads, first_bits=first_bits, list_cap=list_cap)
+    cluster, threads, first_bits = cute if cute is not None else (None, None, None)
+    return plan_for(rows, n_cols, k, vec, cluster=cluster, threads=threads, first_bits=first_bits)
 
 
 def _compact_words(plan: LaunchPlan) -> int:
@@ -1190,7 +1190,7 @@ def indexer_topk_pack(
     sample: int | None = None,
     pivots: int | None = None,
     engine: str | None = None,
-    cute: tuple[int | None, ...] | None = None,
+    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> torch.Tensor: ...
 
 
@@ -1216,7 +1216,7 @@ def indexer_topk_pack(
     sample: int | None = None,
     pivots: int | None = None,
     engine: str | None = None,
-    cute: tuple[int | None, ...] | None = None,
+    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -1241,7 +1241,7 @@ def indexer_topk_pack(
     sample: int | None = None,
     pivots: int | None = None,
     engine: str | None = None,
-    cute: tuple[int | None, ...] | None = None,
+    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Local stable top-``k`` of each score row, packed for the all-gather (the indexer stage).
 
@@ -1274,7 +1274,7 @@ def indexer_topk_pack(
             one (compacted path: int64, zeroed; split streamed path: float32 ``[T, sum(levels), k, 2]``);
             allocated when needed and not given.
         engine, cute: who runs the call (``None``: the plan picks; ``"triton"`` / ``"cutedsl"``) and the CuTeDSL
-            kernel's ``(cluster, threads, first_bits[, list_cap])`` tuning; see :func:`launch_plan`.
+            kernel's ``(cluster, threads, first_bits)`` tuning; see :func:`launch_plan`.
         split, radix_bits, tile, num_warps, compact, select, sample, pivots: the Triton kernel's tuning (see
             :func:`launch_plan`; any of them but ``radix_bits`` makes the plan take the Triton kernel).
             ``split``: segments per row; ``radix_bits``: digit width of the radix select, 5-13 (default

@@ -67,10 +67,6 @@ SPILL_FREE_KEYS = 16
 #: Shared-state words of this kernel beyond :class:`State`'s (its words 9-15 are free).
 CTA_ABOVE = 9  #: this CTA's winners above the threshold (read by the cluster's higher CTAs)
 CTA_TIES = 10  #: this CTA's keys equal to the threshold
-NLIST = 11  #: keys of the CTA in pass 0's threshold bin (the candidate list's length; may exceed its capacity)
-#: The first radix digit's width and the candidate list's entries by default (see :func:`plan_for`).
-DEFAULT_FIRST_BITS = 12
-DEFAULT_LIST_CAP = 4096
 #: Streaming multiprocessors of the H200 (the plan spreads few long rows over them).
 _SMS = 132
 #: The least keys per CTA when the plan spreads a row over a cluster.
@@ -97,7 +93,6 @@ class LocalTopKConfig:
         first_bits: width of the first radix digit (:data:`~dcp_ref.kernels.topk_cutedsl.FIRST_BITS`).
         min_ctas: ptxas ``minctasm`` (CTAs per SM the registers must allow; 0: no cap).
         tvm_ffi: compiled for the TVM-FFI call path.
-        list_cap: entries of the candidate list (pass 0's threshold bin, in shared memory; 0: no list).
     """
 
     k: int
@@ -112,7 +107,6 @@ class LocalTopKConfig:
     first_bits: int = 8
     min_ctas: int = 0
     tvm_ffi: bool = False
-    list_cap: int = 4096
 
     def __post_init__(self) -> None:
         if self.cluster not in CLUSTERS:
@@ -131,8 +125,6 @@ class LocalTopKConfig:
             raise ValueError("len_bits and start_bits must be 0, 32 or 64")
         if self.first_bits not in FIRST_BITS:
             raise ValueError(f"first_bits must be one of {FIRST_BITS}, got {self.first_bits!r}")
-        if self.list_cap < 0 or self.list_cap % 32:
-            raise ValueError(f"list_cap must be a non-negative multiple of 32, got {self.list_cap!r}")
         if not 1 <= self.k <= 32768:
             raise ValueError(f"k must be in [1, 32768], got {self.k!r}")
 
@@ -254,9 +246,9 @@ class LocalTopKKernel(SelectToSlotsKernel):
         wsum = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
         st = smem.allocate_tensor(Int32, cute.make_layout(State.WORDS), byte_alignment=16)
         hloc = smem.allocate_tensor(Int32, cute.make_layout(self.hloc_size), byte_alignment=16)
-        # the warp totals per load (the commit's scans), the candidate list
-        tab = smem.allocate_tensor(Int32, cute.make_layout(2 * self.cpt * 32), byte_alignment=16)
-        clist = smem.allocate_tensor(Uint32, cute.make_layout(max(self.lcfg.list_cap, 1)), byte_alignment=16)
+        tab = smem.allocate_tensor(
+            Int32, cute.make_layout(2 * self.cpt * 32), byte_alignment=16
+        )  # warp totals per load
 
         if tid < State.WORDS:
             st[tid] = Int32(0)
@@ -288,9 +280,7 @@ class LocalTopKKernel(SelectToSlotsKernel):
         cute.arch.sync_threads()
 
         for d in cutlass.range_constexpr(len(self.schedule)):
-            if const_expr(d == 1 and self.lcfg.list_cap > 0):
-                self.collect(khi, st, clist, tid, lane)
-            self.radix_pass_listed(d, khi, clist, hist, hloc, wsum, st, tid, lane, warp)
+            self.radix_pass_s2s(d, khi, khi, khi, hist, hloc, wsum, st, tid, lane, warp, Int32(0))
 
         self.commit(sc, row, rstride, start, khi, st, tab, out64, out32, outid, obase, tid, lane, warp, crank,
                     rank_i, stripe, inter)  # fmt: skip
@@ -375,89 +365,6 @@ class LocalTopKKernel(SelectToSlotsKernel):
         total = cute.arch.warp_redux_sync(invalid, "add")
         if (lane == 0) & (total > 0):
             cute.arch.atomic_add(hist.iterator + NB0, total)
-
-    @cute.jit
-    def collect(self, khi: cute.Tensor, st: cute.Tensor, clist: cute.Tensor, tid: Int32, lane: Int32) -> None:
-        """The candidate list: this CTA's keys in pass 0's threshold bin, into shared memory (once pass 0 found it).
-
-        The later passes then read the list (a few entries a thread) instead of every key in registers. Each
-        thread counts its matches, a warp scan gives its offset and one atomic per warp the warp's base; the keys
-        past ``list_cap`` are dropped and ``st[NLIST]`` (their true count) makes the passes read the registers
-        instead. Ends with a barrier: the list and its count are complete for everyone."""
-        CAP = const_expr(self.lcfg.list_cap)
-        bits0 = const_expr(self.schedule[0][1])
-        m0 = const_expr((MASK32 >> bits0) << bits0)  # the bits pass 0 fixed
-        if st[State.DONE] == 0:
-            phi = st[State.PREFIX_HI].bitcast(Uint32)
-            c = Int32(0)
-            for i in cutlass.range_constexpr(self.items):
-                hi = khi[i]
-                c = c + cutlass.select_((hi != Uint32(0)) & ((hi & Uint32(m0)) == phi), Int32(1), Int32(0))
-            inc = warp_inclusive_scan(c, lane)
-            base = Int32(0)
-            if lane == 31:
-                base = cute.arch.atomic_add(st.iterator + NLIST, inc)
-            r = cute.arch.shuffle_sync(base, 31) + inc - c
-            for i in cutlass.range_constexpr(self.items):
-                hi = khi[i]
-                m = (hi != Uint32(0)) & ((hi & Uint32(m0)) == phi)
-                if m & (r < CAP):
-                    clist[r] = hi
-                r = r + cutlass.select_(m, Int32(1), Int32(0))
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def radix_pass_listed(
-        self,
-        d: int,
-        khi: cute.Tensor,
-        clist: cute.Tensor,
-        hist: cute.Tensor,
-        hloc: cute.Tensor,
-        wsum: cute.Tensor,
-        st: cute.Tensor,
-        tid: Int32,
-        lane: Int32,
-        warp: Int32,
-    ) -> None:
-        """Score pass ``d`` (as :meth:`radix_pass_s2s`): the keys matching the prefix so far, counted from the
-        candidate list when it holds the CTA's whole threshold bin, else from the registers; then the cluster's
-        sum (:meth:`merge`) and the bin scan (:meth:`pick_bin`). Every CTA of a cluster takes the same barriers
-        whichever source it reads."""
-        T = const_expr(self.threads)
-        CAP = const_expr(self.lcfg.list_cap)
-        sh = const_expr(self.schedule[d][1])
-        NB = const_expr(self.schedule_bins[d])
-        bits_above = const_expr(sh + self.schedule[d][2])
-        before = const_expr((MASK32 << bits_above) & MASK32 if bits_above < 32 else 0)
-        cur = const_expr((d % 2) * self.hist_stride)
-        target = hist
-        if const_expr(self.split > 1):
-            target = hloc
-        if st[State.DONE] == 0:
-            need = st[State.NEED]
-            phi = st[State.PREFIX_HI].bitcast(Uint32)
-            if const_expr(d > 0):  # pass 0 was counted while loading (and merged)
-                n_list = Int32(CAP + 1)
-                if const_expr(CAP > 0):
-                    n_list = st[NLIST]
-                if n_list <= CAP:
-                    for x in cutlass.range(tid, n_list, T):
-                        hi = clist[x]
-                        if (hi & Uint32(before)) == phi:
-                            digit = Int32((hi >> Uint32(sh)) & Uint32(NB - 1))
-                            cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
-                else:
-                    for i in cutlass.range_constexpr(self.items):
-                        hi = khi[i]
-                        if (hi != Uint32(0)) & ((hi & Uint32(before)) == phi):
-                            digit = Int32((hi >> Uint32(sh)) & Uint32(NB - 1))
-                            cute.arch.atomic_add(target.iterator + cur + digit, Int32(1))
-                if const_expr(self.split > 1):
-                    cluster_sync()
-                    self.merge(d, hloc, hist, tid)
-                cute.arch.sync_threads()
-            self.pick_bin(d, need, phi, Uint32(0), hist, wsum, st, tid, lane, warp)
 
     @cute.jit
     def write_padding(
@@ -725,16 +632,14 @@ def plan_for(
     cluster: int | None = None,
     threads: int | None = None,
     first_bits: int | None = None,
-    list_cap: int | None = None,
-) -> tuple[int, int, int, int, int] | None:
-    """``(cluster, threads, cpt, first_bits, list_cap)`` for a ``[rows, cols]`` problem, or ``None`` when the kernel
+) -> tuple[int, int, int, int] | None:
+    """``(cluster, threads, cpt, first_bits)`` for a ``[rows, cols]`` problem, or ``None`` when the kernel
     cannot take it (the Triton kernel does). The default: the fewest CTAs per row (a cluster) that hold the row
     at <= :data:`SPILL_FREE_KEYS` keys a thread (else 32), each the smallest CTA that does; when the rows are
     few, more CTAs per row (see below). The arguments override (benchmark sweeps)."""
     if vec < 1 or not 1 <= k <= 32768 or cols < 1:
         return None
-    fb = DEFAULT_FIRST_BITS if first_bits is None else first_bits
-    cap = DEFAULT_LIST_CAP if list_cap is None else list_cap
+    fb = 8 if first_bits is None else first_bits
     if cluster is None:
         # The fewest CTAs that hold the row spill-free (<= SPILL_FREE_KEYS a thread), else at <= 32 a thread.
         c = next(
@@ -751,7 +656,7 @@ def plan_for(
     fit = _fit(cols, c, threads, SPILL_FREE_KEYS) or _fit(cols, c, threads, MAX_KEYS_PER_THREAD)
     if fit is None:
         return None
-    return c, fit[0], cdiv(fit[1], vec), fb, cap
+    return c, fit[0], cdiv(fit[1], vec), fb
 
 
 def _fit(cols: int, cluster: int, threads: int | None, limit: int) -> tuple[int, int] | None:
@@ -775,7 +680,7 @@ def local_topk_pack_cutedsl(
     out: torch.Tensor,
     out_ids: torch.Tensor | None,
     flag: torch.Tensor | None,
-    plan: tuple[int, int, int, int, int],
+    plan: tuple[int, int, int, int],
     vec: int,
     order: str = "global_id",
     tvm_ffi: bool | None = None,
@@ -787,7 +692,7 @@ def local_topk_pack_cutedsl(
     ``out``: float32 ``[T, k, 2]`` pairs (``global_id``) or ``[T, k]`` scores (``rank_local``, with ``out_ids``
     int32 ``[T, k]``), contiguous. ``flag``: the validated call's check flag (int64 ``[1]``) or ``None``."""
     rows, cols = scores.shape
-    cluster, threads, cpt, first_bits, list_cap = plan
+    cluster, threads, cpt, first_bits = plan
     ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
 
     def bits(t: torch.Tensor | None) -> int:
@@ -795,7 +700,7 @@ def local_topk_pack_cutedsl(
 
     cfg = LocalTopKConfig(
         k, cluster, threads, cpt, vec, order, bits(lengths), bits(row_starts), flag is not None, first_bits,
-        min_ctas, ffi, list_cap,
+        min_ctas, ffi,
     )  # fmt: skip
     fn = compile_local_topk(cfg)
     dev = scores.device
