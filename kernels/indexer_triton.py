@@ -1106,6 +1106,17 @@ def launch_plan(
     return LaunchPlan(t, one, w, split, _split_levels(split, k, tile or MAX_TILE), False, 0, 0, sel, piv)
 
 
+def _vec(scores: torch.Tensor) -> int:
+    """Keys per vector load the CuTeDSL kernel could read ``scores`` with (0: it cannot run here)."""
+    if scores.device.type != "cuda" or triton_interpreting():
+        return 0
+    try:
+        from .local_topk_cutedsl import vec_for
+    except ImportError:
+        return 0
+    return vec_for(scores)
+
+
 def _cute_plan(
     rows: int,
     n_cols: int,
@@ -1149,11 +1160,14 @@ def workspace_for(
 
     Returns:
         compacted path: int64 ``[T, words]``, **zeroed** (its per-row arrival counters must start at 0;
-        every call leaves them at 0); streamed split path: float32 ``[T, sum(levels), k, 2]``; or ``None``.
+        every call leaves them at 0); streamed split path: float32 ``[T, sum(levels), k, 2]``; or ``None`` (the
+        CuTeDSL engine, and the Triton paths that need none).
     """
     rows, cols = scores.shape
     plan = launch_plan(rows, cols, k, scores.device, split=split, tile=tile, compact=compact, sample=sample,
-                       num_warps=num_warps)  # fmt: skip
+                       num_warps=num_warps, vec=_vec(scores))  # fmt: skip
+    if plan.engine == "cutedsl":
+        return None
     if plan.compact:
         return torch.zeros((rows, _compact_words(plan)), dtype=torch.int64, device=scores.device)
     n = sum(plan.levels)
@@ -1356,11 +1370,7 @@ def indexer_topk_pack(
         # stride this large (a column-major view of a huge matrix) would overflow them. Masked-off
         # lanes never dereference their (possibly wrapped) address.
         scores = scores.contiguous()
-    vec = 0
-    if engine != "triton" and dev.type == "cuda" and not triton_interpreting():
-        from .local_topk_cutedsl import vec_for
-
-        vec = vec_for(scores)
+    vec = _vec(scores) if engine != "triton" else 0
     plan = launch_plan(rows, cols, k, dev, split=split, tile=tile, num_warps=num_warps, compact=compact,
                        select=select, sample=sample, pivots=pivots, engine=engine, vec=vec, cute=cute)  # fmt: skip
     if plan.engine == "cutedsl":

@@ -33,6 +33,7 @@ Limits (checked by :func:`plan_for`, which returns ``None`` outside them: the Tr
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -623,6 +624,32 @@ def vec_for(scores: torch.Tensor) -> int:
     return 1
 
 
+#: The measured plans: ``(T, L) -> (cluster, threads, first_bits)``, the fastest configuration of each shape in the
+#: committed H200 sweep (:data:`PLANS_SOURCE`, CUDA-graph replay, k = 2048, standard normal scores; 99
+#: configurations: clusters 1-8, 256-1024 threads at 8 / 16 / 32 keys a thread, first digits of 8, 11, 12 bits).
+#: What it says: few rows want 8 keys a thread (latency: T = 1, L = 32768 on 8 CTAs of 512 threads, 9.3 µs, against
+#: 24.7 on one CTA); many rows want the fewest CTAs (T = 1024, L = 32768 on one CTA of 32 keys a thread, 200.1 µs,
+#: against 257.2 on two); 11 and 12-bit first digits won only by noise (<= 4 %, two shapes: kept as measured).
+#: ``tests/test_local_topk_plans.py`` checks the table against the file.
+PLANS: dict[tuple[int, int], tuple[int, int, int]] = {
+    (1, 4096): (1, 512, 8), (1, 8192): (2, 512, 8), (1, 32768): (8, 512, 8), (1, 131072): (8, 1024, 8),
+    (32, 4096): (1, 512, 8), (32, 8192): (2, 512, 8), (32, 32768): (2, 1024, 11), (32, 131072): (8, 1024, 8),
+    (128, 32768): (1, 1024, 8), (128, 131072): (8, 1024, 8),
+    (1024, 4096): (1, 512, 8), (1024, 8192): (1, 512, 11), (1024, 32768): (1, 1024, 8), (1024, 131072): (4, 1024, 8),
+}  # fmt: skip
+PLANS_SOURCE = "benchmarks/results/local_topk_sweep.json"
+
+
+def _measured(rows: int, cols: int) -> list[tuple[int, int, int]]:
+    """The measured plans nearest to ``(rows, cols)`` first (log2 distance, the columns counted double: they
+    decide what fits)."""
+
+    def dist(key: tuple[int, int]) -> float:
+        return abs(math.log2(max(rows, 1) / key[0])) + 2 * abs(math.log2(cols / key[1]))
+
+    return [PLANS[key] for key in sorted(PLANS, key=dist)]
+
+
 def plan_for(
     rows: int,
     cols: int,
@@ -634,11 +661,20 @@ def plan_for(
     first_bits: int | None = None,
 ) -> tuple[int, int, int, int] | None:
     """``(cluster, threads, cpt, first_bits)`` for a ``[rows, cols]`` problem, or ``None`` when the kernel
-    cannot take it (the Triton kernel does). The default: the fewest CTAs per row (a cluster) that hold the row
-    at <= :data:`SPILL_FREE_KEYS` keys a thread (else 32), each the smallest CTA that does; when the rows are
-    few, more CTAs per row (see below). The arguments override (benchmark sweeps)."""
+    cannot take it (the Triton kernel does).
+
+    The default is measured (:data:`PLANS`): the nearest measured shape's plan that holds this row at <= 32 keys
+    a thread, its CTA count kept and the threads the fewest of its size that hold the row (a shorter row than
+    measured takes the same CTAs, fewer keys each). With no measured plan that fits (or any argument given, the
+    benchmark's sweeps), the rule: the fewest CTAs per row (a cluster) that hold the row at <=
+    :data:`SPILL_FREE_KEYS` keys a thread (else 32), each the smallest CTA that does; when the rows are few, more
+    CTAs per row (see below)."""
     if vec < 1 or not 1 <= k <= 32768 or cols < 1:
         return None
+    if cluster is None and threads is None and first_bits is None:
+        for c, t, fb in _measured(rows, cols):
+            if cdiv(cols, c * t) <= MAX_KEYS_PER_THREAD:
+                return c, t, cdiv(cdiv(cols, c * t), vec), fb
     fb = 8 if first_bits is None else first_bits
     if cluster is None:
         # The fewest CTAs that hold the row spill-free (<= SPILL_FREE_KEYS a thread), else at <= 32 a thread.

@@ -112,7 +112,7 @@ def _local_topk_torch(
 _INDEXER_WORKSPACES = threading.local()  # split-row workspaces of the fused indexer, per thread (rank) and shape
 
 
-@named_impl("triton-fused")
+@named_impl("fused")
 def _indexer_fused(
     scores: torch.Tensor,
     lengths: torch.Tensor,
@@ -466,7 +466,7 @@ def kernel_stage_impls(
     topk: int | None = None,
     kv_format: str = "native",
 ) -> dict[str, str]:
-    """What :func:`kernel_stages` runs for each stage (``"triton"``, ``"triton-fused"``, ``"torch+triton"``,
+    """What :func:`kernel_stages` runs for each stage (``"triton"``, ``"triton-fused"``, ``"fused"``, ``"torch+triton"``,
     ``"cutedsl"``, ``"flashmla"``, ``"triton-splitkv"``, ``"flashinfer"``, ``"flashmla-fp8"``, ``"torch"``,
     ``"torch-fp8"``), in step order (each fallback is logged once). Where two attention kernels can run,
     the one named is FlashMLA; a planned step picks by its token count (:data:`SPLITKV_MAX_TOKENS`)."""
@@ -496,7 +496,8 @@ def _choose(
             reasons[stage] = tri
     impl["scoring"] = "triton" if not tri and _has("scoring_triton") else "torch"
     impl["scored_indexer"] = "triton-fused" if not tri and _has("scored_indexer_triton") else "torch"
-    impl["indexer"] = "triton-fused" if not tri and _has("indexer_triton") else ("torch+triton" if not tri else "torch")
+    # "fused": local top-K + pack in one launch, by the CuTeDSL kernel where the indexer's plan takes it, else Triton
+    impl["indexer"] = "fused" if not tri and _has("indexer_triton") else ("torch+triton" if not tri else "torch")
     if not cuda:
         reasons["select"] = reasons["select_to_slots"] = f"tensors are on {device}, not CUDA"
     elif not has_module("cutlass"):
@@ -594,7 +595,7 @@ def kernel_stages(
         if impl["scored_indexer"] == "triton-fused"
         else reference_scored_indexer,
         "indexer": {
-            "triton-fused": _indexer_fused,
+            "fused": _indexer_fused,
             "torch+triton": compose_indexer(_local_topk_torch, _pack_triton),
             "torch": reference_indexer,
         }[impl["indexer"]],

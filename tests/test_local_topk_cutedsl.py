@@ -74,11 +74,13 @@ def test_plan_refuses_what_it_cannot_hold():
     assert ltk.plan_for(1, 0, 2048, 4) is None
 
 
-def test_plan_spreads_few_rows_over_a_cluster():
-    assert ltk.plan_for(1, 131072, 2048, 4)[0] == 8
-    assert ltk.plan_for(1, 32768, 2048, 4)[0] == 4  # 4 CTAs of 8192 keys
-    assert ltk.plan_for(1024, 32768, 2048, 4)[0] == 2  # the fewest that hold it spill-free
-    assert ltk.plan_for(32, 4096, 2048, 4)[0] == 1
+def test_plan_rule_spreads_few_rows_over_a_cluster():
+    """The rule (any argument given, or no measured plan fits): few long rows spread over a cluster, many rows take
+    the fewest CTAs that hold them spill-free."""
+    assert ltk.plan_for(1, 131072, 2048, 4, first_bits=8)[0] == 8
+    assert ltk.plan_for(1, 32768, 2048, 4, first_bits=8)[0] == 4  # 4 CTAs of 8192 keys
+    assert ltk.plan_for(1024, 32768, 2048, 4, first_bits=8)[0] == 2  # the fewest that hold it spill-free
+    assert ltk.plan_for(32, 4096, 2048, 4, first_bits=8)[0] == 1
 
 
 def test_engine_choice_on_the_cpu():

@@ -126,7 +126,7 @@ def test_prefill_chunk_on_the_kernels(world_size, interleave) -> None:
     traces = [dict() for _ in range(world_size)]
     out, lse = run_prefill(problem, torch.tensor(seq_lens) - qlens, qlens, 6, 0.35, traces, backend="kernels")
     ref_out, ref_lse, ref_ids = single_device_decode(problem, 6, 0.35)
-    assert out.dtype == torch.float32 and traces[0]["impl"]["indexer"] in ("torch+triton", "triton-fused")
+    assert out.dtype == torch.float32 and traces[0]["impl"]["indexer"] in ("torch+triton", "fused")
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=2e-6)
     for tr in traces:

@@ -1,0 +1,66 @@
+"""The CuTeDSL local top-K's plan table is the committed H200 sweep's verdict, and the plan follows it.
+
+:data:`dcp_ref.kernels.local_topk_cutedsl.PLANS` must name, for every swept shape, the fastest configuration of
+``benchmarks/results/local_topk_sweep.json`` (correct results only); and :func:`plan_for` must return that plan at
+the swept shapes. Pure Python: no GPU, no compile.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ltk = pytest.importorskip("dcp_ref.kernels.local_topk_cutedsl")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sweep() -> dict:
+    return json.loads((ROOT / ltk.PLANS_SOURCE).read_text())
+
+
+def test_plans_are_the_sweeps_fastest():
+    best: dict[tuple[int, int], tuple[float, tuple[int, int, int]]] = {}
+    for r in _sweep()["records"]:
+        if r["median_us"] is None or not r["same_result"]:
+            continue
+        key = (r["T"], r["L"])
+        if key not in best or r["median_us"] < best[key][0]:
+            best[key] = (r["median_us"], tuple(r["cute"]))
+    assert {key: cfg for key, (_, cfg) in best.items()} == ltk.PLANS
+
+
+def test_every_swept_configuration_was_exact():
+    recs = _sweep()["records"]
+    assert len(recs) >= 90 and all(r["same_result"] for r in recs)
+
+
+@pytest.mark.parametrize("shape", sorted(ltk.PLANS))
+def test_plan_for_takes_the_measured_plan(shape):
+    rows, cols = shape
+    c, t, fb = ltk.PLANS[shape]
+    cluster, threads, cpt, first_bits = ltk.plan_for(rows, cols, 2048, 4)
+    assert (cluster, threads, first_bits) == (c, t, fb)
+    assert cluster * threads * cpt * 4 >= cols
+
+
+def test_unmeasured_shapes_take_the_nearest_plan_that_fits():
+    # 65536 keys: the nearest measured shapes are 32768 (one CTA: too small) and 131072 (4 CTAs): the latter
+    assert ltk.plan_for(1024, 65536, 2048, 4)[:2] == (4, 1024)
+    # longer than any measured plan holds at 32 keys a thread: the rule
+    assert ltk.plan_for(1, 262144, 2048, 4) == (8, 1024, 8, 8)
+    # an argument given: the rule, not the table
+    assert ltk.plan_for(1024, 32768, 2048, 4, first_bits=8)[0] == 2
+
+
+def test_the_deleted_candidate_list_was_slower():
+    """The evidence kept for the deletion: the candidate-list revision's default was slower than the table's plan
+    at every shape measured in its run."""
+    sweep = _sweep()
+    best = {}
+    for r in sweep["records"]:
+        key = f"{r['T']}x{r['L']}"
+        best[key] = min(best.get(key, float("inf")), r["median_us"])
+    run = sweep["candidate_list_run"]["default_plan_us"]
+    assert run and all(run[key] > best[key] for key in run if key in best)
