@@ -233,7 +233,7 @@ def run_fused(scores, lengths, want, tune: dict, *, time_it: bool = True) -> dic
     try:
         from dcp_ref.kernels.indexer_triton import indexer_topk_pack
 
-        ws_args = {a: tune[a] for a in ("split", "tile", "compact", "sample", "num_warps") if a in tune}
+        ws_args = {a: tune[a] for a in ("split", "tile", "compact", "sample", "num_warps", "engine") if a in tune}
         ws = workspace_for(scores, K, **ws_args)
         out = torch.full((t, K, 2), float("nan"), device=DEV)
         fn = lambda: indexer_topk_pack(  # noqa: E731

@@ -1151,9 +1151,10 @@ def workspace_for(
     compact: bool | None = None,
     sample: int | None = None,
     num_warps: int | None = None,
+    engine: str | None = None,
 ) -> torch.Tensor | None:
     """The ``workspace=`` buffer :func:`indexer_topk_pack` needs for ``scores`` and ``k`` (the same
-    ``split`` / ``tile`` / ``compact`` / ``sample``), or ``None`` when its plan needs none. Allocate it
+    ``split`` / ``tile`` / ``compact`` / ``sample`` / ``engine``), or ``None`` when its plan needs none. Allocate it
     once, outside a CUDA graph, and pass it on every call: the call then allocates nothing. One call at
     a time per workspace (the compacted path's counters belong to the call in flight): give each stream
     (and each thread that launches concurrently) its own.
@@ -1165,7 +1166,7 @@ def workspace_for(
     """
     rows, cols = scores.shape
     plan = launch_plan(rows, cols, k, scores.device, split=split, tile=tile, compact=compact, sample=sample,
-                       num_warps=num_warps, vec=_vec(scores))  # fmt: skip
+                       num_warps=num_warps, engine=engine, vec=_vec(scores) if engine != "triton" else 0)  # fmt: skip
     if plan.engine == "cutedsl":
         return None
     if plan.compact:
