@@ -45,7 +45,15 @@ from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
 from ._util import cdiv, check_flag
 from .select_to_slots_cutedsl import SelectToSlotsKernel, cluster_sync, dsmem_load
-from .topk_cutedsl import FIRST_BITS, MASK32, State, _use_tvm_ffi, digit_schedule, warp_inclusive_scan
+from .topk_cutedsl import (
+    FIRST_BITS,
+    MASK32,
+    State,
+    _use_tvm_ffi,
+    digit_schedule,
+    launch_per_row,
+    warp_inclusive_scan,
+)
 
 __all__ = [
     "CLUSTERS",
@@ -195,20 +203,7 @@ class LocalTopKKernel(SelectToSlotsKernel):
         stream: Any,
     ) -> None:
         args = (sc, lens, starts, out64, out32, outid, flag, rows, cols, rstride, rank_i, stripe, inter)
-        if const_expr(self.split > 1):
-            self.topk_kernel(*args).launch(
-                grid=[rows * self.split, 1, 1], block=[self.threads, 1, 1], cluster=[self.split, 1, 1], stream=stream
-            )
-        elif const_expr(self.min_ctas > 1):
-            self.topk_kernel(*args).launch(
-                grid=[rows, 1, 1],
-                block=[self.threads, 1, 1],
-                stream=stream,
-                min_blocks_per_mp=self.min_ctas,
-                preferred_smem_carveout=100,
-            )
-        else:
-            self.topk_kernel(*args).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        launch_per_row(self.topk_kernel(*args), rows, self.threads, self.split, self.min_ctas, stream)
 
     @cute.kernel
     def topk_kernel(

@@ -92,6 +92,7 @@ from .topk_cutedsl import (
     _use_tvm_ffi,
     default_variant,
     digit_schedule,
+    launch_per_row,
     lean_config,
     threads_for,
 )
@@ -362,23 +363,7 @@ class SelectToSlotsKernel(StableTopKKernel):
         stream: Any,
     ) -> None:
         args = (cand, req, bt, own, slots, counts, rows, rank, n_req, n_blocks, req_s, bt_s0, bt_s1, own_s0, own_s1)
-        if const_expr(self.split > 1):
-            self.s2s_kernel(*args).launch(
-                grid=[rows * self.split, 1, 1],
-                block=[self.threads, 1, 1],
-                cluster=[self.split, 1, 1],
-                stream=stream,
-            )
-        elif const_expr(self.min_ctas > 1):
-            self.s2s_kernel(*args).launch(
-                grid=[rows, 1, 1],
-                block=[self.threads, 1, 1],
-                stream=stream,
-                min_blocks_per_mp=self.min_ctas,
-                preferred_smem_carveout=100,
-            )
-        else:
-            self.s2s_kernel(*args).launch(grid=[rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
+        launch_per_row(self.s2s_kernel(*args), rows, self.threads, self.split, self.min_ctas, stream)
 
     @cute.kernel
     def s2s_kernel(

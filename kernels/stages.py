@@ -466,9 +466,9 @@ def kernel_stage_impls(
     topk: int | None = None,
     kv_format: str = "native",
 ) -> dict[str, str]:
-    """What :func:`kernel_stages` runs for each stage (``"triton"``, ``"triton-fused"``, ``"fused"``, ``"torch+triton"``,
-    ``"cutedsl"``, ``"flashmla"``, ``"triton-splitkv"``, ``"flashinfer"``, ``"flashmla-fp8"``, ``"torch"``,
-    ``"torch-fp8"``), in step order (each fallback is logged once). Where two attention kernels can run,
+    """What :func:`kernel_stages` runs for each stage (``"triton"``, ``"triton-fused"``, ``"fused"``,
+    ``"torch+triton"``, ``"cutedsl"``, ``"flashmla"``, ``"triton-splitkv"``, ``"flashinfer"``, ``"flashmla-fp8"``,
+    ``"torch"``, ``"torch-fp8"``), in step order (each fallback is logged once). Where two attention kernels can run,
     the one named is FlashMLA; a planned step picks by its token count (:data:`SPLITKV_MAX_TOKENS`)."""
     return kernel_stages(device, q_dtype, head_dim, v_dim, num_heads=num_heads, topk=topk, kv_format=kv_format).impls()
 

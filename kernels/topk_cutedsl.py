@@ -90,6 +90,7 @@ __all__ = [
     "VARIANTS",
     "lean_config",
     "default_variant",
+    "launch_per_row",
 ]
 
 #: The sorted variant keeps the winners' keys in shared memory: at most this many (tested size).
@@ -673,6 +674,26 @@ class StableTopKKernel:
         for j in cutlass.range(tid, take, T):
             key = skeys[j]
             out[obase + j] = (Uint32(MASK32) - Uint32(key & Uint64(MASK32))).bitcast(Int32)
+
+
+def launch_per_row(kernel: Any, rows: Any, threads: int, split: int, min_ctas: int, stream: Any) -> None:
+    """Launch ``kernel`` (a ``@cute.kernel`` call) with one CTA per row — or a cluster of ``split`` CTAs per row — of
+    ``threads`` threads; ``min_ctas > 1`` caps the registers so that that many CTAs share an SM (ptxas
+    ``minctasm``, with the shared-memory carveout given so that they fit). Shared by the kernels of this package
+    that select per row (:class:`~dcp_ref.kernels.select_to_slots_cutedsl.SelectToSlotsKernel`,
+    :class:`~dcp_ref.kernels.local_topk_cutedsl.LocalTopKKernel`)."""
+    if split > 1:
+        kernel.launch(grid=[rows * split, 1, 1], block=[threads, 1, 1], cluster=[split, 1, 1], stream=stream)
+    elif min_ctas > 1:
+        kernel.launch(
+            grid=[rows, 1, 1],
+            block=[threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=min_ctas,
+            preferred_smem_carveout=100,
+        )
+    else:
+        kernel.launch(grid=[rows, 1, 1], block=[threads, 1, 1], stream=stream)
 
 
 @cute.jit
