@@ -478,13 +478,14 @@ def plan_str(p: dict) -> str:
     if p.get("engine") == "cutedsl":
         c, t, cpt, fb = p["cute"]
         return f"cutedsl {c}×{t} / {cpt * p['vec']} keys a thread / first {fb} bits"
-    if p.get("compact"):
+    if p.get("compact") and "cap" in p:
         return (
             f"compact S={p['split']} tile {p['tile']} cap {p['cap']} sample {p['sample']} / {p['num_warps']}w / "
             f"{p['select']}"
         )
     split = "→".join(str(s) for s in p.get("levels") or [p["split"]])
-    return f"{p['tile']}{'' if p['one_chunk'] else ' (streamed)'} / {p['num_warps']}w / {split} / {p['select']}"
+    streamed = "" if p["one_chunk"] else " (streamed)"
+    return f"{p['tile']}{streamed} / {p['num_warps']}w / {split} / {p.get('select', 'radix')}"
 
 
 def markdown(data: dict) -> str:
@@ -554,10 +555,51 @@ def markdown(data: dict) -> str:
             g = r.get("graph", {}).get("median_us")
             paths = "-" if not r.get("paths") else "/".join(str(v) for v in r["paths"].values())
             lines.append(
-                f"| {r['T']} | {r['L']} | {r['tune']} | {plan_str(r['plan'])} | {fmt(g)} | {paths} | "
+                f"| {r['T']} | {r['L']} | {r.get('tune', {'radix_bits': r.get('radix_bits')})} | "
+                f"{plan_str(r['plan'])} | "
+                f"{fmt(g)} | {paths} | "
                 f"{'✓' if r.get('same_result') else '✗ ' + r.get('error', '')[:60]} |"
             )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + design_section()) + "\n"
+
+
+#: How ours and vLLM's select a row (from vLLM's source, ``csrc/sampler.cu``, and our kernel), beside the ncu reading
+#: of ours (``benchmarks/results/ncu/local_topk_1024x32768.json``; vLLM's kernel was not profiled in this run).
+DESIGN = [
+    ("reads of each score from HBM", "1 (the row held in registers)",
+     "1 for the histogram, then 1-3 more passes over the row (L2 when it fits)"),
+    ("CTAs per row", "1, or a cluster of 2-8 (histograms summed through DSMEM)",
+     "1 (512 threads); 10 + a merge launch from 200K columns"),
+    ("passes", "8-bit digits of the 32 score bits: <= 4 histograms (and bin scans) over registers",
+     "11-bit fp16 bins, then 11 / 11 / 10 bits of the float; stop when the bin holds <= 2048, radix-sort those"),
+    ("ties", "stable: the commit's index-order scan takes the lowest indices of the threshold value",
+     "unstable: the threshold bin's keys by atomic order"),
+    ("output order", "winners by increasing local index (one exclusive scan per vector load)",
+     "atomic slot order"),
+    ("occupancy", "1 CTA of 1024 threads per SM at 32 keys a thread (64 registers); 2 at 512 x 16",
+     "512-thread CTAs, keys re-read rather than held (its occupancy not profiled here)"),
+    ("what bounds it", "instruction issue at many rows (ncu below); latency of the pass chain at few",
+     "not profiled here"),
+]  # fmt: skip
+
+
+def design_section() -> list[str]:
+    """The design comparison and, when committed, the ncu summary of ours (markdown lines)."""
+    lines = ["", "## Ours against vLLM's, by design", "", "| | ours (CuTeDSL) | vLLM `top_k_per_row_decode` |",
+             "|---|---|---|"]  # fmt: skip
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in DESIGN]
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ncu", "local_topk_1024x32768.json")
+    if os.path.exists(path):
+        with open(path) as fh:
+            ncu = json.load(fh)
+        k = ncu["kernels"][0]
+        lines += [
+            "",
+            f"ncu, {ncu['label']}: {k['duration_us']:.1f} µs, DRAM {k['dram_throughput_pct']:.1f} %, "
+            f"issue slots busy {k['Issue Slots Busy']}, IPC {k['Executed Ipc Active']}, achieved occupancy "
+            f"{k['achieved_occupancy_pct']:.1f} %, {k['registers_per_thread']:.0f} registers. {ncu['reading']}.",
+        ]
+    return lines
 
 
 def write(out_dir: str, data: dict) -> None:
