@@ -3,14 +3,53 @@
 from __future__ import annotations
 
 import functools
+import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["cdiv", "next_pow2", "sm_count", "per_thread", "check_flag", "raise_if_flagged"]
+__all__ = [
+    "cdiv",
+    "next_pow2",
+    "sm_count",
+    "per_thread",
+    "check_flag",
+    "raise_if_flagged",
+    "nearest_shapes",
+    "compiled_artifacts",
+]
+
+
+def nearest_shapes(
+    keys: Iterable[tuple[int, int]], rows: int, cols: int, *, col_weight: float = 1.0
+) -> list[tuple[int, int]]:
+    """Measured ``(rows, cols)`` shapes, nearest to ``(rows, cols)`` first: distance in ``log2`` of both, the
+    columns' weighted by ``col_weight``; ties by the shape itself (the plan tables' nearest-shape lookup)."""
+    lr, lc = math.log2(max(rows, 1)), math.log2(max(cols, 1))
+
+    def dist(key: tuple[int, int]) -> tuple[float, tuple[int, int]]:
+        return (math.log2(key[0]) - lr) ** 2 + (col_weight * (math.log2(key[1]) - lc)) ** 2, key
+
+    return sorted(keys, key=dist)
+
+
+def compiled_artifacts(fn: Any) -> tuple[str, bytes]:
+    """``(PTX text, cubin bytes)`` of a CuTeDSL function compiled with ``--keep-ptx --keep-cubin`` (some versions
+    return the files' paths instead of their contents)."""
+    import os
+
+    ptx = fn.__ptx__ or ""
+    if ptx and not ptx.lstrip().startswith("//") and os.path.exists(ptx):
+        with open(ptx) as fh:
+            ptx = fh.read()
+    cubin = fn.__cubin__ or b""
+    if isinstance(cubin, str):
+        with open(cubin, "rb") as fb:
+            cubin = fb.read()
+    return ptx, cubin
 
 
 def cdiv(a: int, b: int) -> int:

@@ -33,8 +33,6 @@ Limits (checked by :func:`plan_for`, which returns ``None`` outside them: the Tr
 from __future__ import annotations
 
 import functools
-import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +41,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
-from ._util import cdiv, check_flag
+from ._util import cdiv, check_flag, compiled_artifacts, nearest_shapes
 from .select_to_slots_cutedsl import SelectToSlotsKernel, cluster_sync, dsmem_load
 from .topk_cutedsl import (
     FIRST_BITS,
@@ -223,19 +221,8 @@ class LocalTopKKernel(SelectToSlotsKernel):
         inter: Int32,
     ) -> None:
         """One CTA (or cluster) per row: window, loads + pass 0, radix passes, padding, index-order commit."""
-        T = const_expr(self.threads)
         C = const_expr(self.split)
-        KSEL = const_expr(self.k)
-        NB0 = const_expr(self.schedule_bins[0])
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        lane = tid % 32
-        warp = tid // 32
-        row = bid
-        crank = Int32(0)
-        if const_expr(C > 1):
-            row = bid // C
-            crank = cute.arch.block_idx_in_cluster()
+        tid, lane, warp, row, crank = self.cta_coords()
 
         smem = cutlass.memory.SmemAllocator()
         hist = smem.allocate_tensor(Int32, cute.make_layout(2 * self.hist_stride), byte_alignment=16)
@@ -245,14 +232,7 @@ class LocalTopKKernel(SelectToSlotsKernel):
         tab = smem.allocate_tensor(
             Int32, cute.make_layout(2 * self.cpt * 32), byte_alignment=16
         )  # warp totals per load
-
-        if tid < State.WORDS:
-            st[tid] = Int32(0)
-        for x in cutlass.range(tid, NB0 + 1, T):
-            if const_expr(C > 1):
-                hloc[x] = Int32(0)
-            else:
-                hist[x] = Int32(0)
+        self.clear_state(st, hist, hloc, tid)
 
         start, end = self.row_window(lens, starts, flag, row, cols, tid, crank)
         cute.arch.sync_threads()
@@ -266,12 +246,8 @@ class LocalTopKKernel(SelectToSlotsKernel):
             self.load_row(sc, row, rstride, start, end, tid, lane, crank, khi, hist)
         cute.arch.sync_threads()
 
-        n_valid = Int32(C * self.n) - hist[NB0]
-        take = cutlass.min(n_valid, Int32(KSEL))
-        if tid == 0:
-            st[State.NEED] = take
-            st[State.DONE] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
-        obase = Int64(row) * Int64(KSEL)
+        take = self.start_selection(st, hist, tid)
+        obase = Int64(row) * Int64(self.k)
         self.write_padding(out64, out32, outid, obase, take, tid, crank)
         cute.arch.sync_threads()
 
@@ -593,15 +569,7 @@ def compile_artifacts(cfg: LocalTopKConfig, dump_dir: str) -> tuple[str, bytes]:
         kern = LocalTopKKernel(cfg)
         stream = cutlass.runtime.make_fake_stream()
         fn = cute.compile(kern, *_fake_args(cfg), stream, options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
-    ptx = fn.__ptx__ or ""
-    if ptx and not ptx.lstrip().startswith("//") and os.path.exists(ptx):
-        with open(ptx) as fh:
-            ptx = fh.read()
-    cubin = fn.__cubin__ or b""
-    if isinstance(cubin, str):
-        with open(cubin, "rb") as fb:
-            cubin = fb.read()
-    return ptx, cubin
+    return compiled_artifacts(fn)
 
 
 def vec_for(scores: torch.Tensor) -> int:
@@ -636,13 +604,9 @@ PLANS_SOURCE = "benchmarks/results/local_topk_sweep.json"
 
 
 def _measured(rows: int, cols: int) -> list[tuple[int, int, int]]:
-    """The measured plans nearest to ``(rows, cols)`` first (log2 distance, the columns counted double: they
+    """The measured plans nearest to ``(rows, cols)`` first (log2 distance, the columns weighted double: they
     decide what fits)."""
-
-    def dist(key: tuple[int, int]) -> float:
-        return abs(math.log2(max(rows, 1) / key[0])) + 2 * abs(math.log2(cols / key[1]))
-
-    return [PLANS[key] for key in sorted(PLANS, key=dist)]
+    return [PLANS[key] for key in nearest_shapes(PLANS, rows, cols, col_weight=2.0)]
 
 
 def plan_for(

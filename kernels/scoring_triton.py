@@ -46,7 +46,7 @@ from dcp_ref.geometry import DcpGeometry
 from dcp_ref.index_cache import INDEX_K_FP8
 from dcp_ref.scoring import ScoringArgs, check_scoring_inputs
 
-from ._util import cdiv, check_flag, next_pow2, raise_if_flagged, sm_count
+from ._util import cdiv, check_flag, nearest_shapes, next_pow2, raise_if_flagged, sm_count
 
 __all__ = [
     "row_meta",
@@ -454,14 +454,11 @@ def group_size(next_n: int) -> int:
 
 
 def _nearest_plan(group: int, rows: int, n_cols: int) -> tuple[int, int, int, int, bool] | None:
-    import math
-
-    keys = [k for k in PLANS if k[0] == group]
-    if not keys:
+    shapes = [(k[1], k[2]) for k in PLANS if k[0] == group]
+    if not shapes:
         return None
-    lt, ll = math.log2(max(rows, 1)), math.log2(max(n_cols, 1))
-    best = min(keys, key=lambda k: ((math.log2(k[1]) - lt) ** 2 + (math.log2(k[2]) - ll) ** 2, k))
-    return PLANS[best]
+    t, n = nearest_shapes(shapes, rows, n_cols)[0]
+    return PLANS[(group, t, n)]
 
 
 def scoring_plan(

@@ -65,7 +65,6 @@ Limits: ``W*K <= 32768`` candidates per row (as the stable top-K: at most 32 key
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +81,7 @@ from dcp_ref._checks import check_bool, check_values_readable, triton_interpreti
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.select_to_slots import ORDERS, SENTINEL_SLOT, SelectToSlotsInputs, check_select_to_slots_inputs
 
-from ._util import cdiv, check_flag, next_pow2, raise_if_flagged
+from ._util import cdiv, check_flag, compiled_artifacts, next_pow2, raise_if_flagged
 from .topk_cutedsl import (
     FIRST_BITS,
     MASK32,
@@ -390,16 +389,7 @@ class SelectToSlotsKernel(StableTopKKernel):
         C = const_expr(self.split)
         KSEL = const_expr(self.k)
         KL = const_expr(self.kloc)
-        NB0 = const_expr(self.schedule_bins[0])
-        tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        lane = tid % 32
-        warp = tid // 32
-        row = bid
-        crank = Int32(0)
-        if const_expr(C > 1):
-            row = bid // C
-            crank = cute.arch.block_idx_in_cluster()
+        tid, lane, warp, row, crank = self.cta_coords()
         pbase = crank * (self.ncc * self.vec)  # first candidate position of this CTA's chunks
 
         smem = cutlass.memory.SmemAllocator()
@@ -412,14 +402,7 @@ class SelectToSlotsKernel(StableTopKKernel):
         sown = smem.allocate_tensor(Int32, cute.make_layout(self.own_size), byte_alignment=16)
         # split: this CTA's own histograms (two buffers), read by the whole cluster
         hloc = smem.allocate_tensor(Int32, cute.make_layout(self.hloc_size), byte_alignment=16)
-
-        if tid < State.WORDS:
-            st[tid] = Int32(0)
-        for x in cutlass.range(tid, NB0 + 1, T):
-            if const_expr(C > 1):
-                hloc[x] = Int32(0)
-            else:
-                hist[x] = Int32(0)
+        self.clear_state(st, hist, hloc, tid)
 
         # The request of this row and (rank_local) this row's own local indices: loads issued first, so
         # their latency hides behind the score loads; used only by the commit.
@@ -454,10 +437,7 @@ class SelectToSlotsKernel(StableTopKKernel):
             self.merge(0, hloc, hist, tid)
         cute.arch.sync_threads()
 
-        n_valid = Int32(C * self.items * T) - hist[NB0]
-        if tid == 0:
-            st[State.NEED] = cutlass.min(n_valid, Int32(KSEL))
-            st[State.DONE] = Int32(n_valid <= KSEL)  # every valid key wins: no selection needed
+        self.start_selection(st, hist, tid)
         cute.arch.sync_threads()
 
         for d in cutlass.range_constexpr(len(self.schedule)):
@@ -499,6 +479,44 @@ class SelectToSlotsKernel(StableTopKKernel):
                 slots[obase + j] = Int32(-1)
             if tid == 0:
                 counts[row] = count
+
+    @cute.jit
+    def cta_coords(self) -> tuple[Int32, Int32, Int32, Int32, Int32]:
+        """``(tid, lane, warp, row, crank)``: this thread, its row (one CTA or one cluster of ``split`` CTAs per
+        row) and its CTA's rank in the cluster (0 when not split)."""
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        lane = tid % 32
+        warp = tid // 32
+        row = bid
+        crank = Int32(0)
+        if const_expr(self.split > 1):
+            row = bid // self.split
+            crank = cute.arch.block_idx_in_cluster()
+        return tid, lane, warp, row, crank
+
+    @cute.jit
+    def clear_state(self, st: cute.Tensor, hist: cute.Tensor, hloc: cute.Tensor, tid: Int32) -> None:
+        """Zero the shared state and pass 0's histogram with its dummy bin (``hloc``, the CTA's own, when split;
+        the caller's barrier follows)."""
+        if tid < State.WORDS:
+            st[tid] = Int32(0)
+        for x in cutlass.range(tid, self.schedule_bins[0] + 1, self.threads):
+            if const_expr(self.split > 1):
+                hloc[x] = Int32(0)
+            else:
+                hist[x] = Int32(0)
+
+    @cute.jit
+    def start_selection(self, st: cute.Tensor, hist: cute.Tensor, tid: Int32) -> Int32:
+        """After pass 0's (merged) histogram: the valid keys are all but those in its dummy bin; publish how many
+        win (``NEED``) and whether every valid key does (``DONE``). Returns that count, ``min(k, valid)``."""
+        n_valid = Int32(self.split * self.items * self.threads) - hist[self.schedule_bins[0]]
+        take = cutlass.min(n_valid, Int32(self.k))
+        if tid == 0:
+            st[State.NEED] = take
+            st[State.DONE] = Int32(n_valid <= self.k)  # every valid key wins: no selection needed
+        return take
 
     @cute.jit
     def merge(self, d: int, hloc: cute.Tensor, hist: cute.Tensor, tid: Int32) -> None:
@@ -1018,15 +1036,7 @@ def compile_artifacts(cfg: SelectToSlotsConfig, dump_dir: str) -> tuple[str, byt
         kern = SelectToSlotsKernel(cfg)
         stream = cutlass.runtime.make_fake_stream()
         fn = cute.compile(kern, *_fake_args(cfg), stream, options=f"--keep-ptx --keep-cubin --dump-dir={dump_dir}")
-    ptx = fn.__ptx__ or ""
-    if ptx and not ptx.lstrip().startswith("//") and os.path.exists(ptx):
-        with open(ptx) as fh:  # some versions return the file path instead of the text
-            ptx = fh.read()
-    cubin = fn.__cubin__ or b""
-    if isinstance(cubin, str):
-        with open(cubin, "rb") as fb:
-            cubin = fb.read()
-    return ptx, cubin
+    return compiled_artifacts(fn)
 
 
 def compile_to_ptx(cfg: SelectToSlotsConfig, dump_dir: str) -> str:
