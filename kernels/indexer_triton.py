@@ -1068,6 +1068,12 @@ def launch_plan(
     piv = DEFAULT_PIVOTS if pivots is None else pivots
     if engine is not None and engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES} or None, got {engine!r}")
+    if cute is not None:
+        if not isinstance(cute, (tuple, list)) or len(cute) != 3:
+            raise TypeError(f"cute must be a tuple (cluster, threads, first_bits) or None, got {cute!r}")
+        for name, v in zip(("cluster", "threads", "first_bits"), cute):
+            if v is not None:
+                check_int_scalar(v, f"cute's {name}")
     triton_knobs = any(x is not None for x in (split, tile, num_warps, compact, select, sample, pivots))
     if engine == "cutedsl" and triton_knobs:
         raise ValueError(
@@ -1375,19 +1381,8 @@ def indexer_topk_pack(
     plan = launch_plan(rows, cols, k, dev, split=split, tile=tile, num_warps=num_warps, compact=compact,
                        select=select, sample=sample, pivots=pivots, engine=engine, vec=vec, cute=cute)  # fmt: skip
     if plan.engine == "cutedsl":
-        if rows:
-            from .local_topk_cutedsl import local_topk_pack_cutedsl
-
-            chk = check_flag(dev) if fused_check else None
-            assert plan.cute is not None
-            local_topk_pack_cutedsl(scores, lengths, k, g.rank * g.interleave, g.stripe, g.interleave, row_starts,
-                                    out, out_ids, chk, plan.cute, plan.vec, order)  # fmt: skip
-            if chk is not None and int(chk.item()):  # the one host read of a validated call
-                chk.zero_()
-                _validate_values(cols, lengths, row_starts, g, ids=not rank_local)  # raises the precise message
-                raise ValueError("lengths / row_starts put a row's window outside scores")  # unreachable
-        return (out, out_ids) if rank_local else out  # type: ignore[return-value]
-    if plan.compact:
+        pass  # no workspace: a given one is not read
+    elif plan.compact:
         workspace = _check_words(workspace, (rows, _compact_words(plan)), dev)
     else:
         n_ws = sum(plan.levels)
@@ -1401,13 +1396,20 @@ def indexer_topk_pack(
     if rows == 0:
         return (out, out_ids) if rank_local else out  # type: ignore[return-value]
     chk = check_flag(dev) if fused_check else None
-    dummy = out  # never read: HAS_LENGTHS / HAS_STARTS are False
-    # The kernel reads lengths[row] / row_starts[row] at unit stride: a strided view is copied first (the
-    # conformance kit found a strided `lengths` read wrongly).
-    lens = lengths.contiguous() if lengths is not None else dummy
-    starts = row_starts.contiguous() if row_starts is not None else dummy
-    _launch(plan, scores, lens, starts, out, out_ids, workspace, chk, k, g, radix_bits, rank_local,
-            lengths is not None, row_starts is not None, tile)  # fmt: skip
+    if plan.engine == "cutedsl":
+        from .local_topk_cutedsl import local_topk_pack_cutedsl
+
+        assert plan.cute is not None
+        local_topk_pack_cutedsl(scores, lengths, k, g.rank * g.interleave, g.stripe, g.interleave, row_starts, out,
+                                out_ids, chk, plan.cute, plan.vec, order)  # fmt: skip
+    else:
+        dummy = out  # never read: HAS_LENGTHS / HAS_STARTS are False
+        # The kernel reads lengths[row] / row_starts[row] at unit stride: a strided view is copied first (the
+        # conformance kit found a strided `lengths` read wrongly).
+        lens = lengths.contiguous() if lengths is not None else dummy
+        starts = row_starts.contiguous() if row_starts is not None else dummy
+        _launch(plan, scores, lens, starts, out, out_ids, workspace, chk, k, g, radix_bits, rank_local,
+                lengths is not None, row_starts is not None, tile)  # fmt: skip
     if chk is not None and int(chk.item()):  # the one host read of a validated call
         chk.zero_()
         _validate_values(cols, lengths, row_starts, g, ids=not rank_local)  # raises the precise message

@@ -41,6 +41,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
+from dcp_ref._checks import check_int_scalar, check_tensor
+
 from ._util import cdiv, check_flag, compiled_artifacts, nearest_shapes
 from .select_to_slots_cutedsl import SelectToSlotsKernel, cluster_sync, dsmem_load
 from .topk_cutedsl import (
@@ -575,6 +577,7 @@ def compile_artifacts(cfg: LocalTopKConfig, dump_dir: str) -> tuple[str, bytes]:
 def vec_for(scores: torch.Tensor) -> int:
     """Keys per vector load the scores' layout allows: 4 (16-byte loads), 2 or 1; 0 when the kernel cannot
     read them (not float32, or a column stride other than 1)."""
+    check_tensor(scores, "scores", ndim=2)
     if scores.dtype != torch.float32 or (scores.shape[1] > 1 and scores.stride(1) != 1):
         return 0
     rows, cols = scores.shape
@@ -609,6 +612,7 @@ def _measured(rows: int, cols: int) -> list[tuple[int, int, int]]:
     return [PLANS[key] for key in nearest_shapes(PLANS, rows, cols, col_weight=2.0)]
 
 
+@functools.lru_cache(maxsize=1024, typed=True)  # pure in its ints; asked on every call of the indexer stage
 def plan_for(
     rows: int,
     cols: int,
@@ -623,11 +627,16 @@ def plan_for(
     cannot take it (the Triton kernel does).
 
     The default is measured (:data:`PLANS`): the nearest measured shape's plan that holds this row at <= 32 keys
-    a thread, its CTA count kept and the threads the fewest of its size that hold the row (a shorter row than
-    measured takes the same CTAs, fewer keys each). With no measured plan that fits (or any argument given, the
+    a thread, its CTAs and threads as measured (a shorter row than measured takes the same CTAs, fewer keys
+    each). With no measured plan that fits (or any argument given, the
     benchmark's sweeps), the rule: the fewest CTAs per row (a cluster) that hold the row at <=
     :data:`SPILL_FREE_KEYS` keys a thread (else 32), each the smallest CTA that does; when the rows are few, more
     CTAs per row (see below)."""
+    for name, value in (("rows", rows), ("cols", cols), ("k", k), ("vec", vec)):
+        check_int_scalar(value, name)
+    for name, knob in (("cluster", cluster), ("threads", threads), ("first_bits", first_bits)):
+        if knob is not None:
+            check_int_scalar(knob, name)
     if vec < 1 or not 1 <= k <= 32768 or cols < 1:
         return None
     if cluster is None and threads is None and first_bits is None:
@@ -700,10 +709,10 @@ def local_topk_pack_cutedsl(
     fn = compile_local_topk(cfg)
     dev = scores.device
     dummy32 = out.view(-1).view(torch.int32)
-    words = scores.view(torch.int32).reshape(-1) if scores.is_contiguous() else scores.view(torch.int32)
-    if not scores.is_contiguous():
-        # a row-strided view: the kernel addresses row*stride + column in the base storage
-        words = torch.as_strided(scores.view(torch.int32), (scores.stride(0) * (rows - 1) + cols,), (1,))
+    rstride = scores.stride(0) if rows > 1 else cols
+    # The scores as one run of 32-bit words from the first row's start: the kernel addresses row*rstride + column
+    # (a row-strided view reads its rows in the base storage, never past the last row's columns).
+    words = torch.as_strided(scores.view(torch.int32), (rstride * (rows - 1) + cols,), (1,))
     lens = lengths.contiguous() if lengths is not None else dummy32
     starts = row_starts.contiguous() if row_starts is not None else dummy32
     if order == "rank_local":
@@ -714,7 +723,6 @@ def local_topk_pack_cutedsl(
         out64 = out.view(-1).view(torch.int64)
         out32 = outid = dummy32
     flg = flag if flag is not None else out64
-    rstride = scores.stride(0) if rows > 1 else cols
     args = (words, lens, starts, out64, out32, outid, flg, rows, cols, rstride, rank_i, stripe, interleave)
     if ffi:
         fn(*args)

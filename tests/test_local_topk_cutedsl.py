@@ -333,3 +333,28 @@ def test_gpu_cuda_graph_capture_replay_and_no_sync(cuda_device, cols, order):
             assert torch.equal(out_ids, wi) and torch.equal(out.view(torch.int32), ws_.view(torch.int32))
         else:
             assert bool(same_sets(out, reference(s, lengths, k, DcpGeometry(2, 1))).all())
+
+
+@pytest.mark.parametrize(
+    "cute,exc,match",
+    [
+        ((2, 512), TypeError, "cute must be a tuple"),
+        ("fast", TypeError, "cute must be a tuple"),
+        ((2, 512.0, None), TypeError, "cute's threads"),
+        ((True, None, None), TypeError, "cute's cluster"),
+    ],
+)
+def test_launch_plan_refuses_a_bad_cute_tuning(cute, exc, match):
+    with pytest.raises(exc, match=match):
+        ix.launch_plan(4, 4096, 64, torch.device("cpu"), cute=cute)
+
+
+def test_plan_for_and_vec_for_name_bad_arguments():
+    with pytest.raises(TypeError, match="cols"):
+        ltk.plan_for(1, 4096.0, 2048, 4)
+    with pytest.raises(TypeError, match="first_bits"):
+        ltk.plan_for(1, 4096, 2048, 4, first_bits="8")
+    with pytest.raises(TypeError, match="scores"):
+        ltk.vec_for([[1.0]])
+    with pytest.raises(ValueError, match="scores"):
+        ltk.vec_for(torch.zeros(3))
