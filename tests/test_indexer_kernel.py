@@ -786,10 +786,13 @@ def test_gpu_spot_check_against_brute_force(cuda_device):
 @pytest.mark.parametrize("cols,split,compact,order", [
     (8192, 1, None, "global_id"), (32768, 1, True, "global_id"), (32768, 1, True, "rank_local"),
     (131072, 16, True, "global_id"), (131072, 4, True, "rank_local"), (131072, 16, False, "global_id"),
+    # no Triton knob: the default plan, the CuTeDSL engine (one CTA; clusters of 2 and 8)
+    (8192, None, None, "global_id"), (32768, None, None, "rank_local"), (131072, None, None, "global_id"),
 ])  # fmt: skip
 def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, order):
     """Captured once with out= (and the planned workspace=); replayed on new scores and lengths in place. The
-    compacted path's split rows meet at an atomic counter in the workspace: every replay must leave it at 0."""
+    compacted path's split rows meet at an atomic counter in the workspace: every replay must leave it at 0.
+    ``split=None, compact=None``: the default plan (on the GPU the CuTeDSL kernel, which needs no workspace)."""
     rows, k = 32, 2048
     s, lengths, _ = make_cases(rows, cols, 7, cuda_device)
     rank_local = order == "rank_local"
@@ -834,7 +837,7 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, or
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split,compact", [(1, None), (1, True), (4, True), (4, False)])
+@pytest.mark.parametrize("split,compact", [(1, None), (1, True), (4, True), (4, False), (None, None)])
 def test_gpu_validate_false_makes_no_host_sync(cuda_device, split, compact):
     """validate=False with out= and workspace=: no synchronising CUDA call (sync debug mode raises)."""
     rows, cols, k = 8, 40000, 512

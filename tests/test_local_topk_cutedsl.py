@@ -8,8 +8,8 @@ test_indexer_kernel.py's (ties, ±0 and subnormals, NaN / ±inf, short, all-NaN,
 
 On the CPU: the plan (pure Python), the engine choice, the configuration's checks, and the kernel compiled to
 sm_90a (PTX + cubin: no register spill at <= 512 threads and <= 16 keys a thread). ``-m gpu``: every vector
-width, one CTA and clusters of 2-8, both orders, ≥ 10 000 rows, strided views, validated and unvalidated calls,
-CUDA graphs.
+width, one CTA and clusters of 2-8, both orders, ≥ 10 000 rows, strided views, validated and unvalidated calls
+(CUDA graphs and the no-sync check of the default plan: test_indexer_kernel.py's, which take this engine).
 """
 
 from __future__ import annotations
@@ -294,45 +294,6 @@ def test_gpu_validated_call_raises_and_recovers(cuda_device):
         ix.indexer_topk_pack(s, bad, 2048, DcpGeometry(2, 0), engine="cutedsl")
     got = ix.indexer_topk_pack(s, lengths, 2048, DcpGeometry(2, 0), engine="cutedsl")
     assert bool(same_sets(got, reference(s, lengths, 2048, DcpGeometry(2, 0))).all())
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cols,order", [(8192, "global_id"), (32768, "rank_local"), (131072, "global_id")])
-def test_gpu_cuda_graph_capture_replay_and_no_sync(cuda_device, cols, order):
-    """validate=False with out=: no synchronising call (sync debug mode raises); captured once, replayed on new
-    scores and lengths in place, equal to the reference each time."""
-    rows, k = 32, 2048
-    s, lengths, _ = make_cases(rows, cols, 7, cuda_device)
-    rank_local = order == "rank_local"
-    out = torch.empty((rows, k) if rank_local else (rows, k, 2), device=cuda_device)
-    out_ids = torch.empty((rows, k), dtype=torch.int32, device=cuda_device) if rank_local else None
-
-    def call():
-        return ix.indexer_topk_pack(s, lengths, k, DcpGeometry(2, 1), out=out, validate=False, order=order,
-                                    out_ids=out_ids)  # fmt: skip
-
-    call()  # compile outside the capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    for seed in (8, 9):
-        s2, l2, _ = make_cases(rows, cols, seed, cuda_device)
-        s.copy_(s2)
-        lengths.copy_(l2)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        if rank_local:
-            ws_, wi = local_topk_rank_local(s, k, lengths)
-            assert torch.equal(out_ids, wi) and torch.equal(out.view(torch.int32), ws_.view(torch.int32))
-        else:
-            assert bool(same_sets(out, reference(s, lengths, k, DcpGeometry(2, 1))).all())
 
 
 @pytest.mark.parametrize(
