@@ -26,6 +26,9 @@ one exclusive scan per load over the block (a warp scan, then a scan of the warp
 the cluster's lower CTAs, gives every key the number of winners (and of tied keys) before it — its output slot,
 with no atomics, and the winners come out in increasing local index as the contract says.
 
+Measured and not kept (``benchmarks/results/local_topk_sweep.json``): a shared-memory list of pass 0's threshold
+bin for the later passes (with a 12-bit first digit) was slower at every swept shape.
+
 Limits (checked by :func:`plan_for`, which returns ``None`` outside them: the Triton kernel takes the row):
 ``cols <= 8 * 32768`` keys per row, ``k <= 32768``, float32 scores with unit column stride.
 """
@@ -44,7 +47,7 @@ from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 from dcp_ref._checks import check_int_scalar, check_tensor
 
 from ._util import cdiv, check_flag, compiled_artifacts, nearest_shapes
-from .select_to_slots_cutedsl import SelectToSlotsKernel, cluster_sync, dsmem_load
+from .select_to_slots_cutedsl import _SMS, SelectToSlotsKernel, cluster_sync, dsmem_load
 from .topk_cutedsl import (
     FIRST_BITS,
     MASK32,
@@ -76,8 +79,6 @@ SPILL_FREE_KEYS = 16
 #: Shared-state words of this kernel beyond :class:`State`'s (its words 9-15 are free).
 CTA_ABOVE = 9  #: this CTA's winners above the threshold (read by the cluster's higher CTAs)
 CTA_TIES = 10  #: this CTA's keys equal to the threshold
-#: Streaming multiprocessors of the H200 (the plan spreads few long rows over them).
-_SMS = 132
 #: The least keys per CTA when the plan spreads a row over a cluster.
 SPREAD_MIN_KEYS = 8192
 NEG_INF_BITS = 0xFF800000
