@@ -55,6 +55,7 @@ NAN, INF = float("nan"), float("inf")
 # Independent decoding (bit fields by hand) and brute force
 # ---------------------------------------------------------------------------------------------
 from fp8_bits import E4M3  # noqa: E402  (tests/ is on sys.path: the independent decoder)
+from scoring_problems import paged_index_keys, width  # noqa: E402
 
 
 def f32(b: bytes) -> float:
@@ -120,23 +121,7 @@ def make_problem(seed, *, T=5, B=3, bs=8, H=64, lens=(24, 40, 9), M=None, NB=Non
     reach past a request's written keys into its last allocated block (NaN bytes).
     """
     g = torch.Generator().manual_seed(seed)
-    nblk = [max(1, -(-n // bs)) for n in lens]
-    M = M or max(nblk) + 1
-    NB = NB or sum(nblk) + 3
-    perm = torch.randperm(NB, generator=g).tolist()
-    bt = torch.full((B, M), -1, dtype=torch.int32)
-    cache = make_index_cache(NB, bs)
-    for b, n in enumerate(lens):
-        blocks = [perm.pop() for _ in range(nblk[b])]
-        bt[b, : nblk[b]] = torch.tensor(blocks, dtype=torch.int32)
-        if exact:  # a pool of 6 integer keys with amax 4: repeated keys tie exactly
-            pool = torch.randint(-4, 5, (6, 128), generator=g).float()
-            pool[:, 0] = torch.tensor([4.0, -4.0, 4.0, -4.0, 4.0, -4.0])
-            keys = pool[torch.randint(0, 6, (n,), generator=g)]
-        else:
-            keys = torch.randn(n, 128, generator=g) * (0.5 + torch.rand(n, 1, generator=g) * 4)
-        slots = torch.tensor([blocks[j // bs] * bs + j % bs for j in range(n)], dtype=torch.int64)
-        write_index_keys(cache, slots, keys, bs)
+    cache, bt, nblk = paged_index_keys(g, lens, B=B, bs=bs, M=M, NB=NB, exact=exact)
     req = torch.randint(0, B, (T,), generator=g)
     cap = torch.tensor([nblk[int(r)] * bs if unwritten else lens[int(r)] for r in req])
     bounds = (torch.rand(T, generator=g) * (cap + 1)).long().clamp(max=cap)
@@ -149,10 +134,6 @@ def make_problem(seed, *, T=5, B=3, bs=8, H=64, lens=(24, 40, 9), M=None, NB=Non
         w = torch.randn(T, H, generator=g)
     rs = torch.randint(0, 7, (T,), generator=g) if starts else None
     return q, w, cache, bt, req, bounds, rs
-
-
-def width(bounds, starts) -> int:
-    return int((bounds + (0 if starts is None else starts)).max())
 
 
 # ---------------------------------------------------------------------------------------------

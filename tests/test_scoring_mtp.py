@@ -19,7 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_ref.geometry import DcpGeometry
-from dcp_ref.index_cache import make_index_cache, write_index_keys
 from dcp_ref.scoring import check_scoring_inputs, index_scores, reference_scoring
 
 NAN, INF = float("nan"), float("inf")
@@ -30,6 +29,7 @@ BIG = 2**63  # int64 wraps around at 2**63: every "near 2**63" value below is BI
 # Independent decoding and brute force
 # ---------------------------------------------------------------------------------------------
 from fp8_bits import E4M3  # noqa: E402  (tests/ is on sys.path: the independent decoder)
+from scoring_problems import paged_index_keys, width  # noqa: E402
 
 
 def brute(q, w, cache, bt, req, bounds, bs, L, starts=None) -> torch.Tensor:
@@ -83,18 +83,7 @@ def grouped_problem(seed, *, groups=3, next_n=2, B=3, bs=4, H=3, lens=(10, 7, 13
     """``groups * next_n`` tokens; group ``g`` belongs to one random request, its tokens have their own
     bounds (any ``<= lens[r]``), queries, weights and (``starts``) row starts."""
     g = torch.Generator().manual_seed(seed)
-    nblk = [max(1, -(-n // bs)) for n in lens]
-    M = M or max(nblk) + 1
-    NB = sum(nblk) + 2
-    perm = torch.randperm(NB, generator=g).tolist()
-    bt = torch.full((B, M), -1, dtype=torch.int32)
-    cache = make_index_cache(NB, bs)
-    for b, n in enumerate(lens):
-        blocks = [perm.pop() for _ in range(nblk[b])]
-        bt[b, : nblk[b]] = torch.tensor(blocks, dtype=torch.int32)
-        keys = torch.randn(n, 128, generator=g) * (0.5 + torch.rand(n, 1, generator=g) * 4)
-        slots = torch.tensor([blocks[j // bs] * bs + j % bs for j in range(n)], dtype=torch.int64)
-        write_index_keys(cache, slots, keys, bs)
+    cache, bt, _ = paged_index_keys(g, lens, B=B, bs=bs, M=M, spare=2)
     T = groups * next_n
     req = torch.randint(0, B, (groups,), generator=g).repeat_interleave(next_n)  # one request per group
     cap = torch.tensor([lens[int(r)] for r in req])
@@ -104,10 +93,6 @@ def grouped_problem(seed, *, groups=3, next_n=2, B=3, bs=4, H=3, lens=(10, 7, 13
     w = torch.randn(T, H, generator=g)
     rs = torch.randint(0, 6, (T,), generator=g) if starts else None
     return q, w, cache, bt, req, bounds, rs
-
-
-def width(bounds, rs) -> int:
-    return int((bounds + (0 if rs is None else rs)).max())
 
 
 # ---------------------------------------------------------------------------------------------
