@@ -781,16 +781,38 @@ def fam_select_to_slots(f: Family) -> None:
                     ok = torch.equal(n, want[1]) and bool((s[tail] == -1).all())
                     ok &= torch.equal(canonicalize(s, n), canonicalize(*want))
                     f.check(f"{order} W={W} K={K} k={k} rank {r} {tune}: = reference (sets)", ok)
+                    # validated (the select kernel's own checks where it has one CTA per row): the reference's refusal
+                    want_msg = _refusal(select_to_slots, gathered, req, table, geo, k, order=order, own_ids=own_r)
+                    got_msg = _refusal(
+                        select_to_slots_cutedsl, *_dev(gathered, req), table.to(DEV), geo, k, order=order,
+                        own_ids=_dev(own_r)[0], **tune,
+                    )  # fmt: skip
+                    f.check(
+                        f"{order} W={W} K={K} rank {r} {tune} validated: refuses as the reference", want_msg == got_msg
+                    )
                     poisoned = bool((want[0] == SENTINEL_SLOT).any())
                     if order == "global_id" and r == 0:
                         # ids the contract leaves unspecified (fractional, >= 2**24, negative, NaN): memory-safe
                         bad = pairs.clone().view(-1, 2)
                         bad[::7, 1], bad[1::11, 1], bad[2::13, 1], bad[3::17, 1] = 2.5, 3e9, -7.0, NAN
+                        bad = bad.view_as(pairs)
                         select_to_slots_cutedsl(
-                            bad.view_as(pairs).to(DEV), req.to(DEV), table.to(DEV), geo, k, order=order,
+                            bad.to(DEV), req.to(DEV), table.to(DEV), geo, k, order=order,
                             out_slots=out_s, out_counts=out_n, validate=False, **tune,
                         )  # fmt: skip
                         f.check(f"{order} W={W} K={K} bad ids (any answer, in bounds; poisoned rows {poisoned})", True)
+                        want_msg = _refusal(select_to_slots, bad, req, table, geo, k)
+                        got_msg = _refusal(select_to_slots_cutedsl, bad.to(DEV), req.to(DEV), table.to(DEV), geo, k)
+                        f.check(f"{order} W={W} K={K} bad ids validated: refuses as the reference", want_msg == got_msg)
+
+
+def _refusal(fn: Callable[..., object], *args: object, **kw: object) -> str | None:
+    """The ``ValueError`` message of ``fn(*args, **kw)``, or ``None`` when it returns."""
+    try:
+        fn(*args, **kw)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _select_case(g: torch.Generator, W: int, K: int, rows: int, I: int, bs: int):

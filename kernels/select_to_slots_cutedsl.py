@@ -52,13 +52,18 @@ histogram merges cost more than the 1/C of the work saves). A warp-vote form of 
 and ``validate=False`` allocates nothing and reads nothing on the host (CUDA-graph capturable). Compilation
 runs under :data:`dcp_ref.kernels.stages.KERNEL_LOCK` (CuTeDSL compiles are not thread-safe).
 
-**Validated call** (``validate=True``): the shape checks, then the values in one launch of a small Triton
-kernel before the CuTeDSL one (:func:`select_check_kernel`: ids, duplicate ids through a hash table, ``own_ids``,
-request ids, every selectable candidate's block of this rank) that raises the shared per-stream flag
-(:func:`~dcp_ref.kernels._util.check_flag`), and one host read of it. Only a raised flag runs the reference's
-check (which computes the selection, so that it names the exact culprit) after clearing the flag; the check
-kernel asks for the block of *every* candidate of this rank, not only the winners', so a losing candidate
-without a block is a false alarm that the reference's check then lets through (slow, never wrong).
+**Validated call** (``validate=True``): the shape checks, then the values **inside the select kernel itself**
+(``check=True``, one CTA per row): each id ``-1``, NaN or an integer in ``[0, 2**24)`` and no id twice in the
+row (:meth:`SelectToSlotsKernel.hash_ids`: a shared-memory hash table of the row's ids, ``atom.shared.cas``),
+``own_ids`` (:meth:`SelectToSlotsKernel.check_own`: a block-wide max scan), the request ids and every winner's
+block (the poison rule's test) — exactly what the reference refuses, no more — raising the shared per-stream
+flag (:func:`~dcp_ref.kernels._util.check_flag`), then one host read of it. Only a raised flag runs the
+reference's check (which names the exact culprit) after clearing the flag. Where the kernel cannot check — a
+hash table of ``2*W*K`` entries beyond one CTA's shared memory (``global_id`` with ``W*K > 16384``), or a
+cluster split the caller forces — a small Triton kernel checks the values instead, before the select
+(:func:`select_check_kernel`: the same checks, but the block of *every* candidate of this rank, so a losing
+candidate without a block is a false alarm the reference's check then clears). Measured on the H200 before the
+in-kernel checks: the second launch cost 37-82 µs of host time per validated call (``profile_validation.py``).
 
 Limits: ``W*K <= 32768`` candidates per row (as the stable top-K: at most 32 keys per thread).
 """
@@ -80,8 +85,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from dcp_ref._checks import check_bool, check_values_readable, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.select_to_slots import ORDERS, SENTINEL_SLOT, SelectToSlotsInputs, check_select_to_slots_inputs
+from dcp_ref.topk import MAX_EXACT_ID
 
-from ._util import cdiv, check_flag, compiled_artifacts, next_pow2, raise_if_flagged
+from ._util import cdiv, check_flag, compiled_artifacts, next_pow2, raise_if_flagged, raw_stream
 from .topk_cutedsl import (
     FIRST_BITS,
     MASK32,
@@ -116,6 +122,8 @@ __all__ = [
 ]
 
 _INT32_MAX = 2**31 - 1
+#: A free entry of the in-kernel check's hash table (ids are below ``2**24``).
+EMPTY_ID = 0xFFFFFFFF
 #: CTAs per row of the split form (a thread-block cluster; 8 is the portable maximum).
 SPLITS = (1, 2, 4, 8)
 #: Streaming multiprocessors of the H200 (the split default fills them when rows are few).
@@ -189,6 +197,10 @@ class SelectToSlotsConfig:
         tvm_ffi: compiled for the TVM-FFI call path.
         split: CTAs per row, a thread-block cluster (1, 2, 4 or 8; it must divide the ``W*K/vec`` vector loads
             of a row). See :class:`SelectToSlotsKernel`.
+        check: the validated call's value checks inside this kernel (:meth:`SelectToSlotsKernel.hash_ids`,
+            :meth:`SelectToSlotsKernel.check_own`, the request ids and every winner's block), raising the
+            ``flag`` argument; ``split`` must be 1 (a row's ids meet in one CTA's hash table). See
+            :func:`check_fits`.
     """
 
     order: str
@@ -208,6 +220,7 @@ class SelectToSlotsConfig:
     first_bits: int = 8
     tvm_ffi: bool = False
     split: int = 1
+    check: bool = False
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
@@ -232,6 +245,8 @@ class SelectToSlotsConfig:
                 f"split must be one of {SPLITS} and divide the {self.world * self.kloc // self.vec} vector loads "
                 f"of a row, got {self.split!r}"
             )
+        if self.check and self.split != 1:
+            raise ValueError(f"check needs split=1 (a row's ids meet in one CTA), got split={self.split}")
         if self.threads:
             t = self.threads
             if t < 256 or t > 1024 or t & (t - 1):
@@ -271,6 +286,23 @@ def dsmem_atomic_add(smem_ptr: Any, cta_rank: Any, val: Any, *, loc: Any = None,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return Int32(v)
+
+
+@dsl_user_op
+def smem_cas(smem_ptr: Any, cmp: Any, val: Any, *, loc: Any = None, ip: Any = None) -> Uint32:
+    """``atom.shared.cas.b32`` on the 32-bit word at ``smem_ptr`` of this CTA: the old value (``val`` is stored
+    where it equalled ``cmp``)."""
+    addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    v = llvm.inline_asm(
+        T.i32(),
+        [addr, Uint32(cmp).ir_value(loc=loc, ip=ip), Uint32(val).ir_value(loc=loc, ip=ip)],
+        "atom.shared.cas.b32 $0, [$1], $2, $3;",
+        "=r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Uint32(v)
 
 
 @cute.jit
@@ -340,6 +372,16 @@ class SelectToSlotsKernel(StableTopKKernel):
             assert min(self.schedule_bins) >= 32, self.schedule
             self.hist_stride = self.max_bins + 32
         self.hloc_size = 2 * self.hist_stride if split > 1 else 1
+        # check (global_id): a hash table of every valid id of the row, at most half full, so that an insert
+        # always finds a free entry (no probe limit, no false alarm from a full table).
+        self.check = cfg.check
+        self.hash_bits = max(5, (2 * n - 1).bit_length())
+        self.hash_size = 1 << self.hash_bits if cfg.check and not rank_local else 1
+
+    def smem_bytes(self) -> int:
+        """Shared memory this configuration allocates (each array 16-byte aligned)."""
+        words = (2 * self.hist_stride, 32, State.WORDS, self.lo_size, self.own_size, self.hloc_size, self.hash_size)
+        return sum(-(-4 * w // 16) * 16 for w in words)
 
     @cute.jit
     def __call__(
@@ -350,6 +392,7 @@ class SelectToSlotsKernel(StableTopKKernel):
         own: cute.Tensor,
         slots: cute.Tensor,
         counts: cute.Tensor,
+        flag: cute.Tensor,
         rows: Int32,
         rank: Int32,
         n_req: Int32,
@@ -361,7 +404,9 @@ class SelectToSlotsKernel(StableTopKKernel):
         own_s1: Int64,
         stream: Any,
     ) -> None:
-        args = (cand, req, bt, own, slots, counts, rows, rank, n_req, n_blocks, req_s, bt_s0, bt_s1, own_s0, own_s1)
+        args = (
+            cand, req, bt, own, slots, counts, flag, rows, rank, n_req, n_blocks, req_s, bt_s0, bt_s1, own_s0, own_s1,
+        )  # fmt: skip
         launch_per_row(self.s2s_kernel(*args), rows, self.threads, self.split, self.min_ctas, stream)
 
     @cute.kernel
@@ -373,6 +418,7 @@ class SelectToSlotsKernel(StableTopKKernel):
         own: cute.Tensor,
         slots: cute.Tensor,
         counts: cute.Tensor,
+        flag: cute.Tensor,
         rows: Int32,
         rank: Int32,
         n_req: Int32,
@@ -384,7 +430,8 @@ class SelectToSlotsKernel(StableTopKKernel):
         own_s1: Int64,
     ) -> None:
         """One CTA (or one cluster) per row: request + own ids in flight, keys + pass 0, radix passes, owned
-        commit, ``-1`` tail and count."""
+        commit, ``-1`` tail and count. ``check``: the values checked on the way, ``flag[0] = 1`` (int64) where the
+        reference's value checks refuse the row (written only then)."""
         T = const_expr(self.threads)
         C = const_expr(self.split)
         KSEL = const_expr(self.k)
@@ -402,7 +449,12 @@ class SelectToSlotsKernel(StableTopKKernel):
         sown = smem.allocate_tensor(Int32, cute.make_layout(self.own_size), byte_alignment=16)
         # split: this CTA's own histograms (two buffers), read by the whole cluster
         hloc = smem.allocate_tensor(Int32, cute.make_layout(self.hloc_size), byte_alignment=16)
+        # check (global_id): the row's valid ids, EMPTY_ID where free
+        htab = smem.allocate_tensor(Uint32, cute.make_layout(self.hash_size), byte_alignment=16)
         self.clear_state(st, hist, hloc, tid)
+        if const_expr(self.hash_size > 1):
+            for x in cutlass.range(tid, self.hash_size, T):
+                htab[x] = Uint32(EMPTY_ID)
 
         # The request of this row and (rank_local) this row's own local indices: loads issued first, so
         # their latency hides behind the score loads; used only by the commit.
@@ -410,6 +462,9 @@ class SelectToSlotsKernel(StableTopKKernel):
         if const_expr(self.cfg.has_req):
             req_row = Int64(req[Int64(row) * req_s])
         req_ok = (req_row >= Int64(0)) & (req_row < Int64(n_req))
+        bad = Int32(0)  # check: this thread found a value the reference may refuse
+        if const_expr(self.check and self.cfg.has_req):
+            bad = Int32(cutlass.select_(req_ok, Int32(0), Int32(1)))
         bt_row = Int64(cutlass.select_(req_ok, req_row, Int64(0))) * bt_s0
         oreg = cute.make_rmem_tensor((self.own_per_thread,), Int32)
         if const_expr(self.rank_local):
@@ -424,9 +479,9 @@ class SelectToSlotsKernel(StableTopKKernel):
         khi = cute.make_rmem_tensor((self.items,), Uint32)
         klo = cute.make_rmem_tensor((self.items if const_expr(not self.lean and not self.rank_local) else 1,), Uint32)
         if const_expr(C > 1):
-            self.load_keys(cand, rows, row, tid, khi, klo, slo, hloc, crank)
+            self.load_keys(cand, rows, row, tid, khi, klo, slo, hloc, htab, crank)
         else:
-            self.load_keys(cand, rows, row, tid, khi, klo, slo, hist, crank)
+            bad = bad + self.load_keys(cand, rows, row, tid, khi, klo, slo, hist, htab, crank)
         if const_expr(self.rank_local):
             for u in cutlass.range_constexpr(self.own_per_thread):
                 c = u * T + tid
@@ -436,6 +491,11 @@ class SelectToSlotsKernel(StableTopKKernel):
             cluster_sync()  # every CTA's pass-0 histogram is complete
             self.merge(0, hloc, hist, tid)
         cute.arch.sync_threads()
+        if const_expr(self.check and self.rank_local):
+            bad = bad + self.check_own(khi, sown, wsum, tid, lane, warp, rank * KL)
+        if const_expr(self.check):
+            if bad != Int32(0):
+                flag[0] = Int64(1)
 
         self.start_selection(st, hist, tid)
         cute.arch.sync_threads()
@@ -456,7 +516,7 @@ class SelectToSlotsKernel(StableTopKKernel):
         else:
             obase = Int64(row) * Int64(KSEL)
         rbase = rank * KL  # rank_local: this rank's slice of the row starts here
-        ctx = (req_ok, bt_row, bt, bt_s1, n_blocks)
+        ctx = (req_ok, bt_row, bt, bt_s1, n_blocks, flag)
         if (st[State.DONE] != 0) & (lm == Uint32(0)):
             self.commit_owned_fast(phi, khi, klo, slo, sown, st, slots, obase, tid, lane, warp, rank, rbase, pbase, ctx)
         else:
@@ -606,9 +666,13 @@ class SelectToSlotsKernel(StableTopKKernel):
         klo: cute.Tensor,
         slo: cute.Tensor,
         hist: cute.Tensor,
+        htab: cute.Tensor,
         crank: Int32,
-    ) -> None:
-        """Vector-load this thread's candidates as keys and count pass 0's histogram on the way.
+    ) -> Int32:
+        """Vector-load this thread's candidates as keys and count pass 0's histogram on the way; with ``check``
+        (``global_id``) also check their ids: each ``-1``, NaN or an integer in ``[0, 2**24)`` (``check_candidate_ids``'
+        rule), and no integer id twice in the row (:meth:`hash_ids`). Returns how many of them the check flags (0
+        without ``check``).
 
         Vector load ``ci`` of thread ``tid`` is chunk ``q = crank*NCC + ci*T + tid`` of the row: ``vec``
         consecutive candidates of one rank's slice (``K % vec == 0``), at word offset
@@ -627,6 +691,10 @@ class SelectToSlotsKernel(StableTopKKernel):
         NB0 = const_expr(self.schedule_bins[0])
         # The flat words as [chunks, WPL]: a chunk is one aligned WPL-word vector load.
         words = cute.make_tensor(cand.iterator, cute.make_layout((1 << 30, WPL), stride=(WPL, 1)))
+        bad = Int32(0)
+        hashing = const_expr(self.check and not self.rank_local)
+        cid = cute.make_rmem_tensor((self.items if hashing else 1,), Uint32)  # check: the items' integer ids
+        pend = Uint32(0)  # check: the items whose id goes into the hash table
         for ci in cutlass.range_constexpr(self.cpt):
             ql = ci * T + tid  # chunk index within this CTA's share
             inb = Boolean(True)
@@ -651,6 +719,12 @@ class SelectToSlotsKernel(StableTopKKernel):
                     sb = v[2 * s].bitcast(Uint32)
                     idf = v[2 * s + 1].bitcast(Float32)
                     ok = inb & (idf >= Float32(0.0))
+                    if const_expr(hashing):
+                        integral = (idf >= Float32(0.0)) & (idf < Float32(MAX_EXACT_ID)) & (Float32(Int32(idf)) == idf)
+                        fine = integral | (idf == Float32(-1.0)) | (idf != idf)  # check_candidate_ids' rule
+                        bad = bad + Int32(cutlass.select_(inb & ~fine, Int32(1), Int32(0)))
+                        cid[i] = Uint32(Int32(idf))
+                        pend = pend | Uint32(cutlass.select_(inb & integral, Uint32(1 << i), Uint32(0)))
                 # -0.0 -> +0.0 so that the two zeros tie and the tie-break decides.
                 sb = Uint32(cutlass.select_(sb == Uint32(0x80000000), Uint32(0), sb))
                 # Negative floats: flip all bits; non-negative: set the sign bit.
@@ -666,6 +740,83 @@ class SelectToSlotsKernel(StableTopKKernel):
                         klo[i] = lo
                 digit = Int32(cutlass.select_(hi != Uint32(0), (hi >> Uint32(SH0)) & Uint32(NB0 - 1), Uint32(NB0)))
                 cute.arch.atomic_add(hist.iterator + digit, Int32(1))
+        if const_expr(hashing):
+            bad = bad + self.hash_ids(cid, pend, htab)
+        return bad
+
+    @cute.jit
+    def hash_ids(self, cid: cute.Tensor, pend: Uint32, htab: cute.Tensor) -> Int32:
+        """``check``, ``global_id``: insert this thread's integer ids (``cid[i]`` where bit ``i`` of ``pend``) into
+        the row's hash table ``htab``; returns how many were there already (a duplicate id in the row).
+
+        Open addressing with linear probing and ``atom.shared.cas``: every copy of an id probes the same entries,
+        and the first free one is taken by exactly one of them, so the others find it there (exact: no false
+        alarm, no duplicate missed); at most half full, so a free entry always exists. In rounds: each round
+        issues the next probe of every pending id back to back, then reads the answers (one shared-memory
+        latency per round, not per probe: a probe at a time measured 23 µs for 4096 ids in one CTA).
+        """
+        MASK = const_expr(self.hash_size - 1)
+        hs = cute.make_rmem_tensor((self.items,), Uint32)
+        olds = cute.make_rmem_tensor((self.items,), Uint32)
+        for i in cutlass.range_constexpr(self.items):
+            hs[i] = (cid[i] * Uint32(0x9E3779B1)) >> Uint32(32 - self.hash_bits)  # Fibonacci hashing
+        dup = Int32(0)
+        while pend != Uint32(0):
+            for i in cutlass.range_constexpr(self.items):
+                olds[i] = Uint32(EMPTY_ID)
+                if (pend & Uint32(1 << i)) != Uint32(0):
+                    olds[i] = smem_cas(htab.iterator + Int32(hs[i]), Uint32(EMPTY_ID), cid[i])
+            for i in cutlass.range_constexpr(self.items):
+                o = olds[i]
+                mine = (pend & Uint32(1 << i)) != Uint32(0)
+                found = mine & (o == cid[i])
+                dup = dup + Int32(cutlass.select_(found, Int32(1), Int32(0)))
+                settled = found | (o == Uint32(EMPTY_ID))  # placed, or a duplicate
+                pend = Uint32(cutlass.select_(settled, pend & Uint32(MASK32 ^ (1 << i)), pend))
+                hs[i] = Uint32(cutlass.select_(settled, hs[i], (hs[i] + Uint32(1)) & Uint32(MASK)))
+        return dup
+
+    @cute.jit
+    def check_own(
+        self, khi: cute.Tensor, sown: cute.Tensor, wsum: cute.Tensor, tid: Int32, lane: Int32, warp: Int32, rbase: Int32
+    ) -> Int32:
+        """``check``, ``rank_local`` (``sown`` filled, after a barrier; ``wsum`` free until the next one): how many
+        of this thread's entries the reference's ``own_ids`` check refuses — exactly: an entry below ``-1``; a
+        valid entry not above every valid entry before it (thread ``t`` takes the contiguous entries
+        ``[t*P, (t+1)*P)``; what comes before them is a block-wide exclusive max scan of the threads' maxima);
+        ``-1`` under a score (``khi != 0``) of this rank's slice."""
+        KL = const_expr(self.kloc)
+        P = const_expr(-(-self.kloc // self.threads))
+        first = tid * P
+        top = Int32(-1)
+        for j in cutlass.range_constexpr(P):
+            if first + j < KL:
+                top = cutlass.max(top, sown[first + j])
+        incl = top
+        for o in cutlass.range_constexpr(5):  # the warp's inclusive max scan
+            other = cute.arch.shuffle_sync_up(incl, 1 << o, mask_and_clamp=0)
+            incl = cutlass.max(incl, Int32(cutlass.select_(lane >= (1 << o), other, Int32(-1))))
+        if lane == 31:
+            wsum[warp] = incl
+        cute.arch.sync_threads()
+        before = cute.arch.shuffle_sync_up(incl, 1, mask_and_clamp=0)
+        run = Int32(cutlass.select_(lane >= 1, before, Int32(-1)))
+        for w2 in cutlass.range_constexpr(self.threads // 32):
+            if w2 < warp:
+                run = cutlass.max(run, wsum[w2])
+        bad = Int32(0)
+        for j in cutlass.range_constexpr(P):
+            if first + j < KL:
+                o = sown[first + j]
+                wrong = (o < Int32(-1)) | ((o >= Int32(0)) & (o <= run))
+                bad = bad + Int32(cutlass.select_(wrong, Int32(1), Int32(0)))
+                run = cutlass.max(run, o)
+        for i in cutlass.range_constexpr(self.items):
+            c = self.position(i, tid, Int32(0)) - rbase
+            if (c >= Int32(0)) & (c < Int32(KL)):
+                if (khi[i] != Uint32(0)) & (sown[c] == Int32(-1)):
+                    bad = bad + Int32(1)
+        return bad
 
     @cute.jit
     def chunk_coords(self, ci: int, tid: Int32, crank: Int32) -> tuple[Int32, Int32]:
@@ -746,9 +897,10 @@ class SelectToSlotsKernel(StableTopKKernel):
     def slot_of(self, loc: Int32, ctx: tuple) -> Int32:
         """``block_table[req, loc // bs] * bs + loc % bs`` in int64, or the sentinel (the poison rule).
 
-        ``ctx = (req_ok, bt_row, bt, bt_s1, n_blocks)``: the row's request check, its block-table row offset,
-        the table, its column stride and width."""
-        req_ok, bt_row, bt, bt_s1, n_blocks = ctx
+        ``ctx = (req_ok, bt_row, bt, bt_s1, n_blocks, flag)``: the row's request check, its block-table row
+        offset, the table, its column stride and width, and the check flag (``check``: raised for a poisoned
+        winner, exactly the reference's "no block for a selected key" and "slots exceed int32")."""
+        req_ok, bt_row, bt, bt_s1, n_blocks, flag = ctx
         BS = const_expr(self.cfg.block_size)
         blk_idx = loc // BS
         ok = req_ok & (loc >= 0) & (blk_idx < n_blocks)
@@ -757,6 +909,9 @@ class SelectToSlotsKernel(StableTopKKernel):
             blk = Int64(bt[bt_row + Int64(blk_idx) * bt_s1])
         s64 = blk * Int64(BS) + Int64(loc % BS)
         good = ok & (blk >= Int64(0)) & (s64 <= Int64(_INT32_MAX))
+        if const_expr(self.check):
+            if ~good:
+                flag[0] = Int64(1)
         return Int32(cutlass.select_(good, Int32(s64), Int32(SENTINEL_SLOT)))
 
     @cute.jit
@@ -989,6 +1144,7 @@ def _fake_args(cfg: SelectToSlotsConfig) -> tuple[Any, ...]:
         flat(Int32, 4),  # own_ids
         flat(Int32, 4),  # slots
         flat(Int32, 4),  # counts
+        flat(Int64, 8) if cfg.check else flat(Int32, 4),  # flag: the int64 check flag (else never read)
         Int32(1),
         Int32(0),
         Int32(1),
@@ -1076,6 +1232,24 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     return out
 
 
+#: Shared memory one CTA may have on the H200 (227 KiB).
+SMEM_MAX = 227 * 1024
+
+
+_FITS: dict[tuple[Any, ...], bool] = {}
+
+
+def check_fits(cfg: SelectToSlotsConfig) -> bool:
+    """Whether configuration ``cfg`` (``check=True``) fits one CTA's shared memory: ``global_id`` needs a hash
+    table of ``2 * W*K`` entries beside the selection's arrays (up to ``W*K = 16384`` for the lean variant).
+    Cached by the fields that size the arrays (hashing the whole configuration costs µs per validated call)."""
+    key = (cfg.order, cfg.world, cfg.kloc, cfg.vec, cfg.variant, cfg.threads, cfg.first_bits)
+    fits = _FITS.get(key)
+    if fits is None:
+        fits = _FITS[key] = SelectToSlotsKernel(cfg).smem_bytes() <= SMEM_MAX
+    return fits
+
+
 def make_config(
     order: str,
     world: int,
@@ -1095,6 +1269,7 @@ def make_config(
     tvm_ffi: bool = False,
     rows: int = 1 << 20,
     split: int | None = None,
+    check: bool = False,
 ) -> SelectToSlotsConfig:
     """The configuration the wrapper compiles for these shapes (defaults chosen here, in one place).
 
@@ -1103,6 +1278,7 @@ def make_config(
     :func:`~dcp_ref.kernels.topk_cutedsl.default_variant`. ``config``: ``(threads, min_ctas)``. ``split``
     (``None``): :func:`default_split` for ``rows`` and ``order``. ``first_bits`` (``None``): 8 when split (each pass's
     histograms are summed over the cluster: few bins), else 11 for ``rank_local`` and 8 for ``global_id``.
+    ``check``: the validated call's in-kernel value checks (``split`` then 1 when ``None``).
     """
     bpc = 4 if order == "rank_local" else 8  # bytes per candidate
     if vec is None:
@@ -1114,8 +1290,12 @@ def make_config(
     if variant is None:
         variant = "lean" if order == "rank_local" else default_variant(world, kloc, k, False)
     threads, min_ctas = (0, -1) if config is None else (int(config[0]), int(config[1]))
+    if check and config is None:
+        # The hash inserts are latency-bound per thread: the widest CTA (~4 ids per thread), and no register cap
+        # (the probe rounds keep three words per item in registers; a cap spills them).
+        threads, min_ctas = min(1024, max(256, next_pow2(cdiv(world * kloc, 4)))), 0
     if split is None:
-        split = default_split(rows, world * kloc, vec, order)
+        split = 1 if check else default_split(rows, world * kloc, vec, order)
     if first_bits is None:
         first_bits = 11 if order == "rank_local" and split == 1 else 8
     return SelectToSlotsConfig(
@@ -1138,6 +1318,7 @@ def make_config(
         first_bits=first_bits,
         tvm_ffi=tvm_ffi,
         split=split,
+        check=check,
     )
 
 
@@ -1284,8 +1465,7 @@ def _hash_table(dev: torch.device, entries: int) -> list[Any]:
     thread, device and stream (as :func:`~dcp_ref.kernels._util.check_flag`), zeroed once and grown when needed."""
     import threading
 
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (threading.get_ident(), dev, stream)
+    key = (threading.get_ident(), dev, raw_stream(dev))
     state = _HASH_TABLES.get(key)
     if state is None or state[0].numel() < entries:
         state = _HASH_TABLES[key] = [torch.zeros(entries, dtype=torch.int64, device=dev), 1]
@@ -1369,12 +1549,7 @@ def _validate_values(
     reference's check runs directly. ``defer``: launch the check and return its flag unread (the caller launches
     the select, which is safe on any input, then reads it with :func:`_finish_validation`: the host never waits
     between the two launches); ``None`` when nothing is left to read."""
-    check_values_readable(gathered, "gathered")
-    check_values_readable(block_table, "block_table")
-    if req_of_token is not None:
-        check_values_readable(req_of_token, "req_of_token")
-    if own_ids is not None:
-        check_values_readable(own_ids, "own_ids")
+    _check_readable(gathered, req_of_token, block_table, own_ids)
     dev = gathered.device
     fast = (
         (dev.type == "cuda" or triton_interpreting())
@@ -1403,17 +1578,19 @@ def _finish_validation(
     *,
     order: str,
     own_ids: torch.Tensor | None,
+    in_kernel: bool = False,
 ) -> None:
-    """Read the check kernel's flag (the one host read of a validated call); when raised, clear it and run the
-    reference's exact check, which raises its message (or returns, for a false alarm)."""
-    # the check kernel over-approximates (a losing candidate without a block raises it): a false alarm returns
+    """Read the check flag (the one host read of a validated call); when raised, clear it and run the
+    reference's exact check, which raises its message. The check kernel over-approximates (a losing candidate
+    without a block raises it): there a flag the reference clears is a false alarm; the select kernel's own
+    checks (``in_kernel``) are exact, so there it is a kernel bug (``AssertionError``)."""
     raise_if_flagged(
         chk,
         lambda: check_select_to_slots_inputs(
             gathered, req_of_token, block_table, geometry, k, order=order, own_ids=own_ids, validate=True
         ),
-        "select_check_kernel",
-        false_alarms=True,
+        "the select kernel's checks" if in_kernel else "select_check_kernel",
+        false_alarms=not in_kernel,
     )
 
 
@@ -1462,27 +1639,66 @@ def select_to_slots_cutedsl(
         out_counts=out_counts,
         validate=False,  # the shape checks only: the values are checked below, in one launch and one read
     )
-    pending = None
+    pending = flag = None
+    checked = False
     if validate and spec.rows:
-        # On the GPU the flag is read after the select is launched (it is safe on any input): the host does not
-        # wait between the two launches. On a refused call the buffers then hold the validate=False answer.
-        pending = _validate_values(
-            gathered, req_of_token, block_table, geometry, spec.k, order=order, own_ids=own_ids,
-            defer=gathered.device.type == "cuda",
-        )  # fmt: skip
+        if _checks_in_kernel(gathered, geometry, split):
+            # The select kernel checks the values itself and raises the flag: no second launch.
+            _check_readable(gathered, req_of_token, block_table, own_ids)
+            flag = check_flag(gathered.device)
+        else:
+            # On the GPU the check kernel's flag is read after the select is launched (it is safe on any input):
+            # the host does not wait between the two launches.
+            pending = _validate_values(
+                gathered, req_of_token, block_table, geometry, spec.k, order=order, own_ids=own_ids,
+                defer=gathered.device.type == "cuda",
+            )  # fmt: skip
+    # On a refused call the buffers hold the validate=False answer.
     try:
-        result = _select(
+        *result, checked = _select(
             gathered, req_of_token, block_table, geometry, spec, order=order, own_ids=own_ids, out_slots=out_slots,
             out_counts=out_counts, tvm_ffi=tvm_ffi, variant=variant, config=config, first_bits=first_bits, vec=vec,
-            split=split,
+            split=split, flag=flag,
         )  # fmt: skip
+        if checked:
+            pending = flag
+        elif flag is not None:  # the configuration's hash table does not fit: the check kernel reads the values
+            pending = _validate_values(
+                gathered, req_of_token, block_table, geometry, spec.k, order=order, own_ids=own_ids, defer=True
+            )
     except BaseException:
-        if pending is not None:
-            pending.zero_()  # a call that stops before its read leaves the shared flag clear
+        for f in (pending, flag):
+            if f is not None:
+                f.zero_()  # a call that stops before its read leaves the shared flag clear
         raise
     if pending is not None:
-        _finish_validation(pending, gathered, req_of_token, block_table, geometry, spec.k, order=order, own_ids=own_ids)
-    return result
+        _finish_validation(
+            pending, gathered, req_of_token, block_table, geometry, spec.k, order=order, own_ids=own_ids,
+            in_kernel=checked,
+        )  # fmt: skip
+    return result[0], result[1]
+
+
+def _checks_in_kernel(gathered: torch.Tensor, geometry: DcpGeometry, split: int | None) -> bool:
+    """Whether the validated call's value checks can run inside the select kernel (``check=True``): on CUDA, a
+    contiguous ``gathered`` it can read, one CTA per row (``split`` ``None`` or 1). Elsewhere the check kernel
+    runs (or, where the select cannot run at all, the reference's check, so that it refuses values first)."""
+    n = geometry.world_size * gathered.shape[2]
+    return (
+        gathered.device.type == "cuda" and gathered.is_contiguous() and 0 < n <= MAX_CANDIDATES and split in (None, 1)
+    )
+
+
+def _check_readable(
+    gathered: torch.Tensor, req_of_token: torch.Tensor | None, block_table: torch.Tensor, own_ids: torch.Tensor | None
+) -> None:
+    """A value check needs real data (the reference's first value check)."""
+    check_values_readable(gathered, "gathered")
+    check_values_readable(block_table, "block_table")
+    if req_of_token is not None:
+        check_values_readable(req_of_token, "req_of_token")
+    if own_ids is not None:
+        check_values_readable(own_ids, "own_ids")
 
 
 def _select(
@@ -1502,8 +1718,11 @@ def _select(
     first_bits: int | None,
     vec: int | None,
     split: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The select-to-slots launch of :func:`select_to_slots_cutedsl`, after its checks."""
+    flag: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The select-to-slots launch of :func:`select_to_slots_cutedsl`, after its checks: ``(slots, counts,
+    checked)``. ``flag`` (the int64 check flag): compile with the in-kernel value checks, which raise it, where
+    they fit (:func:`check_fits`); ``checked`` says whether they ran (``False`` without ``flag``)."""
     w, rows, kloc, k = geometry.world_size, spec.rows, spec.kloc, spec.k
     n_req, n_blocks = spec.n_req, spec.n_blocks
     if w * kloc > MAX_CANDIDATES:
@@ -1525,11 +1744,11 @@ def _select(
     elif not out_counts.is_contiguous():
         raise ValueError("out_counts must be contiguous (it is written as one flat buffer)")
     if rows == 0:
-        return out_slots, out_counts
+        return out_slots, out_counts, False
     if w * kloc == 0:
         out_slots.fill_(-1)
         out_counts.zero_()
-        return out_slots, out_counts
+        return out_slots, out_counts, False
     if gathered.data_ptr() % 4:
         raise ValueError("gathered must be 4-byte aligned")
     counts_flat = out_counts.view(-1)
@@ -1545,25 +1764,17 @@ def _select(
     own_flat = _span(own_t)
     small = max(gathered.numel(), rows * k, req_flat.numel(), bt_flat.numel(), own_flat.numel()) < 2**31
     ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
-    cfg = make_config(
-        order,
-        w,
-        kloc,
-        k,
-        geometry,
-        data_ptr=gathered.data_ptr(),
-        has_req=has_req,
-        req_int64=req_t.dtype == torch.int64,
-        bt_int64=bt_t.dtype == torch.int64,
-        small=small,
-        variant=variant,
-        config=config,
-        first_bits=first_bits,
-        vec=vec,
-        tvm_ffi=ffi,
-        rows=rows,
-        split=split,
-    )
+
+    def config_for(check: bool) -> SelectToSlotsConfig:
+        return make_config(
+            order, w, kloc, k, geometry, data_ptr=gathered.data_ptr(), has_req=has_req,
+            req_int64=req_t.dtype == torch.int64, bt_int64=bt_t.dtype == torch.int64, small=small, variant=variant,
+            config=config, first_bits=first_bits, vec=vec, tvm_ffi=ffi, rows=rows, split=split, check=check,
+        )  # fmt: skip
+
+    cfg = config_for(flag is not None)
+    if cfg.check and not check_fits(cfg):
+        cfg = config_for(False)
     if cfg.vec > 1 and gathered.data_ptr() % (4 * cfg.vec * (1 if order == "rank_local" else 2)):
         raise ValueError(f"gathered must be {4 * cfg.vec} * words-aligned for vec={cfg.vec}")
     fn = compile_select_to_slots(cfg)
@@ -1579,7 +1790,8 @@ def _select(
         own_t.stride(0) if own_t is own_ids else 0,
         own_t.stride(1) if own_t is own_ids else 0,
     )
-    tensors = (words, req_flat, bt_flat, own_flat, out_slots.view(-1), counts_flat)
+    flag_t = flag if cfg.check and flag is not None else counts_flat
+    tensors = (words, req_flat, bt_flat, own_flat, out_slots.view(-1), counts_flat, flag_t)
     if ffi:
         fn(*tensors, *scalars)
     else:
@@ -1587,11 +1799,11 @@ def _select(
         from cutlass.cute.runtime import from_dlpack
 
         wpl_bytes = 4 * cfg.vec * (1 if order == "rank_local" else 2)
-        aligns = (wpl_bytes, req_flat.element_size(), bt_flat.element_size(), 4, 4, 4)
+        aligns = (wpl_bytes, req_flat.element_size(), bt_flat.element_size(), 4, 4, 4, flag_t.element_size())
         stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
         args = [from_dlpack(t, assumed_align=a) for t, a in zip(tensors, aligns)]
         fn(*args, *(Int32(v) for v in scalars[:4]), *(Int64(v) for v in scalars[4:]), stream)
-    return out_slots, out_counts
+    return out_slots, out_counts, cfg.check
 
 
 def _span(t: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dcp_ref.indexer import local_topk
 from dcp_ref.pipeline import make_dcp_problem
 from dcp_ref.select_to_slots import (
     SENTINEL_SLOT,
+    check_select_to_slots_inputs,
     order_difference_example,
     reference_select_to_slots,
     select_to_slots,
@@ -836,8 +837,8 @@ def test_cutedsl_validated_call_matches_and_raises_like_the_reference(cuda_devic
 @pytest.mark.gpu
 def test_cutedsl_validated_call_is_one_check_launch_and_one_read_at_step_shapes(cuda_device):
     """At the step's shapes (K = k = 2048; W = 2 and 8; 1 and 32 rows) the validated call is the unvalidated call's
-    aten ops plus one host read (the check kernel's launch is no aten op), raises no false alarm (the table covers
-    every candidate), answers the same; a planted duplicate id (global_id) or unsorted own ids (rank_local) raise
+    aten ops plus one host read (its checks run inside the select kernel, no aten op), raises no false alarm (nor
+    would the check kernel: its table covers every candidate), answers the same; a planted duplicate id (global_id) or unsorted own ids (rank_local) raise
     the reference's message, and the flag is cleared after."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -898,6 +899,165 @@ def test_cutedsl_validated_call_is_one_check_launch_and_one_read_at_step_shapes(
                 mod.select_to_slots_cutedsl(*args, **kw)
             assert str(ker.value) == str(ref.value)
             assert int(check_flag(cuda_device).item()) == 0
+
+
+def _refusal(fn, *args, **kw) -> str | None:  # type: ignore[no-untyped-def]
+    """The ValueError message of ``fn(*args, **kw)``, or ``None`` when it returns."""
+    try:
+        fn(*args, **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _in_kernel_flag(gathered, req, table, g, k, order, own) -> tuple[int, bool]:  # type: ignore[no-untyped-def]
+    """``(flag, checked)``: the select kernel's own value checks (``check=True``) on these inputs, read once."""
+    from dcp_ref.kernels import select_to_slots_cutedsl as mod
+    from dcp_ref.kernels._util import check_flag
+
+    spec = check_select_to_slots_inputs(gathered, req, table, g, k, order=order, own_ids=own, validate=False)
+    chk = check_flag(gathered.device)
+    *_, checked = mod._select(
+        gathered, req, table, g, spec, order=order, own_ids=own, out_slots=None, out_counts=None, tvm_ffi=None,
+        variant=None, config=None, first_bits=None, vec=None, split=None, flag=chk,
+    )  # fmt: skip
+    raised = int(chk.item())
+    chk.zero_()
+    return raised, checked
+
+
+def _plant(name: str, pairs: torch.Tensor, own: torch.Tensor, W: int, K: int) -> None:
+    """One fault in the last row, in place: far apart in the row (different warps)."""
+    vp = (pairs[:, -1, :, 1] >= 0).nonzero().tolist()
+    vo = (own[-1] >= 0).nonzero().flatten().tolist()
+    if name == "dup":  # the last valid id repeats the first
+        pairs[vp[-1][0], -1, vp[-1][1], 1] = pairs[vp[0][0], -1, vp[0][1], 1]
+    elif name == "frac":
+        pairs[0, -1, K - 1, 1] = 3.5
+    elif name == "big":
+        pairs[W - 1, -1, 7, 1] = 2.0**24
+    elif name == "swap":  # two valid own ids far apart change places
+        own[-1, vo[3]], own[-1, vo[-3]] = int(own[-1, vo[-3]]), int(own[-1, vo[3]])
+    elif name == "repeat":
+        own[-1, vo[900]] = own[-1, vo[899]]
+    elif name == "mid_pad":  # a real score loses its index
+        own[-1, vo[1000]] = -1
+
+
+@pytest.mark.gpu
+def test_cutedsl_in_kernel_checks_are_exactly_the_references(cuda_device):
+    """The validated call's value checks inside the select kernel (``check=True``: ids, duplicate ids through the
+    CTA's hash table, ``own_ids`` by a block-wide max scan, request ids, every winner's block) raise the flag
+    exactly where the reference's validated call refuses — no miss and no false alarm, over every mutation of
+    ``MUTATIONS`` on small random cases (own ids with padding in the middle, ties, NaN / -inf) and planted
+    faults in step-sized rows (K = 2048, across warps); the validated call then raises the reference's message,
+    or returns its answer."""
+    from dcp_ref.kernels.select_to_slots_cutedsl import select_to_slots_cutedsl
+
+    dev = torch.device(cuda_device)
+    rng = random.Random(11)
+    seen = {order: set() for order in MUTATIONS}
+    cases = 0
+    # a few compiled shapes (W, I, K, k; each a CuTeDSL compile), every mutation on each
+    shapes = ((1, 1, 5, 3), (2, 2, 16, 17), (3, 1, 40, 60), (4, 2, 7, 12))
+    for it in range(240):
+        order = ("global_id", "rank_local")[it % 2]
+        how = MUTATIONS[order][(it // 2) % len(MUTATIONS[order])]
+        W, I, K, k = shapes[(it // 22) % len(shapes)]
+        T, rank = rng.randint(1, 3), rng.randrange(W)
+        case = random_case(rng, W, I, 2 * I, K, T, flavour=rng.choice(["randn", "ties", "nan"]), n_blocks=8)
+        if it % 5 == 0:
+            case.req = None
+        g = DcpGeometry(W, rank, I, 2 * I)
+        gathered, req, table, own = (
+            None if t is None else t.to(dev) for t in _mutated(case, order, rank, how, rng)
+        )  # fmt: skip
+        want = _refusal(select_to_slots, gathered, req, table, g, k, order=order, own_ids=own)
+        flag, checked = _in_kernel_flag(gathered, req, table, g, k, order, own)
+        assert checked
+        assert flag == (want is not None), (order, how, want)
+        got = _refusal(select_to_slots_cutedsl, gathered, req, table, g, k, order=order, own_ids=own)
+        assert got == want, (order, how)
+        if want is None:
+            ref = select_to_slots(gathered, req, table, g, k, order=order, own_ids=own)
+            assert _same(select_to_slots_cutedsl(gathered, req, table, g, k, order=order, own_ids=own), ref, k)
+        seen[order].add((how, want is not None))
+        cases += 1
+    # both outcomes seen for the mutations that may or may not refuse, refusals for every other one
+    for order, muts in MUTATIONS.items():
+        assert {h for h, refused in seen[order] if refused} >= set(muts) - {"none", "nan", "hole", "huge", "short"}
+    # Step-sized rows: one planted fault per call, in the last row, far apart in the row (different warps).
+    K, rows = 2048, 3  # the last row of make_gpu_case's flavours 0-2 has no padding
+    for W in (2, 8):
+        pairs, scores, own_all, req, table = make_gpu_case(W, K, rows, 1, 64, 40 + W, cuda_device, poison=False)
+        g = DcpGeometry(W, W - 1, 1, 64)
+        own = own_all[W - 1].contiguous()
+        plants = {"global_id": ("none", "dup", "frac", "big"), "rank_local": ("none", "swap", "repeat", "mid_pad")}
+        for order, muts in plants.items():
+            for name in muts:
+                gp, op = pairs.clone(), own.clone()
+                _plant(name, gp, op, W, K)
+                gathered = gp if order == "global_id" else scores
+                o = None if order == "global_id" else op
+                want = _refusal(select_to_slots, gathered, req, table, g, K, order=order, own_ids=o)
+                assert (want is None) == (name == "none"), (W, order, name, want)
+                flag, checked = _in_kernel_flag(gathered, req, table, g, K, order, o)
+                assert checked and flag == (want is not None), (W, order, name)
+                assert _refusal(select_to_slots_cutedsl, gathered, req, table, g, K, order=order, own_ids=o) == want
+                cases += 1
+    assert cases == 256
+
+
+@pytest.mark.gpu
+def test_cutedsl_validated_call_falls_back_to_the_check_kernel(cuda_device, monkeypatch):
+    """Where the select kernel cannot check (a hash table of 2 * W*K entries beyond one CTA's shared memory:
+    W = 8, K = 4096; or a cluster split the caller forces) the validated call runs the check kernel, with the
+    same answers and the same refusals; at the step's shapes it never launches the check kernel."""
+    from dcp_ref.kernels import select_to_slots_cutedsl as mod
+
+    launches = []
+    real = mod.select_check_kernel
+
+    class Counting:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(mod, "select_check_kernel", Counting())
+    for W, K, rows, split, fallback in ((8, 4096, 2, None, True), (2, 2048, 3, 2, True), (8, 2048, 3, None, False)):
+        pairs, *_, req, table = make_gpu_case(W, K, rows, 1, 64, 60 + W, cuda_device, poison=False)
+        g = DcpGeometry(W, 1, 1, 64)
+        launches.clear()
+        want = select_to_slots(pairs, req, table, g, K)
+        assert _same(mod.select_to_slots_cutedsl(pairs, req, table, g, K, split=split), want, K)
+        assert bool(launches) == fallback, (W, K, split)
+        bad = pairs.clone()
+        ok = (bad[:, -1, :, 1] >= 0).nonzero().tolist()
+        bad[ok[-1][0], -1, ok[-1][1], 1] = bad[ok[0][0], -1, ok[0][1], 1]
+        want_msg = _refusal(select_to_slots, bad, req, table, g, K)
+        assert want_msg and "twice" in want_msg
+        assert _refusal(mod.select_to_slots_cutedsl, bad, req, table, g, K, split=split) == want_msg
+        assert int(mod.check_flag(torch.device(cuda_device)).item()) == 0
+
+
+@pytest.mark.gpu
+def test_check_flag_is_one_per_stream_from_the_raw_handle(cuda_device):
+    """``raw_stream`` (one C call) is the handle ``torch.cuda.current_stream`` names, on the default stream and a
+    side stream, for ``cuda`` and ``cuda:N``; so ``check_flag`` gives each stream its own flag, and the same one
+    again on the same stream."""
+    from dcp_ref.kernels._util import check_flag, raw_stream
+
+    dev = torch.device(cuda_device)
+    indexed = torch.device("cuda", torch.cuda.current_device())
+    main = check_flag(dev)
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        assert raw_stream(dev) == raw_stream(indexed) == side.cuda_stream
+        assert check_flag(dev) is not main
+        assert check_flag(dev) is check_flag(dev)
+    assert raw_stream(dev) == torch.cuda.current_stream(dev).cuda_stream
+    assert check_flag(dev) is main
+    assert raw_stream(torch.device("cpu")) == 0
 
 
 @pytest.mark.gpu

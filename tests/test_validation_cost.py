@@ -1,7 +1,7 @@
 """``benchmarks/bench_validation.py --smoke`` on the CPU: the script runs, every Triton row's inputs are valid.
 
-The timings of a smoke run are the interpreter's and claim nothing (the verdict ``validated <= 1.5 x
-unvalidated + 10 µs`` is the H200 run's); what this checks is that each row the H200 run will time is built
+The timings of a smoke run are the interpreter's and claim nothing (the verdict ``validated <= one-read floor +
+10 µs`` is the H200 run's); what this checks is that each row the H200 run will time is built
 on valid inputs — its validated call passes — so that the GPU run measures the validated *success* path, that
 the guard row says it has no validated form, and that the CUDA-only rows are skipped with a reason.
 """
