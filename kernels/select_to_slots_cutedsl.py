@@ -753,7 +753,9 @@ class SelectToSlotsKernel(StableTopKKernel):
         and the first free one is taken by exactly one of them, so the others find it there (exact: no false
         alarm, no duplicate missed); at most half full, so a free entry always exists. In rounds: each round
         issues the next probe of every pending id back to back, then reads the answers (one shared-memory
-        latency per round, not per probe: a probe at a time measured 23 µs for 4096 ids in one CTA).
+        latency per round, not per probe). Measured on the H200 (device time of one row of W*K = 4096 ids, 256
+        threads): a probe at a time added 23.0 µs to the unchecked 4.9 µs, rounds 9.6 µs; the check
+        configuration now takes the widest CTA (:func:`make_config`), so each thread holds ~4 ids.
         """
         MASK = const_expr(self.hash_size - 1)
         hs = cute.make_rmem_tensor((self.items,), Uint32)
