@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._checks import check_int_scalar
+from ._checks import check_bool, check_int_scalar
 
 __all__ = [
     "KV_BYTES_PER_TOKEN",
@@ -445,6 +445,12 @@ class QueryProjection:
     q_b_bytes_per_param: float = 1 + 4 / 128**2
     w_uk_bytes_per_param: float = 2.0
 
+    def __post_init__(self) -> None:
+        for f in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank"):
+            _pos_int(getattr(self, f), f)
+        for f in ("q_b_bytes_per_param", "w_uk_bytes_per_param"):
+            _real(getattr(self, f), f, strict=True)
+
     def params_per_layer(self, heads: int) -> tuple[int, int]:
         """``(q_b_proj, W_UK)`` parameters of one layer for ``heads`` query heads."""
         qb = self.q_lora_rank * heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
@@ -462,6 +468,10 @@ def q_replication_bytes(
     heads' queries itself and the query all-gather disappears. DeepSeek V3.2 at ``W = 8``: 2.9 GB per rank.
     """
     w = _pos_int(world_size, "world_size")
+    if not isinstance(geometry, MlaGeometry):
+        raise TypeError(f"geometry must be an MlaGeometry, got {type(geometry).__name__}")
+    if not isinstance(projection, QueryProjection):
+        raise TypeError(f"projection must be a QueryProjection, got {type(projection).__name__}")
     qb, uk = projection.params_per_layer(geometry.num_heads)
     per_layer = qb * projection.q_b_bytes_per_param + uk * projection.w_uk_bytes_per_param
     return (1 - 1 / w) * per_layer * geometry.layers
@@ -727,7 +737,8 @@ def dcp_step_cost(
 
     Args:
         world_size: ``W >= 1``, dividing ``num_heads``. ``W = 1`` is a single rank: no collective,
-            no pack, select or merge (the local top-K is the global one) — exactly :func:`tp_step_cost` at ``W = 1``.
+            no pack, select or merge (the local top-K is the global one) — exactly :func:`tp_step_cost` at ``W = 1``
+            with the same ``exchange`` and ``order`` (``combine`` and ``q_replicate`` change nothing there).
         tokens: query tokens ``T`` per step (one per request), all seen by every rank.
         context: tokens ``c`` of each request (every query token's own request).
         scope: ``"step"``: the planned step as benchmarked (``STEP_STAGES``); ``"layer"`` adds the
@@ -746,6 +757,8 @@ def dcp_step_cost(
     """
     w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
     _check_layer_options(exchange, combine, order)
+    q_replicate = check_bool(q_replicate, "q_replicate")
+    graph = check_bool(graph, "graph")
     g, k = geometry, constants
     c_loc = tokens_on_busiest_rank(c, w, g.interleave)
     K = g.local_topk
@@ -811,6 +824,7 @@ def tp_step_cost(
     scope: str = "layer",
     graph: bool = True,
     exchange: str = "allgather",
+    order: str = "global_id",
 ) -> StepCost:
     """Per-layer, per-rank cost of the same step under TP over ``world_size`` ranks.
 
@@ -818,17 +832,20 @@ def tp_step_cost(
     keys, the attention reads ``min(k, c)`` keys per token (FlashMLA pads the heads up to
     ``min_kernel_heads``; the split-KV kernel runs any head count: :func:`_attention_s`), and nothing is
     communicated inside attention. ``exchange="owner"``: the selection maps straight to slots (one stage, as the
-    planned tp layout runs it). ``graph`` is accepted for symmetry (no collective to launch).
+    planned tp layout runs it), reading 8 bytes per candidate, or 4 with ``order="rank_local"`` (scores only, as
+    :class:`dcp_ref.stages.StepSpec` allows for the tp layout too). ``graph`` is accepted for symmetry (no
+    collective to launch).
     """
     w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
-    _check_layer_options(exchange, "reduce_scatter", "global_id")
+    _check_layer_options(exchange, "reduce_scatter", order)
+    check_bool(graph, "graph")
     g, k = geometry, constants
     stages: dict[str, float] = {}
     if scope == "layer":
         stages["index_scoring"] = _index_scoring_s(t, c, g, hardware)
     stages["indexer"] = k.local_topk.time_s(t * c * 4)
     if exchange == "owner":
-        stages["select_to_slots"] = k.select_to_slots.time_s(t * g.local_topk * 8)
+        stages["select_to_slots"] = k.select_to_slots.time_s(t * g.local_topk * (4 if order == "rank_local" else 8))
     else:
         stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
     keys = float(min(g.topk, c))

@@ -7,6 +7,7 @@ copied from the module's output.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -86,8 +87,22 @@ def test_world_size_one_has_no_communication(fitted: cm.Fit) -> None:
     d = cm.dcp_step_cost(1, 16, 5000, constants=fitted.constants)
     assert d.communication_s == 0.0 and d.communication_link_bytes == 0 and d.comm == {}
     assert not set(d.stages_s) & {"query_allgather", "candidates_allgather", "lse_allgather", "output_reduce_scatter"}
-    # DCP over one rank is TP over one rank, stage by stage
+    # DCP over one rank is TP over one rank, stage by stage, for every layer option the two share
     assert d.stages_s == cm.tp_step_cost(1, 16, 5000, constants=fitted.constants).stages_s
+    for exchange, order in (("allgather", "global_id"), ("owner", "global_id"), ("owner", "rank_local")):
+        for combine in ("reduce_scatter", "alltoall"):
+            for q_rep, scope, graph in itertools.product((False, True), ("step", "layer"), (False, True)):
+                kw = dict(constants=fitted.constants, scope=scope, graph=graph, exchange=exchange, order=order)
+                dcp = cm.dcp_step_cost(1, 16, 5000, combine=combine, q_replicate=q_rep, **kw)
+                tp = cm.tp_step_cost(1, 16, 5000, **kw)
+                assert dcp.stages_s == tp.stages_s and dcp.total_s == tp.total_s, (exchange, order, combine, q_rep)
+    # rank_local reads 4 bytes per candidate in either layout (scores only), global_id 8
+    own = {
+        o: cm.tp_step_cost(2, 16, 5000, exchange="owner", order=o).stages_s["select_to_slots"]
+        for o in ("global_id", "rank_local")
+    }
+    t = cm.DEFAULT_CONSTANTS.select_to_slots
+    assert own == {"global_id": t.time_s(16 * 2048 * 8), "rank_local": t.time_s(16 * 2048 * 4)}
     assert cm.crossover_context(1) == 0.0 and cm.time_crossover_context(1, 32) == 0.0
 
 
@@ -350,6 +365,22 @@ def test_scaling_table_flags_predictions() -> None:
         (lambda: cm.fit_collectives([("all_gather", 10, 1e-5, 1e-5)]), ValueError, "measured"),
         (lambda: cm.fit_lines([("select", 1.0, 1.0)]), TypeError, "observations"),
         (lambda: cm.fit_step([(2, 32, 100)], cm.DEFAULT_CONSTANTS), TypeError, "points"),
+        # the layer options: typed like StepSpec's (a string or None is no bool)
+        (lambda: cm.dcp_step_cost(2, 32, 100, q_replicate="no"), TypeError, "q_replicate"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, q_replicate=None), TypeError, "q_replicate"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, q_replicate=1), TypeError, "q_replicate"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, graph="yes"), TypeError, "graph"),
+        (lambda: cm.tp_step_cost(2, 32, 100, graph=None), TypeError, "graph"),
+        (lambda: cm.tp_step_cost(2, 32, 100, order="by_rank"), ValueError, "order"),
+        (lambda: cm.tp_step_cost(2, 32, 100, order="rank_local"), ValueError, "rank_local"),  # needs owner
+        (lambda: cm.throughput_ratio(2, 1000, layer={"q_replicate": "no"}), TypeError, "q_replicate"),
+        (lambda: cm.QueryProjection(q_lora_rank=-1536), ValueError, "q_lora_rank"),
+        (lambda: cm.QueryProjection(kv_lora_rank=512.0), TypeError, "kv_lora_rank"),
+        (lambda: cm.QueryProjection(q_b_bytes_per_param=0), ValueError, "q_b_bytes_per_param"),
+        (lambda: cm.QueryProjection(w_uk_bytes_per_param=float("inf")), ValueError, "w_uk_bytes_per_param"),
+        (lambda: cm.q_replication_bytes(8, geometry=None), TypeError, "geometry"),
+        (lambda: cm.q_replication_bytes(8, projection="v3.2"), TypeError, "projection"),
+        (lambda: cm.q_replication_bytes(0), ValueError, "world_size"),
     ],
 )
 def test_bad_input_names_the_argument(call, exc, name) -> None:

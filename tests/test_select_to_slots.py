@@ -838,8 +838,8 @@ def test_cutedsl_validated_call_matches_and_raises_like_the_reference(cuda_devic
 def test_cutedsl_validated_call_is_one_check_launch_and_one_read_at_step_shapes(cuda_device):
     """At the step's shapes (K = k = 2048; W = 2 and 8; 1 and 32 rows) the validated call is the unvalidated call's
     aten ops plus one host read (its checks run inside the select kernel, no aten op), raises no false alarm (nor
-    would the check kernel: its table covers every candidate), answers the same; a planted duplicate id (global_id) or unsorted own ids (rank_local) raise
-    the reference's message, and the flag is cleared after."""
+    would the check kernel: its table covers every candidate), answers the same; a planted duplicate id
+    (global_id) or unsorted own ids (rank_local) raise the reference's message, and the flag is cleared after."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from dcp_ref.kernels import select_to_slots_cutedsl as mod
