@@ -256,53 +256,44 @@ class SelectToSlotsConfig:
                 raise ValueError(f"threads={t} leaves {per_thread} keys per thread: at most 32 fit (use more threads)")
 
 
-@dsl_user_op
-def dsmem_load(smem_ptr: Any, cta_rank: Any, *, loc: Any = None, ip: Any = None) -> Int32:
-    """``ld.shared::cluster`` of the 32-bit word at ``smem_ptr`` in the shared memory of cluster CTA ``cta_rank``."""
+def _shared_word_asm(smem_ptr: Any, ptx: str, constraints: str, operands: list, loc: Any, ip: Any) -> Any:
+    """One inline-PTX instruction on the 32-bit shared-memory word at ``smem_ptr`` (its 32-bit address is
+    operand ``$1``, ``operands`` follow): the ``i32`` result ``$0``, kept in place (side effects)."""
     addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    v = llvm.inline_asm(
+    return llvm.inline_asm(
         T.i32(),
-        [addr, Int32(cta_rank).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $1, $2;\n\tld.shared::cluster.u32 $0, [ra];\n\t}",
-        "=r,r,r",
+        [addr, *operands],
+        ptx,
+        constraints,
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
-    return Int32(v)
+
+
+@dsl_user_op
+def dsmem_load(smem_ptr: Any, cta_rank: Any, *, loc: Any = None, ip: Any = None) -> Int32:
+    """``ld.shared::cluster`` of the 32-bit word at ``smem_ptr`` in the shared memory of cluster CTA ``cta_rank``."""
+    ptx = "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $1, $2;\n\tld.shared::cluster.u32 $0, [ra];\n\t}"
+    return Int32(_shared_word_asm(smem_ptr, ptx, "=r,r,r", [Int32(cta_rank).ir_value(loc=loc, ip=ip)], loc, ip))
 
 
 @dsl_user_op
 def dsmem_atomic_add(smem_ptr: Any, cta_rank: Any, val: Any, *, loc: Any = None, ip: Any = None) -> Int32:
     """``atom.shared::cluster.add`` on the 32-bit word at ``smem_ptr`` of cluster CTA ``cta_rank``; the old value."""
-    addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    v = llvm.inline_asm(
-        T.i32(),
-        [addr, Int32(cta_rank).ir_value(loc=loc, ip=ip), Int32(val).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $1, $2;\n\tatom.shared::cluster.add.u32 $0, [ra], $3;\n\t}",
-        "=r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ptx = (
+        "{\n\t.reg .b32 ra;\n\tmapa.shared::cluster.u32 ra, $1, $2;\n\tatom.shared::cluster.add.u32 $0, [ra], $3;\n\t}"
     )
-    return Int32(v)
+    ops = [Int32(cta_rank).ir_value(loc=loc, ip=ip), Int32(val).ir_value(loc=loc, ip=ip)]
+    return Int32(_shared_word_asm(smem_ptr, ptx, "=r,r,r,r", ops, loc, ip))
 
 
 @dsl_user_op
 def smem_cas(smem_ptr: Any, cmp: Any, val: Any, *, loc: Any = None, ip: Any = None) -> Uint32:
     """``atom.shared.cas.b32`` on the 32-bit word at ``smem_ptr`` of this CTA: the old value (``val`` is stored
     where it equalled ``cmp``)."""
-    addr = llvm.ptrtoint(T.i32(), smem_ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    v = llvm.inline_asm(
-        T.i32(),
-        [addr, Uint32(cmp).ir_value(loc=loc, ip=ip), Uint32(val).ir_value(loc=loc, ip=ip)],
-        "atom.shared.cas.b32 $0, [$1], $2, $3;",
-        "=r,r,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Uint32(v)
+    ops = [Uint32(cmp).ir_value(loc=loc, ip=ip), Uint32(val).ir_value(loc=loc, ip=ip)]
+    return Uint32(_shared_word_asm(smem_ptr, "atom.shared.cas.b32 $0, [$1], $2, $3;", "=r,r,r,r", ops, loc, ip))
 
 
 @cute.jit
