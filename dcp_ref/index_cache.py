@@ -277,7 +277,9 @@ def quantize_index_queries(
         q: float ``[T, H, head_dim]`` index queries (after RoPE), bf16/fp16/fp32/fp64.
         weights: float ``[T, H]`` per-head gates (``weights_proj`` of the hidden state).
         softmax_scale: default ``head_dim ** -0.5``.
-        validate: check that ``q`` and ``weights`` are finite (``ValueError`` naming them).
+        validate: check that ``q`` and ``weights`` are finite (``ValueError`` naming them). ``False``: no host
+            read; a (token, head) query row holding NaN or ±inf gets scale NaN — NaN values and a NaN weight, so
+            its scores are NaN, never a plausible number — the key quantizer's rule (:func:`index_key_scales`).
     Returns:
         ``(q_fp8, weights')``: float8_e4m3fn ``[T, H, head_dim]`` and float32 ``[T, H]``.
     """
@@ -299,8 +301,10 @@ def quantize_index_queries(
             check_values_readable(t, name)
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} must be finite, found NaN or ±inf")
-    amax = x.abs().amax(dim=2) if D else x.new_zeros((T, H))
-    scale = _ceil_pow2(torch.clamp_min(amax, 1e-10) / 448.0)  # [T, H]
+    finite = torch.isfinite(x).all(dim=2)  # [T, H]
+    amax = torch.where(finite, x.abs().amax(dim=2), 0.0) if D else x.new_zeros((T, H))
+    # a non-finite row: scale NaN (an inf amax would round to scale 1 and clamp +inf to a finite 448)
+    scale = torch.where(finite, _ceil_pow2(torch.clamp_min(amax, 1e-10) / 448.0), math.nan)  # [T, H]
     q_fp8 = (x / scale.unsqueeze(2)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     w = weights.to(torch.float32) * scale * float(softmax_scale) * H**-0.5
     return q_fp8, w

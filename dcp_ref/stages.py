@@ -52,6 +52,7 @@ from ._checks import check_int_scalar
 from .attention import sparse_mla_attention
 from .deinterleave import deinterleave_and_compact
 from .geometry import DcpGeometry
+from .index_cache import INDEX_K_FP8
 from .indexer import local_topk
 from .lse import correct_partial, merge_partials
 from .topk import pack_candidates, stable_topk
@@ -224,7 +225,8 @@ class ScoringSpec:
             on this rank (dcp: about ``context / W``; tp: the whole context). A token whose bound exceeds it is
             out of contract (poisoned, or refused with ``validate=True``).
         index_heads: index heads of the lightning indexer (64 for DeepSeek V3.2).
-        index_dim: dims per index head (128).
+        index_dim: dims per index head: 128, the index-key cache's (``dcp_ref.index_cache.INDEX_K_FP8``), the
+            only width the scoring stage reads (refused here otherwise, naming this field, not at the first run).
         fused: score inside the indexer (the ``scored_indexer`` stage): the ``[T, L]`` score matrix is never
             written. Needs ``order="global_id"``.
         next_n: query tokens per request in decode (MTP / speculative: the draft tokens with the last one), laid
@@ -246,6 +248,11 @@ class ScoringSpec:
                              f"{self.next_n}")  # fmt: skip
         for name in ("max_keys", "index_heads", "index_dim", "next_n"):
             object.__setattr__(self, name, check_int_scalar(getattr(self, name), name, min_value=1))
+        if self.index_dim != INDEX_K_FP8.head_dim:
+            raise ValueError(
+                f"index_dim must be {INDEX_K_FP8.head_dim}: the scoring stage reads the index-key cache's layout "
+                f"(dcp_ref.index_cache.INDEX_K_FP8, {INDEX_K_FP8.head_dim} e4m3 values per key), got {self.index_dim}"
+            )
         if not isinstance(self.fused, bool):
             raise TypeError(f"fused must be a bool, got {type(self.fused).__name__}")
 

@@ -237,6 +237,31 @@ def test_query_quantization_folds_its_scale_into_the_weights() -> None:
         quantize_index_queries(q.masked_fill(q > 1, NAN), w)
 
 
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, NAN])
+def test_query_quantization_of_a_non_finite_row_is_nan_as_for_keys(bad) -> None:
+    """``validate=False``: a query row holding ±inf or NaN gets scale NaN — its FP8 values and its folded weight
+    are NaN (a score from it is NaN, never plausible), as a non-finite key gets a NaN scale; the other rows of
+    that token and of other tokens are quantized as if it were not there. ``validate=True`` refuses it."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, 128, generator=g)
+    w = torch.randn(3, 4, generator=g)
+    q_bad = q.clone()
+    q_bad[1, 2, 17] = bad
+    q8, w2 = quantize_index_queries(q_bad, w, validate=False)
+    good8, good_w = quantize_index_queries(q, w)
+    assert bool(torch.isnan(q8[1, 2].float()).all()) and bool(torch.isnan(w2[1, 2]))
+    keep = torch.ones(3, 4, dtype=torch.bool)
+    keep[1, 2] = False
+    assert torch.equal(q8[keep].view(torch.uint8), good8[keep].view(torch.uint8)) and torch.equal(
+        w2[keep], good_w[keep]
+    )
+    k = torch.randn(128, 128, generator=g)
+    _, k_scale = quantize_index_keys(k.masked_fill(k > 2.5, bad), validate=False)
+    assert bool(torch.isnan(k_scale[(k > 2.5).any(1)]).all())  # the key quantizer's rule, the same
+    with pytest.raises(ValueError, match=r"^q must be finite"):
+        quantize_index_queries(q_bad, w)
+
+
 # ---------------------------------------------------------------------------------------------
 # The cache and the owner-only writes
 # ---------------------------------------------------------------------------------------------

@@ -339,6 +339,27 @@ def test_the_layer_scores_a_requests_mtp_tokens_from_one_read(stages) -> None:
         ScoringSpec(8, fused=True, next_n=2)
 
 
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(index_dim=64), ValueError, r"^index_dim must be 128: the scoring stage reads"),
+        (dict(index_dim=256), ValueError, r"^index_dim must be 128"),
+        (dict(index_dim=128.0), TypeError, r"index_dim"),
+        (dict(index_heads=0), ValueError, r"index_heads"),
+        (dict(next_n=0), ValueError, r"next_n"),
+        (dict(fused=1), TypeError, r"^fused must be a bool"),
+    ],
+)
+def test_a_scoring_spec_the_step_cannot_run_is_refused_when_built(kw, exc, match) -> None:
+    """The spec names its own field when it is built (an ``index_dim`` the scoring stage cannot read used to plan,
+    then fail at the first run naming ``index_q``); what it accepts, the step runs (the layer tests above)."""
+    from dcp_ref.stages import ScoringSpec
+
+    with pytest.raises(exc, match=match):
+        ScoringSpec(8, **kw)
+    assert ScoringSpec(8, index_heads=4).index_dim == 128
+
+
 @pytest.mark.parametrize("stages", ["reference", "kernels"])
 @pytest.mark.parametrize("W,I", [(1, 1), (2, 1), (3, 2)])
 @pytest.mark.parametrize(
