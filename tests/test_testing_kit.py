@@ -31,6 +31,7 @@ from dcp_ref.testing import (
     check_merge,
     check_pack,
     check_select,
+    check_select_to_slots,
     check_stages,
     check_step,
     make_step_problem,
@@ -459,6 +460,8 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     check_select(ks.select, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, compact=False, device=cuda_device, max_examples=GPU_EXAMPLES)  # masked
+    for order in ("global_id", "rank_local"):  # the CuTeDSL select-to-slots (its stage form: validate=False)
+        check_select_to_slots(ks.select_to_slots, order=order, device=cuda_device, max_examples=GPU_EXAMPLES)
     # Every attention a plan may run: the one planned for these small steps, and ks's own (planned beyond them).
     for attention in dict.fromkeys((step_stages.attention, ks.attention)):
         check_attention(
@@ -1331,9 +1334,83 @@ def mut_merge_ignoring_out(partial, all_lse, rank, *, out=None, out_lse=None):  
     return _correct(partial, all_lse, rank)
 
 
+# ---- select-to-slots mutants (issue 32, class 9): each breaks one clause of the owner-local contract --------
+def _s2s_rows(rows: list[list[int]], k: int, out_slots=None, out_counts=None):  # type: ignore[no-untyped-def]
+    slots = torch.full((len(rows), k), -1, dtype=torch.int32)
+    for t, r in enumerate(rows):
+        slots[t, : len(r)] = torch.tensor(r[:k], dtype=torch.int32)
+    counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+    return slots, counts
+
+
+def mut_s2s_ties_to_higher_id(gathered, own_ids, req_of_token, block_table, geometry, k, *, order="global_id"):  # type: ignore[no-untyped-def]
+    """Equal scores go to the HIGHER id (global_id) / the later position (rank_local): the reversed tie-break."""
+    from dcp_ref.select_to_slots import reference_select_to_slots
+
+    g = geometry
+    if order == "rank_local":  # reversed positions: the ranks and each rank's candidates in reverse
+        mirror = DcpGeometry(g.world_size, g.world_size - 1 - g.rank, g.interleave, g.block_size)
+        return reference_select_to_slots(
+            gathered.flip(0).flip(2), own_ids.flip(1), req_of_token, block_table, mirror, k, order="rank_local"
+        )
+    W, I, bs = g.world_size, g.interleave, g.block_size
+    rows = []
+    for t in range(gathered.shape[1]):
+        c = [(float(s), int(i)) for s, i in gathered[:, t].reshape(-1, 2).tolist() if not math.isnan(s) and i >= 0]
+        c.sort(key=lambda e: (-(oracle.float32_value(e[0]) + 0.0), -e[1]))
+        row = []
+        for _, i in c[:k]:
+            if (i // I) % W == g.rank:
+                loc = (i // (W * I)) * I + i % I
+                b = int(req_of_token[t])
+                blk = (
+                    int(block_table[b, loc // bs])
+                    if 0 <= b < block_table.shape[0] and loc // bs < block_table.shape[1]
+                    else -1
+                )
+                row.append(min(blk * bs + loc % bs, 2**31 - 1) if blk >= 0 else 2**31 - 1)
+        rows.append(row)
+    return _s2s_rows(rows, k)
+
+
+def mut_s2s_dropping_the_last_winner(gathered, own_ids, req_of_token, block_table, geometry, k, *, order="global_id"):  # type: ignore[no-untyped-def]
+    """This rank's last winner of each row is lost (count one short)."""
+    from dcp_ref.select_to_slots import reference_select_to_slots
+
+    s, c = reference_select_to_slots(gathered, own_ids, req_of_token, block_table, geometry, k, order=order)
+    for t in range(c.shape[0]):
+        if c[t] > 0:
+            s[t, c[t] - 1] = -1
+            c[t] -= 1
+    return s, c
+
+
+def mut_s2s_poison_as_slot_zero(gathered, own_ids, req_of_token, block_table, geometry, k, *, order="global_id"):  # type: ignore[no-untyped-def]
+    """A winner without a block gets slot 0: a plausible KV row instead of the poison slot."""
+    from dcp_ref.select_to_slots import SENTINEL_SLOT, reference_select_to_slots
+
+    s, c = reference_select_to_slots(gathered, own_ids, req_of_token, block_table, geometry, k, order=order)
+    return torch.where(s == SENTINEL_SLOT, 0, s), c
+
+
+def mut_s2s_next_ranks_winners(gathered, own_ids, req_of_token, block_table, geometry, k, *, order="global_id"):  # type: ignore[no-untyped-def]
+    """The winners of the next rank (global_id: ownership computed with rank + 1)."""
+    from dcp_ref.select_to_slots import reference_select_to_slots
+
+    g = geometry
+    if order == "rank_local" or g.world_size == 1:
+        gathered = gathered.roll(1, 0)  # rank_local: the slices shifted by one rank
+    nxt = DcpGeometry(g.world_size, (g.rank + 1) % g.world_size, g.interleave, g.block_size)
+    return reference_select_to_slots(
+        gathered, own_ids, req_of_token, block_table, nxt if order == "global_id" else g, k, order=order
+    )
+
+
 def _check(name: str) -> Callable[..., None]:
     kw = dict(max_examples=MUT_EXAMPLES, shrink_budget=MUT_SHRINK)
     return {
+        "select_to_slots": lambda fn: check_select_to_slots(fn, **kw),
+        "select_to_slots_rank_local": lambda fn: check_select_to_slots(fn, order="rank_local", **kw),
         "select": lambda fn: check_select(fn, **kw),
         "local_topk": lambda fn: check_local_topk(fn, **kw),
         "indexer": lambda fn: check_indexer(fn, **kw),
@@ -1390,15 +1467,26 @@ MUTANTS: list[tuple[str, Callable[..., Any]]] = [
     ("merge", mut_merge_without_max_subtraction),
     ("merge", mut_merge_base2_before_max),
     ("merge", mut_merge_ignoring_out),
+    ("select_to_slots", mut_s2s_ties_to_higher_id),
+    ("select_to_slots_rank_local", mut_s2s_ties_to_higher_id),
+    ("select_to_slots", mut_s2s_dropping_the_last_winner),
+    ("select_to_slots_rank_local", mut_s2s_dropping_the_last_winner),
+    ("select_to_slots", mut_s2s_poison_as_slot_zero),
+    ("select_to_slots_rank_local", mut_s2s_poison_as_slot_zero),
+    ("select_to_slots", mut_s2s_next_ranks_winners),
+    ("select_to_slots_rank_local", mut_s2s_next_ranks_winners),
 ]
 
 
 def _correct_impls() -> list[tuple[str, Callable[..., Any]]]:
     from dcp_ref.indexer import local_topk
     from dcp_ref.lse import correct_partial
+    from dcp_ref.select_to_slots import reference_select_to_slots
     from dcp_ref.topk import pack_candidates
 
     return [
+        ("select_to_slots", reference_select_to_slots),
+        ("select_to_slots_rank_local", reference_select_to_slots),
         ("select", REFERENCE_STAGES.select),
         ("local_topk", local_topk),
         ("indexer", REFERENCE_STAGES.indexer),

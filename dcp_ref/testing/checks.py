@@ -66,6 +66,7 @@ __all__ = [
     "check_pack",
     "check_select",
     "check_deinterleave",
+    "check_select_to_slots",
     "check_attention",
     "check_merge",
     "check_step",
@@ -791,6 +792,80 @@ def check_deinterleave(
     )
 
 
+def check_select_to_slots(
+    fn: Callable,
+    *,
+    order: str = "global_id",
+    ordered: bool = False,
+    device: torch.device | str = "cpu",
+    max_world: int = 8,
+    max_candidates: int = 5,
+    out_buffers: bool | str = "auto",
+    max_examples: int | None = None,
+    seed: int | None = None,
+    shrink_budget: int = DEFAULT_SHRINK_BUDGET,
+) -> None:
+    """Check a select-to-slots stage: ``fn(gathered, own_ids, req_of_token, block_table, geometry, k, order=order)``
+    -> ``(slots int32 [T, k], counts int32 [T])`` (:class:`~dcp_ref.stages.SelectToSlotsStage`).
+
+    This rank's winners of the global top-``k`` under ``order`` (:func:`dcp_ref.testing.oracle.select_to_slots`:
+    ``global_id`` breaks ties by the lower global id, ``rank_local`` by the lower rank, then the lower local
+    index), as slots; out-of-contract metadata of a winner here gives the poison slot ``2**31 - 1``. Each row's
+    slots first (``ordered=True``: in selection order; ``False``: any order), ``-1`` after, ``counts`` = how many:
+    no winner dropped, none duplicated, none of another rank's. The draws put ties across ranks, empty ranks,
+    NaN / ``±inf`` scores and ``k`` past ``W*K`` (:func:`dcp_ref.testing.strategies.select_to_slots_cases`).
+    """
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
+    dev = _dev(device)
+    strategy = S.select_to_slots_cases(
+        order=order, max_world=max_world, max_candidates=max_candidates,
+        with_out=_with_out(fn, out_buffers, "out_slots"),
+    )  # fmt: skip
+
+    def oracle_of(case: Case) -> list[list[int]]:
+        v = case.values
+        return oracle.select_to_slots(
+            v["gathered"], v["own_ids"], v["req_of_token"], v["block_table"], v["geometry"], v["k"], order=order
+        )
+
+    def evaluate(case: Case) -> None:
+        call = _invoke(fn, case, dev)
+        slots, counts = _tuple2(call.result, ("slots", "counts"), case)
+        T, k = case.values["gathered"].shape[1], case.values["k"]
+        _check_shape_dtype(slots, (T, k), (torch.int32,), "slots", case)
+        _check_shape_dtype(counts, (T,), (torch.int32,), "counts", case)
+        slots = _written(call, "out_slots", slots, case)
+        counts = _written(call, "out_counts", counts, case)
+        exp = oracle_of(case)
+        diffs = _rows_diff(slots, exp, ordered, "slots")
+        diffs += [
+            f"counts[{t}] = {int(counts[t])}, expected {len(e)}" for t, e in enumerate(exp) if int(counts[t]) != len(e)
+        ]
+        if diffs:
+            raise _Mismatch(case, "  " + "\n  ".join(diffs[:4]))
+
+    def expected(case: Case) -> str:
+        e = oracle_of(case)
+        return (
+            f"expected_slots = {e}  # per row, {'in selection order' if ordered else 'any order'}, then -1\n"
+            f"expected_counts = {[len(r) for r in e]}"
+        )
+
+    _run(
+        "select_to_slots",
+        _conv(order=order, ordered=ordered, device=dev),
+        fn,
+        strategy,
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+        examples=S.adversarial_select_to_slots_cases(order=order, with_out=_with_out(fn, out_buffers, "out_slots")),
+    )
+
+
 # ---- attention ----------------------------------------------------------------------------------
 def _empty_ok(x: float, convention: str) -> bool:
     if convention == "-inf":
@@ -1312,7 +1387,8 @@ def check_stages(
     seed: int | None = None,
     **step_kwargs: Any,
 ) -> None:
-    """Every stage of a :class:`~dcp_ref.stages.Stages` value through its checker, then the whole step.
+    """Every stage of a :class:`~dcp_ref.stages.Stages` value that has a checker (indexer, select, deinterleave,
+    select-to-slots in both orders, attention, merge) through it, then the whole step.
 
     Uses the protocol's conventions (set semantics, base-e LSE, ``-inf`` for empty rows, compaction
     unless ``stages.attention_layout == "masked"``). ``step_kwargs`` go to :func:`check_step`.
@@ -1325,6 +1401,8 @@ def check_stages(
     check_indexer(st_.indexer, **kw)
     check_select(st_.select, **kw)
     check_deinterleave(st_.deinterleave, compact=st_.attention_layout == "compact", **kw)
+    for order in ("global_id", "rank_local"):
+        check_select_to_slots(st_.select_to_slots, order=order, **kw)
     check_attention(st_.attention, layout=st_.attention_layout, **kw)
     check_merge(st_.merge, **kw)
     if step:

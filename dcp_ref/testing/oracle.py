@@ -38,6 +38,7 @@ __all__ = [
     "pack",
     "indexer",
     "deinterleave",
+    "select_to_slots",
     "POISON_SLOT",
     "attention",
     "correct",
@@ -235,6 +236,70 @@ def deinterleave(
             loc = (p // (w * i)) * i + p % i
             blk = int(bt[b, loc // bs]) if loc // bs < M else -1
             out[t, c] = min(blk * bs + loc % bs, POISON_SLOT) if blk >= 0 else POISON_SLOT
+    return out
+
+
+def select_to_slots(
+    gathered: torch.Tensor,
+    own_ids: torch.Tensor | None,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    k: int,
+    *,
+    order: str = "global_id",
+) -> list[list[int]]:
+    """This rank's winners of the global top-``k``, as physical slots in selection order, one list per row.
+
+    ``order="global_id"``: ``gathered`` float32 ``[W, T, K, 2]`` (score, global id), the selection order of
+    :func:`select`; a winner is this rank's when ``(id // I) % W == rank``, at local index
+    ``(id // (W*I))*I + id % I``. ``order="rank_local"``: ``gathered`` float32 ``[W, T, K]`` scores (NaN: none),
+    ``own_ids`` int ``[T, K]`` this rank's local indices; the order is score descending, then the lower
+    position ``w*K + c`` (the lower rank, then the lower local index); a winner is this rank's when
+    ``w == rank``, at local index ``own_ids[t, c]``. A winner's slot is
+    ``block_table[req, l // block_size] * block_size + l % block_size``; :data:`POISON_SLOT` where the request
+    id is not a row of the table, the local index is negative, its block is past the table or negative, or
+    the slot does not fit below ``2**31 - 1``.
+    """
+    req = _tensor(req_of_token, "req_of_token", _INT, 1).tolist()
+    bt = _tensor(block_table, "block_table", _INT, 2).tolist()
+    g = _geometry(geometry)
+    w_all, rank, i, bs = g.world_size, g.rank, g.interleave, g.block_size
+    B = len(bt)
+    if order == "global_id":
+        vals = _tensor(gathered, "gathered", (torch.float32,), 4).tolist()
+        W, T, K = len(vals), len(vals[0]) if vals else 0, len(vals[0][0]) if vals and vals[0] else 0
+    elif order == "rank_local":
+        vals = _tensor(gathered, "gathered", (torch.float32,), 3).tolist()
+        own = _tensor(own_ids, "own_ids", _INT, 2).tolist()
+        W, T, K = len(vals), len(vals[0]) if vals else 0, len(vals[0][0]) if vals and vals[0] else 0
+    else:
+        raise ValueError(f"order must be 'global_id' or 'rank_local', got {order!r}")
+    out = []
+    for t in range(T):
+        cands = []  # (key, local index or None when another rank's)
+        for w in range(W):
+            for c in range(K):
+                if order == "global_id":
+                    s, f = vals[w][t][c]
+                    ident = -1 if math.isnan(f) else int(f)
+                    key = selection_key(s, ident)
+                    mine = ident >= 0 and (ident // i) % w_all == rank
+                    loc = (ident // (w_all * i)) * i + ident % i if mine else None
+                else:
+                    key = selection_key(vals[w][t][c], w * K + c)
+                    loc = own[t][c] if w == rank else None
+                if key is not None:
+                    cands.append((key, loc))
+        cands.sort(key=lambda e: e[0])
+        row = []
+        for _, loc in cands[:k]:
+            if loc is None:
+                continue
+            b = req[t]
+            blk = bt[b][loc // bs] if 0 <= b < B and loc >= 0 and loc // bs < len(bt[b]) else -1
+            row.append(min(blk * bs + loc % bs, POISON_SLOT) if blk >= 0 else POISON_SLOT)
+        out.append(row)
     return out
 
 

@@ -45,6 +45,8 @@ __all__ = [
     "data_values",
     "geometries",
     "select_cases",
+    "select_to_slots_cases",
+    "adversarial_select_to_slots_cases",
     "local_topk_cases",
     "pack_cases",
     "indexer_cases",
@@ -291,6 +293,7 @@ def _noncontig(draw: st.DrawFn, allowed: bool, names: Sequence[str]) -> frozense
 #: True about a quarter of the time, shrinking to False: adversarial choices that shrink away when
 #: a failure does not need them (an empty row, an invalid candidate).
 _RARE = st.sampled_from((False, False, False, True))
+_FEW_LEVELS = st.sampled_from((0.0, -0.0, 1.0))
 #: A block-table entry without a block: ``-1`` mostly (shrinks to it), any negative value now and then.
 _NO_BLOCK = st.sampled_from((-1, -1, -2, -7, -(2**31)))
 
@@ -359,6 +362,134 @@ def select_cases(
         noncontig=_noncontig(draw, noncontig, ["gathered"]),
         out_buffers=_maybe_out(draw, with_out, {"out": ((T, k), torch.int32, -7)}),
     )
+
+
+@st.composite
+def select_to_slots_cases(
+    draw: st.DrawFn,
+    *,
+    order: str = "global_id",
+    max_world: int = 8,
+    max_tokens: int = 3,
+    max_candidates: int = 5,
+    poison: bool = True,
+    with_out: bool = False,
+) -> Case:
+    """The select-to-slots stage, ``fn(gathered, own_ids, req_of_token, block_table, geometry, k, order=order)``.
+
+    Each rank's ``K`` candidates are distinct local indices of its own, ascending, padding after them
+    (``global_id``: ``(score, global id)`` pairs, padding ``(-inf, -1)``; ``rank_local``: scores, NaN padding,
+    and this rank's local indices in ``own_ids``, ``-1`` padding); scores from a few levels (ties *across*
+    ranks, ``±0``, ``±inf``, NaN), some ranks empty, ``k`` from 1 to past ``W*K``, interleave ``I > 1``.
+    ``poison``: now and then a request id outside the block table, a missing block (``-1``) or a local index
+    past the table — winners there must come back as the poison slot, never a plausible one.
+    """
+    g = draw(geometries(max_world=max_world, interleaves=(1, 2, 3), block_multiples=(1, 2)))
+    W, bs = g.world_size, g.block_size
+    K = draw(st.integers(1, max_candidates))
+    k = draw(st.integers(1, W * K + 1))
+    T = draw(st.integers(1, max_tokens))
+    M = draw(st.integers(1, 3))  # block-table columns: local indices below M * bs have a block
+    B = T + draw(st.integers(0, 1))
+    empty_ranks = draw(st.sets(st.integers(0, W - 1), max_size=W))
+    # half the cases score from three levels: ties across ranks at the threshold, where the order decides
+    elements = draw(st.sampled_from((score_values(), _FEW_LEVELS)))
+    scores = torch.full((W, T, K), math.nan, dtype=torch.float32)
+    local = torch.full((W, T, K), -1, dtype=torch.int64)
+    for t in range(T):
+        for w in range(W):
+            if w in empty_ranks:
+                continue
+            reach = M * bs + (bs if poison and draw(_RARE) else 0)  # past the table: no block
+            n = draw(st.integers(0, min(K, reach)))
+            locs = sorted(draw(st.lists(st.integers(0, reach - 1), min_size=n, max_size=n, unique=True)))
+            for c, loc in enumerate(locs):
+                local[w, t, c] = loc
+                scores[w, t, c] = draw(elements)
+    blocks = draw(st.lists(st.integers(0, 4 * B * M), min_size=B * M, max_size=B * M, unique=True))
+    table = torch.tensor(blocks, dtype=torch.int32).view(B, M)
+    req = torch.tensor([draw(st.integers(0, B - 1)) for _ in range(T)], dtype=torch.int32)
+    if poison and draw(_RARE):
+        table[draw(st.integers(0, B - 1)), draw(st.integers(0, M - 1))] = -1
+    if poison and draw(_RARE):
+        req[draw(st.integers(0, T - 1))] = draw(st.sampled_from((-1, B)))
+    out = _maybe_out(draw, with_out, {"out_slots": ((T, k), torch.int32, -7), "out_counts": ((T,), torch.int32, -7)})
+    return _select_to_slots_case(order, g, scores, local, table, req, k, out)
+
+
+def _select_to_slots_case(
+    order: str,
+    g: DcpGeometry,
+    scores: torch.Tensor,
+    local: torch.Tensor,
+    table: torch.Tensor,
+    req: torch.Tensor,
+    k: int,
+    out_buffers: dict[str, tuple[tuple[int, ...], torch.dtype, float]],
+) -> Case:
+    """A select-to-slots case from each rank's candidates: ``scores`` float32 ``[W, T, K]`` and ``local`` int
+    ``[W, T, K]`` local indices (``-1`` / NaN score: padding), in the wire format of ``order``."""
+    W, rank, I, bs = g.world_size, g.rank, g.interleave, g.block_size
+    T = scores.shape[1]
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    valid = ~torch.isnan(scores) & (local >= 0)
+    if order == "global_id":
+        w_idx = torch.arange(W).view(W, 1, 1)
+        gid = torch.where(local >= 0, (local // I) * (W * I) + w_idx * I + local % I, -1)
+        pairs = torch.stack([torch.where(valid, scores, -math.inf), torch.where(valid, gid, -1).float()], -1)
+        _tensor_case_value(values, code, "gathered", pairs.contiguous())
+        _scalar(values, code, "own_ids", None)
+    elif order == "rank_local":
+        own = torch.where(valid[rank], local[rank], -1).to(torch.int32)
+        _tensor_case_value(values, code, "gathered", torch.where(valid, scores, math.nan))
+        _tensor_case_value(values, code, "own_ids", own)
+    else:
+        raise ValueError(f"order must be 'global_id' or 'rank_local', got {order!r}")
+    _tensor_case_value(values, code, "req_of_token", req)
+    _tensor_case_value(values, code, "block_table", table)
+    values["geometry"] = g
+    code["geometry"] = f"geometry = DcpGeometry({W}, {rank}, {I}, {bs})"
+    _scalar(values, code, "k", k)
+    _scalar(values, code, "order", order)
+    return Case(
+        "select_to_slots",
+        values,
+        code,
+        ("gathered", "own_ids", "req_of_token", "block_table", "geometry", "k"),
+        kwargs=("order",),
+        out_buffers=out_buffers if T else {},
+    )
+
+
+def adversarial_select_to_slots_cases(*, order: str = "global_id", with_out: bool = False) -> list[Case]:
+    """Hand-built select-to-slots corners, for both ranks of ``W = 2`` (``I = 1``, block size 2, one request):
+    a tie of equal scores across the ranks at the threshold (``k = 1`` and ``3`` of four); ``-0.0`` against
+    ``+0.0``; an empty rank; ``k`` past ``W*K``; a winner whose block is missing (the poison slot); a request
+    id outside the table (every winner here poisoned)."""
+    nan = math.nan
+    table = torch.tensor([[4, 7]], dtype=torch.int32)
+    bad = torch.tensor([[4, -1]], dtype=torch.int32)
+    cases = []
+    rows = [  # (scores [W][K], local [W][K], table, req, k)
+        ([[1.0, 1.0], [1.0, 1.0]], [[0, 2], [1, 3]], table, 0, 1),
+        ([[1.0, 1.0], [1.0, 1.0]], [[0, 2], [1, 3]], table, 0, 3),
+        ([[0.0, -1.0], [-0.0, 2.0]], [[0, 1], [0, 3]], table, 0, 2),
+        ([[nan, nan], [0.5, -math.inf]], [[-1, -1], [0, 2]], table, 0, 2),
+        ([[0.5, 0.25], [1.0, nan]], [[1, 2], [0, -1]], table, 0, 9),
+        ([[3.0, 1.0], [2.0, 0.0]], [[0, 3], [1, 2]], bad, 0, 4),
+        ([[3.0, 1.0], [2.0, 0.0]], [[0, 3], [1, 2]], table, 5, 4),
+    ]
+    for sc, loc, bt, b, k in rows:
+        scores = torch.tensor(sc, dtype=torch.float32).view(2, 1, 2)
+        local = torch.tensor(loc, dtype=torch.int64).view(2, 1, 2)
+        req = torch.tensor([b], dtype=torch.int32)
+        out: dict[str, tuple[tuple[int, ...], torch.dtype, float]] = (
+            {"out_slots": ((1, k), torch.int32, -7.0), "out_counts": ((1,), torch.int32, -7.0)} if with_out else {}
+        )
+        for rank in (0, 1):
+            cases.append(_select_to_slots_case(order, DcpGeometry(2, rank, 1, 2), scores, local, bt, req, k, out))
+    return cases
 
 
 # ---- local top-K, pack, indexer ----------------------------------------------------------------
