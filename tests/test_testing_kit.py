@@ -25,7 +25,9 @@ from dcp_ref.stages import REFERENCE_STAGES
 from dcp_ref.testing import (
     ConformanceError,
     check_attention,
+    check_combine,
     check_deinterleave,
+    check_guard,
     check_indexer,
     check_local_topk,
     check_merge,
@@ -462,6 +464,8 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     check_deinterleave(ks.deinterleave, compact=False, device=cuda_device, max_examples=GPU_EXAMPLES)  # masked
     for order in ("global_id", "rank_local"):  # the CuTeDSL select-to-slots (its stage form: validate=False)
         check_select_to_slots(ks.select_to_slots, order=order, device=cuda_device, max_examples=GPU_EXAMPLES)
+    check_guard(ks.guard, device=cuda_device, max_examples=GPU_EXAMPLES)
+    check_combine(ks.combine, device=cuda_device, max_examples=GPU_EXAMPLES)
     # Every attention a plan may run: the one planned for these small steps, and ks's own (planned beyond them).
     for attention in dict.fromkeys((step_stages.attention, ks.attention)):
         check_attention(
@@ -1406,9 +1410,67 @@ def mut_s2s_next_ranks_winners(gathered, own_ids, req_of_token, block_table, geo
     )
 
 
+def mut_combine_ignoring_the_last_rank(outs, lses, *, out=None, out_lse=None):  # type: ignore[no-untyped-def]
+    """Merges ranks 0 .. W-2 only: the last rank's partial is lost."""
+    from dcp_ref.stages import reference_combine
+
+    if outs.shape[0] == 1:
+        return reference_combine(outs, lses, out=out, out_lse=out_lse)
+    return reference_combine(outs[:-1], lses[:-1], out=out, out_lse=out_lse)
+
+
+def mut_combine_weighting_empty_ranks(outs, lses, *, out=None, out_lse=None):  # type: ignore[no-untyped-def]
+    """Weights every partial by exp(lse - merged), an empty rank's garbage times 0 included (0 * NaN = NaN)."""
+    lse = lses.double()
+    m = torch.where(torch.isfinite(lse), lse, -math.inf).amax(0)
+    m = torch.where(m > -math.inf, m, 0.0)
+    total = torch.exp(lse - m).sum(0)
+    merged = torch.where(total == 0, -math.inf, m + torch.log(total))
+    res = (torch.exp(lse - merged).unsqueeze(-1) * outs.double()).sum(0)
+    return res.to(outs.dtype), merged.to(lses.dtype)
+
+
+def mut_guard_doing_nothing(
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None
+):  # type: ignore[no-untyped-def]
+    """A no-op guard: out-of-contract tokens keep plausible outputs."""
+
+
+def mut_guard_poisoning_the_lse_only(
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None
+):  # type: ignore[no-untyped-def]
+    """Poisons the LSE but leaves the partial output as it was."""
+    from dcp_ref.guard import reference_guard
+
+    reference_guard(
+        partial.clone(), lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts
+    )
+
+
+def mut_guard_checking_the_first_block_only(
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None
+):  # type: ignore[no-untyped-def]
+    """Looks for a missing block among the first one a token needs only."""
+    from dcp_ref.guard import reference_guard
+
+    n = local_bounds.clamp(max=geometry.block_size)
+    reference_guard(partial, lse, n, req_of_token, block_table, geometry, n_cols, row_starts=row_starts)
+
+
+def mut_guard_ignoring_row_starts(
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None
+):  # type: ignore[no-untyped-def]
+    """Checks each window as if it started at column 0."""
+    from dcp_ref.guard import reference_guard
+
+    reference_guard(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols)
+
+
 def _check(name: str) -> Callable[..., None]:
     kw = dict(max_examples=MUT_EXAMPLES, shrink_budget=MUT_SHRINK)
     return {
+        "guard": lambda fn: check_guard(fn, **kw),
+        "combine": lambda fn: check_combine(fn, **kw),
         "select_to_slots": lambda fn: check_select_to_slots(fn, **kw),
         "select_to_slots_rank_local": lambda fn: check_select_to_slots(fn, order="rank_local", **kw),
         "select": lambda fn: check_select(fn, **kw),
@@ -1467,6 +1529,12 @@ MUTANTS: list[tuple[str, Callable[..., Any]]] = [
     ("merge", mut_merge_without_max_subtraction),
     ("merge", mut_merge_base2_before_max),
     ("merge", mut_merge_ignoring_out),
+    ("guard", mut_guard_doing_nothing),
+    ("guard", mut_guard_poisoning_the_lse_only),
+    ("guard", mut_guard_checking_the_first_block_only),
+    ("guard", mut_guard_ignoring_row_starts),
+    ("combine", mut_combine_ignoring_the_last_rank),
+    ("combine", mut_combine_weighting_empty_ranks),
     ("select_to_slots", mut_s2s_ties_to_higher_id),
     ("select_to_slots_rank_local", mut_s2s_ties_to_higher_id),
     ("select_to_slots", mut_s2s_dropping_the_last_winner),
@@ -1479,12 +1547,16 @@ MUTANTS: list[tuple[str, Callable[..., Any]]] = [
 
 
 def _correct_impls() -> list[tuple[str, Callable[..., Any]]]:
+    from dcp_ref.guard import reference_guard
     from dcp_ref.indexer import local_topk
     from dcp_ref.lse import correct_partial
     from dcp_ref.select_to_slots import reference_select_to_slots
+    from dcp_ref.stages import reference_combine
     from dcp_ref.topk import pack_candidates
 
     return [
+        ("guard", reference_guard),
+        ("combine", reference_combine),
         ("select_to_slots", reference_select_to_slots),
         ("select_to_slots_rank_local", reference_select_to_slots),
         ("select", REFERENCE_STAGES.select),

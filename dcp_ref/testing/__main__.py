@@ -21,7 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-STAGES = ("indexer", "local_topk", "pack", "select", "deinterleave", "attention", "merge", "step", "stages")
+STAGES = (
+    "indexer", "local_topk", "pack", "select", "deinterleave", "select_to_slots", "guard", "attention", "merge",
+    "combine", "step", "stages",
+)  # fmt: skip
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -39,7 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sorted", action="store_true", help="select / indexer / local_topk: require the key order")
     p.add_argument("--presorted", action="store_true", help="select: feed per-rank lists sorted best first")
-    p.add_argument("--ordered", action="store_true", help="deinterleave: valid slots in id order")
+    p.add_argument(
+        "--ordered",
+        action="store_true",
+        help="deinterleave: valid slots in id order; select_to_slots: in selection order",
+    )
+    p.add_argument(
+        "--order", choices=("global_id", "rank_local"), default="global_id", help="select_to_slots: the total order"
+    )
     p.add_argument("--masked", action="store_true", help="deinterleave / attention: the masked layout (no compaction)")
     p.add_argument("--lse-base", choices=("e", "2"), default="e", help="attention / merge: the LSE's base")
     p.add_argument(
@@ -108,6 +118,12 @@ def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
             kw["dtype"] = dtype
     if s == "merge":
         kw.update(lse_base=a.lse_base, form=a.form, **nc)
+        if dtype is not None:
+            kw["dtype"] = dtype
+    if s == "select_to_slots":
+        kw.update(order=a.order, ordered=a.ordered)
+    if s == "combine":
+        kw.update(lse_base=a.lse_base, **nc)
         if dtype is not None:
             kw["dtype"] = dtype
     if s == "step":

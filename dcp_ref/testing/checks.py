@@ -67,8 +67,10 @@ __all__ = [
     "check_select",
     "check_deinterleave",
     "check_select_to_slots",
+    "check_guard",
     "check_attention",
     "check_merge",
+    "check_combine",
     "check_step",
     "check_stages",
 ]
@@ -169,13 +171,23 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _Call:
     result: Any
     buffers: dict[str, torch.Tensor]
+    inputs: dict[str, Any]
 
 
-def _invoke(fn: Callable, case: Case, device: torch.device, extra_kwargs: dict[str, Any] | None = None) -> _Call:
-    """Call ``fn`` on the case; a raised exception or a modified input becomes a mismatch message."""
+def _invoke(
+    fn: Callable,
+    case: Case,
+    device: torch.device,
+    extra_kwargs: dict[str, Any] | None = None,
+    in_place: tuple[str, ...] = (),
+) -> _Call:
+    """Call ``fn`` on the case; a raised exception or a modified input becomes a mismatch message (except the
+    inputs named in ``in_place``, which the stage writes: read them back from ``_Call.inputs``)."""
     args, kwargs, buffers = case.build(device)
     kwargs.update(extra_kwargs or {})
-    snapshot = {n: (a.clone() if isinstance(a, torch.Tensor) else None) for n, a in zip(case.args, args)}
+    snapshot = {
+        n: (a.clone() if isinstance(a, torch.Tensor) and n not in in_place else None) for n, a in zip(case.args, args)
+    }
     snapshot.update({n: kwargs[n].clone() for n in case.kwargs if isinstance(kwargs.get(n), torch.Tensor)})
     try:
         result = fn(*args, **kwargs)
@@ -187,7 +199,7 @@ def _invoke(fn: Callable, case: Case, device: torch.device, extra_kwargs: dict[s
         before = snapshot.get(n)
         if before is not None and not _same(a, before):
             raise _Mismatch(case, f"modified its input `{n}` (inputs must be left unchanged)")
-    return _Call(result, buffers)
+    return _Call(result, buffers, {**dict(zip(case.args, args)), **{n: kwargs[n] for n in case.kwargs}})
 
 
 def _cpu(x: Any, what: str, case: Case) -> torch.Tensor:
@@ -866,6 +878,61 @@ def check_select_to_slots(
     )
 
 
+def check_guard(
+    fn: Callable,
+    *,
+    device: torch.device | str = "cpu",
+    max_examples: int | None = None,
+    seed: int | None = None,
+    shrink_budget: int = DEFAULT_SHRINK_BUDGET,
+) -> None:
+    """Check a guard stage (:class:`~dcp_ref.stages.GuardStage`): ``fn(partial [T, H, v], lse [T, H], local_bounds,
+    req_of_token, block_table, geometry, n_cols, row_starts=...)`` poisons *in place* exactly the tokens whose
+    metadata is out of contract (:func:`dcp_ref.testing.oracle.guard`): NaN over the token's whole partial and
+    LSE; every other token left bit for bit as it was; the metadata unchanged. The draws put bad request ids,
+    negative or too long bounds and starts, windows past ``n_cols`` and missing blocks (the first, a middle or
+    the last one a token needs) beside tokens in contract (:func:`dcp_ref.testing.strategies.guard_cases`)."""
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
+    dev = _dev(device)
+
+    def evaluate(case: Case) -> None:
+        v = case.values
+        call = _invoke(fn, case, dev, in_place=("partial", "lse"))
+        if call.result is not None:
+            raise _Mismatch(case, f"returned {type(call.result).__name__}, expected None (the guard works in place)")
+        got_p, got_l = _cpu(call.inputs["partial"], "partial", case), _cpu(call.inputs["lse"], "lse", case)
+        ok = oracle.guard(v["local_bounds"], v["req_of_token"], v["block_table"], v["geometry"], v["n_cols"],
+                          v["row_starts"])  # fmt: skip
+        diffs = []
+        for t, good in enumerate(ok):
+            p, lse = got_p[t], got_l[t]
+            if good and not (_same(p, v["partial"][t]) and _same(lse, v["lse"][t])):
+                diffs.append(f"token {t} is in contract but its partial / LSE changed")
+            if not good and not (bool(torch.isnan(p).all()) and bool(torch.isnan(lse).all())):
+                diffs.append(f"token {t}'s metadata is out of contract but its partial / LSE are not all NaN")
+        if diffs:
+            raise _Mismatch(case, "  " + "\n  ".join(diffs[:4]))
+
+    def expected(case: Case) -> str:
+        v = case.values
+        ok = oracle.guard(v["local_bounds"], v["req_of_token"], v["block_table"], v["geometry"], v["n_cols"],
+                          v["row_starts"])  # fmt: skip
+        return f"in_contract = {ok}  # tokens whose partial and LSE stay; the others must be all NaN"
+
+    _run(
+        "guard",
+        _conv(device=dev),
+        fn,
+        S.guard_cases(),
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
+
+
 # ---- attention ----------------------------------------------------------------------------------
 def _empty_ok(x: float, convention: str) -> bool:
     if convention == "-inf":
@@ -1154,6 +1221,20 @@ def check_merge(
     )
 
 
+def check_combine(fn: Callable, **kwargs: Any) -> None:
+    """Check a combine stage (:class:`~dcp_ref.stages.CombineStage`): ``fn(outs [W, T, H/W, v], lses [W, T, H/W])``
+    -> ``(merged, merged_lse)``, the LSE-weighted merge of the ``W`` partials the all-to-all delivered — every
+    rank's, an empty one (``-inf``) adding exactly 0, a corrupt LSE (NaN, ``+inf``) giving NaN. The merge's
+    contract in one place: :func:`check_merge` with ``form="merge"`` (``kwargs`` as there)."""
+    __tracebackhide__ = True
+    if "form" in kwargs:
+        raise TypeError("check_combine takes no form= (a combine merges all W partials: form='merge')")
+    try:
+        check_merge(fn, form="merge", **kwargs)
+    except ConformanceError as e:  # the same finding, under this stage's name
+        raise ConformanceError("combine", e.conventions, e.reproducer, e.differences, e.case, e.calls) from None
+
+
 # ---- the whole step -----------------------------------------------------------------------------
 def _as_stages(impl: Any) -> Any:
     from ..stages import REFERENCE_STAGES, STAGE_NAMES, Stages
@@ -1388,7 +1469,7 @@ def check_stages(
     **step_kwargs: Any,
 ) -> None:
     """Every stage of a :class:`~dcp_ref.stages.Stages` value that has a checker (indexer, select, deinterleave,
-    select-to-slots in both orders, attention, merge) through it, then the whole step.
+    select-to-slots in both orders, guard, attention, merge, combine) through it, then the whole step.
 
     Uses the protocol's conventions (set semantics, base-e LSE, ``-inf`` for empty rows, compaction
     unless ``stages.attention_layout == "masked"``). ``step_kwargs`` go to :func:`check_step`.
@@ -1403,7 +1484,9 @@ def check_stages(
     check_deinterleave(st_.deinterleave, compact=st_.attention_layout == "compact", **kw)
     for order in ("global_id", "rank_local"):
         check_select_to_slots(st_.select_to_slots, order=order, **kw)
+    check_guard(st_.guard, **kw)
     check_attention(st_.attention, layout=st_.attention_layout, **kw)
     check_merge(st_.merge, **kw)
+    check_combine(st_.combine, **kw)
     if step:
         check_step(st_, **kw, **step_kwargs)

@@ -39,6 +39,7 @@ __all__ = [
     "indexer",
     "deinterleave",
     "select_to_slots",
+    "guard",
     "POISON_SLOT",
     "attention",
     "correct",
@@ -300,6 +301,36 @@ def select_to_slots(
             blk = bt[b][loc // bs] if 0 <= b < B and loc >= 0 and loc // bs < len(bt[b]) else -1
             row.append(min(blk * bs + loc % bs, POISON_SLOT) if blk >= 0 else POISON_SLOT)
         out.append(row)
+    return out
+
+
+def guard(
+    local_bounds: torch.Tensor,
+    req_of_token: torch.Tensor,
+    block_table: torch.Tensor,
+    geometry: DcpGeometry,
+    n_cols: int,
+    row_starts: torch.Tensor | None = None,
+) -> list[bool]:
+    """Per query token, whether its step metadata is inside the contract (the guard poisons the others).
+
+    Token ``t`` of request ``b = req_of_token[t]`` (``B`` rows, ``M`` columns in the block table), bound
+    ``n = local_bounds[t]``, start ``s = row_starts[t]`` (0 without): ``0 <= b < B``, ``n >= 0``, ``s >= 0``,
+    ``s + n <= n_cols``, and each of the blocks ``0 .. ceil(n / block_size) - 1`` of request ``b`` exists (inside
+    the table's width, entry ``>= 0``).
+    """
+    bounds = _tensor(local_bounds, "local_bounds", _INT, 1).tolist()
+    req = _tensor(req_of_token, "req_of_token", _INT, 1).tolist()
+    bt = _tensor(block_table, "block_table", _INT, 2).tolist()
+    starts = [0] * len(bounds) if row_starts is None else _tensor(row_starts, "row_starts", _INT, 1).tolist()
+    bs = _geometry(geometry).block_size
+    B = len(bt)
+    out = []
+    for b, n, s in zip(req, bounds, starts):
+        need = -(-n // bs) if n >= 0 else 0
+        ok = 0 <= b < B and n >= 0 and s >= 0 and s + n <= n_cols
+        ok = ok and need <= len(bt[b]) and all(bt[b][j] >= 0 for j in range(need))
+        out.append(bool(ok))
     return out
 
 

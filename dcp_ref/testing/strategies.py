@@ -46,6 +46,7 @@ __all__ = [
     "geometries",
     "select_cases",
     "select_to_slots_cases",
+    "guard_cases",
     "adversarial_select_to_slots_cases",
     "local_topk_cases",
     "pack_cases",
@@ -490,6 +491,58 @@ def adversarial_select_to_slots_cases(*, order: str = "global_id", with_out: boo
         for rank in (0, 1):
             cases.append(_select_to_slots_case(order, DcpGeometry(2, rank, 1, 2), scores, local, bt, req, k, out))
     return cases
+
+
+@st.composite
+def guard_cases(draw: st.DrawFn, *, max_tokens: int = 4) -> Case:
+    """The guard stage: ``partial [T, H, v]``, ``lse [T, H]`` (values to keep or poison), each token's bound, request
+    and (half the cases) row start, a block table with holes, the score width ``n_cols``. Most tokens are in
+    contract; now and then a request id outside the table, a negative or too long bound or start, a window
+    past ``n_cols``, or a missing block among those a token needs (the first, a middle or the last one)."""
+    g = draw(geometries(max_world=2, interleaves=(1, 2), block_multiples=(1, 2)))
+    bs = g.block_size
+    T, B, M = draw(st.integers(1, max_tokens)), draw(st.integers(1, 3)), draw(st.integers(0, 3))
+    H, v = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    n_cols = draw(st.integers(0, M * bs + bs))
+    with_starts = draw(st.booleans())
+    table = torch.tensor(
+        [[-1 if draw(_RARE) and draw(st.booleans()) else draw(st.integers(0, 50)) for _ in range(M)] for _ in range(B)],
+        dtype=torch.int32,
+    ).view(B, M)
+    req, bounds, starts = [], [], []
+    for _ in range(T):
+        r = draw(st.sampled_from((-1, B))) if draw(_RARE) and draw(_RARE) else draw(st.integers(0, B - 1))
+        s = draw(st.integers(0, n_cols)) if with_starts else 0
+        room = n_cols - s
+        n = draw(st.integers(-2, room + 2)) if draw(_RARE) else draw(st.integers(0, room))
+        if with_starts and draw(_RARE) and draw(_RARE):
+            s = draw(st.sampled_from((-1, n_cols + 1)))
+        req.append(r)
+        bounds.append(n)
+        starts.append(s)
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    partial = torch.tensor([[[draw(data_values()) for _ in range(v)] for _ in range(H)] for _ in range(T)])
+    lse = torch.tensor([[draw(data_values()) for _ in range(H)] for _ in range(T)])
+    _tensor_case_value(values, code, "partial", partial.view(T, H, v).float())
+    _tensor_case_value(values, code, "lse", lse.view(T, H).float())
+    _ints(values, code, "local_bounds", bounds, torch.int32)
+    _ints(values, code, "req_of_token", req, torch.int32)
+    _tensor_case_value(values, code, "block_table", table)
+    values["geometry"] = g
+    code["geometry"] = f"geometry = DcpGeometry({g.world_size}, {g.rank}, {g.interleave}, {bs})"
+    _scalar(values, code, "n_cols", n_cols)
+    if with_starts:
+        _ints(values, code, "row_starts", starts, torch.int32)
+    else:
+        _scalar(values, code, "row_starts", None)
+    return Case(
+        "guard",
+        values,
+        code,
+        ("partial", "lse", "local_bounds", "req_of_token", "block_table", "geometry", "n_cols"),
+        kwargs=("row_starts",),
+    )
 
 
 # ---- local top-K, pack, indexer ----------------------------------------------------------------
