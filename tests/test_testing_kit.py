@@ -321,6 +321,13 @@ def test_triton_lse_merge_conforms(interp: torch.device) -> None:
     check_merge(fn, form="merge", device=interp, max_examples=FAST)
 
 
+def test_triton_guard_conforms(interp: torch.device) -> None:
+    """The Triton guard (interpreted) poisons exactly the tokens the kit's oracle refuses."""
+    from dcp_ref.kernels.guard_triton import guard_triton
+
+    check_guard(guard_triton, device=interp, max_examples=FAST)
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_kernel_stages_conform_on_the_cpu(interp: torch.device) -> None:
