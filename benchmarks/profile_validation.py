@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,29 +38,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _meta  # noqa: E402
-from bench_validation import full_setup, select_inputs  # noqa: E402
+from bench_validation import eager_interleaved, full_setup, select_inputs  # noqa: E402
 
 from dcp_ref.geometry import DcpGeometry  # noqa: E402
 
 
 def interleaved_us(fns: dict[str, Callable[[], object]], n: int, reps: int) -> dict[str, float]:
-    """Median per-call µs of ``n`` back-to-back calls of each function, the functions taking turns each rep."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for f in fns.values():
-        for _ in range(3):
-            f()
-    torch.cuda.synchronize()
-    names = list(fns)
-    for r in range(reps):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            f = fns[name]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                f()
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - t0) / n * 1e6)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median per-call µs of each function: ``bench_validation.eager_interleaved`` with ``n`` calls x ``reps``."""
+    su = dataclasses.replace(full_setup(False), n=n, reps=reps)
+    return {k: v["median_us"] for k, v in eager_interleaved(fns, su).items()}
 
 
 def host_profile(fn: Callable[[], object], calls: int = 200) -> dict[str, float]:

@@ -245,6 +245,8 @@ class SelectToSlotsConfig:
                 f"split must be one of {SPLITS} and divide the {self.world * self.kloc // self.vec} vector loads "
                 f"of a row, got {self.split!r}"
             )
+        if not isinstance(self.check, bool):
+            raise TypeError(f"check must be a bool, got {type(self.check).__name__}")
         if self.check and self.split != 1:
             raise ValueError(f"check needs split=1 (a row's ids meet in one CTA), got split={self.split}")
         if self.threads:

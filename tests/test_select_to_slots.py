@@ -466,7 +466,12 @@ def test_config_is_a_frozen_hashable_key_and_checks_itself():
     pytest.importorskip("cutlass")
     from dataclasses import FrozenInstanceError
 
-    from dcp_ref.kernels.select_to_slots_cutedsl import SelectToSlotsConfig, make_config, rank_local_schedule
+    from dcp_ref.kernels.select_to_slots_cutedsl import (
+        SelectToSlotsConfig,
+        check_fits,
+        make_config,
+        rank_local_schedule,
+    )
 
     a = SelectToSlotsConfig("rank_local", 8, 2048, 2048, vec=4)
     assert a == SelectToSlotsConfig("rank_local", 8, 2048, 2048, vec=4) and len({a, a}) == 1
@@ -483,10 +488,17 @@ def test_config_is_a_frozen_hashable_key_and_checks_itself():
         (dict(split=3), "split"),
         (dict(world=3, kloc=7, split=2), "split"),
         (dict(threads=256, world=8, kloc=2048, vec=1), "threads"),
+        (dict(check=True, split=2), "check needs split=1"),
     ):
         kw = dict(order="rank_local", world=2, kloc=8, k=4) | bad
         with pytest.raises(ValueError, match=match):
             SelectToSlotsConfig(**kw)
+    with pytest.raises(TypeError, match=r"^check must be a bool"):
+        SelectToSlotsConfig(order="rank_local", world=2, kloc=8, k=4, check=1)
+    # the validated call's configuration: one CTA per row, the widest CTA, no register cap; its table fits or not
+    c = make_config("global_id", 2, 2048, 2048, DcpGeometry(2, 0, 1, 64), rows=1, check=True)
+    assert (c.check, c.split, c.threads, c.min_ctas) == (True, 1, 1024, 0) and check_fits(c)
+    assert not check_fits(make_config("global_id", 8, 4096, 4096, DcpGeometry(8, 0, 1, 64), check=True))
     g = DcpGeometry(4, 1, 2, 8)
     assert make_config("rank_local", 4, 2048, 2048, g, data_ptr=256).vec == 4
     assert make_config("rank_local", 4, 2046, 2048, g, data_ptr=256).vec == 2

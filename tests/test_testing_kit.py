@@ -321,6 +321,16 @@ def test_triton_lse_merge_conforms(interp: torch.device) -> None:
     check_merge(fn, form="merge", device=interp, max_examples=FAST)
 
 
+def test_the_new_checkers_refuse_bad_options() -> None:
+    from dcp_ref.select_to_slots import reference_select_to_slots
+    from dcp_ref.stages import reference_combine
+
+    with pytest.raises(ValueError, match=r"^order must be 'global_id' or 'rank_local'"):
+        check_select_to_slots(reference_select_to_slots, order="by_rank")
+    with pytest.raises(TypeError, match=r"^check_combine takes no form="):
+        check_combine(reference_combine, form="correct")
+
+
 def test_triton_guard_conforms(interp: torch.device) -> None:
     """The Triton guard (interpreted) poisons exactly the tokens the kit's oracle refuses."""
     from dcp_ref.kernels.guard_triton import guard_triton

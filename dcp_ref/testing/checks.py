@@ -828,6 +828,8 @@ def check_select_to_slots(
     NaN / ``±inf`` scores and ``k`` past ``W*K`` (:func:`dcp_ref.testing.strategies.select_to_slots_cases`).
     """
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
+    if order not in ("global_id", "rank_local"):
+        raise ValueError(f"order must be 'global_id' or 'rank_local', got {order!r}")
     dev = _dev(device)
     strategy = S.select_to_slots_cases(
         order=order, max_world=max_world, max_candidates=max_candidates,
