@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ._checks import check_int_scalar, check_tensor
+from ._checks import check_int_scalar, check_no_alias, check_tensor
 
 __all__ = ["Group", "SingleGroup", "SimulatedWorld", "SimulatedGroup", "TorchDistributedGroup", "SymmetricMemoryGroup"]
 
@@ -60,6 +60,8 @@ class Group(Protocol):
 
 
 def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, name: str = "out") -> None:
+    """A collective's ``out``: ``like``'s (``x``'s) dtype and device, this shape, contiguous, and sharing no
+    memory with ``x`` (every collective reads all of ``x`` while it writes ``out``)."""
     if out is None:
         return
     check_tensor(out, name, dtypes=(like.dtype,), device=like.device)
@@ -67,6 +69,7 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Ten
         raise ValueError(
             f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(shape)}, got {tuple(out.shape)}"
         )
+    check_no_alias(out, name, x=like)
 
 
 def _check_all_to_all(x: torch.Tensor, world_size: int, out: torch.Tensor | None) -> None:
@@ -76,8 +79,6 @@ def _check_all_to_all(x: torch.Tensor, world_size: int, out: torch.Tensor | None
             f"x must be [W={world_size}, ...] (one chunk per destination rank), got shape {tuple(x.shape)}"
         )
     _check_out(out, tuple(x.shape), x)
-    if out is not None and out.data_ptr() == x.data_ptr() and x.numel():
-        raise ValueError("out must not alias x (the exchange reads every chunk of x while writing out)")
 
 
 def _chunk_shape(x: torch.Tensor, d: int, world_size: int) -> tuple[int, ...]:

@@ -30,9 +30,57 @@ import math
 
 import torch
 
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_no_aliases, check_tensor
 from .geometry import DcpGeometry
 
-__all__ = ["metadata_row_ok", "reference_guard"]
+__all__ = ["check_guard_inputs", "metadata_row_ok", "reference_guard"]
+
+
+def check_guard_inputs(
+    partial: object,
+    lse: object,
+    local_bounds: object,
+    req_of_token: object,
+    block_table: object,
+    geometry: object,
+    n_cols: object,
+    row_starts: object = None,
+) -> int:
+    """The guard's argument checks, shared by :func:`reference_guard` and the kernel
+    (:func:`dcp_ref.kernels.guard_triton.guard_triton`), so both accept and refuse the same inputs with the same
+    message (``TypeError`` / ``ValueError`` naming the argument). No value is read: out-of-contract *values* are
+    what the guard poisons. Returns ``n_cols`` as an int.
+
+    ``partial`` floating ``[T, H, v]``; ``lse`` floating ``[T, H]`` on its device; ``local_bounds``,
+    ``req_of_token`` (and ``row_starts``) int ``[T]``; ``block_table`` int ``[B, M]``; any strides (a stride-0
+    expanded table included: every view is read through its own strides)."""
+    if not isinstance(geometry, DcpGeometry):
+        raise TypeError(f"geometry must be a DcpGeometry, got {type(geometry).__name__}")
+    n = check_int_scalar(n_cols, "n_cols", min_value=0)
+    check_tensor(partial, "partial", dtypes=FLOAT_DTYPES, ndim=3)
+    assert isinstance(partial, torch.Tensor)
+    dev = partial.device
+    T, H, _ = partial.shape
+    check_tensor(lse, "lse", dtypes=FLOAT_DTYPES, ndim=2, device=dev)
+    assert isinstance(lse, torch.Tensor)
+    if tuple(lse.shape) != (T, H):
+        raise ValueError(f"lse must be [T={T}, H={H}], got {tuple(lse.shape)}")
+    for name, x in (("local_bounds", local_bounds), ("req_of_token", req_of_token), ("row_starts", row_starts)):
+        if x is None and name == "row_starts":
+            continue
+        check_tensor(x, name, dtypes=INT_DTYPES, ndim=1, device=dev)
+        assert isinstance(x, torch.Tensor)
+        if x.shape[0] != T:
+            raise ValueError(f"{name} must have one entry per token ({T}), got {tuple(x.shape)}")
+    check_tensor(block_table, "block_table", dtypes=INT_DTYPES, ndim=2, device=dev)
+    for name, out in (("partial", partial), ("lse", lse)):  # written in place: one element, one location
+        if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
+            raise ValueError(f"{name} must not be an expanded (stride-0) view: it is poisoned in place, row by row")
+    check_no_aliases(
+        {"partial": partial, "lse": lse},
+        dict(local_bounds=local_bounds, req_of_token=req_of_token, block_table=block_table, row_starts=row_starts),
+    )
+    return n
 
 
 def metadata_row_ok(
@@ -83,7 +131,9 @@ def reference_guard(
     row_starts: torch.Tensor | None = None,
 ) -> None:
     """Poison (NaN output, NaN LSE), in place, the rows of ``partial [T, H, v]`` / ``lse [T, H]`` whose
-    metadata :func:`metadata_row_ok` refuses. Device ops only."""
+    metadata :func:`metadata_row_ok` refuses. Device ops only. Arguments checked by :func:`check_guard_inputs`
+    (the kernel's checks, with its messages)."""
+    n_cols = check_guard_inputs(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts)
     ok = metadata_row_ok(local_bounds, req_of_token, block_table, geometry, n_cols, row_starts)
     bad = ~ok
     partial.masked_fill_(bad[:, None, None], math.nan)

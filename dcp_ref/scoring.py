@@ -60,6 +60,7 @@ from ._checks import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,
+    check_no_alias,
     check_tensor,
     check_values_readable,
 )
@@ -175,6 +176,10 @@ def check_scoring_inputs(
                 raise ValueError(f"out must be [T={T}, L] (one row per query token), got shape {tuple(out.shape)}")
             if not out.is_contiguous():
                 raise ValueError("out must be contiguous (each row is written as L consecutive floats)")
+            check_no_alias(
+                out, "out", index_q=index_q, weights=weights, index_cache=index_cache, block_table=block_table,
+                req_of_token=req_of_token, local_bounds=local_bounds, row_starts=row_starts,
+            )  # fmt: skip
             L = out.shape[1]
         elif n_cols is not None:
             L = check_int_scalar(n_cols, "n_cols", min_value=0)

@@ -58,6 +58,7 @@ from ._checks import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,
+    check_no_aliases,
     check_out,
     check_tensor,
     check_values_readable,
@@ -211,6 +212,10 @@ def check_select_to_slots_inputs(
         check_out(out_slots, "out_slots", (rows, k), torch.int32, dev)
     if out_counts is not None:
         check_out(out_counts, "out_counts", (rows,), torch.int32, dev)
+    check_no_aliases(
+        {"out_slots": out_slots, "out_counts": out_counts},
+        dict(gathered=gathered, req_of_token=req_of_token, block_table=block_table, own_ids=own_ids),
+    )
     spec = SelectToSlotsInputs(order, geometry, rows, kloc, k, n_req, n_blocks)
     if not validate or rows == 0:
         return spec

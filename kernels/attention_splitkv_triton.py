@@ -73,6 +73,7 @@ from dcp_ref._checks import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,
+    check_no_aliases,
     check_out,
     check_same_device,
     check_tensor,
@@ -705,6 +706,12 @@ def sparse_mla_splitkv(
                 f"workspace must be a contiguous float32 tensor of at least {plan.workspace_numel} elements "
                 f"(workspace_for(plan, device)), got shape {tuple(workspace.shape)}"
             )
+    # the outputs (and a given workspace, which phase 1 writes while phase 2 reads) share no memory with an input
+    # or with each other: a kernel writing what another program still reads gives a schedule-dependent answer
+    check_no_aliases(
+        {"out": out, "out_lse": out_lse, "workspace": workspace},
+        dict(q=q, kv_cache=kv_cache, slots=slots, counts=counts),
+    )
     check = validate and T > 0
     if check:  # the reference refuses a meta tensor before reading any value
         check_values_readable(counts, "counts")

@@ -365,6 +365,29 @@ def _bad_cases(device="cpu"):
         ("out_lse", ValueError, {"out_lse": torch.empty(16, 3, device=dev)}),
         ("workspace", ValueError, {"workspace": torch.empty(10, device=dev), "num_splits": 2, "block_n": 16}),
         ("workspace", TypeError, {"workspace": torch.empty(10**5, dtype=torch.float64, device=dev)}),
+        ("out_lse", ValueError, {"out": (o := torch.empty(3, 16, V_SMALL, device=dev)), "out_lse": o[:, :, 0]}),
+        ("out", ValueError, {"q": q, "out": q[:, :, :V_SMALL]}),
+        ("out", ValueError, {"kv_cache": kv, "out": kv.view(-1)[: 3 * 16 * V_SMALL].view(3, 16, V_SMALL)}),
+        (
+            "workspace",
+            ValueError,
+            {
+                "q": (qw := torch.empty(10**5, device=dev))[: q.numel()].view_as(q).copy_(q),
+                "workspace": qw,
+                "num_splits": 2,
+                "block_n": 16,
+            },
+        ),
+        (
+            "workspace",
+            ValueError,
+            {
+                "out": (w := torch.empty(10**5, device=dev))[: 3 * 16 * V_SMALL].view(3, 16, V_SMALL),
+                "workspace": w,
+                "num_splits": 2,
+                "block_n": 16,
+            },
+        ),
         ("plan", ValueError, {"plan": sk.splitkv_plan(4, 16, 16, "cpu", head_dim=D_SMALL, v_dim=V_SMALL)}),
         ("plan", TypeError, {"plan": {"num_splits": 2}}),
         ("num_splits", ValueError, {"num_splits": 0}),
@@ -382,6 +405,15 @@ def test_bad_input_names_the_argument(kernel_device, i) -> None:
     with pytest.raises(exc) as e:
         sk.sparse_mla_splitkv(**{**_ok(kernel_device), **override})
     assert str(e.value).startswith(name), str(e.value)
+
+
+@pytest.mark.gpu
+def test_bad_input_names_the_argument_on_gpu(cuda_device) -> None:
+    """The table on the H200 (the compiled kernels; the aliasing rows are built on the device)."""
+    for name, exc, override in _bad_cases(cuda_device):
+        with pytest.raises(exc) as e:
+            sk.sparse_mla_splitkv(**{**_ok(cuda_device), **override})
+        assert str(e.value).startswith(name), str(e.value)
 
 
 def test_validate_messages_are_the_references(kernel_device) -> None:

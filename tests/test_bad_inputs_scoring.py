@@ -65,6 +65,7 @@ REQ = i32([0, 1, 1])
 BOUNDS = i64([6, 9, 0])
 RS = i64([0, 6, 2])
 OUT = torch.empty(T, 16)
+W_BUF = torch.cat([W, torch.zeros(T, 16 - H)], 1)  # weights as the first columns of a [T, 16] buffer
 WCACHE = make_index_cache(6, BS)  # what the write cases scribble on
 WT = i32([[3, 0, -1], [5, 1, 2]])
 
@@ -255,6 +256,9 @@ for b in ("index_scores_rs", "reference_scoring", "index_scores_triton"):
     bad(b, ValueError, "out", "other device", out=OUT.to(META))
     if b != "reference_scoring":
         bad(b, ValueError, "out", "too narrow for start + bound", out=torch.empty(T, 14))
+    bad(b, ValueError, "out", "the index cache viewed as float32", out=CACHE.view(-1).view(torch.float32)[: T * 16]
+        .view(T, 16))  # fmt: skip
+    bad(b, ValueError, "out", "the weights' buffer", weights=W_BUF[:, :H], out=W_BUF.view(-1)[: T * 16].view(T, 16))
 bad("index_scores", ValueError, "out", "unvalidated prefill without out", row_starts=RS, validate=False)
 b = "index_scores_triton"
 bad(b, TypeError, "index_q", "float64 q (the reference's only)", index_q=Q8.double())
@@ -395,3 +399,25 @@ def test_validate_false_reads_nothing_on_the_host(name: str) -> None:
 def test_unvalidated_shapes_without_out() -> None:
     """validate=False without out: decode width from the table (M * block_size), from shapes alone."""
     assert index_scores(**M_ARGS, validate=False).shape == (5, 4 * 8)
+
+
+@pytest.mark.gpu
+def test_kernels_reject_like_the_reference_on_gpu(cuda_device) -> None:
+    """The twin rows on the H200 (meta rows aside), tensors moved with their memory relations kept
+    (``tests/devmove.py``: an ``out`` over the index cache stays over it): the compiled kernel and the reference
+    raise the same type and message."""
+    from devmove import to_device
+
+    ran = 0
+    for case in TWIN_CASES:
+        kwargs, exc = case.values
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in kwargs.values()):
+            continue
+        kwargs = to_device(kwargs, cuda_device)
+        with pytest.raises(exc) as ref:
+            index_scores(**kwargs)
+        with pytest.raises(exc) as ker:
+            st_kernel.index_scores_triton(**kwargs)
+        assert str(ker.value) == str(ref.value), case.id
+        ran += 1
+    assert ran >= 70, ran

@@ -77,6 +77,25 @@ def _holes() -> torch.Tensor:
     return t
 
 
+def _column_alias() -> dict:
+    """``out_counts`` a column of ``out_slots``: the counts would overwrite real slots."""
+    slots = torch.zeros(3, 3, dtype=torch.int32)
+    return dict(out_slots=slots, out_counts=slots[:, 0])
+
+
+def _own_alias() -> dict:
+    """``out_slots`` the first columns of the buffer ``own_ids`` lives in."""
+    own = OWN.clone()
+    return dict(own_ids=own, out_slots=own[:, :3])
+
+
+def _table_alias() -> dict:
+    """``out_slots`` and ``block_table`` two windows of one buffer that overlap."""
+    buf = torch.zeros(4, 3, dtype=torch.int32)
+    buf[1:3] = TABLE
+    return dict(block_table=buf[1:3], out_slots=buf[:3])
+
+
 # (name, base, {argument: bad value}, exception, the argument the message starts with)
 CASES = [
     ("gathered float64", gid_base, dict(gathered=PAIRS.double()), TypeError, "gathered"),
@@ -168,6 +187,9 @@ CASES = [
         ValueError,
         "out_counts",
     ),
+    ("out_counts in out_slots", gid_base, _column_alias(), ValueError, "out_counts"),
+    ("out_slots over own_ids", rl_base, _own_alias(), ValueError, "out_slots"),
+    ("out_slots over block_table", gid_base, _table_alias(), ValueError, "out_slots"),
     ("validate int", gid_base, dict(validate=1), TypeError, "validate"),
 ]
 
@@ -406,3 +428,29 @@ def test_kernel_validation_without_the_kernel_is_the_reference_check(monkeypatch
     assert err == str(ref.value) and launches == []
     _, launches, err = _counted(monkeypatch, lambda: mod.select_to_slots_cutedsl(PAIRS, REQ, TABLE, GEO, 3))
     assert err.startswith("gathered must be a CUDA tensor") and launches == []
+
+
+@pytest.mark.gpu
+def test_kernel_rejects_like_the_reference_on_gpu(cuda_device):
+    """Every row of the table on the H200 (the meta rows aside), its tensors moved with their memory relations
+    kept (``tests/devmove.py``: the aliasing rows stay aliased): the CuTeDSL wrapper and the reference raise the
+    same type and message, naming the argument first."""
+    pytest.importorskip("cutlass")
+    from devmove import to_device
+
+    from dcp_ref.kernels.select_to_slots_cutedsl import select_to_slots_cutedsl
+
+    ran = 0
+    for name, base, change, exc, arg in CASES:
+        kwargs = {**base(), **change}
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in kwargs.values()):
+            continue  # a meta row is about the host's checks alone (run above)
+        kwargs = to_device(kwargs, cuda_device)
+        with pytest.raises(exc) as ref:
+            select_to_slots(**kwargs)
+        with pytest.raises(exc) as ker:
+            select_to_slots_cutedsl(**kwargs)
+        assert str(ker.value) == str(ref.value), name
+        assert str(ref.value).startswith(arg), (name, str(ref.value))
+        ran += 1
+    assert ran >= 40, ran

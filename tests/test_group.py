@@ -103,8 +103,31 @@ def test_all_to_all_checks_its_arguments() -> None:
     assert torch.equal(g.all_to_all(x), x) and g.all_to_all(x).data_ptr() != x.data_ptr()
     with pytest.raises(ValueError, match=r"x must be \[W=1, \.\.\.\]"):
         g.all_to_all(torch.ones(2, 3))
-    with pytest.raises(ValueError, match="out must not alias x"):
+    with pytest.raises(ValueError, match="out must not share memory with x"):
         g.all_to_all(x, out=x)
+
+
+@pytest.mark.parametrize("op", ["all_to_all", "all_gather", "reduce_scatter"])
+def test_a_collective_refuses_an_out_that_overlaps_x(op) -> None:
+    """A partial overlap (``out`` a shifted window of ``x``'s buffer) is refused by name on every rank, before any
+    exchange — not torch's own error from inside, and never a schedule-dependent answer."""
+
+    def body(grp):  # noqa: ANN001, ANN202
+        buf = torch.zeros(8)
+        if op == "all_to_all":
+            x, out = buf[:4].view(2, 2), buf[2:6].view(2, 2)
+        elif op == "all_gather":
+            x, out = buf[:2], buf[1:5].view(2, 2)
+        else:
+            x, out = buf[:4], buf[3:5]
+        try:
+            getattr(grp, op)(x, out=out)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    for msg in SimulatedWorld(2).run(body):
+        assert msg is not None and msg.startswith("out must not share memory with x"), msg
     with pytest.raises(ValueError, match=r"x must be \[W=2, \.\.\.\]"):
         SimulatedWorld(2).run(lambda grp: grp.all_to_all(torch.ones(3, 1)))
 

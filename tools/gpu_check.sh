@@ -32,9 +32,9 @@ cd "$(dirname "$0")/.."
 # parts of a file are complements, so the file runs whole.
 CUTE_LANES=(
   "tests/test_topk.py@10k"
-  "tests/test_indexer_kernel.py tests/test_local_topk_cutedsl.py"
+  "tests/test_indexer_kernel.py tests/test_local_topk_cutedsl.py tests/test_bad_inputs_scoring.py"
   "tests/test_select_to_slots.py tests/test_scoring.py tests/test_topk.py@rest tests/test_ownership.py"
-  "tests/test_deinterleave.py"
+  "tests/test_deinterleave.py tests/test_bad_inputs_guard.py tests/test_bad_inputs_select_to_slots.py"
 )
 FI_LANES=(
   "tests/test_testing_kit.py@select"
