@@ -19,6 +19,17 @@ Out of contract, for token ``t`` of request ``b = req_of_token[t]`` (``B`` rows 
   (``block_table[b, j] < 0``, or ``j`` past the table's width): a key the token may attend to has no
   KV row.
 
+When the step scores its keys (``spec.scoring``), the scoring stage's own row rule joins in — its poisoned
+rows are NaN *scores*, and the indexer reads a NaN score as a masked key, so without the guard such a row
+would come back as "no keys" (output 0, LSE ``-inf``), the plausible wrong answer the rule forbids:
+
+- one of those blocks is not a block of the index-key cache (``block_table[b, j] >= num_blocks``: an index
+  shard shorter than the table — a short KV cache poisons through its slots, a short index cache here);
+- with ``next_n > 1`` (MTP), the group of ``next_n`` consecutive tokens holding ``t`` names more than one
+  request;
+- ``index_q[t]`` or ``index_weights[t]`` holds a non-finite value (NaN from real data propagates: a NaN
+  query scores every key NaN, which would read as an empty row).
+
 The NaN then travels through the combine like any corrupt data (a NaN LSE is never "empty"), so the
 token's output is NaN on every rank. With ``validate=True`` the step raises on these inputs before
 any stage runs (:meth:`dcp_ref.step.PlannedStep._check_values`), with a message naming the field.
@@ -45,6 +56,11 @@ def check_guard_inputs(
     geometry: object,
     n_cols: object,
     row_starts: object = None,
+    *,
+    num_blocks: object = None,
+    next_n: object = 1,
+    index_q: object = None,
+    index_weights: object = None,
 ) -> int:
     """The guard's argument checks, shared by :func:`reference_guard` and the kernel
     (:func:`dcp_ref.kernels.guard_triton.guard_triton`), so both accept and refuse the same inputs with the same
@@ -53,7 +69,9 @@ def check_guard_inputs(
 
     ``partial`` floating ``[T, H, v]``; ``lse`` floating ``[T, H]`` on its device; ``local_bounds``,
     ``req_of_token`` (and ``row_starts``) int ``[T]``; ``block_table`` int ``[B, M]``; any strides (a stride-0
-    expanded table included: every view is read through its own strides)."""
+    expanded table included: every view is read through its own strides). The scoring rows (module docstring):
+    ``num_blocks`` an int ``>= 0`` or ``None``; ``next_n`` an int ``>= 1`` dividing ``T``; ``index_q``
+    ``[T, Hi, D]`` (FP8 or floating) and ``index_weights`` floating ``[T, Hi]``, both or neither."""
     if not isinstance(geometry, DcpGeometry):
         raise TypeError(f"geometry must be a DcpGeometry, got {type(geometry).__name__}")
     n = check_int_scalar(n_cols, "n_cols", min_value=0)
@@ -73,13 +91,31 @@ def check_guard_inputs(
         if x.shape[0] != T:
             raise ValueError(f"{name} must have one entry per token ({T}), got {tuple(x.shape)}")
     check_tensor(block_table, "block_table", dtypes=INT_DTYPES, ndim=2, device=dev)
+    if num_blocks is not None:
+        check_int_scalar(num_blocks, "num_blocks", min_value=0)
+    nn = check_int_scalar(next_n, "next_n", min_value=1)
+    if T % nn:
+        raise ValueError(f"next_n={nn} must divide the T={T} query tokens (groups of next_n tokens of one request)")
+    if (index_q is None) != (index_weights is None):
+        missing = "index_weights" if index_weights is None else "index_q"
+        raise ValueError(f"{missing} must be given with {'index_q' if missing == 'index_weights' else 'index_weights'}")
+    if index_q is not None:
+        check_tensor(index_q, "index_q", dtypes=(torch.float8_e4m3fn, *FLOAT_DTYPES), ndim=3, device=dev)
+        check_tensor(index_weights, "index_weights", dtypes=FLOAT_DTYPES, ndim=2, device=dev)
+        assert isinstance(index_q, torch.Tensor) and isinstance(index_weights, torch.Tensor)
+        if index_q.shape[0] != T or index_weights.shape != (T, index_q.shape[1]):
+            raise ValueError(
+                f"index_weights must be [T={T}, Hi={index_q.shape[1]}] beside index_q [T={T}, Hi, D], got index_q "
+                f"{tuple(index_q.shape)} and index_weights {tuple(index_weights.shape)}"
+            )
     for name, out in (("partial", partial), ("lse", lse)):  # written in place: one element, one location
         if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
             raise ValueError(f"{name} must not be an expanded (stride-0) view: it is poisoned in place, row by row")
     check_no_aliases(
         {"partial": partial, "lse": lse},
-        dict(local_bounds=local_bounds, req_of_token=req_of_token, block_table=block_table, row_starts=row_starts),
-    )
+        dict(local_bounds=local_bounds, req_of_token=req_of_token, block_table=block_table, row_starts=row_starts,
+             index_q=index_q, index_weights=index_weights),
+    )  # fmt: skip
     return n
 
 
@@ -90,6 +126,11 @@ def metadata_row_ok(
     geometry: DcpGeometry,
     n_cols: int,
     row_starts: torch.Tensor | None = None,
+    *,
+    num_blocks: int | None = None,
+    next_n: int = 1,
+    index_q: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """bool ``[T]``: ``True`` where token ``t``'s metadata is inside the contract (see the module docstring).
 
@@ -102,6 +143,7 @@ def metadata_row_ok(
         geometry: the cache's geometry (its ``block_size``).
         n_cols: columns of the index scores the indexer reads.
         row_starts: optional int ``[T]`` (prefill: token ``t``'s keys start at this column).
+        num_blocks, next_n, index_q, index_weights: the scoring rows (module docstring; ``None`` / 1: none).
     """
     B, M = block_table.shape
     bounds = local_bounds.long()
@@ -114,8 +156,14 @@ def metadata_row_ok(
     if M > 0 and B > 0:
         rows = block_table[req.clamp(0, B - 1)]  # [T, M]: a bad request reads row 0, then is refused above
         j = torch.arange(M, device=block_table.device)
-        missing = ((rows < 0) & (j[None, :] < need[:, None])).any(1)
+        absent = (rows < 0) if num_blocks is None else (rows < 0) | (rows >= num_blocks)
+        missing = (absent & (j[None, :] < need[:, None])).any(1)
         ok &= ~missing
+    if next_n > 1:
+        groups = req.view(-1, next_n)
+        ok &= (groups == groups[:, :1]).all(1).repeat_interleave(next_n)
+    if index_q is not None and index_weights is not None:
+        ok &= torch.isfinite(index_q.float()).flatten(1).all(1) & torch.isfinite(index_weights.float()).all(1)
     return ok
 
 
@@ -129,12 +177,19 @@ def reference_guard(
     n_cols: int,
     *,
     row_starts: torch.Tensor | None = None,
+    num_blocks: int | None = None,
+    next_n: int = 1,
+    index_q: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ) -> None:
     """Poison (NaN output, NaN LSE), in place, the rows of ``partial [T, H, v]`` / ``lse [T, H]`` whose
     metadata :func:`metadata_row_ok` refuses. Device ops only. Arguments checked by :func:`check_guard_inputs`
     (the kernel's checks, with its messages)."""
-    n_cols = check_guard_inputs(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts)
-    ok = metadata_row_ok(local_bounds, req_of_token, block_table, geometry, n_cols, row_starts)
+    scored = dict(num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights)
+    n_cols = check_guard_inputs(
+        partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts, **scored
+    )
+    ok = metadata_row_ok(local_bounds, req_of_token, block_table, geometry, n_cols, row_starts, **scored)  # type: ignore[arg-type]
     bad = ~ok
     partial.masked_fill_(bad[:, None, None], math.nan)
     lse.masked_fill_(bad[:, None], math.nan)

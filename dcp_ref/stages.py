@@ -593,8 +593,14 @@ class GuardStage(Protocol):
         n_cols: int,
         *,
         row_starts: torch.Tensor | None = None,
+        num_blocks: int | None = None,
+        next_n: int = 1,
+        index_q: torch.Tensor | None = None,
+        index_weights: torch.Tensor | None = None,
     ) -> None:
-        """Poison, in place, the tokens whose metadata is out of contract (:mod:`dcp_ref.guard`)."""
+        """Poison, in place, the tokens whose metadata is out of contract (:mod:`dcp_ref.guard`). A scoring step
+        also passes the scoring stage's row rule: ``num_blocks`` (the index cache's blocks), ``next_n`` (MTP
+        groups of one request) and the index query ``index_q`` / ``index_weights`` (non-finite poisons)."""
         ...
 
 
@@ -841,11 +847,16 @@ def reference_guard(
     n_cols: int,
     *,
     row_starts: torch.Tensor | None = None,
+    num_blocks: int | None = None,
+    next_n: int = 1,
+    index_q: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ) -> None:
     """:func:`dcp_ref.guard.reference_guard` (torch ops on the device, no host read)."""
     from .guard import reference_guard as fn
 
-    fn(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts)
+    fn(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts,
+       num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights)  # fmt: skip
 
 
 @named_impl("torch")

@@ -302,6 +302,10 @@ _STAGE_KEYWORDS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: What a scoring step also passes its guard (the scoring stage's row rule: :mod:`dcp_ref.guard`).
+_GUARD_SCORED_KEYWORDS = ("num_blocks", "next_n", "index_q", "index_weights")
+
+
 def _check_stage_keywords(stage: str, fn: Any, extra: tuple[str, ...] = ()) -> None:
     try:
         params = inspect.signature(fn).parameters
@@ -389,8 +393,10 @@ class PlannedStep:
         self.stages = stages
         self._used = self._stages_used()
         for stage in self._used:
-            _check_stage_keywords(stage, getattr(stages, stage), ("order", "out_ids") if self._rank_local_indexer(
-                stage) else ())  # fmt: skip
+            extra: tuple[str, ...] = ("order", "out_ids") if self._rank_local_indexer(stage) else ()
+            if stage == "guard" and spec.scoring is not None:
+                extra = _GUARD_SCORED_KEYWORDS
+            _check_stage_keywords(stage, getattr(stages, stage), extra)
         T, k, H, v, dev = spec.max_tokens, spec.topk, spec.num_heads, spec.v_dim, spec.device
         Hs, Ha, D = spec.heads_per_rank, spec.attention_heads, spec.head_dim
         pdt = stages.partial_dtype(spec.dtype)
@@ -570,11 +576,18 @@ class PlannedStep:
             if t.shape[0] != T:
                 raise ValueError(f"meta.{name} must have one entry per query token ({T}), got {tuple(t.shape)}")
         if self.validate and T > 0:
-            self._check_values(T, shard, meta)
+            self._check_values(T, shard, meta, index_q, index_weights)
         return T
 
-    def _check_values(self, T: int, shard: Any, meta: StepMetadata) -> None:
+    def _check_values(self, T: int, shard: Any, meta: StepMetadata, index_q: Any, index_weights: Any) -> None:
         """Value checks (host reads): only with ``validate=True``. The guard's contract, as errors."""
+        if self.spec.scoring is not None:  # a non-finite query would score every key NaN: read as masked keys
+            for name, x in (("index_q", index_q), ("index_weights", index_weights)):
+                bad = ~torch.isfinite(x.float()).flatten(1).all(1)
+                if bool(bad.any()):
+                    t = int(bad.nonzero()[0, 0])
+                    raise ValueError(f"{name} must be finite: query token {t} holds a non-finite value (it would "
+                                     "score every key NaN, which reads as no keys)")  # fmt: skip
         g = self.spec.cache_geometry
         bs = g.block_size
         local = meta.local_bounds.long()
@@ -628,6 +641,16 @@ class PlannedStep:
                             f"shard.{name} has {rows_n} slots, but shard.block_table names block {top} (slots up to "
                             f"{last_slot}, block_size={bs})"
                         )
+
+    def _scored_rows(self, shard: Any, index_q: Any, index_weights: Any) -> dict[str, Any]:
+        """The guard's scoring rows (:mod:`dcp_ref.guard`): when the step scores, a token the scoring stage
+        poisons (a block past the index cache, a mixed MTP group, a non-finite query) has NaN scores, which the
+        indexer reads as masked keys — the guard poisons its output instead, so the row is never "no keys"."""
+        sc = self.spec.scoring
+        if sc is None:
+            return {}
+        blocks = self._cache_slots("index_cache", shard.index_cache) // self.spec.cache_geometry.block_size
+        return dict(num_blocks=blocks, next_n=sc.next_n, index_q=index_q, index_weights=index_weights)
 
     def _cache_slots(self, name: str, cache: torch.Tensor) -> int:
         if name == "kv_cache":
@@ -732,7 +755,8 @@ class PlannedStep:
         partial, lse = _pair("attention", fn, fn(
             q_full, shard.kv_cache, slots, counts, s.sm_scale, v, out=b.partial, out_lse=b.lse
         ), (b.partial, b.lse))  # fmt: skip
-        st.guard(partial, lse, bounds, req, bt, cg, n_cols, row_starts=starts)
+        scored_rows = self._scored_rows(shard, index_q, index_weights)
+        st.guard(partial, lse, bounds, req, bt, cg, n_cols, row_starts=starts, **scored_rows)
         # ---- combine ----
         if Wc == 1:
             # The rank holds all of its heads' keys (tp, or dcp over one rank): nothing to combine.

@@ -20,16 +20,19 @@ from dcp_ref.guard import check_guard_inputs
 
 from ._util import next_pow2
 
-__all__ = ["token_in_contract", "poison_row", "guard_kernel", "guard_triton"]
+__all__ = ["token_in_contract", "query_finite", "poison_row", "guard_kernel", "guard_triton"]
+
+_NO_LIMIT = 2**62  # num_blocks=None: no block id is past the cache
 
 
 @triton.jit
 def token_in_contract(
     bounds_ptr, req_ptr, starts_ptr, bt_ptr, t,
-    B, M, n_cols, s_bound, s_req, s_start, s_bt_r, s_bt_c,
+    B, M, n_cols, num_blocks, next_n, s_bound, s_req, s_start, s_bt_r, s_bt_c,
     BS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Whether token ``t``'s metadata is inside the contract (:mod:`dcp_ref.guard`). Every tensor is read
+    """Whether token ``t``'s metadata is inside the contract (:mod:`dcp_ref.guard`; a block id at or past
+    ``num_blocks`` is missing; the ``next_n`` tokens of ``t``'s group name one request). Every tensor is read
     through its own strides (an expanded, stride-0 view reads its one row)."""
     t64 = t.to(tl.int64)
     bound = tl.load(bounds_ptr + t64 * s_bound).to(tl.int64)
@@ -38,6 +41,9 @@ def token_in_contract(
     if HAS_STARTS:
         start = tl.load(starts_ptr + t64 * s_start).to(tl.int64)
     ok = (req >= 0) & (req < B) & (bound >= 0) & (start >= 0) & (start + bound <= n_cols)
+    g0 = (t64 // next_n) * next_n
+    for i in range(0, next_n):  # MTP: one request per group (next_n = 1: the token itself)
+        ok = ok & (tl.load(req_ptr + (g0 + i) * s_req).to(tl.int64) == req)
     need = (tl.maximum(bound, 0) + BS - 1) // BS
     ok = ok & (need <= M)
     # every block the token's keys need must exist (entry >= 0); a bad request reads nothing
@@ -46,9 +52,37 @@ def token_in_contract(
     missing = tl.zeros([], tl.int32)
     for j0 in range(0, lim, BLOCK_M):
         j = j0 + tl.arange(0, BLOCK_M)
-        blk = tl.load(row + j.to(tl.int64) * s_bt_c, mask=j < lim, other=0)
-        missing += tl.sum((blk < 0).to(tl.int32), 0)
+        blk = tl.load(row + j.to(tl.int64) * s_bt_c, mask=j < lim, other=0).to(tl.int64)
+        missing += tl.sum(((blk < 0) | (blk >= num_blocks)).to(tl.int32), 0)
     return ok & (missing == 0)
+
+
+@triton.jit
+def query_finite(
+    q_ptr, w_ptr, t, Hi, D, s_qt, s_qh, s_qd, s_wt, s_wh, Q_FP8: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Whether token ``t``'s index query ``[Hi, D]`` and weights ``[Hi]`` are all finite. ``Q_FP8``: the query's
+    bytes (float8 e4m3fn has no infinity; its NaN is ``S.1111.111``)."""
+    t64 = t.to(tl.int64)
+    bad = tl.zeros([BLOCK_D], dtype=tl.int32)
+    d = tl.arange(0, BLOCK_D)
+    for h in range(0, Hi):
+        for d0 in range(0, D, BLOCK_D):
+            m = d0 + d < D
+            x = tl.load(q_ptr + t64 * s_qt + h * s_qh + (d0 + d).to(tl.int64) * s_qd, mask=m, other=0)
+            if Q_FP8:
+                nonfinite = (x & 0x7F) == 0x7F
+            else:
+                xf = x.to(tl.float32)
+                nonfinite = (xf != xf) | (tl.abs(xf) == float("inf"))
+            bad = bad | (nonfinite & m).to(tl.int32)
+    hh = tl.arange(0, BLOCK_H)
+    for h0 in range(0, Hi, BLOCK_H):
+        hm = h0 + hh < Hi
+        w = tl.load(w_ptr + t64 * s_wt + (h0 + hh).to(tl.int64) * s_wh, mask=hm, other=0.0).to(tl.float32)
+        bad = bad | tl.sum((((w != w) | (tl.abs(w) == float("inf"))) & hm).to(tl.int32), 0)
+    return tl.max(bad, 0) == 0
 
 
 @triton.jit
@@ -70,15 +104,20 @@ def poison_row(
 
 @triton.jit
 def guard_kernel(
-    partial_ptr, lse_ptr, bounds_ptr, req_ptr, starts_ptr, bt_ptr,
-    B, M, n_cols, H, V,
+    partial_ptr, lse_ptr, bounds_ptr, req_ptr, starts_ptr, bt_ptr, q_ptr, w_ptr,
+    B, M, n_cols, num_blocks, next_n, H, V, Hi, D,
     stride_pt, stride_ph, stride_pv, stride_lt, stride_lh, s_bound, s_req, s_start, s_bt_r, s_bt_c,
-    BS: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+    s_qt, s_qh, s_qd, s_wt, s_wh,
+    BS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_Q: tl.constexpr, Q_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HI: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(T,)``: program ``t`` poisons token ``t`` when its metadata is out of contract."""
+    """Grid ``(T,)``: program ``t`` poisons token ``t`` when its metadata (or, ``HAS_Q``, its index query) is out
+    of contract."""
     t = tl.program_id(0)
-    ok = token_in_contract(bounds_ptr, req_ptr, starts_ptr, bt_ptr, t, B, M, n_cols, s_bound, s_req, s_start,
-                           s_bt_r, s_bt_c, BS, HAS_STARTS, BLOCK_M)  # fmt: skip
+    ok = token_in_contract(bounds_ptr, req_ptr, starts_ptr, bt_ptr, t, B, M, n_cols, num_blocks, next_n, s_bound,
+                           s_req, s_start, s_bt_r, s_bt_c, BS, HAS_STARTS, BLOCK_M)  # fmt: skip
+    if HAS_Q:
+        ok = ok & query_finite(q_ptr, w_ptr, t, Hi, D, s_qt, s_qh, s_qd, s_wt, s_wh, Q_FP8, BLOCK_D, BLOCK_HI)
     if ok.to(tl.int32) == 0:
         poison_row(partial_ptr, lse_ptr, t, H, V, stride_pt, stride_ph, stride_pv, stride_lt, stride_lh, BLOCK)
 
@@ -93,16 +132,24 @@ def guard_triton(
     n_cols: int,
     *,
     row_starts: torch.Tensor | None = None,
+    num_blocks: int | None = None,
+    next_n: int = 1,
+    index_q: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ) -> None:
     """Poison, in place, the tokens whose metadata is out of contract (:func:`dcp_ref.guard.reference_guard`).
 
     Args (checked by :func:`dcp_ref.guard.check_guard_inputs`, the reference's checks and messages):
         partial: floating ``[T, H, v]``; lse: floating ``[T, H]``; local_bounds, req_of_token: int ``[T]``;
         block_table: int ``[B, M]``; geometry: the cache's geometry (block size); n_cols: width of the index
-        scores; row_starts: optional int ``[T]``. Any strides: every tensor is read (and written) through its
+        scores; row_starts: optional int ``[T]``; num_blocks, next_n, index_q, index_weights: the scoring rows
+        (:mod:`dcp_ref.guard`). Any strides: every tensor is read (and written) through its
         own, so a stride-0 expanded view reads its one row and never past its storage.
     """
-    n_cols = check_guard_inputs(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts)
+    n_cols = check_guard_inputs(
+        partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts,
+        num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights,
+    )  # fmt: skip
     assert isinstance(geometry, DcpGeometry)
     dev = partial.device
     if dev.type != "cuda" and not triton_interpreting():
@@ -112,12 +159,21 @@ def guard_triton(
         return
     B, M = block_table.shape
     starts = row_starts if row_starts is not None else local_bounds  # never read without HAS_STARTS
+    has_q = index_q is not None and index_weights is not None
+    q: torch.Tensor = index_q if index_q is not None else local_bounds  # never read without HAS_Q
+    w: torch.Tensor = index_weights if index_weights is not None else local_bounds
+    q_fp8 = has_q and q.dtype == torch.float8_e4m3fn
+    if q_fp8:
+        q = q.view(torch.uint8)  # its bytes: the NaN test needs no float8 arithmetic
+    qs = q.stride() if has_q else (0, 0, 0)
+    Hi, D = (q.shape[1], q.shape[2]) if has_q else (0, 0)
     guard_kernel[(T,)](
-        partial, lse, local_bounds, req_of_token, starts, block_table,
-        B, M, n_cols, H, V,
+        partial, lse, local_bounds, req_of_token, starts, block_table, q, w,
+        B, M, n_cols, _NO_LIMIT if num_blocks is None else num_blocks, next_n, H, V, Hi, D,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         local_bounds.stride(0), req_of_token.stride(0), starts.stride(0), block_table.stride(0),
-        block_table.stride(1),
-        BS=geometry.block_size, HAS_STARTS=row_starts is not None,
-        BLOCK_M=min(next_pow2(max(M, 1)), 1024), BLOCK=min(next_pow2(max(V, H, 1)), 1024), num_warps=1,
+        block_table.stride(1), *qs, w.stride(0), w.stride(-1),
+        BS=geometry.block_size, HAS_STARTS=row_starts is not None, HAS_Q=has_q, Q_FP8=q_fp8,
+        BLOCK_M=min(next_pow2(max(M, 1)), 1024), BLOCK=min(next_pow2(max(V, H, 1)), 1024),
+        BLOCK_D=min(next_pow2(max(D, 1)), 256), BLOCK_HI=min(next_pow2(max(Hi, 1)), 256), num_warps=1,
     )  # fmt: skip

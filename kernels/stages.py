@@ -296,11 +296,16 @@ def _guard_triton(
     n_cols: int,
     *,
     row_starts: torch.Tensor | None = None,
+    num_blocks: int | None = None,
+    next_n: int = 1,
+    index_q: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ) -> None:
     from .guard_triton import guard_triton
 
     with _launch(partial.device):
-        guard_triton(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts)
+        guard_triton(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts,
+                     num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights)  # fmt: skip
 
 
 @named_impl("triton")

@@ -410,3 +410,70 @@ def _assert_rank_local_selection(p, traces, ref_ids) -> None:
             kth = min(float(s[x]) for x in ref)
             assert all(float(s[x]) >= kth for x in chosen)
             assert {x for x in ref if float(s[x]) > kth} <= set(chosen)
+
+
+# ---- what the layer's scoring cannot score is poisoned, never "no keys" (issue 32, classes 1-2) ----------------
+def _index_blocks_needed(shard, meta, bs: int) -> list[set[int]]:
+    """Per token, the index-cache blocks its keys are scored from (plain Python, from the block table)."""
+    table = shard.block_table.tolist()
+    return [
+        {table[b][j] for j in range(-(-n // bs))}
+        for b, n in zip(meta.req_of_token.tolist(), meta.local_bounds.tolist(), strict=True)
+    ]
+
+
+def _layer_run(p, shards, index_q, index_weights, stages, validate=False):
+    from dcp_ref.stages import ScoringSpec
+
+    W = p.world_size
+    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    max_keys = max(int(p.metadata(r).local_bounds.max()) for r in range(W))
+
+    def body(group, shard):
+        spec = _spec(p, group.rank, scoring=ScoringSpec(max_keys, index_heads=4), combine="alltoall")
+        out, lse = PlannedStep(group, spec, st, validate=validate).run(
+            p.q, shard, p.metadata(group.rank), index_q=index_q, index_weights=index_weights
+        )
+        return out.clone(), lse.clone()
+
+    res = SimulatedWorld(W).run(body, shards)
+    return torch.cat([o for o, _ in res], 1), torch.cat([l for _, l in res], 1)
+
+
+@pytest.mark.parametrize("stages", ["reference", "kernels"])
+@pytest.mark.parametrize("W", [1, 2])
+def test_what_the_layer_cannot_score_is_poisoned_not_empty(stages, W) -> None:
+    """validate=False. (1) One rank's index-key cache shorter than its block table: a token whose keys need a
+    block past it is NaN on every head (before: its scores were NaN, which the indexer reads as masked keys —
+    output 0 and LSE -inf, "no keys", or the other ranks' keys alone, finite and wrong). (2) A NaN in ``index_q``
+    or an infinite index weight: that token is NaN. Every other token is the clean run's, bit for bit; with
+    validate=True each is refused by name."""
+    p = _scored_problem(W, seed=4 + W)
+    clean_out, clean_lse = _layer_run(p, p.shards, p.index_q, p.index_weights, stages)
+    assert not clean_out.isnan().any() and not clean_lse.isnan().any()
+    bs = p.shards[0].geometry.block_size
+    # (1) the last rank's index cache ends right after the block of the token whose blocks end first
+    r = W - 1
+    last = [max(blocks, default=-1) for blocks in _index_blocks_needed(p.shards[r], p.metadata(r), bs)]
+    keep = min(last) + 1
+    short = list(p.shards)
+    short[r] = dataclasses.replace(p.shards[r], index_cache=p.shards[r].index_cache[:keep].clone())
+    bad = torch.tensor([b >= keep for b in last])
+    assert bad.any() and not bad.all()  # the case reaches both verdicts
+    out, lse = _layer_run(p, short, p.index_q, p.index_weights, stages)
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert torch.equal(out[~bad], clean_out[~bad]) and torch.equal(lse[~bad], clean_lse[~bad])
+    with pytest.raises(ValueError, match=r"^shard\.index_cache has"):
+        _layer_run(p, short, p.index_q, p.index_weights, stages, validate=True)
+    # (2) token 1's index query holds a NaN, token 3's weights an infinity
+    iq, iw = p.index_q.clone(), p.index_weights.clone()
+    iq.view(torch.uint8)[1, 2, 5] = 0x7F  # float8 e4m3fn NaN
+    iw[3, 0] = float("inf")
+    out, lse = _layer_run(p, p.shards, iq, iw, stages)
+    hit = torch.zeros(out.shape[0], dtype=torch.bool)
+    hit[[1, 3]] = True
+    assert out[hit].isnan().all() and lse[hit].isnan().all()
+    assert torch.equal(out[~hit], clean_out[~hit]) and torch.equal(lse[~hit], clean_lse[~hit])
+    for name, (q_, w_) in (("index_q", (iq, p.index_weights)), ("index_weights", (p.index_q, iw))):
+        with pytest.raises(ValueError, match=rf"^{name} must be finite"):
+            _layer_run(p, p.shards, q_, w_, stages, validate=True)

@@ -1448,45 +1448,81 @@ def mut_combine_weighting_empty_ranks(outs, lses, *, out=None, out_lse=None):  #
 
 
 def mut_guard_doing_nothing(
-    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None, **scored
 ):  # type: ignore[no-untyped-def]
     """A no-op guard: out-of-contract tokens keep plausible outputs."""
 
 
 def mut_guard_poisoning_the_lse_only(
-    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None, **scored
 ):  # type: ignore[no-untyped-def]
     """Poisons the LSE but leaves the partial output as it was."""
     from dcp_ref.guard import reference_guard
 
     reference_guard(
-        partial.clone(), lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts
-    )
+        partial.clone(), lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts,
+        **scored,
+    )  # fmt: skip
 
 
 def mut_guard_checking_the_first_block_only(
-    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None, **scored
 ):  # type: ignore[no-untyped-def]
     """Looks for a missing block among the first one a token needs only."""
     from dcp_ref.guard import reference_guard
 
     n = local_bounds.clamp(max=geometry.block_size)
-    reference_guard(partial, lse, n, req_of_token, block_table, geometry, n_cols, row_starts=row_starts)
+    reference_guard(partial, lse, n, req_of_token, block_table, geometry, n_cols, row_starts=row_starts, **scored)
 
 
 def mut_guard_ignoring_row_starts(
-    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None, **scored
 ):  # type: ignore[no-untyped-def]
     """Checks each window as if it started at column 0."""
     from dcp_ref.guard import reference_guard
 
-    reference_guard(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols)
+    reference_guard(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, **scored)
+
+
+def mut_guard_ignoring_the_index_query(
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None, **scored
+):  # type: ignore[no-untyped-def]
+    """The scoring rows without the query's check: a NaN index query (every score NaN) reads as "no keys"."""
+    from dcp_ref.guard import reference_guard
+
+    scored = {**scored, "index_q": None, "index_weights": None}
+    reference_guard(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts,
+                    **scored)  # fmt: skip
+
+
+def mut_guard_ignoring_the_index_cache(
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None, **scored
+):  # type: ignore[no-untyped-def]
+    """Block ids past the index cache taken as present (the short index shard of issue 32, class 1)."""
+    from dcp_ref.guard import reference_guard
+
+    scored = {**scored, "num_blocks": None}
+    reference_guard(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts,
+                    **scored)  # fmt: skip
+
+
+def mut_guard_ignoring_mtp_groups(
+    partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, *, row_starts=None, **scored
+):  # type: ignore[no-untyped-def]
+    """Each token judged alone: an MTP pair naming two requests passes."""
+    from dcp_ref.guard import reference_guard
+
+    scored = {**scored, "next_n": 1}
+    reference_guard(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts,
+                    **scored)  # fmt: skip
 
 
 def _check(name: str) -> Callable[..., None]:
     kw = dict(max_examples=MUT_EXAMPLES, shrink_budget=MUT_SHRINK)
     return {
-        "guard": lambda fn: check_guard(fn, **kw),
+        # the guard's rules are many and each bad draw rare (half the cases carry the scoring rows): more cases,
+        # each a few torch ops
+        "guard": lambda fn: check_guard(fn, **{**kw, "max_examples": 80}),
         "combine": lambda fn: check_combine(fn, **kw),
         "select_to_slots": lambda fn: check_select_to_slots(fn, **kw),
         "select_to_slots_rank_local": lambda fn: check_select_to_slots(fn, order="rank_local", **kw),
@@ -1550,6 +1586,9 @@ MUTANTS: list[tuple[str, Callable[..., Any]]] = [
     ("guard", mut_guard_poisoning_the_lse_only),
     ("guard", mut_guard_checking_the_first_block_only),
     ("guard", mut_guard_ignoring_row_starts),
+    ("guard", mut_guard_ignoring_the_index_query),
+    ("guard", mut_guard_ignoring_the_index_cache),
+    ("guard", mut_guard_ignoring_mtp_groups),
     ("combine", mut_combine_ignoring_the_last_rank),
     ("combine", mut_combine_weighting_empty_ranks),
     ("select_to_slots", mut_s2s_ties_to_higher_id),

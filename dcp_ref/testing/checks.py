@@ -880,6 +880,12 @@ def check_select_to_slots(
     )
 
 
+def _guard_verdicts(v: dict) -> list[bool]:
+    return oracle.guard(v["local_bounds"], v["req_of_token"], v["block_table"], v["geometry"], v["n_cols"],
+                        v["row_starts"], num_blocks=v["num_blocks"], next_n=v["next_n"], index_q=v["index_q"],
+                        index_weights=v["index_weights"])  # fmt: skip
+
+
 def check_guard(
     fn: Callable,
     *,
@@ -893,7 +899,9 @@ def check_guard(
     metadata is out of contract (:func:`dcp_ref.testing.oracle.guard`): NaN over the token's whole partial and
     LSE; every other token left bit for bit as it was; the metadata unchanged. The draws put bad request ids,
     negative or too long bounds and starts, windows past ``n_cols`` and missing blocks (the first, a middle or
-    the last one a token needs) beside tokens in contract (:func:`dcp_ref.testing.strategies.guard_cases`)."""
+    the last one a token needs) beside tokens in contract, and half of them the scoring rows a scoring step
+    passes (``num_blocks``, ``next_n``, a non-finite ``index_q`` / ``index_weights``)
+    (:func:`dcp_ref.testing.strategies.guard_cases`)."""
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
 
@@ -903,8 +911,7 @@ def check_guard(
         if call.result is not None:
             raise _Mismatch(case, f"returned {type(call.result).__name__}, expected None (the guard works in place)")
         got_p, got_l = _cpu(call.inputs["partial"], "partial", case), _cpu(call.inputs["lse"], "lse", case)
-        ok = oracle.guard(v["local_bounds"], v["req_of_token"], v["block_table"], v["geometry"], v["n_cols"],
-                          v["row_starts"])  # fmt: skip
+        ok = _guard_verdicts(v)
         diffs = []
         for t, good in enumerate(ok):
             p, lse = got_p[t], got_l[t]
@@ -917,8 +924,7 @@ def check_guard(
 
     def expected(case: Case) -> str:
         v = case.values
-        ok = oracle.guard(v["local_bounds"], v["req_of_token"], v["block_table"], v["geometry"], v["n_cols"],
-                          v["row_starts"])  # fmt: skip
+        ok = _guard_verdicts(v)
         return f"in_contract = {ok}  # tokens whose partial and LSE stay; the others must be all NaN"
 
     _run(

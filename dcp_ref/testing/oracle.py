@@ -311,25 +311,38 @@ def guard(
     geometry: DcpGeometry,
     n_cols: int,
     row_starts: torch.Tensor | None = None,
+    *,
+    num_blocks: int | None = None,
+    next_n: int = 1,
+    index_q: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
 ) -> list[bool]:
     """Per query token, whether its step metadata is inside the contract (the guard poisons the others).
 
     Token ``t`` of request ``b = req_of_token[t]`` (``B`` rows, ``M`` columns in the block table), bound
     ``n = local_bounds[t]``, start ``s = row_starts[t]`` (0 without): ``0 <= b < B``, ``n >= 0``, ``s >= 0``,
     ``s + n <= n_cols``, and each of the blocks ``0 .. ceil(n / block_size) - 1`` of request ``b`` exists (inside
-    the table's width, entry ``>= 0``).
+    the table's width, entry ``>= 0``, and below ``num_blocks`` when given). A scoring step's rows too: the
+    ``next_n`` tokens of ``t``'s group name one request, and ``index_q[t]`` / ``index_weights[t]`` are finite.
     """
     bounds = _tensor(local_bounds, "local_bounds", _INT, 1).tolist()
     req = _tensor(req_of_token, "req_of_token", _INT, 1).tolist()
     bt = _tensor(block_table, "block_table", _INT, 2).tolist()
     starts = [0] * len(bounds) if row_starts is None else _tensor(row_starts, "row_starts", _INT, 1).tolist()
     bs = _geometry(geometry).block_size
+    lim = math.inf if num_blocks is None else num_blocks
+    finite = [True] * len(bounds)
+    if index_q is not None and index_weights is not None:
+        q, w = index_q.double().tolist(), index_weights.double().tolist()
+        finite = [all(math.isfinite(x) for row in q[t] for x in row) and all(math.isfinite(x) for x in w[t])
+                  for t in range(len(bounds))]  # fmt: skip
     B = len(bt)
     out = []
-    for b, n, s in zip(req, bounds, starts):
+    for t, (b, n, s) in enumerate(zip(req, bounds, starts)):
         need = -(-n // bs) if n >= 0 else 0
-        ok = 0 <= b < B and n >= 0 and s >= 0 and s + n <= n_cols
-        ok = ok and need <= len(bt[b]) and all(bt[b][j] >= 0 for j in range(need))
+        group = req[t // next_n * next_n : (t // next_n + 1) * next_n]
+        ok = 0 <= b < B and n >= 0 and s >= 0 and s + n <= n_cols and len(set(group)) == 1 and finite[t]
+        ok = ok and need <= len(bt[b]) and all(0 <= bt[b][j] < lim for j in range(need))
         out.append(bool(ok))
     return out
 

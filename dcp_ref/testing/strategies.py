@@ -498,10 +498,19 @@ def guard_cases(draw: st.DrawFn, *, max_tokens: int = 4) -> Case:
     """The guard stage: ``partial [T, H, v]``, ``lse [T, H]`` (values to keep or poison), each token's bound, request
     and (half the cases) row start, a block table with holes, the score width ``n_cols``. Most tokens are in
     contract; now and then a request id outside the table, a negative or too long bound or start, a window
-    past ``n_cols``, or a missing block among those a token needs (the first, a middle or the last one)."""
+    past ``n_cols``, or a missing block among those a token needs (the first, a middle or the last one). Half the
+    cases carry the scoring rows (a scoring step's): ``num_blocks`` (block ids at or past it count as missing),
+    ``next_n`` 1 or 2 (an MTP pair naming two requests), and an index query and weights with a NaN or an
+    infinity now and then."""
     g = draw(geometries(max_world=2, interleaves=(1, 2), block_multiples=(1, 2)))
     bs = g.block_size
-    T, B, M = draw(st.integers(1, max_tokens)), draw(st.integers(1, 3)), draw(st.integers(0, 3))
+    scored = draw(st.booleans())
+    next_n = draw(st.sampled_from((1, 2))) if scored else 1
+    T, B, M = (
+        next_n * draw(st.integers(1, max(1, max_tokens // next_n))),
+        draw(st.integers(1, 3)),
+        draw(st.integers(0, 3)),
+    )
     H, v = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     n_cols = draw(st.integers(0, M * bs + bs))
     with_starts = draw(st.booleans())
@@ -536,12 +545,25 @@ def guard_cases(draw: st.DrawFn, *, max_tokens: int = 4) -> Case:
         _ints(values, code, "row_starts", starts, torch.int32)
     else:
         _scalar(values, code, "row_starts", None)
+    _scalar(values, code, "num_blocks", draw(st.integers(0, 51)) if scored else None)
+    _scalar(values, code, "next_n", next_n)
+    if scored:
+        hi, d = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+        odd = st.sampled_from((math.nan, math.inf, -math.inf))
+        iq = [[[draw(odd) if draw(_RARE) and draw(_RARE) else draw(data_values()) for _ in range(d)]
+               for _ in range(hi)] for _ in range(T)]  # fmt: skip
+        iw = [[draw(odd) if draw(_RARE) and draw(_RARE) else draw(data_values()) for _ in range(hi)] for _ in range(T)]
+        _tensor_case_value(values, code, "index_q", torch.tensor(iq).view(T, hi, d).float())
+        _tensor_case_value(values, code, "index_weights", torch.tensor(iw).view(T, hi).float())
+    else:
+        _scalar(values, code, "index_q", None)
+        _scalar(values, code, "index_weights", None)
     return Case(
         "guard",
         values,
         code,
         ("partial", "lse", "local_bounds", "req_of_token", "block_table", "geometry", "n_cols"),
-        kwargs=("row_starts",),
+        kwargs=("row_starts", "num_blocks", "next_n", "index_q", "index_weights"),
     )
 
 
