@@ -169,7 +169,8 @@ def _stage_times(step, q, shard, meta, index_q, weights) -> dict[str, float]:
     slots, counts = trace["slots"], trace["counts"]
     times["attention"] = _graph_time_us(lambda: st.attention(
         q_full, shard.kv_cache, slots, counts, SCALE, DV, out=b.partial, out_lse=b.lse))  # fmt: skip
-    times["guard"] = _graph_time_us(lambda: st.guard(b.partial, b.lse, bounds, req, bt, cg, n_cols))
+    scored_rows = step._scored_rows(shard, index_q, weights)  # the scoring rows the step's guard also checks
+    times["guard"] = _graph_time_us(lambda: st.guard(b.partial, b.lse, bounds, req, bt, cg, n_cols, **scored_rows))
     if b.recv_out is not None:
         times["combine"] = _graph_time_us(lambda: st.combine(b.recv_out, b.recv_lse, out=b.out, out_lse=b.out_lse))
         W, T, Hs = s.geometry.world_size, q.shape[0], s.heads_per_rank

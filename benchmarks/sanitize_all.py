@@ -500,7 +500,7 @@ def fam_guard(f: Family) -> None:
             want_p, want_l = part_full[..., :V].clone(), lse_full[:, 1 : H + 1].clone()
             reference_guard(want_p, want_l, bounds, req, bt, DcpGeometry(1, 0, 1, bs), n_cols, row_starts=starts)
             part_d, lse_d = part_full.to(DEV), lse_full.to(DEV)
-            # the table as a row-strided view (int32 case) or a column-strided one (int64: the wrapper copies it)
+            # the table as a row-strided view (int32 case) or a column-strided one (int64: read through its strides)
             if it == torch.int32:
                 wide = torch.full((B, M + 5), 7, dtype=it)
                 wide[:, :M] = bt
@@ -534,6 +534,30 @@ def fam_guard(f: Family) -> None:
             guard_triton(part_d, lse_d, bounds.to(DEV), req.to(DEV), bt.to(DEV), DcpGeometry(1, 0, 1, 4), 4)
             ok = _same_nan_and_values(part_d, want_p) and _same_nan_and_values(lse_d, want_l)
             f.check(f"block table [{B}, {M}]", ok)
+    # Any view (an expanded, stride-0 table; strided metadata) and the scoring rows of a scoring step: a block
+    # past the index cache, MTP pairs naming two requests, a NaN in the FP8 index query, an infinite weight.
+    with f.case("expanded table, strided metadata, scoring rows"):
+        T, H, V, M, bs = 8, 4, 16, 4, 4
+        bt = torch.randint(0, 6, (1, M), generator=g, dtype=torch.int32)
+        bt[0, 2] = 7  # past num_blocks = 6: a token needing 3+ blocks is poisoned
+        meta = torch.stack([torch.randint(0, M * bs + 1, (T,), generator=g), torch.zeros(T, dtype=torch.int64)], 1)
+        meta[2:4, 1] = torch.tensor([0, 1])  # the second MTP pair names requests 0 and 1
+        meta[5, 0] = 4
+        iq = (torch.randn(T, 64, 128, generator=g)).to(torch.float8_e4m3fn)
+        iq.view(torch.uint8)[5, 63, 127] = 0x7F  # NaN
+        iw = torch.rand(T, 64, generator=g)
+        iw[6, 0] = float("inf")
+        part, lse = torch.randn(T, H, V, generator=g), torch.randn(T, H, generator=g)
+        want_p, want_l = part.clone(), lse.clone()
+        kw = dict(num_blocks=6, next_n=2)
+        reference_guard(want_p, want_l, meta[:, 0], meta[:, 1], bt.expand(2, M), DcpGeometry(1, 0, 1, bs), M * bs,
+                        index_q=iq, index_weights=iw, **kw)  # fmt: skip
+        part_d, lse_d, meta_d = part.to(DEV), lse.to(DEV), meta.to(DEV)
+        guard_triton(part_d, lse_d, meta_d[:, 0], meta_d[:, 1], bt.to(DEV).expand(2, M), DcpGeometry(1, 0, 1, bs),
+                     M * bs, index_q=iq.to(DEV), index_weights=iw.to(DEV), **kw)  # fmt: skip
+        ok = _same_nan_and_values(part_d, want_p) and _same_nan_and_values(lse_d, want_l)
+        ok &= bool(torch.isnan(want_l[[2, 3, 5, 6]]).all())
+        f.check("expanded table, strided metadata, scoring rows: the reference's poison, nothing read past", ok)
 
 
 def _same_nan_and_values(got: torch.Tensor, want: torch.Tensor) -> bool:

@@ -62,27 +62,28 @@ def query_finite(
     q_ptr, w_ptr, t, Hi, D, s_qt, s_qh, s_qd, s_wt, s_wh, Q_FP8: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Whether token ``t``'s index query ``[Hi, D]`` and weights ``[Hi]`` are all finite. ``Q_FP8``: the query's
-    bytes (float8 e4m3fn has no infinity; its NaN is ``S.1111.111``)."""
+    """Whether token ``t``'s index query ``[Hi, D]`` and weights ``[Hi]`` are all finite, read in tiles of
+    ``[BLOCK_H, BLOCK_D]`` (a few loads in flight, not one per head). ``Q_FP8``: the query's bytes (float8 e4m3fn
+    has no infinity; its NaN is ``S.1111.111``)."""
     t64 = t.to(tl.int64)
-    bad = tl.zeros([BLOCK_D], dtype=tl.int32)
+    bad = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int32)
+    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    for h in range(0, Hi):
+    for h0 in range(0, Hi, BLOCK_H):
+        hm = h0 + h < Hi
         for d0 in range(0, D, BLOCK_D):
-            m = d0 + d < D
-            x = tl.load(q_ptr + t64 * s_qt + h * s_qh + (d0 + d).to(tl.int64) * s_qd, mask=m, other=0)
+            m = hm[:, None] & (d0 + d < D)[None, :]
+            ptr = q_ptr + t64 * s_qt + (h0 + h).to(tl.int64)[:, None] * s_qh + (d0 + d).to(tl.int64)[None, :] * s_qd
+            x = tl.load(ptr, mask=m, other=0)
             if Q_FP8:
                 nonfinite = (x & 0x7F) == 0x7F
             else:
                 xf = x.to(tl.float32)
                 nonfinite = (xf != xf) | (tl.abs(xf) == float("inf"))
             bad = bad | (nonfinite & m).to(tl.int32)
-    hh = tl.arange(0, BLOCK_H)
-    for h0 in range(0, Hi, BLOCK_H):
-        hm = h0 + hh < Hi
-        w = tl.load(w_ptr + t64 * s_wt + (h0 + hh).to(tl.int64) * s_wh, mask=hm, other=0.0).to(tl.float32)
-        bad = bad | tl.sum((((w != w) | (tl.abs(w) == float("inf"))) & hm).to(tl.int32), 0)
-    return tl.max(bad, 0) == 0
+        w = tl.load(w_ptr + t64 * s_wt + (h0 + h).to(tl.int64) * s_wh, mask=hm, other=0.0).to(tl.float32)
+        bad = bad | ((((w != w) | (tl.abs(w) == float("inf"))) & hm).to(tl.int32))[:, None]
+    return tl.max(tl.max(bad, 1), 0) == 0
 
 
 @triton.jit
@@ -167,6 +168,8 @@ def guard_triton(
         q = q.view(torch.uint8)  # its bytes: the NaN test needs no float8 arithmetic
     qs = q.stride() if has_q else (0, 0, 0)
     Hi, D = (q.shape[1], q.shape[2]) if has_q else (0, 0)
+    bd = min(next_pow2(max(D, 1)), 256)
+    bh = min(next_pow2(max(Hi, 1)), max(1, 4096 // bd))  # a tile of <= 4096 query values (64 x 128: two tiles)
     guard_kernel[(T,)](
         partial, lse, local_bounds, req_of_token, starts, block_table, q, w,
         B, M, n_cols, _NO_LIMIT if num_blocks is None else num_blocks, next_n, H, V, Hi, D,
@@ -175,5 +178,5 @@ def guard_triton(
         block_table.stride(1), *qs, w.stride(0), w.stride(-1),
         BS=geometry.block_size, HAS_STARTS=row_starts is not None, HAS_Q=has_q, Q_FP8=q_fp8,
         BLOCK_M=min(next_pow2(max(M, 1)), 1024), BLOCK=min(next_pow2(max(V, H, 1)), 1024),
-        BLOCK_D=min(next_pow2(max(D, 1)), 256), BLOCK_HI=min(next_pow2(max(Hi, 1)), 256), num_warps=1,
+        BLOCK_D=bd, BLOCK_HI=bh, num_warps=4 if has_q else 1,
     )  # fmt: skip
