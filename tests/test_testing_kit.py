@@ -32,6 +32,7 @@ from dcp_ref.testing import (
     check_local_topk,
     check_merge,
     check_pack,
+    check_scoring,
     check_select,
     check_select_to_slots,
     check_stages,
@@ -331,6 +332,76 @@ def test_the_new_checkers_refuse_bad_options() -> None:
         check_combine(reference_combine, form="correct")
 
 
+def test_reference_scoring_conforms() -> None:
+    """dcp_ref's scoring (dequantized, float64 inside) meets the kit's contract, MTP groups included."""
+    from dcp_ref.stages import reference_scoring
+
+    check_scoring(reference_scoring, max_examples=40)
+
+
+def _triton_scoring(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, *,
+                    row_starts=None, out=None, next_n=1):  # type: ignore[no-untyped-def]  # fmt: skip
+    from dcp_ref.kernels.scoring_triton import index_scores_triton
+
+    return index_scores_triton(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry,
+                               row_starts=row_starts, out=out, validate=False, next_n=next_n)  # fmt: skip
+
+
+def test_triton_scoring_conforms(interp: torch.device) -> None:
+    """The Triton scoring kernel (interpreted; validate=False, the step's form) meets the contract — without NaN
+    *bytes* in FP8 values, which Triton 3.6's interpreter decodes as 480 (shown below; a GPU decodes NaN)."""
+    check_scoring(_triton_scoring, device=interp, max_examples=FAST, fp8_nan=False)
+
+
+def test_the_interpreter_decodes_the_fp8_nan_byte_as_480() -> None:
+    """Why the CPU run of the Triton kernel leaves NaN bytes out (the oracle decodes them as NaN, as torch does)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter's decoding")
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def widen(x_ptr, o_ptr):
+        i = tl.arange(0, 2)
+        tl.store(o_ptr + i, tl.load(x_ptr + i).to(tl.float8e4nv, bitcast=True).to(tl.float32))
+
+    x, o = torch.tensor([0x7F, 0xFF], dtype=torch.uint8), torch.empty(2)
+    widen[(1,)](x, o)
+    assert o.tolist() == [480.0, -480.0] and x.view(torch.float8_e4m3fn).float().isnan().all()
+    assert all(math.isnan(v) for v in oracle._fp8_values(x))
+
+
+def test_the_scoring_oracle_is_the_reference() -> None:
+    """The kit's float64 oracle (e4m3 decoded by hand from the format) and dcp_ref.scoring agree on drawn cases,
+    every special cell included — two independent writings of one formula."""
+    from hypothesis import HealthCheck, given, settings
+
+    from dcp_ref.scoring import index_scores
+
+    finite = [0]
+
+    @settings(max_examples=30, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(dst.scoring_cases(mtp=True))
+    def agree(case) -> None:  # type: ignore[no-untyped-def]
+        v = case.values
+        L = case.out_buffers["out"][0][1]
+        exp, mag = oracle.scoring(v["index_q"], v["weights"], v["index_cache"], v["block_table"], v["req_of_token"],
+                                  v["local_bounds"], v["geometry"], L, v["row_starts"], v["next_n"])  # fmt: skip
+        got = index_scores(v["index_q"], v["weights"], v["index_cache"], v["block_table"], v["req_of_token"],
+                           v["local_bounds"], v["geometry"], row_starts=v["row_starts"], out=torch.empty(exp.shape),
+                           validate=False, next_n=v["next_n"]).double()  # fmt: skip
+        assert torch.equal(torch.isnan(got), torch.isnan(exp)) and torch.equal(torch.isneginf(got), torch.isneginf(exp))
+        fin = torch.isfinite(exp)
+        assert bool(((got - exp).abs()[fin] <= mag[fin] * 2.0**-20 + 1e-30).all())
+        finite[0] += int(fin.sum())
+
+    agree()
+    assert finite[0] > 100  # the draws reach many scored cells
+
+
 def test_triton_guard_conforms(interp: torch.device) -> None:
     """The Triton guard (interpreted) poisons exactly the tokens the kit's oracle refuses."""
     from dcp_ref.kernels.guard_triton import guard_triton
@@ -475,6 +546,7 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     # plans what a plan for T = 1 and for T = 4 plans (the same stages, checked), which check_step then runs.
     step_stages = planned(4)
     assert step_stages.impls() == planned(1).impls(), (step_stages.impls(), planned(1).impls())
+    check_scoring(ks.scoring, device=cuda_device, max_examples=GPU_EXAMPLES)  # NaN bytes too: a GPU decodes them
     check_indexer(ks.indexer, device=cuda_device, max_examples=GPU_EXAMPLES)  # strided lengths: see the CPU test
     check_select(ks.select, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=GPU_EXAMPLES)
@@ -1517,12 +1589,37 @@ def mut_guard_ignoring_mtp_groups(
                     **scored)  # fmt: skip
 
 
+def _scoring_mutant(change: str) -> Callable[..., Any]:
+    """The reference scoring with one thing wrong (``change``)."""
+
+    def fn(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, *, row_starts=None,
+           out=None):  # type: ignore[no-untyped-def]  # fmt: skip
+        from dcp_ref.stages import reference_scoring
+
+        w, bounds = weights, local_bounds
+        if change == "abs weights":
+            w = weights.abs()
+        if change == "drops the last key":
+            bounds = (local_bounds - 1).clamp(min=0)
+        res = reference_scoring(index_q, w, index_cache, block_table, req_of_token, bounds, geometry,
+                                row_starts=row_starts, out=out)  # fmt: skip
+        if change == "NaN as 0":  # relu as maximum: NaN data read as "no score"
+            res.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+        if change == "poison as empty":  # an out-of-contract row as "no keys" (issue 32, classes 1-2)
+            res[torch.isnan(res).all(1)] = -math.inf
+        return res
+
+    fn.__name__ = fn.__qualname__ = "mut_scoring_" + change.replace(" ", "_")
+    return fn
+
+
 def _check(name: str) -> Callable[..., None]:
     kw = dict(max_examples=MUT_EXAMPLES, shrink_budget=MUT_SHRINK)
     return {
         # the guard's rules are many and each bad draw rare (half the cases carry the scoring rows): more cases,
         # each a few torch ops
         "guard": lambda fn: check_guard(fn, **{**kw, "max_examples": 80}),
+        "scoring": lambda fn: check_scoring(fn, **{**kw, "max_examples": 40}),
         "combine": lambda fn: check_combine(fn, **kw),
         "select_to_slots": lambda fn: check_select_to_slots(fn, **kw),
         "select_to_slots_rank_local": lambda fn: check_select_to_slots(fn, order="rank_local", **kw),
@@ -1586,6 +1683,10 @@ MUTANTS: list[tuple[str, Callable[..., Any]]] = [
     ("guard", mut_guard_poisoning_the_lse_only),
     ("guard", mut_guard_checking_the_first_block_only),
     ("guard", mut_guard_ignoring_row_starts),
+    ("scoring", _scoring_mutant("abs weights")),
+    ("scoring", _scoring_mutant("drops the last key")),
+    ("scoring", _scoring_mutant("NaN as 0")),
+    ("scoring", _scoring_mutant("poison as empty")),
     ("guard", mut_guard_ignoring_the_index_query),
     ("guard", mut_guard_ignoring_the_index_cache),
     ("guard", mut_guard_ignoring_mtp_groups),

@@ -68,6 +68,7 @@ __all__ = [
     "check_deinterleave",
     "check_select_to_slots",
     "check_guard",
+    "check_scoring",
     "check_attention",
     "check_merge",
     "check_combine",
@@ -941,6 +942,73 @@ def check_guard(
     )
 
 
+def check_scoring(
+    fn: Callable,
+    *,
+    device: torch.device | str = "cpu",
+    max_examples: int | None = None,
+    seed: int | None = None,
+    shrink_budget: int = DEFAULT_SHRINK_BUDGET,
+    mtp: bool | str = "auto",
+    fp8_nan: bool = True,
+) -> None:
+    """Check a scoring stage (:class:`~dcp_ref.stages.ScoringStage`): ``fn(index_q, weights, index_cache,
+    block_table, req_of_token, local_bounds, geometry, row_starts=..., out=...)`` writes into ``out [T, L]`` what
+    :func:`dcp_ref.testing.oracle.scoring` computes in float64 — each local key's ``sum_h w relu(q . k) scale``
+    at its column (within ``2**-12`` of the sum of the terms' magnitudes: float32 accumulation of FP8 products),
+    ``-inf`` in every other column, NaN exactly where the data is NaN, and a row out of contract all NaN (a NaN
+    row is what the layer's guard turns into a poisoned output: a row that came back finite would be
+    answered). The draws (:func:`dcp_ref.testing.strategies.scoring_cases`) put missing blocks and blocks past
+    the cache, bad requests, bounds, starts and windows, NaN keys, scales, queries and weights, unwritten
+    slots, negative dot products. ``mtp``: also pass ``next_n`` (1 or 2; a pair naming two requests is
+    poisoned whole) — ``"auto"``: when ``fn`` takes it. ``fp8_nan=False``: no NaN byte in an FP8 value (for a
+    Triton kernel run by the CPU interpreter, which decodes it as 480)."""
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
+    dev = _dev(device)
+    with_mtp = _accepts(fn, "next_n") if mtp == "auto" else bool(mtp)
+
+    def oracle_of(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+        v = case.values
+        L = case.out_buffers["out"][0][1]
+        return oracle.scoring(v["index_q"], v["weights"], v["index_cache"], v["block_table"], v["req_of_token"],
+                              v["local_bounds"], v["geometry"], L, v["row_starts"], v.get("next_n", 1))  # fmt: skip
+
+    def evaluate(case: Case) -> None:
+        call = _invoke(fn, case, dev)
+        raw = _written(call, "out", _cpu(call.result, "scores", case), case)
+        exp, mag = oracle_of(case)
+        _check_shape_dtype(raw, tuple(exp.shape), (torch.float32,), "scores", case)
+        got = raw.double()
+        fin = torch.isfinite(exp)
+        same_special = (torch.isnan(got) == torch.isnan(exp)) & (torch.isneginf(got) == torch.isneginf(exp))
+        close = ~fin | ((got - exp).abs() <= mag * 2.0**-12 + 1e-30)
+        bad = ~(same_special & close)
+        if bool(bad.any()):
+            diffs = [
+                f"scores[{t}, {c}] = {got[t, c].item()!r}, expected {exp[t, c].item()!r}"
+                + (" (a row out of contract is all NaN)" if bool(torch.isnan(exp[t]).all()) else "")
+                for t, c in bad.nonzero().tolist()[:4]
+            ]
+            raise _Mismatch(case, "  " + "\n  ".join(diffs))
+
+    def expected(case: Case) -> str:
+        exp, _ = oracle_of(case)
+        return f"expected = {S.tensor_literal(exp.float())}  # float32 view of the float64 oracle"
+
+    _run(
+        "scoring",
+        _conv(device=dev),
+        fn,
+        S.scoring_cases(mtp=with_mtp, fp8_nan=fp8_nan),
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+        expected_code=expected,
+    )
+
+
 # ---- attention ----------------------------------------------------------------------------------
 def _empty_ok(x: float, convention: str) -> bool:
     if convention == "-inf":
@@ -1476,8 +1544,9 @@ def check_stages(
     seed: int | None = None,
     **step_kwargs: Any,
 ) -> None:
-    """Every stage of a :class:`~dcp_ref.stages.Stages` value that has a checker (indexer, select, deinterleave,
-    select-to-slots in both orders, guard, attention, merge, combine) through it, then the whole step.
+    """Every stage of a :class:`~dcp_ref.stages.Stages` value that has a checker (scoring, indexer, select,
+    deinterleave, select-to-slots in both orders, guard, attention, merge, combine) through it, then the whole
+    step.
 
     Uses the protocol's conventions (set semantics, base-e LSE, ``-inf`` for empty rows, compaction
     unless ``stages.attention_layout == "masked"``). ``step_kwargs`` go to :func:`check_step`.
@@ -1487,6 +1556,7 @@ def check_stages(
     if st_ is None:
         raise TypeError(f"stages must be a Stages value or a dict of stages, got {type(stages).__name__}")
     kw: dict[str, Any] = dict(device=device, max_examples=max_examples, seed=seed)
+    check_scoring(st_.scoring, **kw)
     check_indexer(st_.indexer, **kw)
     check_select(st_.select, **kw)
     check_deinterleave(st_.deinterleave, compact=st_.attention_layout == "compact", **kw)

@@ -40,6 +40,8 @@ __all__ = [
     "deinterleave",
     "select_to_slots",
     "guard",
+    "scoring",
+    "INDEX_HEAD_DIM",
     "POISON_SLOT",
     "attention",
     "correct",
@@ -345,6 +347,97 @@ def guard(
         ok = ok and need <= len(bt[b]) and all(0 <= bt[b][j] < lim for j in range(need))
         out.append(bool(ok))
     return out
+
+
+#: The FP8 index keys' values per token (DeepSeek V3.2: 128 e4m3 bytes, then a float32 scale per token; the
+#: layout ``dcp_ref.index_cache.INDEX_K_FP8`` documents, restated here: the oracle imports no stage module).
+INDEX_HEAD_DIM = 128
+
+
+def _fp8_values(raw: torch.Tensor) -> list[float]:
+    """e4m3fn bytes as float64 values (NaN for ``S.1111.111``), decoded by hand from the format."""
+    out = []
+    for b in raw.tolist():
+        sign = -1.0 if b & 0x80 else 1.0
+        e, m = (b >> 3) & 0xF, b & 0x7
+        if e == 0xF and m == 0x7:
+            out.append(math.nan)
+        elif e == 0:
+            out.append(sign * m / 8.0 * 2.0**-6)
+        else:
+            out.append(sign * (1.0 + m / 8.0) * 2.0 ** (e - 7))
+    return out
+
+
+def scoring(
+    index_q: torch.Tensor,
+    weights: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    req_of_token: torch.Tensor,
+    local_bounds: torch.Tensor,
+    geometry: DcpGeometry,
+    n_cols: int,
+    row_starts: torch.Tensor | None = None,
+    next_n: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scoring stage in float64: ``(scores [T, n_cols], magnitude [T, n_cols])``.
+
+    ``scores[t, s + j] = sum_h w[t, h] * relu(q[t, h] . k[j]) * scale[j]`` for local key ``j < n`` of token ``t``
+    (start ``s = row_starts[t]``, bound ``n = local_bounds[t]``), ``-inf`` in every other column; ``relu`` keeps a
+    NaN (NaN data propagates: a NaN value, scale or weight makes its cells NaN). Key ``j`` is token ``j % bs`` of
+    block ``block_table[b, j // bs]`` (``b = req_of_token[t]``) in ``index_cache`` (``uint8 [num_blocks,
+    bs * 132]``: the block's ``bs`` tokens of 128 e4m3 bytes, then their ``bs`` float32 scales). A row out of
+    contract is all NaN: a request outside the table, a negative bound or start, ``s + n > n_cols``, more keys
+    than the table's columns cover, a needed block ``< 0`` or ``>= num_blocks``, or a group of ``next_n`` tokens
+    naming two requests. ``magnitude`` is the same sum of absolute values (the scale of a cell's rounding error).
+    """
+    q = _tensor(index_q, "index_q", (torch.float8_e4m3fn, *_FLOAT), 3)
+    q64 = [[_fp8_values(row.view(torch.uint8)) for row in tq] for tq in q] if q.dtype == torch.float8_e4m3fn else (
+        q.double().tolist())  # fmt: skip
+    w = _tensor(weights, "weights", _FLOAT, 2).double().tolist()
+    cache = _tensor(index_cache, "index_cache", (torch.uint8,), 2)
+    bt = _tensor(block_table, "block_table", _INT, 2).tolist()
+    req = _tensor(req_of_token, "req_of_token", _INT, 1).tolist()
+    bounds = _tensor(local_bounds, "local_bounds", _INT, 1).tolist()
+    starts = [0] * len(bounds) if row_starts is None else _tensor(row_starts, "row_starts", _INT, 1).tolist()
+    bs = _geometry(geometry).block_size
+    d = INDEX_HEAD_DIM
+    nb, B = cache.shape[0], len(bt)
+    T = len(bounds)
+    scores = torch.full((T, n_cols), -math.inf, dtype=torch.float64)
+    mag = torch.zeros((T, n_cols), dtype=torch.float64)
+    key_cache: dict[tuple[int, int], tuple[list[float], float]] = {}
+
+    def key(block: int, off: int) -> tuple[list[float], float]:
+        if (block, off) not in key_cache:
+            row = cache[block]
+            vals = _fp8_values(row[off * d : (off + 1) * d])
+            sc = struct.unpack("<f", bytes(row[bs * d + 4 * off : bs * d + 4 * off + 4].tolist()))[0]
+            key_cache[block, off] = (vals, sc)
+        return key_cache[block, off]
+
+    for t in range(T):
+        b, n, s = req[t], bounds[t], starts[t]
+        group = req[t // next_n * next_n : (t // next_n + 1) * next_n]
+        need = -(-n // bs) if n >= 0 else 0
+        ok = 0 <= b < B and n >= 0 and s >= 0 and s + n <= n_cols and len(set(group)) == 1
+        ok = ok and need <= len(bt[b]) and all(0 <= bt[b][j] < nb for j in range(need))
+        if not ok:
+            scores[t] = math.nan
+            continue
+        for j in range(n):
+            vals, sc = key(bt[b][j // bs], j % bs)
+            total, size = 0.0, 0.0
+            for h in range(len(w[t])):
+                dot = math.fsum(qv * kv for qv, kv in zip(q64[t][h], vals))
+                absdot = math.fsum(abs(qv * kv) for qv, kv in zip(q64[t][h], vals))
+                relu = dot if (dot != dot or dot > 0) else 0.0
+                total += w[t][h] * relu * sc
+                size += abs(w[t][h]) * absdot * abs(sc)
+            scores[t, s + j] = total
+            mag[t, s + j] = size
+    return scores, mag
 
 
 def attention(

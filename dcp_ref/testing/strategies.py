@@ -47,6 +47,7 @@ __all__ = [
     "select_cases",
     "select_to_slots_cases",
     "guard_cases",
+    "scoring_cases",
     "adversarial_select_to_slots_cases",
     "local_topk_cases",
     "pack_cases",
@@ -564,6 +565,101 @@ def guard_cases(draw: st.DrawFn, *, max_tokens: int = 4) -> Case:
         code,
         ("partial", "lse", "local_bounds", "req_of_token", "block_table", "geometry", "n_cols"),
         kwargs=("row_starts", "num_blocks", "next_n", "index_q", "index_weights"),
+    )
+
+
+# ---- scoring -------------------------------------------------------------------------------------
+#: Index-key scales: powers of two (what the quantizer writes, ``ue8m0``), a few octaves either side of 1.
+_KEY_SCALES = st.sampled_from((2.0**-6, 2.0**-3, 0.25, 0.5, 1.0, 2.0))
+
+
+@st.composite
+def scoring_cases(draw: st.DrawFn, *, max_tokens: int = 4, mtp: bool = False, fp8_nan: bool = True) -> Case:
+    """The scoring stage: an FP8 index query ``[T, Hi, 128]`` and weights, a paged FP8 index-key cache
+    (``uint8 [num_blocks, bs * 132]``: each block's tokens of 128 e4m3 bytes, then their float32 scales; the
+    values from a drawn seed), a block table, each token's request, bound and (half the cases) row start, an
+    ``out`` of ``L`` columns. Now and then: a needed block that is ``-1`` or past the cache, a request outside the
+    table, a negative or too long bound or start, a window past ``L``, a NaN in a key, a scale, the query or a
+    weight, an unwritten slot (all bytes ``0xFF``: NaN), keys whose dot products are negative (``relu``);
+    with ``mtp`` a ``next_n = 2`` grouping whose pair may name two requests. ``fp8_nan=False``: no NaN *byte* in an
+    FP8 value (NaN scales and weights stay) — for Triton's CPU interpreter, which decodes e4m3fn's NaN byte as
+    480 (a GPU decodes it as NaN)."""
+    g = draw(geometries(max_world=2, interleaves=(1, 2), block_multiples=(1, 2)))
+    bs, d = g.block_size, 128
+    next_n = draw(st.sampled_from((1, 2))) if mtp else 1
+    T = next_n * draw(st.integers(1, max(1, max_tokens // next_n)))
+    hi, B = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    M = 0 if draw(_RARE) and draw(_RARE) else draw(st.integers(1, 3))
+    nb = draw(st.integers(1, 6))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    keys = (torch.randn(nb * bs, d, generator=gen) * draw(st.sampled_from((0.5, 2.0)))).to(torch.float8_e4m3fn)
+    scales = torch.tensor([draw(_KEY_SCALES) for _ in range(nb * bs)], dtype=torch.float32)
+    cache = torch.empty(nb, bs * (d + 4), dtype=torch.uint8)
+    for blk in range(nb):
+        cache[blk, : bs * d] = keys[blk * bs : (blk + 1) * bs].view(torch.uint8).reshape(-1)
+        cache[blk, bs * d :] = scales[blk * bs : (blk + 1) * bs].view(torch.uint8)
+    if draw(_RARE):  # a NaN value in one key, a NaN scale, an unwritten slot
+        which = draw(st.integers(0, 2)) if fp8_nan else draw(st.integers(1, 2))  # (an unwritten slot's scale is NaN)
+        blk, off = draw(st.integers(0, nb - 1)), draw(st.integers(0, bs - 1))
+        if which == 0:
+            cache[blk, off * d + draw(st.integers(0, d - 1))] = 0x7F
+        elif which == 1:
+            cache[blk, bs * d + 4 * off : bs * d + 4 * off + 4] = torch.tensor([math.nan]).view(torch.uint8)
+        elif which == 2:
+            cache[blk, off * d : (off + 1) * d] = 0xFF
+            cache[blk, bs * d + 4 * off : bs * d + 4 * off + 4] = 0xFF
+    table = [[(draw(st.sampled_from((-1, nb, nb + 3))) if draw(_RARE) and draw(_RARE) else draw(st.integers(0, nb - 1)))
+              for _ in range(M)] for _ in range(B)]  # fmt: skip
+    with_starts = draw(st.booleans())
+    # mostly wide enough for every bound the table allows (and a start of up to 2); now and then narrower
+    L = draw(st.integers(0, M * bs)) if draw(_RARE) and draw(_RARE) else M * bs + draw(st.integers(0, 2))
+    req: list[int] = []
+    bounds: list[int] = []
+    starts: list[int] = []
+    for t in range(T):
+        if next_n > 1 and t % next_n:
+            r = req[-1] if not (draw(_RARE) and draw(_RARE)) else draw(st.integers(0, B - 1))
+        else:
+            r = draw(st.sampled_from((-1, B))) if draw(_RARE) and draw(_RARE) else draw(st.integers(0, B - 1))
+        st_ = draw(st.integers(0, min(2, L))) if with_starts else 0
+        room = max(0, min(L - st_, M * bs))
+        n = draw(st.integers(-2, room + 2)) if draw(_RARE) and draw(_RARE) else room - draw(st.integers(0, room))
+        if with_starts and draw(_RARE) and draw(_RARE):
+            st_ = -1
+        req.append(r)
+        bounds.append(n)
+        starts.append(st_)
+    q = torch.randn(T, hi, d, generator=gen).to(torch.float8_e4m3fn)
+    w = torch.randn(T, hi, generator=gen)
+    if fp8_nan and draw(_RARE) and draw(_RARE):
+        q.view(torch.uint8)[draw(st.integers(0, T - 1)), 0, draw(st.integers(0, d - 1))] = 0x7F
+    if draw(_RARE) and draw(_RARE):
+        w[draw(st.integers(0, T - 1)), 0] = math.nan
+    values: dict[str, Any] = {}
+    code: dict[str, str] = {}
+    _tensor_case_value(values, code, "index_q", q, f"{tensor_literal(q.float())}.to(torch.float8_e4m3fn)")
+    _tensor_case_value(values, code, "weights", w)
+    _tensor_case_value(values, code, "index_cache", cache)
+    _tensor_case_value(values, code, "block_table", torch.tensor(table, dtype=torch.int32).view(B, M))
+    _ints(values, code, "req_of_token", req, torch.int32)
+    _ints(values, code, "local_bounds", bounds, torch.int32)
+    values["geometry"] = g
+    code["geometry"] = f"geometry = DcpGeometry({g.world_size}, {g.rank}, {g.interleave}, {bs})"
+    if with_starts:
+        _ints(values, code, "row_starts", starts, torch.int32)
+    else:
+        _scalar(values, code, "row_starts", None)
+    kwargs: tuple[str, ...] = ("row_starts",)
+    if mtp:
+        _scalar(values, code, "next_n", next_n)
+        kwargs += ("next_n",)
+    return Case(
+        "scoring",
+        values,
+        code,
+        ("index_q", "weights", "index_cache", "block_table", "req_of_token", "local_bounds", "geometry"),
+        kwargs=kwargs,
+        out_buffers={"out": ((T, L), torch.float32, 7.0)},
     )
 
 
