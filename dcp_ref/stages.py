@@ -513,6 +513,7 @@ class ScoringStage(Protocol):
         *,
         row_starts: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        next_n: int = 1,
     ) -> torch.Tensor:
         """The lightning indexer's scores of this rank's keys (:mod:`dcp_ref.scoring`).
 
@@ -522,7 +523,8 @@ class ScoringStage(Protocol):
             index_cache: this rank's FP8 index-key cache, paged with ``block_table`` (layout: :mod:`dcp_ref.scoring`).
             block_table: int ``[B, M]``.  req_of_token: int ``[T]``.  local_bounds: int ``[T]``.
             geometry: the cache's geometry.  row_starts: optional int ``[T]`` (prefill).
-            out: optional float32 ``[T, L]``.
+            out: optional float32 ``[T, L]``.  next_n: MTP — the query tokens come in consecutive groups of
+                ``next_n`` tokens of one request (a group naming two requests is poisoned whole).
         Returns:
             float32 ``[T, L]``: ``sum_h w[t,h] * relu(q[t,h] . k[j]) * scale[j]`` at column ``row_starts[t] + j``
             for ``j < local_bounds[t]``, ``-inf`` elsewhere.

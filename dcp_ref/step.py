@@ -289,7 +289,7 @@ def _check_group(group: object, needs_all_to_all: bool) -> None:
 
 #: Keywords the step passes to each stage (a custom stage without them is refused at plan time, by name).
 _STAGE_KEYWORDS: dict[str, tuple[str, ...]] = {
-    "scoring": ("row_starts", "out"),
+    "scoring": ("row_starts", "out", "next_n"),
     "scored_indexer": ("n_cols", "row_starts", "out"),
     "indexer": ("row_starts", "out"),
     "select": ("out",),

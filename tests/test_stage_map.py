@@ -94,3 +94,35 @@ def test_dcp_ref_never_imports_the_kernels() -> None:
             if any(n.startswith(("dcp_ref.kernels", ".kernels", "kernels")) for n in names):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+def _protocol(stage: str) -> type:
+    import dcp_ref.stages as stages_mod
+
+    ann = Stages.__dataclass_fields__[stage].type
+    return getattr(stages_mod, ann) if isinstance(ann, str) else ann
+
+
+@pytest.mark.parametrize("stage", STAGE_NAMES)
+def test_every_stage_has_a_reference_a_protocol_and_a_kit_check(stage) -> None:
+    """Each stage of the step: a reference implementation (the default :class:`Stages` value's), a Protocol whose
+    signature declares every keyword the planned step passes it (so a conforming implementation is never
+    refused at plan time nor fails at run time), and a conformance check in the kit (``check_<stage>``)."""
+    import inspect
+
+    import dcp_ref.testing as kit
+    from dcp_ref.stages import REFERENCE_STAGES
+    from dcp_ref.step import _GUARD_SCORED_KEYWORDS, _STAGE_KEYWORDS
+
+    assert callable(getattr(REFERENCE_STAGES, stage)), stage
+    proto = _protocol(stage)
+    params = inspect.signature(proto.__call__).parameters
+    always = set(_STAGE_KEYWORDS[stage]) | (set(_GUARD_SCORED_KEYWORDS) if stage == "guard" else set())
+    assert always <= set(params), (stage, sorted(always - set(params)))
+    if stage == "indexer":  # passed only with order="rank_local": named in the protocol's contract
+        assert {"order", "out_ids"} <= set(re.findall(r"``(\w+)", proto.__call__.__doc__ or ""))
+    check = f"check_{stage}"
+    assert check in kit.__all__ and callable(getattr(kit, check)), check
+    # the reference itself takes every keyword the step passes
+    ref_params = inspect.signature(getattr(REFERENCE_STAGES, stage)).parameters
+    assert always <= set(ref_params), (stage, sorted(always - set(ref_params)))

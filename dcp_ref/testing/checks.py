@@ -69,6 +69,7 @@ __all__ = [
     "check_select_to_slots",
     "check_guard",
     "check_scoring",
+    "check_scored_indexer",
     "check_attention",
     "check_merge",
     "check_combine",
@@ -1009,6 +1010,91 @@ def check_scoring(
     )
 
 
+def check_scored_indexer(
+    fn: Callable,
+    *,
+    device: torch.device | str = "cpu",
+    max_examples: int | None = None,
+    seed: int | None = None,
+    shrink_budget: int = DEFAULT_SHRINK_BUDGET,
+    fp8_nan: bool = True,
+) -> None:
+    """Check a fused scoring -> indexer stage (:class:`~dcp_ref.stages.ScoredIndexerStage`): ``fn(index_q,
+    weights, index_cache, block_table, req_of_token, local_bounds, geometry, k, n_cols=L, row_starts=...)`` ->
+    float32 ``[T, k, 2]``: each row's ``min(k, scored keys)`` winners as ``(score, global id)`` in any positions,
+    every other entry exactly ``(-inf, -1)``. Against :func:`dcp_ref.testing.oracle.scoring` (float64): every
+    winner a distinct key of the row whose score is not NaN, its score within ``2**-12`` of the terms'
+    magnitude of the oracle's; no key left out scores above a winner beyond the two scores' tolerances; between
+    keys of *exactly* equal scores (a block repeated in the table: the same bytes) the lower id wins; a row out
+    of contract (all NaN) has no winner. A float32 kernel may order keys the oracle finds within rounding of
+    each other either way; nothing else is free."""
+    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
+    dev = _dev(device)
+
+    def evaluate(case: Case) -> None:
+        v = case.values
+        call = _invoke(fn, case, dev)
+        got = _cpu(call.result, "the packed candidates", case)
+        T, k, L = v["local_bounds"].shape[0], v["k"], v["n_cols"]
+        _check_shape_dtype(got, (T, k, 2), (torch.float32,), "the result", case)
+        got = _written(call, "out", got, case)
+        exp, mag = oracle.scoring(v["index_q"], v["weights"], v["index_cache"], v["block_table"], v["req_of_token"],
+                                  v["local_bounds"], v["geometry"], L, v["row_starts"])  # fmt: skip
+        g = v["geometry"]
+        starts = [0] * T if v["row_starts"] is None else v["row_starts"].tolist()
+        diffs: list[str] = []
+        for t in range(T):
+            n = int(v["local_bounds"][t])
+            keys = {}  # global id -> (oracle score, tolerance, local index) of the row's scored keys
+            if not bool(torch.isnan(exp[t]).all()):
+                for j in range(max(n, 0)):
+                    col = starts[t] + j
+                    if not math.isnan(float(exp[t, col])):
+                        tol = float(mag[t, col]) * 2.0**-12 + 1e-30
+                        keys[oracle._to_global(j, g.world_size, g.rank, g.interleave)] = (float(exp[t, col]), tol)
+            pairs = _pairs(got, t)
+            win = [p for p in pairs if not _pair_eq(p, (-math.inf, -1))]
+            want = min(k, len(keys))
+            bad = ""
+            ids = [int(i) for _, i in win]
+            if len(win) != want:
+                bad = f"{len(win)} winners, expected {want}"
+            elif len(set(ids)) != len(ids):
+                bad = "an id twice"
+            elif any(i not in keys for i in ids):
+                bad = f"id {next(i for i in ids if i not in keys)} is not a scored key of the row"
+            elif any(abs(sc - keys[i][0]) > keys[i][1] for sc, i in ((p[0], int(p[1])) for p in win)):
+                sc, i = next((p[0], int(p[1])) for p in win if abs(p[0] - keys[int(p[1])][0]) > keys[int(p[1])][1])
+                bad = f"id {i} scored {sc!r}, expected {keys[i][0]!r}"
+            else:
+                lost = [u for u in keys if u not in ids]
+                for u in lost:
+                    su, tu = keys[u]
+                    for c in ids:
+                        sc_, tc = keys[c]
+                        if su > sc_ + tu + tc or (su == sc_ and u < c):
+                            bad = f"id {u} (score {su!r}) left out while id {c} (score {sc_!r}) won"
+                            break
+                    if bad:
+                        break
+            if bad:
+                diffs.append(f"row {t}: {bad}; got {_fmt_pairs(pairs)}")
+        if diffs:
+            raise _Mismatch(case, "  " + "\n  ".join(diffs[:3]))
+
+    _run(
+        "scored_indexer",
+        _conv(device=dev),
+        fn,
+        S.scored_indexer_cases(fp8_nan=fp8_nan),
+        evaluate,
+        device=dev,
+        max_examples=max_examples,
+        seed=seed,
+        shrink_budget=shrink_budget,
+    )
+
+
 # ---- attention ----------------------------------------------------------------------------------
 def _empty_ok(x: float, convention: str) -> bool:
     if convention == "-inf":
@@ -1544,9 +1630,9 @@ def check_stages(
     seed: int | None = None,
     **step_kwargs: Any,
 ) -> None:
-    """Every stage of a :class:`~dcp_ref.stages.Stages` value that has a checker (scoring, indexer, select,
-    deinterleave, select-to-slots in both orders, guard, attention, merge, combine) through it, then the whole
-    step.
+    """Every stage of a :class:`~dcp_ref.stages.Stages` value through its checker (scoring, scored indexer,
+    indexer, select, deinterleave, select-to-slots in both orders, guard, attention, merge, combine), then the
+    whole step.
 
     Uses the protocol's conventions (set semantics, base-e LSE, ``-inf`` for empty rows, compaction
     unless ``stages.attention_layout == "masked"``). ``step_kwargs`` go to :func:`check_step`.
@@ -1557,6 +1643,7 @@ def check_stages(
         raise TypeError(f"stages must be a Stages value or a dict of stages, got {type(stages).__name__}")
     kw: dict[str, Any] = dict(device=device, max_examples=max_examples, seed=seed)
     check_scoring(st_.scoring, **kw)
+    check_scored_indexer(st_.scored_indexer, **kw)
     check_indexer(st_.indexer, **kw)
     check_select(st_.select, **kw)
     check_deinterleave(st_.deinterleave, compact=st_.attention_layout == "compact", **kw)
