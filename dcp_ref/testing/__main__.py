@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 STAGES = (
-    "scoring", "scored_indexer", "indexer", "local_topk", "pack", "select", "deinterleave", "select_to_slots", "guard", "attention",
-    "merge", "combine", "step", "stages",
+    "scoring", "scored_indexer", "indexer", "local_topk", "pack", "select", "deinterleave", "select_to_slots",
+    "guard", "attention", "merge", "combine", "step", "stages",
 )  # fmt: skip
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
