@@ -422,6 +422,37 @@ def test_triton_scored_indexer_conforms(interp: torch.device) -> None:
     check_scored_indexer(fused, device=interp, max_examples=FAST, fp8_nan=False)
 
 
+def _in_a_step(fn):  # type: ignore[no-untyped-def]
+    """A select-to-slots mutant with the keywords the step passes (its buffers)."""
+
+    def stage(gathered, own_ids, req_of_token, block_table, geometry, k, *, order="global_id", out_slots=None,
+              out_counts=None):  # type: ignore[no-untyped-def]  # fmt: skip
+        slots, counts = fn(gathered, own_ids, req_of_token, block_table, geometry, k, order=order)
+        if out_slots is None:
+            return slots, counts
+        out_slots.copy_(slots)
+        out_counts.copy_(counts)
+        return out_slots, out_counts
+
+    return stage
+
+
+def test_check_step_runs_the_layer_options() -> None:
+    """check_step(options="all") plans and runs every exchange, combine and query layout of STEP_OPTIONS: the
+    reference passes; a select-to-slots or combine that is wrong only where the default step never calls it (the
+    owner exchange, the all-to-all combine) passes the default check and is flagged under the options."""
+    from dcp_ref.stages import REFERENCE_STAGES
+    from dcp_ref.testing.checks import STEP_OPTIONS
+
+    assert {"exchange": "owner"} in STEP_OPTIONS and {"q_replicate": False} in STEP_OPTIONS
+    check_step(REFERENCE_STAGES, options="all", world_sizes=(1, 2, 3), max_examples=10)
+    for broken in (REFERENCE_STAGES.with_(select_to_slots=_in_a_step(mut_s2s_dropping_the_last_winner)),
+                   REFERENCE_STAGES.with_(combine=mut_combine_ignoring_the_last_rank)):  # fmt: skip
+        check_step(broken, world_sizes=(2, 3), max_examples=10)  # the default step never calls it
+        with pytest.raises(ConformanceError, match="with the step options"):
+            check_step(broken, options="all", world_sizes=(2, 3), max_examples=10, shrink_budget=0)
+
+
 def test_triton_guard_conforms(interp: torch.device) -> None:
     """The Triton guard (interpreted) poisons exactly the tokens the kit's oracle refuses."""
     from dcp_ref.kernels.guard_triton import guard_triton

@@ -1411,18 +1411,41 @@ def _as_stages(impl: Any) -> Any:
     return None
 
 
+#: The layer options :func:`check_step` runs a ``Stages`` value under (``options="all"``): each a
+#: :class:`~dcp_ref.stages.StepSpec` choice whose answer is the oracle's exactly — the exchange through select +
+#: deinterleave or the owner-local select-to-slots (global-id order: ``rank_local`` breaks threshold ties by rank
+#: and is checked by the stage check instead), the combine by reduce-scatter or one all-to-all, the query
+#: replicated or gathered over heads.
+STEP_OPTIONS: tuple[dict[str, Any], ...] = (
+    {},
+    {"exchange": "owner"},
+    {"combine": "alltoall"},
+    {"q_replicate": False},
+    {"exchange": "owner", "combine": "alltoall", "q_replicate": False},
+)
+
+
 def run_step_problem(
-    problem: S.StepProblem, impl: Any, device: torch.device | str = "cpu", traces: list[dict] | None = None
+    problem: S.StepProblem,
+    impl: Any,
+    device: torch.device | str = "cpu",
+    traces: list[dict] | None = None,
+    *,
+    options: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a step on every rank of a :class:`~dcp_ref.group.SimulatedWorld` and reassemble the heads.
 
     ``impl``: a :class:`~dcp_ref.stages.Stages` (or a dict ``{stage: callable}`` over the reference),
-    run through :func:`dcp_ref.pipeline.dcp_decode_step`; or a whole step with
-    :func:`~dcp_ref.pipeline.dcp_decode_step`'s signature ``fn(group, q, shard, seq_lens, next_n, topk,
-    sm_scale, v_dim=...)``. Returns ``(out [T, H, v], lse [T, H])`` on the CPU, heads in order.
+    run through :func:`dcp_ref.pipeline.dcp_decode_step` — or, with ``options`` (:class:`~dcp_ref.stages.StepSpec`
+    fields: ``exchange``, ``combine``, ``q_replicate``, ...), planned with them and run (the query sliced to the
+    rank's heads when the spec gathers it); or a whole step with :func:`~dcp_ref.pipeline.dcp_decode_step`'s
+    signature ``fn(group, q, shard, seq_lens, next_n, topk, sm_scale, v_dim=...)``. Returns ``(out [T, H, v],
+    lse [T, H])`` on the CPU, heads in order.
     """
     from ..group import SimulatedWorld
     from ..pipeline import RankShard, dcp_decode_step
+    from ..stages import StepSpec
+    from ..step import PlannedStep, decode_metadata
 
     dev = torch.device(device)
     p = problem
@@ -1438,7 +1461,15 @@ def run_step_problem(
     trs = traces if traces is not None else [None] * W
 
     def one(group: Any, shard: Any, trace: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if stages is not None:
+        if stages is not None and options:
+            T, H, D = q.shape
+            spec = StepSpec(shard.geometry, max_tokens=max(T, 1), topk=p.topk, num_heads=H, head_dim=D, v_dim=p.v_dim,
+                            sm_scale=p.sm_scale, dtype=q.dtype, device=q.device, **options)  # fmt: skip
+            hs = spec.heads_per_rank
+            qr = q if spec.query_heads == H else q[:, group.rank * hs : (group.rank + 1) * hs].contiguous()
+            meta = decode_metadata(seq_lens, next_n, shard.geometry, device=q.device)
+            o, l = PlannedStep(group, spec, stages).run(qr, shard, meta, trace=trace)
+        elif stages is not None:
             o, l = dcp_decode_step(
                 group, q, shard, seq_lens, next_n, p.topk, p.sm_scale, v_dim=p.v_dim, stages=stages, trace=trace
             )
@@ -1465,6 +1496,7 @@ def check_step(
     max_examples: int | None = None,
     seed: int | None = None,
     shrink_budget: int = 150,
+    options: str | Sequence[dict[str, Any]] | None = None,
 ) -> None:
     """Check a whole decode step on ``W`` simulated ranks against :func:`dcp_ref.testing.oracle.decode`.
 
@@ -1477,6 +1509,9 @@ def check_step(
         max_world / world_sizes: how many ranks (``W`` drawn up to ``max_world``, or from ``world_sizes``).
         head_dim, v_dim, heads_per_rank: fix the head geometry (``H = heads_per_rank * W``).
         topk: fix the top-k (``None``: drawn from 1 to past the longest request).
+        options: with a ``Stages`` value, the layer options each case is also planned and run under
+            (:class:`~dcp_ref.stages.StepSpec` fields): ``"all"`` for :data:`STEP_OPTIONS` (both exchanges,
+            both combines, the query replicated or gathered), or a list of dicts; ``None``: the default step.
     The output of every head must match the oracle (the LSE too, base e; a token whose scores are all
     NaN selects nothing: output 0, LSE ``-inf``). With a ``Stages`` value, ``trace["impl"]`` must name
     your implementations (``Stages.impls()``).
@@ -1496,12 +1531,26 @@ def check_step(
         dtype=dtype,
     )
     label = stages.name if stages is not None else _fn_ref(impl)[0]
+    if options is not None and stages is None:
+        raise ValueError("options need a Stages value (a whole step callable plans itself)")
+    runs: tuple[dict[str, Any], ...] = (
+        ({},) if options is None else STEP_OPTIONS if options == "all" else tuple(dict(o) for o in options)  # type: ignore[arg-type]
+    )
 
     def evaluate(case: Case) -> None:
+        for opts in runs:
+            try:
+                evaluate_one(case, opts)
+            except _Mismatch as e:
+                if opts:
+                    e.message = f"with the step options {opts}:\n" + e.message
+                raise
+
+    def evaluate_one(case: Case, opts: dict[str, Any]) -> None:
         p: S.StepProblem = case.values["problem"]
         traces: list[dict] = [{} for _ in range(p.world_size)]
         try:
-            out, lse = run_step_problem(p, impl, dev, traces)
+            out, lse = run_step_problem(p, impl, dev, traces, options=opts)
         except _Mismatch:
             raise
         except Exception as e:  # noqa: BLE001
@@ -1654,4 +1703,5 @@ def check_stages(
     check_merge(st_.merge, **kw)
     check_combine(st_.combine, **kw)
     if step:
+        step_kwargs.setdefault("options", "all")  # both exchanges, both combines, the query replicated or gathered
         check_step(st_, **kw, **step_kwargs)
