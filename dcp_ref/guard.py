@@ -97,8 +97,8 @@ def check_guard_inputs(
     if T % nn:
         raise ValueError(f"next_n={nn} must divide the T={T} query tokens (groups of next_n tokens of one request)")
     if (index_q is None) != (index_weights is None):
-        missing = "index_weights" if index_weights is None else "index_q"
-        raise ValueError(f"{missing} must be given with {'index_q' if missing == 'index_weights' else 'index_weights'}")
+        given, missing = ("index_q", "index_weights") if index_weights is None else ("index_weights", "index_q")
+        raise ValueError(f"{missing} must be given with {given}")
     if index_q is not None:
         check_tensor(index_q, "index_q", dtypes=(torch.float8_e4m3fn, *FLOAT_DTYPES), ndim=3, device=dev)
         check_tensor(index_weights, "index_weights", dtypes=FLOAT_DTYPES, ndim=2, device=dev)
@@ -185,11 +185,14 @@ def reference_guard(
     """Poison (NaN output, NaN LSE), in place, the rows of ``partial [T, H, v]`` / ``lse [T, H]`` whose
     metadata :func:`metadata_row_ok` refuses. Device ops only. Arguments checked by :func:`check_guard_inputs`
     (the kernel's checks, with its messages)."""
-    scored = dict(num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights)
     n_cols = check_guard_inputs(
-        partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts, **scored
-    )
-    ok = metadata_row_ok(local_bounds, req_of_token, block_table, geometry, n_cols, row_starts, **scored)  # type: ignore[arg-type]
+        partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts,
+        num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights,
+    )  # fmt: skip
+    ok = metadata_row_ok(
+        local_bounds, req_of_token, block_table, geometry, n_cols, row_starts,
+        num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights,
+    )  # fmt: skip
     bad = ~ok
     partial.masked_fill_(bad[:, None, None], math.nan)
     lse.masked_fill_(bad[:, None], math.nan)

@@ -943,6 +943,16 @@ def check_guard(
     )
 
 
+#: A scored cell's tolerance, relative to the sum of its terms' magnitudes (float32 accumulation of FP8 products).
+_SCORE_RTOL = 2.0**-12
+
+
+def _scoring_oracle(v: dict[str, Any], n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`oracle.scoring` on a scoring / scored-indexer case's values: ``(scores, magnitude)``."""
+    return oracle.scoring(v["index_q"], v["weights"], v["index_cache"], v["block_table"], v["req_of_token"],
+                          v["local_bounds"], v["geometry"], n_cols, v["row_starts"], v.get("next_n", 1))  # fmt: skip
+
+
 def check_scoring(
     fn: Callable,
     *,
@@ -969,10 +979,7 @@ def check_scoring(
     with_mtp = _accepts(fn, "next_n") if mtp == "auto" else bool(mtp)
 
     def oracle_of(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-        v = case.values
-        L = case.out_buffers["out"][0][1]
-        return oracle.scoring(v["index_q"], v["weights"], v["index_cache"], v["block_table"], v["req_of_token"],
-                              v["local_bounds"], v["geometry"], L, v["row_starts"], v.get("next_n", 1))  # fmt: skip
+        return _scoring_oracle(case.values, case.out_buffers["out"][0][1])
 
     def evaluate(case: Case) -> None:
         call = _invoke(fn, case, dev)
@@ -982,7 +989,7 @@ def check_scoring(
         got = raw.double()
         fin = torch.isfinite(exp)
         same_special = (torch.isnan(got) == torch.isnan(exp)) & (torch.isneginf(got) == torch.isneginf(exp))
-        close = ~fin | ((got - exp).abs() <= mag * 2.0**-12 + 1e-30)
+        close = ~fin | ((got - exp).abs() <= mag * _SCORE_RTOL + 1e-30)
         bad = ~(same_special & close)
         if bool(bad.any()):
             diffs = [
@@ -1008,6 +1015,30 @@ def check_scoring(
         shrink_budget=shrink_budget,
         expected_code=expected,
     )
+
+
+def _winners_diff(win: list[tuple[float, int]], keys: dict[int, tuple[float, float]], k: int) -> str:
+    """What is wrong with one row's winners ``(score, global id)`` given its scored keys (``id -> (oracle score,
+    tolerance)``), or ``""``: the count, distinct ids, scores, then the top-k order (see
+    :func:`check_scored_indexer`)."""
+    want = min(k, len(keys))
+    if len(win) != want:
+        return f"{len(win)} winners, expected {want}"
+    ids = [int(i) for _, i in win]
+    if len(set(ids)) != len(ids):
+        return "an id twice"
+    for score, i in zip((sc for sc, _ in win), ids, strict=True):
+        if i not in keys:
+            return f"id {i} is not a scored key of the row"
+        if abs(score - keys[i][0]) > keys[i][1]:
+            return f"id {i} scored {score!r}, expected {keys[i][0]!r}"
+    for u in (u for u in keys if u not in ids):
+        su, tu = keys[u]
+        for c in ids:
+            sc, tc = keys[c]
+            if su > sc + tu + tc or (su == sc and u < c):
+                return f"id {u} (score {su!r}) left out while id {c} (score {sc!r}) won"
+    return ""
 
 
 def check_scored_indexer(
@@ -1038,45 +1069,21 @@ def check_scored_indexer(
         T, k, L = v["local_bounds"].shape[0], v["k"], v["n_cols"]
         _check_shape_dtype(got, (T, k, 2), (torch.float32,), "the result", case)
         got = _written(call, "out", got, case)
-        exp, mag = oracle.scoring(v["index_q"], v["weights"], v["index_cache"], v["block_table"], v["req_of_token"],
-                                  v["local_bounds"], v["geometry"], L, v["row_starts"])  # fmt: skip
+        exp, mag = _scoring_oracle(v, L)
         g = v["geometry"]
         starts = [0] * T if v["row_starts"] is None else v["row_starts"].tolist()
         diffs: list[str] = []
         for t in range(T):
             n = int(v["local_bounds"][t])
-            keys = {}  # global id -> (oracle score, tolerance, local index) of the row's scored keys
+            keys = {}  # global id -> (oracle score, its tolerance) of each of the row's scored keys
             if not bool(torch.isnan(exp[t]).all()):
                 for j in range(max(n, 0)):
                     col = starts[t] + j
                     if not math.isnan(float(exp[t, col])):
-                        tol = float(mag[t, col]) * 2.0**-12 + 1e-30
+                        tol = float(mag[t, col]) * _SCORE_RTOL + 1e-30
                         keys[oracle._to_global(j, g.world_size, g.rank, g.interleave)] = (float(exp[t, col]), tol)
             pairs = _pairs(got, t)
-            win = [p for p in pairs if not _pair_eq(p, (-math.inf, -1))]
-            want = min(k, len(keys))
-            bad = ""
-            ids = [int(i) for _, i in win]
-            if len(win) != want:
-                bad = f"{len(win)} winners, expected {want}"
-            elif len(set(ids)) != len(ids):
-                bad = "an id twice"
-            elif any(i not in keys for i in ids):
-                bad = f"id {next(i for i in ids if i not in keys)} is not a scored key of the row"
-            elif any(abs(sc - keys[i][0]) > keys[i][1] for sc, i in ((p[0], int(p[1])) for p in win)):
-                sc, i = next((p[0], int(p[1])) for p in win if abs(p[0] - keys[int(p[1])][0]) > keys[int(p[1])][1])
-                bad = f"id {i} scored {sc!r}, expected {keys[i][0]!r}"
-            else:
-                lost = [u for u in keys if u not in ids]
-                for u in lost:
-                    su, tu = keys[u]
-                    for c in ids:
-                        sc_, tc = keys[c]
-                        if su > sc_ + tu + tc or (su == sc_ and u < c):
-                            bad = f"id {u} (score {su!r}) left out while id {c} (score {sc_!r}) won"
-                            break
-                    if bad:
-                        break
+            bad = _winners_diff([p for p in pairs if not _pair_eq(p, (-math.inf, -1))], keys, k)
             if bad:
                 diffs.append(f"row {t}: {bad}; got {_fmt_pairs(pairs)}")
         if diffs:

@@ -214,6 +214,12 @@ def _scalar(values: dict, code: dict, name: str, v: Any) -> None:
     code[name] = f"{name} = {v!r}"
 
 
+def _geometry(values: dict, code: dict, g: DcpGeometry) -> None:
+    """The case's ``geometry`` value and the line that rebuilds it."""
+    values["geometry"] = g
+    code["geometry"] = f"geometry = DcpGeometry({g.world_size}, {g.rank}, {g.interleave}, {g.block_size})"
+
+
 # ---- element strategies -------------------------------------------------------------------------
 # Cached: a strategy built once is validated once (building one per drawn element costs more than the draw).
 @functools.cache
@@ -432,7 +438,7 @@ def _select_to_slots_case(
 ) -> Case:
     """A select-to-slots case from each rank's candidates: ``scores`` float32 ``[W, T, K]`` and ``local`` int
     ``[W, T, K]`` local indices (``-1`` / NaN score: padding), in the wire format of ``order``."""
-    W, rank, I, bs = g.world_size, g.rank, g.interleave, g.block_size
+    W, rank, I = g.world_size, g.rank, g.interleave
     T = scores.shape[1]
     values: dict[str, Any] = {}
     code: dict[str, str] = {}
@@ -451,8 +457,7 @@ def _select_to_slots_case(
         raise ValueError(f"order must be 'global_id' or 'rank_local', got {order!r}")
     _tensor_case_value(values, code, "req_of_token", req)
     _tensor_case_value(values, code, "block_table", table)
-    values["geometry"] = g
-    code["geometry"] = f"geometry = DcpGeometry({W}, {rank}, {I}, {bs})"
+    _geometry(values, code, g)
     _scalar(values, code, "k", k)
     _scalar(values, code, "order", order)
     return Case(
@@ -540,8 +545,7 @@ def guard_cases(draw: st.DrawFn, *, max_tokens: int = 4) -> Case:
     _ints(values, code, "local_bounds", bounds, torch.int32)
     _ints(values, code, "req_of_token", req, torch.int32)
     _tensor_case_value(values, code, "block_table", table)
-    values["geometry"] = g
-    code["geometry"] = f"geometry = DcpGeometry({g.world_size}, {g.rank}, {g.interleave}, {bs})"
+    _geometry(values, code, g)
     _scalar(values, code, "n_cols", n_cols)
     if with_starts:
         _ints(values, code, "row_starts", starts, torch.int32)
@@ -644,8 +648,7 @@ def scoring_cases(draw: st.DrawFn, *, max_tokens: int = 4, mtp: bool = False, fp
     _tensor_case_value(values, code, "block_table", torch.tensor(table, dtype=torch.int32).view(B, M))
     _ints(values, code, "req_of_token", req, torch.int32)
     _ints(values, code, "local_bounds", bounds, torch.int32)
-    values["geometry"] = g
-    code["geometry"] = f"geometry = DcpGeometry({g.world_size}, {g.rank}, {g.interleave}, {bs})"
+    _geometry(values, code, g)
     if with_starts:
         _ints(values, code, "row_starts", starts, torch.int32)
     else:
