@@ -374,6 +374,33 @@ def test_the_interpreter_decodes_the_fp8_nan_byte_as_480() -> None:
     assert all(math.isnan(v) for v in oracle._fp8_values(x))
 
 
+def test_the_new_checks_and_the_scoring_oracle_refuse_bad_arguments() -> None:
+    from dcp_ref.stages import REFERENCE_STAGES, reference_scored_indexer, reference_scoring
+
+    with pytest.raises(ValueError, match=r"^mtp must be"):
+        check_scoring(reference_scoring, mtp="yes")
+    with pytest.raises(TypeError, match=r"^fp8_nan must be a bool"):
+        check_scoring(reference_scoring, fp8_nan=1)
+    with pytest.raises(TypeError, match=r"^fp8_nan must be a bool"):
+        check_scored_indexer(reference_scored_indexer, fp8_nan="no")
+    with pytest.raises(ValueError, match=r"^options must be None, 'all'"):
+        check_step(REFERENCE_STAGES, options="every")
+    with pytest.raises(TypeError, match=r"^options must be a sequence of dicts"):
+        check_step(REFERENCE_STAGES, options=[("exchange", "owner")])
+    q, w = torch.zeros(2, 1, 128).to(torch.float8_e4m3fn), torch.ones(2, 1)
+    args = (q, w, torch.zeros(1, 132, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), DcpGeometry(1, 0, 1, 1))  # fmt: skip
+    assert oracle.scoring(*args, 1)[0].shape == (2, 1)
+    with pytest.raises(ValueError, match=r"^n_cols must be >= 0"):
+        oracle.scoring(*args, -1)
+    with pytest.raises(TypeError, match=r"^next_n must be an int"):
+        oracle.scoring(*args, 1, None, 2.0)
+    with pytest.raises(ValueError, match=r"^next_n=3 must divide"):
+        oracle.scoring(*args, 1, None, 3)
+    with pytest.raises(ValueError, match=r"^index_q, weights"):
+        oracle.scoring(q[:1], *args[1:], 1)
+
+
 def test_the_scoring_oracle_is_the_reference() -> None:
     """The kit's float64 oracle (e4m3 decoded by hand from the format) and dcp_ref.scoring agree on drawn cases,
     every special cell included — two independent writings of one formula."""

@@ -976,6 +976,10 @@ def check_scoring(
     Triton kernel run by the CPU interpreter, which decodes it as 480)."""
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
+    if mtp not in ("auto", True, False):
+        raise ValueError(f"mtp must be True, False or 'auto', got {mtp!r}")
+    if not isinstance(fp8_nan, bool):
+        raise TypeError(f"fp8_nan must be a bool, got {type(fp8_nan).__name__}")
     with_mtp = _accepts(fn, "next_n") if mtp == "auto" else bool(mtp)
 
     def oracle_of(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1061,6 +1065,8 @@ def check_scored_indexer(
     each other either way; nothing else is free."""
     __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
     dev = _dev(device)
+    if not isinstance(fp8_nan, bool):
+        raise TypeError(f"fp8_nan must be a bool, got {type(fp8_nan).__name__}")
 
     def evaluate(case: Case) -> None:
         v = case.values
@@ -1540,6 +1546,10 @@ def check_step(
     label = stages.name if stages is not None else _fn_ref(impl)[0]
     if options is not None and stages is None:
         raise ValueError("options need a Stages value (a whole step callable plans itself)")
+    if isinstance(options, str) and options != "all":
+        raise ValueError(f"options must be None, 'all' or a sequence of StepSpec-field dicts, got {options!r}")
+    if options is not None and not isinstance(options, str) and not all(isinstance(o, dict) for o in options):
+        raise TypeError(f"options must be a sequence of dicts of StepSpec fields, got {options!r}")
     runs: tuple[dict[str, Any], ...] = (
         ({},) if options is None else STEP_OPTIONS if options == "all" else tuple(dict(o) for o in options)  # type: ignore[arg-type]
     )

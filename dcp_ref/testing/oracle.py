@@ -405,6 +405,15 @@ def scoring(
     d = INDEX_HEAD_DIM
     nb, B = cache.shape[0], len(bt)
     T = len(bounds)
+    for name, value, lo in (("n_cols", n_cols, 0), ("next_n", next_n, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if T % next_n:
+        raise ValueError(f"next_n={next_n} must divide the T={T} query tokens")
+    if tuple(q.shape[:1]) != (T,) or len(w) != T or len(req) != T or len(starts) != T:
+        raise ValueError("index_q, weights, req_of_token, local_bounds and row_starts must have one row per token")
     scores = torch.full((T, n_cols), -math.inf, dtype=torch.float64)
     mag = torch.zeros((T, n_cols), dtype=torch.float64)
     key_cache: dict[tuple[int, int], tuple[list[float], float]] = {}
