@@ -36,6 +36,8 @@ MTP_NEXT_N = 2
 #: ``(T, L)`` at ``next_n = 2`` (MTP): ``T`` query tokens, ``B = T / 2`` requests in {1, 32, 128}.
 MTP_SHAPES = [(2 * b, n) for b in (1, 32, 128) for n in (4096, 32768, 131072)]
 QUICK_MTP = [(64, 32768), (2, 131072)]
+#: ``(T, L, next_n)`` the launch sweep also times (not in the summary): the layer's local context (8K at W = 1).
+SWEEP_ONLY = [(1, 8192, 1), (32, 8192, 1), (128, 8192, 1), (64, 8192, 2)]
 HEADS = 64
 DIM = 128
 BLOCK = 64

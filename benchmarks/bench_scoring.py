@@ -49,19 +49,18 @@ x local ``L`` in {4096, 32768, 131072}; 64 index heads x 128, block size 64, ran
 ``--no-fused`` skips the fused, chain and vLLM columns. FlashInfer 0.7's ``fp8_paged_mqa_logits`` is an
 SM100-only CuTeDSL kernel: it is not a peer on the H200.
 
-Times: device time per call from replaying a CUDA graph of back-to-back calls (``do_bench`` median / calls),
-as ``bench_local_topk.py``. The sweep (default on; ``--no-sweep``): the scoring kernel's launch configurations
-``{block_n: 64, 128} x {num_warps: 4, 8} x {num_stages: 2, 3, 4} x {tiles: 1, 2, 4, 8, 16, 32}`` (after the
-plan's own, ``config: {}``; a config the plan resolves to one already timed at that shape, or with more tiles
-than the row has, is skipped) at every shape of both ``next_n``, configurations in the outer loop (a seeded
-shuffle) and shapes inner, so that a cut by ``--sweep-budget`` seconds leaves every shape with the same
-configurations; each checked (``max_rel_err`` against the oracle rows, ``vs_default_rel_err`` against the
-default plan's whole output) and timed with a cheaper timer (``_scoring_inputs.sweep_time``: a CUDA graph of
-``reps`` calls, ``do_bench`` rep = 25 ms). :func:`best_plans` picks, per ``(next_n, T, L)``, the fastest
-configuration within 1e-3; ``--print-plans scoring.json`` prints them as the ``PLANS`` literal of
-``kernels/scoring_triton.py`` (no GPU needed). ``--fused-sweep``: the fused kernel's configurations
-(:data:`FUSED_SWEEP`) at :data:`FUSED_SWEEP_SHAPES` as before, off by default. ``--ncu-json FILE`` (repeatable):
-summaries written by ``profile_scoring.py --summarize``, kept under ``ncu`` and tabulated.
+Times: device time per call from replaying a CUDA graph of back-to-back calls (``do_bench`` median / calls), as
+``bench_local_topk.py``. The sweep (default on; ``--no-sweep``): the scoring kernel's launch configurations
+:data:`SWEEP_SPACE` and :data:`SWEEP_EXTRA` (after the plan's own, ``config: {}``; a config the plan resolves to one
+already timed at that shape, or with more tiles than the row has, is skipped) at every shape of both ``next_n``,
+configurations in the outer loop (a seeded shuffle) and shapes inner, so that a cut by ``--sweep-budget`` seconds
+leaves every shape with the same configurations; each checked (``max_rel_err`` against the oracle rows,
+``vs_default_rel_err`` against the default plan's whole output) and timed with a cheaper timer
+(``_scoring_inputs.sweep_time``: a CUDA graph of ``reps`` calls, ``do_bench`` rep = 25 ms). :func:`best_plans`
+picks, per ``(next_n, T, L)``, the fastest configuration within 1e-3; ``--print-plans scoring.json`` prints them as
+the ``PLANS`` literal of ``kernels/scoring_triton.py`` (no GPU needed). ``--fused-sweep``: the fused kernel's
+configurations (:data:`FUSED_SWEEP`) at :data:`FUSED_SWEEP_SHAPES` as before, off by default. ``--ncu-json FILE``
+(repeatable): summaries written by ``profile_scoring.py --summarize``, kept under ``ncu`` and tabulated.
 
 Writes ``scoring.json`` under ``--out``: ``summary`` rows ``{"T", "B", "L", "next_n", "ours_us", "read_floor_us",
 "compute_floor_us", "binds", "target_us", "meets_target", "max_rel_err", "plan", "deepgemm_us",
@@ -98,16 +97,18 @@ TARGET_FACTOR, TARGET_SLACK_US = 1.3, 3.0
 #: the largest relative error (against the float64 oracle) a sweep configuration may have to be picked
 MAX_REL_ERR = 1e-3
 #: the scoring kernel's sweep space (``tiles`` = tiles of ``block_n`` keys per program; ``tma``: the values by the
-#: bulk tensor copy engine, else ``cp.async``; 128-key tiles span two blocks: cp.async, 8 warps). Explored first on
-#: the H200 (2026-12-01, 22 configurations x 12 shapes): a register cap (``maxnreg``) and loading the scales in
-#: place were never faster, so they are gone.
+#: bulk tensor copy engine, else ``cp.async``; ``pair_dot``: MTP pairs by one dot of N = 2 x heads). Explored first
+#: on the H200 (2026-12-01, 22 configurations x 12 shapes, then 60 x 18): a register cap (``maxnreg``), loading the
+#: scales in place and 128-key tiles were never faster, so they are gone; the number of stages moved times by a few
+#: percent at most, the tiles per program (how many programs, so how full the last wave) by up to 2x.
 SWEEP_SPACE: dict[str, tuple[Any, ...]] = {
-    "tiles": (1, 2, 4, 8, 16, 32, 64),
-    "num_stages": (3, 4, 5, 6),
-    "tma": (True, False),
+    "tiles": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+    "num_stages": (4, 6),
+    "tma": (True,),
+    "pair_dot": (True, False),  # (the same plan at next_n = 1: timed once there)
 }
-SWEEP_EXTRA = [dict(block_n=128, num_warps=8, tiles=t, num_stages=s, tma=False) for t in (4, 16) for s in (3, 4)]
-PLAN_FIELDS = ("block_n", "tiles", "num_warps", "num_stages", "tma")
+SWEEP_EXTRA = [dict(block_n=64, num_warps=4, tiles=t, num_stages=5, tma=False) for t in (4, 16, 24)]
+PLAN_FIELDS = ("block_n", "tiles", "num_warps", "num_stages", "tma", "pair_dot")
 #: (T, L) where the fused kernel's configurations are timed (``--fused-sweep``; next_n = 1)
 FUSED_SWEEP_SHAPES = [(32, 32768), (128, 131072), (1, 131072), (128, 4096)]
 #: (sm_90a, compiled here: 16 warps x 8192-key segments use 128 registers per thread -> one program per SM;
@@ -271,8 +272,8 @@ def scoring_configs(seed: int = 0) -> list[dict[str, Any]]:
 
 
 def plan_key(plan: dict[str, Any]) -> tuple[Any, ...]:
-    """The plan's launch as the ``PLANS`` value: ``(block_n, tiles, num_warps, num_stages, tma)``."""
-    return tuple(bool(plan[f]) if f == "tma" else int(plan[f]) for f in PLAN_FIELDS)
+    """The plan's launch as the ``PLANS`` value: ``(block_n, tiles, num_warps, num_stages, tma, pair_dot)``."""
+    return tuple(bool(plan.get(f, False)) if f in ("tma", "pair_dot") else int(plan[f]) for f in PLAN_FIELDS)
 
 
 PlanOf = Callable[[tuple[int, int, int], dict[str, int]], dict[str, Any]]
@@ -391,8 +392,8 @@ def shape_key(r: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def best_plans(records: list[dict[str, Any]]) -> dict[tuple[int, int, int], tuple[Any, ...]]:
-    """Per ``(next_n, T, L)``: ``(block_n, tiles, num_warps, num_stages, tma)`` of the fastest valid scoring record
-    (:func:`valid_record`: no error, ``max_rel_err <= 1e-3``), from its resolved ``plan``."""
+    """Per ``(next_n, T, L)``: ``(block_n, tiles, num_warps, num_stages, tma, pair_dot)`` of the fastest valid
+    scoring record (:func:`valid_record`: no error, ``max_rel_err <= 1e-3``), from its resolved ``plan``."""
     return {k: plan_key(v["plan"]) for k, v in best_records(records).items()}
 
 
@@ -611,7 +612,8 @@ def markdown(data: dict[str, Any]) -> str:
             "",
             "## Sweep: best vs default plan",
             "",
-            f"Plan = (block_n, tiles, num_warps, num_stages). {sw.get('run', '?')} of {sw.get('scheduled', '?')} "
+            "Plan = (block_n, tiles, num_warps, num_stages, tma, pair_dot). "
+            f"{sw.get('run', '?')} of {sw.get('scheduled', '?')} "
             f"(shape, config) pairs run in {sw.get('elapsed_s', 0):.0f} s (budget {sw.get('budget_s', 0):.0f} s"
             f"{', cut' if sw.get('cut') else ''}); best = fastest with max rel err <= {MAX_REL_ERR:g}.",
             "",
@@ -739,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     data["summary"] = summarize([r for r in results if "error" not in r], dg)
     write(args.out, data)
     if args.sweep:
-        sw = sweep_scoring(args.sweep_budget, shapes, scoring_configs())
+        extra = [] if args.quick else [s for s in si.SWEEP_ONLY if s[2] in next_ns]
+        sw = sweep_scoring(args.sweep_budget, shapes + extra, scoring_configs())
         data["sweep"] = sw.pop("records")
         data["sweep_meta"] = sw | {"space": {k: list(v) for k, v in SWEEP_SPACE.items()}, "extra": SWEEP_EXTRA}
         data["sweep_best"] = sweep_best(data["sweep"])

@@ -17,8 +17,11 @@ How one program works (grid ``(T / group, cdiv(L, BLOCK_N * tiles))``; program `
    :func:`tile_scales`, asked for one tile ahead: the pipeliner prefetches only dot operands). Then
    :func:`score_keys`: one FP8 ``wgmma`` per token, ``[BLOCK_N, 128] x [128, H]`` (keys on the M side, so the
    weighted head sum stays in a thread's quad), ReLU that keeps NaN, times the scale; stored at ``start + j``.
-4. **The table verdict and the fill** (:func:`count_bad_entries`, :func:`fill_columns`): a needed entry that is not
-   a block poisons the row (decode: checked after the keys, overlapping their stream; with ``row_starts``: first);
+   An MTP pair is scored by one ``wgmma`` of ``N = 2H`` (:func:`score_key_pairs`, the plan's ``pair_dot``) or by
+   one per token: the sweep picks per shape (one dot is faster at few keys per SM, two at many).
+4. **The table verdict and the fill** (:func:`first_entries`, :func:`group_entries_bad`, :func:`fill_columns`): a
+   needed entry that is not a block poisons the row (decode: the first ``SCAN`` entries are loaded before the key
+   loop and checked after it, so their latency hides behind the key stream; with ``row_starts``: checked first);
    the program's columns that hold no key get ``-inf``, a poisoned row NaN.
 
 The launch comes from :data:`PLANS` (the committed H200 sweep) via :func:`scoring_plan`.
@@ -29,8 +32,6 @@ Every load is masked (by the row's bound and the row's verdict), addresses are i
 
 ``index_q`` may be float8_e4m3fn (the FP8 ``tl.dot``) or fp16 / bf16 / float32 (teaching: the keys are
 widened to float32 and the dot runs in IEEE float32); float64 queries are the reference's only.
-MTP pairs pay two dots and two head sums per tile (measured 1.3-2.2x DeepGEMM, which does both in one
-``wgmma`` of N = 128): the next step for ``next_n = 2``.
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ __all__ = [
     "load_key_tile",
     "token_meta",
     "count_bad_entries",
+    "first_entries",
     "group_entries_bad",
     "tile_values",
     "tile_blocks",
     "tile_scales",
     "score_keys",
+    "load_query_pair",
+    "score_key_pairs",
     "fill_columns",
     "index_scores_kernel",
     "index_scores_check_kernel",
@@ -196,13 +200,28 @@ def count_bad_entries(bt_row, sbt_c, lo, hi, n_blocks, SCAN_N: tl.constexpr):
 
 
 @triton.jit
-def group_entries_bad(bt_row, sbt_c, need0, need1, n_blocks, SCAN_N: tl.constexpr):
+def first_entries(bt_row, sbt_c, need0, need1, SCAN_N: tl.constexpr):
+    """The first ``SCAN_N`` table entries a group needs (int64 ``[SCAN_N]``; 0 past ``max(need0, need1)``).
+
+    Decode loads them before the key loop and reads them after it (:func:`group_entries_bad`), so the verdict of a
+    row of up to ``SCAN_N`` blocks adds no exposed load latency at the program's end (it overlaps the key stream).
+    """
+    o = tl.arange(0, SCAN_N)
+    return tl.load(bt_row + o.to(tl.int64) * sbt_c, mask=o < tl.maximum(need0, need1), other=0).to(tl.int64)
+
+
+@triton.jit
+def group_entries_bad(bt_row, sbt_c, first, need0, need1, n_blocks, SCAN_N: tl.constexpr):
     """Whether token 0 / token 1 of a group needs a table entry that is not a block (each entry read once:
-    the entries both need, then those only the one with more blocks needs)."""
+    ``first`` (:func:`first_entries`) holds entries ``0 .. SCAN_N - 1``; the rest are read here — the entries both
+    need, then those only the one with more blocks needs)."""
     lo = tl.minimum(need0, need1)
     hi = tl.maximum(need0, need1)
-    both = count_bad_entries(bt_row, sbt_c, 0, lo, n_blocks, SCAN_N)
-    more = both + count_bad_entries(bt_row, sbt_c, lo, hi, n_blocks, SCAN_N)
+    o = tl.arange(0, SCAN_N)
+    wrong = (o < hi) & ((first < 0) | (first >= n_blocks))
+    both = tl.sum((wrong & (o < lo)).to(tl.int32), 0) + count_bad_entries(bt_row, sbt_c, SCAN_N, lo, n_blocks, SCAN_N)
+    more = both + tl.sum((wrong & (o >= lo)).to(tl.int32), 0)
+    more += count_bad_entries(bt_row, sbt_c, tl.maximum(lo, SCAN_N), hi, n_blocks, SCAN_N)
     return tl.where(need0 > need1, more, both) > 0, tl.where(need1 > need0, more, both) > 0
 
 
@@ -264,15 +283,50 @@ def score_keys(keys, scale, q, w, Q_FP8: tl.constexpr):
     Keys are the dot's M side (``[N, D] x [D, H]``, as DeepGEMM orients it): each warp's accumulator rows are
     keys and its columns heads, so the sum over heads stays inside a thread and its quad (shuffles), never
     through shared memory. FP8: float8e4nv operands, float32 accumulation (``wgmma`` on sm_90a); otherwise the
-    keys are widened to float32 (exact) and the dot runs in IEEE float32. ReLU as ``where(s < 0, 0, s)`` keeps
-    NaN (``maximum`` would drop it).
+    keys are widened to float32 (exact) and the dot runs in IEEE float32. ReLU as ``maximum(s, 0)`` with NaN
+    propagation (PTX ``max.NaN``: one instruction per score, where ``where(s < 0, 0, s)`` took a compare and a
+    select; the plain ``maximum`` would drop NaN).
     """
     if Q_FP8:
         s = tl.dot(keys, tl.trans(q))
     else:
         s = tl.dot(keys.to(tl.float32), tl.trans(q), input_precision="ieee")
-    s = tl.where(s < 0, 0.0, s)
+    s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)
     return tl.sum(s * w[None, :], 1) * scale
+
+
+@triton.jit
+def load_query_pair(
+    q_ptr, w_ptr, t, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr
+):
+    """The queries of tokens ``t`` and ``t + 1`` as one ``[2 * H_PAD, D]`` operand (token ``t``'s heads first) and
+    their weights ``[2 * H_PAD]``: one dot of ``N = 2 * H_PAD`` scores a key for both (padded heads read nothing)."""
+    r = tl.arange(0, 2 * H_PAD)
+    h = r % H_PAD
+    tok = (t + r // H_PAD).to(tl.int64)
+    d = tl.arange(0, D)
+    hm = h < n_heads
+    qp = q_ptr + (tok * sq_t + h.to(tl.int64) * sq_h)[:, None] + d[None, :].to(tl.int64) * sq_d
+    if Q_FP8:
+        q = tl.load(qp, mask=hm[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+    else:
+        q = tl.load(qp, mask=hm[:, None], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + tok * sw_t + h.to(tl.int64) * sw_h, mask=hm, other=0.0)
+    return q, w
+
+
+@triton.jit
+def score_key_pairs(keys, scale, qq, ww, Q_FP8: tl.constexpr, H_PAD: tl.constexpr):
+    """Both tokens' scores ``[N]``, ``[N]`` of keys ``keys`` from one dot ``[N, D] x [D, 2 * H_PAD]``
+    (:func:`load_query_pair`): ReLU (NaN kept), the weights, then each token's half summed."""
+    if Q_FP8:
+        s = tl.dot(keys, tl.trans(qq))
+    else:
+        s = tl.dot(keys.to(tl.float32), tl.trans(qq), input_precision="ieee")
+    s = tl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL) * ww[None, :]
+    pair = tl.sum(tl.reshape(s, [s.shape[0], 2, H_PAD]), 2)
+    a, b = tl.split(pair)
+    return a * scale, b * scale
 
 
 @triton.jit
@@ -297,6 +351,7 @@ def index_scores_kernel(
     HAS_STARTS: tl.constexpr, Q_FP8: tl.constexpr, NEXT_N: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, SCAN_N: tl.constexpr, FILL_N: tl.constexpr,
     TMA: tl.constexpr = False, chk_ptr=None, CHECK: tl.constexpr = False, CLEAR: tl.constexpr = False,
+    PAIR_DOT: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(T / NEXT_N, cdiv(n_cols, chunk))``: program ``(g, p)`` scores local keys ``[p * chunk, (p + 1) *
     chunk)`` for the ``NEXT_N`` (1 or 2) tokens of group ``g`` — each key tile read once for them all — and owns
@@ -329,16 +384,20 @@ def index_scores_kernel(
         need0 = tl.where(mixed, 0, need0)
         need1 = tl.where(mixed, 0, need1)
     bt_row = bt_ptr + tl.minimum(tl.maximum(req0, 0), tl.maximum(n_req - 1, 0)) * sbt_r
+    first = first_entries(bt_row, sbt_c, need0, need1, SCAN_N)  # (decode: read after the key loop)
     if HAS_STARTS:  # keys may land in other programs' columns: the whole verdict first
-        e0, e1 = group_entries_bad(bt_row, sbt_c, need0, need1, n_blocks, SCAN_N)
+        e0, e1 = group_entries_bad(bt_row, sbt_c, first, need0, need1, n_blocks, SCAN_N)
         bad0 = bad0 | e0
         bad1 = bad1 | e1
     nk0 = tl.where(bad0, 0, b0)
     nk1 = tl.where(bad1, 0, b1)
-    q0, w0 = load_query(q_ptr, w_ptr, t0, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
-    q1, w1 = q0, w0
-    if NEXT_N == 2:
-        q1, w1 = load_query(q_ptr, w_ptr, t0 + 1, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
+    if PAIR_DOT:
+        qq, ww = load_query_pair(q_ptr, w_ptr, t0, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
+    else:
+        q0, w0 = load_query(q_ptr, w_ptr, t0, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
+        q1, w1 = q0, w0
+        if NEXT_N == 2:
+            q1, w1 = load_query(q_ptr, w_ptr, t0 + 1, n_heads, sq_t, sq_h, sq_d, sw_t, sw_h, Q_FP8, H_PAD, D)
     out0 = out_ptr + t0.to(tl.int64) * so_t
     out1 = out0 + so_t
     c_lo = p.to(tl.int64) * chunk
@@ -357,11 +416,16 @@ def index_scores_kernel(
         sc_next = tile_scales(cache_f32, blk_next, j0 + BLOCK_N, nk, n_blocks, BS, BLOCK_N, D)
         blk_next = tile_blocks(bt_row, sbt_c, j0 + 2 * BLOCK_N, nk, BS, BLOCK_N)
         j = j0 + tl.arange(0, BLOCK_N)
-        tl.store(out0 + s0 + j, score_keys(keys, scale, q0, w0, Q_FP8), mask=j < nk0)
-        if NEXT_N == 2:
-            tl.store(out1 + s1 + j, score_keys(keys, scale, q1, w1, Q_FP8), mask=j < nk1)
+        if PAIR_DOT:
+            sa, sb = score_key_pairs(keys, scale, qq, ww, Q_FP8, H_PAD)
+            tl.store(out0 + s0 + j, sa, mask=j < nk0)
+            tl.store(out1 + s1 + j, sb, mask=j < nk1)
+        else:
+            tl.store(out0 + s0 + j, score_keys(keys, scale, q0, w0, Q_FP8), mask=j < nk0)
+            if NEXT_N == 2:
+                tl.store(out1 + s1 + j, score_keys(keys, scale, q1, w1, Q_FP8), mask=j < nk1)
     if not HAS_STARTS:  # decode: the table verdict now (this program's key columns are its own)
-        e0, e1 = group_entries_bad(bt_row, sbt_c, need0, need1, n_blocks, SCAN_N)
+        e0, e1 = group_entries_bad(bt_row, sbt_c, first, need0, need1, n_blocks, SCAN_N)
         if e0 | e1:
             tl.debug_barrier()  # the scores just stored (by other threads) are overwritten below
         bad0 = bad0 | e0
@@ -405,25 +469,35 @@ def index_scores_check_kernel(
 
 
 #: The launch the plan takes per measured shape: ``(group size, T, L) -> (block_n, tiles, num_warps, num_stages,
-#: tma)``, the fastest valid configuration of the committed device sweep :data:`PLANS_SOURCE` (printed by
+#: tma, pair_dot)``, the fastest valid configuration of the committed device sweep :data:`PLANS_SOURCE` (printed by
 #: ``benchmarks/bench_scoring.py --print-plans``; ``tests/test_scoring_plans.py`` checks that the two agree). The
 #: group size is 2 for MTP (``next_n`` even: two tokens per read of a key; ``T`` counts tokens), else 1. Other
 #: shapes take the nearest measured one (in log2 T and log2 L); block sizes other than 64 the heuristic below.
-PLANS: dict[tuple[int, int, int], tuple[int, int, int, int, bool]] = {
-    (1, 1, 4096): (64, 1, 4, 3, True),  # 3.35 us
-    (1, 1, 32768): (64, 1, 4, 5, True),  # 5.02 us
-    (1, 1, 131072): (64, 4, 4, 3, True),  # 8.63 us
-    (1, 32, 4096): (64, 4, 4, 4, True),  # 8.09 us
-    (1, 32, 32768): (64, 16, 4, 5, False),  # 45.76 us
-    (1, 32, 131072): (64, 16, 4, 6, True),  # 157.37 us
-    (1, 128, 4096): (64, 16, 4, 5, True),  # 23.96 us
-    (1, 128, 32768): (64, 16, 4, 6, True),  # 153.53 us
-    (1, 128, 131072): (64, 64, 4, 6, True),  # 593.21 us
-    (2, 2, 131072): (64, 4, 4, 4, True),  # 11.69 us
-    (2, 64, 32768): (64, 16, 4, 6, True),  # 58.78 us
-    (2, 256, 131072): (64, 64, 4, 5, True),  # 947.87 us
+PLANS: dict[tuple[int, int, int], tuple[int, int, int, int, bool, bool]] = {
+    (1, 1, 4096): (64, 1, 4, 3, True, False),  # 3.15 us
+    (1, 1, 8192): (64, 1, 4, 4, True, False),  # 3.31 us
+    (1, 1, 32768): (64, 2, 4, 4, True, False),  # 4.36 us
+    (1, 1, 131072): (64, 4, 4, 4, True, False),  # 7.65 us
+    (1, 32, 4096): (64, 4, 4, 4, True, False),  # 6.95 us
+    (1, 32, 8192): (64, 8, 4, 4, True, False),  # 11.17 us
+    (1, 32, 32768): (64, 24, 4, 6, True, False),  # 40.73 us
+    (1, 32, 131072): (64, 48, 4, 6, True, False),  # 148.05 us
+    (1, 128, 4096): (64, 16, 4, 6, True, False),  # 23.20 us
+    (1, 128, 8192): (64, 24, 4, 6, True, False),  # 40.68 us
+    (1, 128, 32768): (64, 48, 4, 6, True, False),  # 146.71 us
+    (1, 128, 131072): (64, 48, 4, 6, True, False),  # 554.82 us
+    (2, 2, 4096): (64, 1, 4, 4, True, True),  # 3.63 us
+    (2, 2, 32768): (64, 2, 4, 4, True, True),  # 5.26 us
+    (2, 2, 131072): (64, 8, 4, 6, True, True),  # 10.21 us
+    (2, 64, 4096): (64, 8, 4, 6, True, True),  # 9.96 us
+    (2, 64, 8192): (64, 8, 4, 6, True, False),  # 15.55 us
+    (2, 64, 32768): (64, 32, 4, 6, True, False),  # 48.92 us
+    (2, 64, 131072): (64, 64, 4, 6, True, False),  # 181.81 us
+    (2, 256, 4096): (64, 16, 4, 6, True, False),  # 29.07 us
+    (2, 256, 32768): (64, 64, 4, 6, True, False),  # 181.27 us
+    (2, 256, 131072): (64, 48, 4, 6, True, False),  # 709.25 us
 }
-#: The sweep :data:`PLANS` was read from (H200, 2026-12-01).
+#: The sweep :data:`PLANS` was read from (H200, 2026-12-02).
 PLANS_SOURCE = "benchmarks/results/scoring_sweep.json"
 #: The cache block the table was measured for (DeepSeek V3.2's index-key cache).
 PLANS_BLOCK_SIZE = 64
@@ -439,6 +513,7 @@ class ScoringPlan(NamedTuple):
     programs: int  #: programs per group of tokens (grid axis 1)
     group: int = 1  #: tokens per program that share each key read (2: MTP pairs)
     tma: bool = False  #: values by the bulk tensor copy engine (a tile is one block of 32 * k keys)
+    pair_dot: bool = False  #: MTP pairs scored by one dot of N = 2 * heads (else one dot per token)
 
 
 def _pow2_arg(v: object, name: str, lo: int, hi: int) -> int:
@@ -453,7 +528,7 @@ def group_size(next_n: int) -> int:
     return 2 if next_n % 2 == 0 else 1
 
 
-def _nearest_plan(group: int, rows: int, n_cols: int) -> tuple[int, int, int, int, bool] | None:
+def _nearest_plan(group: int, rows: int, n_cols: int) -> tuple[int, int, int, int, bool, bool] | None:
     shapes = [(k[1], k[2]) for k in PLANS if k[0] == group]
     if not shapes:
         return None
@@ -473,6 +548,7 @@ def scoring_plan(
     num_warps: int | None = None,
     num_stages: int | None = None,
     tma: bool | None = None,
+    pair_dot: bool | None = None,
 ) -> ScoringPlan:
     """How :func:`index_scores_triton` scores ``rows`` query tokens (``next_n`` per request) over ``n_cols``
     columns of a cache of ``block_size``-key blocks (shapes only, no sync).
@@ -480,8 +556,9 @@ def scoring_plan(
     Block size 64 (V3.2): the launch of the nearest shape in :data:`PLANS` (the committed sweep). Otherwise:
     ``block_n`` = the block size when it is a power of two in [16, 128] (a tile is then one block: one table
     entry, contiguous bytes), else 64; 4 warps; 4 pipeline stages; tiles per program such that about 8 programs
-    per SM stay busy (1-32); the bulk tensor copy (``tma``) wherever a tile is one block of a multiple of 32 keys.
-    Each keyword overrides its part (``tma=True`` where a tile is not such a block: ``ValueError``).
+    per SM stay busy (1-32); the bulk tensor copy (``tma``) wherever a tile is one block of a multiple of 32 keys;
+    MTP pairs by one dot (``pair_dot``; it has no effect without pairs). Each keyword overrides its part
+    (``tma=True`` where a tile is not such a block: ``ValueError``).
     """
     rows = check_int_scalar(rows, "rows", min_value=0)
     n_cols = check_int_scalar(n_cols, "n_cols", min_value=0)
@@ -490,8 +567,9 @@ def scoring_plan(
     groups = max(1, rows // group)
     table = _nearest_plan(group, rows, n_cols) if block_size == PLANS_BLOCK_SIZE else None
     d_tma: bool | None = None  # (the heuristic: the bulk copy wherever a tile is one block of whole rows)
+    d_pair = True  # (the heuristic: MTP pairs by one dot)
     if table is not None:
-        d_bn, d_tiles, d_warps, d_stages, d_tma = table
+        d_bn, d_tiles, d_warps, d_stages, d_tma, d_pair = table
     else:
         d_bn = block_size if block_size in (16, 32, 64, 128) else 64
         n_tiles = cdiv(max(n_cols, 1), d_bn)
@@ -510,7 +588,8 @@ def scoring_plan(
         tma = tma_ok and (d_tma is None or d_tma or block_n != d_bn)
     elif check_bool(tma, "tma") and not tma_ok:
         raise ValueError(f"tma=True needs block_n == block_size, a multiple of 32 (got {block_n}, {block_size})")
-    return ScoringPlan(block_n, tiles, num_warps, num_stages, cdiv(n_tiles, tiles), group, tma)
+    pair_dot = group == 2 and (d_pair if pair_dot is None else check_bool(pair_dot, "pair_dot"))
+    return ScoringPlan(block_n, tiles, num_warps, num_stages, cdiv(n_tiles, tiles), group, tma, pair_dot)
 
 
 def kernel_views(a: ScoringArgs, index_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -575,6 +654,7 @@ def index_scores_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     tma: bool | None = None,
+    pair_dot: bool | None = None,
 ) -> torch.Tensor:
     """This rank's index scores ``[T, L]`` from its FP8 index-key cache, on the GPU (one launch with ``out``).
 
@@ -594,7 +674,7 @@ def index_scores_triton(
     gives it and the verdict in the same one read (two launches).
 
     Tuning (see :func:`scoring_plan`): ``block_n`` keys per tile (power of two, 16-512), ``tiles``
-    tiles per program, ``num_warps``, ``num_stages``.
+    tiles per program, ``num_warps``, ``num_stages``, ``tma``, ``pair_dot`` (MTP pairs by one dot).
 
     Returns:
         float32 ``[T, L]`` (``out`` when given).
@@ -616,7 +696,8 @@ def index_scores_triton(
                              ("row_starts", row_starts), ("block_table", block_table)):  # fmt: skip
             if tensor is not None:
                 check_values_readable(tensor, name)
-    tuning: dict[str, Any] = dict(block_n=block_n, tiles=tiles, num_warps=num_warps, num_stages=num_stages, tma=tma)
+    tuning: dict[str, Any] = dict(block_n=block_n, tiles=tiles, num_warps=num_warps, num_stages=num_stages, tma=tma,
+                                  pair_dot=pair_dot)  # fmt: skip
     try:
         _check_device(index_q)
         plan = scoring_plan(T, L, dev, next_n=a.next_n, block_size=a.block_size, **tuning)  # (re-planned below
@@ -669,7 +750,7 @@ def index_scores_triton(
             HAS_STARTS=row_starts is not None, Q_FP8=index_q.dtype == torch.float8_e4m3fn, NEXT_N=plan.group,
             H_PAD=max(16, next_pow2(a.H)), D=INDEX_K_FP8.head_dim, BS=a.block_size, BLOCK_N=plan.block_n,
             SCAN_N=SCAN, FILL_N=FILL, TMA=plan.tma, num_warps=plan.num_warps, num_stages=plan.num_stages,
-            chk_ptr=chk, CHECK=check, CLEAR=clear,
+            chk_ptr=chk, CHECK=check, CLEAR=clear, PAIR_DOT=plan.pair_dot,
         )  # fmt: skip
     except BaseException:
         if clear:  # the launch that was to zero the flag did not run

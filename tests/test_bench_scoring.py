@@ -209,10 +209,10 @@ def synthetic_records():
 
 def test_best_plans(bs):
     got = bs.best_plans(synthetic_records())
-    assert got == {(1, 32, 4096): (64, 2, 8, 3, True), (2, 64, 4096): (128, 4, 8, 3, False)}
+    assert got == {(1, 32, 4096): (64, 2, 8, 3, True, False), (2, 64, 4096): (128, 4, 8, 3, False, False)}
     rows = {(r["next_n"], r["T"], r["L"]): r for r in bs.sweep_best(synthetic_records())}
     r = rows[(1, 32, 4096)]
-    assert r["default_plan"] == [64, 4, 4, 4, True] and r["default_us"] == 9.0 and r["best_us"] == 5.0
+    assert r["default_plan"] == [64, 4, 4, 4, True, False] and r["default_us"] == 9.0 and r["best_us"] == 5.0
     assert r["speedup"] == pytest.approx(1.8) and r["errors"] == 1 and r["timed"] == 7
     assert rows[(2, 2, 131072)]["best_plan"] is None
 
@@ -226,7 +226,7 @@ def test_print_plans_reads_back(bs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "{" and lines[-1] == "}" and len(lines) == 4  # one entry per line
-    assert lines[1].startswith("    (1, 32, 4096): (64, 2, 8, 3, True),")
+    assert lines[1].startswith("    (1, 32, 4096): (64, 2, 8, 3, True, False),")
     assert ast.literal_eval(proc.stdout) == bs.best_plans(synthetic_records())
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"sweep": []}))
@@ -258,10 +258,10 @@ def test_sweep_schedule(bs):
                    ((1, 128, 1), cfgs[3]), ((64, 4096, 2), cfgs[3])]  # fmt: skip
     assert isinstance(sched[-1][2], str) and "num_stages" in sched[-1][2]
     space = bs.scoring_configs()
-    n = 7 * 4 * 2 + len(bs.SWEEP_EXTRA)  # tiles x stages x tma at 64-key tiles, then the 128-key ones
+    n = 12 * 2 * 1 * 2 + len(bs.SWEEP_EXTRA)  # tiles x stages x tma x pair_dot, then cp.async
     assert len(space) == n and len({tuple(sorted(c.items())) for c in space}) == n
-    assert space == bs.scoring_configs() and all(set(c) == {"block_n", "tiles", "num_warps", "num_stages", "tma"}
-                                                 for c in space)  # fmt: skip
+    fields = {"block_n", "tiles", "num_warps", "num_stages", "tma"}
+    assert space == bs.scoring_configs() and all(set(c) - {"pair_dot"} == fields for c in space)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreted kernel on the CPU (the GPU run is the H200's)")
@@ -337,7 +337,7 @@ def test_summarize_and_markdown(bs):
     assert "| 2 | 64 | 32 | 4096 | 12.0 | 8.2 | **no** | 8.0 | 1.50 |" in md
     assert (
         "## Sweep: best vs default plan" in md
-        and "| 1 | 32 | 4096 | (64, 4, 4, 4, True) | 9.00 | (64, 2, 8, 3, True) |" in md
+        and "| 1 | 32 | 4096 | (64, 4, 4, 4, True, False) | 9.00 | (64, 2, 8, 3, True, False) |" in md
     )
     assert "Stall Long Scoreboard 9.8" in md
 

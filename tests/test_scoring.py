@@ -481,6 +481,46 @@ def test_kernel_mtp_groups_score_like_single_tokens(kernel_device, next_n, bs, b
     assert plan.group == (2 if next_n % 2 == 0 else 1)
 
 
+@pytest.mark.parametrize("next_n,bad_block,pair_dot", [
+    (1, 3, None), (1, 40, None), (2, 3, True), (2, 40, True), (2, 40, False), (2, "last", True), (2, "last", False),
+    (2, None, True),
+])  # fmt: skip
+def test_kernel_verdict_past_the_first_entries(kernel_device, monkeypatch, next_n, bad_block, pair_dot) -> None:
+    """Decode reads a row's first ``SCAN`` table entries before its key loop and the rest after it: a bad entry
+    in either part poisons the tokens that need it — with MTP, "last" is a block only the pair's longer token
+    needs, so only that token is poisoned — and the pair scored by one dot or by two gives the reference's scores
+    (``SCAN`` made 32 here, so that rows of 45 blocks have entries past the first part)."""
+    monkeypatch.setattr(st_kernel, "SCAN", 32)
+    bs, lens = 4, (177, 60)  # request 0: token bounds 176 and 177 -> 44 and 45 blocks
+    q, w, cache, bt, req, bounds = mtp_problem(11, B=2, next_n=next_n, bs=bs, lens=lens)
+    if bad_block is not None:
+        bt[0, 44 if bad_block == "last" else bad_block] = -1
+    g = DcpGeometry(1, 0, 1, bs)
+    T, L = q.shape[0], bt.shape[1] * bs
+    want = index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(T, L), validate=False, next_n=next_n)
+    poisoned = [bool(torch.isnan(want[t]).all()) for t in range(T)]
+    if bad_block is None:
+        assert not any(poisoned)
+    elif bad_block == "last":
+        assert poisoned == [False, True, False, False]  # only token 1 needs block 44
+    else:
+        assert poisoned == [r == 0 for r in req.tolist()]
+    tuning = dict(block_n=16, tiles=3) | ({} if pair_dot is None else dict(pair_dot=pair_dot))
+    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
+    got = st_kernel.index_scores_triton(*args, g, out=torch.full((T, L), 7.0, device=kernel_device),
+                                        validate=False, next_n=next_n, **tuning)  # fmt: skip
+    assert_close_scores(got, want, rel=1e-5 if got.device.type == "cpu" else 2e-3)
+    plan = st_kernel.scoring_plan(T, L, got.device, next_n=next_n, block_size=bs, **tuning)
+    assert plan.pair_dot == (next_n == 2 and pair_dot is not False)
+    if bad_block is not None:
+        with pytest.raises(ValueError) as kernel_err:
+            st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), next_n=next_n,
+                                          **tuning)  # fmt: skip
+        with pytest.raises(ValueError) as ref_err:
+            index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(T, L), next_n=next_n)
+        assert str(kernel_err.value) == str(ref_err.value)
+
+
 def test_kernel_mtp_group_of_two_requests_is_poisoned_or_refused(kernel_device) -> None:
     q, w, cache, bt, req, bounds = mtp_problem(5, next_n=2)
     req[3] = 0  # tokens 2 and 3 (group 1) name requests 1 and 0
@@ -858,7 +898,7 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
     import sys
 
     base = dict(HAS_STARTS=False, Q_FP8=True, H_PAD=64, D=128, SCAN_N=st_kernel.SCAN)
-    new = dict(BS=64, FILL_N=st_kernel.FILL)
+    new = dict(BS=64, FILL_N=st_kernel.FILL, PAIR_DOT=False)
     sel = dict(WORLD=2, INTERLEAVE=1, RADIX_BITS=5, PAD_BLOCK=1024)
     checks = dict(CHECK=False, CLEAR=False)
     configs = [
@@ -866,6 +906,7 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
         ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=64, TMA=True), 4, 6),  # ... by the bulk copy
         ("scoring", base | new | checks | dict(NEXT_N=2, BLOCK_N=64, TMA=True), 4, 5),
         ("scoring", base | new | checks | dict(NEXT_N=2, BLOCK_N=64), 4, 4),  # MTP pairs: one read, two dots
+        ("scoring", base | new | checks | dict(NEXT_N=2, BLOCK_N=64, TMA=True, PAIR_DOT=True), 4, 5),  # one dot
         ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=128), 8, 3),  # a tile spans two blocks
         ("scoring", base | new | dict(NEXT_N=1, BLOCK_N=64, CHECK=True, CLEAR=False), 4, 4),  # validated, out given
         ("scoring", base | new | dict(NEXT_N=1, BLOCK_N=64, CHECK=False, CLEAR=True), 4, 4),  # ... without out
@@ -915,6 +956,37 @@ def test_gpu_scoring_matches_reference(cuda_device) -> None:
     want = index_scores(*exact, g, out=torch.empty(16, exact[3].shape[1] * 64, device="cuda"))
     got = st_kernel.index_scores_triton(*exact, g, out=torch.empty_like(want))
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad_block", [None, 7, 1060, "last"])
+def test_gpu_mtp_pairs_and_long_rows_match_reference(cuda_device, bad_block) -> None:
+    """On the H200: rows of more than ``SCAN`` (1024) blocks — a bad entry before or after the first ``SCAN``
+    entries, or in the block only a pair's longer token needs — and MTP pairs by one dot or two, TMA or cp.async,
+    at the plan's launch and at small ones: the reference's poisoned rows, ``-inf`` columns and scores (FP8
+    tensor-core sums: within 2e-3 of the row's largest score); validated, the reference's message."""
+    bs, lens = 64, (64 * 1093 + 1, 9000, 130)  # request 0: bounds 69952 / 69953 -> 1093 / 1094 blocks
+    q, w, cache, bt, req, bounds = mtp_problem(90, B=3, next_n=2, bs=bs, lens=lens)
+    if bad_block is not None:
+        bt[0, 1093 if bad_block == "last" else bad_block] = -1
+    g = DcpGeometry(1, 0, 1, bs)
+    T, L = q.shape[0], bt.shape[1] * bs
+    args = [t.cuda() for t in (q, w, cache, bt, req, bounds)]
+    want = index_scores(*args, g, out=torch.empty(T, L, device="cuda"), validate=False, next_n=2)
+    fin = torch.isfinite(want)
+    for next_n in (2, 1):
+        for kw in ({}, dict(pair_dot=False), dict(tma=False, tiles=3), dict(tiles=1, pair_dot=False, tma=False)):
+            got = st_kernel.index_scores_triton(*args, g, out=torch.full_like(want, 7.0), validate=False,
+                                                next_n=next_n, **kw)  # fmt: skip
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(torch.isinf(got), torch.isinf(want)), kw
+            err = (got - want)[fin].abs()
+            assert float(err.max()) <= 2e-3 * float(want[fin].abs().max()), (next_n, kw)
+    if bad_block is not None:
+        with pytest.raises(ValueError) as kernel_err:
+            st_kernel.index_scores_triton(*args, g, out=torch.empty_like(want), next_n=2)
+        with pytest.raises(ValueError) as ref_err:
+            index_scores(*args, g, out=torch.empty_like(want), next_n=2)
+        assert str(kernel_err.value) == str(ref_err.value)
 
 
 @pytest.mark.gpu

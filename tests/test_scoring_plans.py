@@ -25,7 +25,7 @@ def test_plans_are_the_committed_sweeps_best() -> None:
 def test_the_plan_takes_the_table_at_each_measured_shape(key) -> None:
     group, T, L = key
     plan = st.scoring_plan(T, L, torch.device("cpu"), next_n=group)
-    assert (plan.block_n, plan.tiles, plan.num_warps, plan.num_stages, plan.tma) == st.PLANS[key]
+    assert (plan.block_n, plan.tiles, plan.num_warps, plan.num_stages, plan.tma, plan.pair_dot) == st.PLANS[key]
     assert plan.group == group and plan.programs * plan.tiles * plan.block_n >= L
 
 
@@ -42,3 +42,12 @@ def test_nearest_measured_shape_and_other_block_sizes() -> None:
         st.scoring_plan(32, 8192, cpu, block_n=128, tma=True)
     assert st.scoring_plan(1, 2**22, cpu, block_n=16, tiles=1).programs <= 65535
     assert st.scoring_plan(1, 10, cpu).block_n == 16  # a short row: no tile wider than it
+
+
+def test_pair_dot_is_a_bool_and_only_pairs_use_it() -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(TypeError, match=r"^pair_dot"):
+        st.scoring_plan(64, 8192, cpu, next_n=2, pair_dot="yes")
+    assert not st.scoring_plan(32, 8192, cpu, pair_dot=True).pair_dot  # no pairs at next_n = 1
+    assert st.scoring_plan(64, 4096, cpu, next_n=2).pair_dot == st.PLANS[(2, 64, 4096)][5]
+    assert not st.scoring_plan(64, 4096, cpu, next_n=2, pair_dot=False).pair_dot
