@@ -588,7 +588,8 @@ def scoring_plan(
         tma = tma_ok and (d_tma is None or d_tma or block_n != d_bn)
     elif check_bool(tma, "tma") and not tma_ok:
         raise ValueError(f"tma=True needs block_n == block_size, a multiple of 32 (got {block_n}, {block_size})")
-    pair_dot = group == 2 and (d_pair if pair_dot is None else check_bool(pair_dot, "pair_dot"))
+    pair_dot = d_pair if pair_dot is None else check_bool(pair_dot, "pair_dot")
+    pair_dot = group == 2 and pair_dot  # (no pairs at an odd next_n: one token per read)
     return ScoringPlan(block_n, tiles, num_warps, num_stages, cdiv(n_tiles, tiles), group, tma, pair_dot)
 
 

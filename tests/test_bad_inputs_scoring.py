@@ -265,7 +265,8 @@ bad(b, TypeError, "index_q", "float64 q (the reference's only)", index_q=Q8.doub
 bad("scored_topk_pack", TypeError, "index_q", "float64 q (the reference's only)", index_q=Q8.double())
 for arg, v, exc in [("block_n", 24, ValueError), ("block_n", 8, ValueError), ("block_n", 1024, ValueError),
                     ("block_n", 2.0, TypeError), ("tiles", 0, ValueError), ("num_warps", 3, ValueError),
-                    ("num_warps", 64, ValueError), ("num_stages", 0, ValueError)]:  # fmt: skip
+                    ("num_warps", 64, ValueError), ("num_stages", 0, ValueError), ("pair_dot", "yes", TypeError),
+                    ("tma", 1, TypeError)]:  # fmt: skip
     bad(b, exc, arg, f"{arg}={v}", **{arg: v})
 b = "scored_topk_pack"
 scalar_int_cases(b, "k", min_value=1)
