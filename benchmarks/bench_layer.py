@@ -153,14 +153,10 @@ def _stage_times(step, q, shard, meta, index_q, weights) -> dict[str, float]:
     times: dict[str, float] = {}
     bt, req, bounds = shard.block_table, meta.req_of_token, meta.local_bounds
     n_cols = s.scoring.max_keys
-    if s.scoring.fused:
-        times["scored_indexer"] = _graph_time_us(lambda: st.scored_indexer(
-            index_q, weights, shard.index_cache, bt, req, bounds, cg, k, n_cols=n_cols, out=b.packed))  # fmt: skip
-    else:
-        times["scoring"] = _graph_time_us(lambda: st.scoring(
-            index_q, weights, shard.index_cache, bt, req, bounds, cg, out=b.scores))  # fmt: skip
-        kw = dict(order="rank_local", out_ids=b.own_ids) if s.order == "rank_local" else {}
-        times["indexer"] = _graph_time_us(lambda: st.indexer(b.scores, bounds, cg, k, out=b.packed, **kw))
+    times["scoring"] = _graph_time_us(lambda: st.scoring(
+        index_q, weights, shard.index_cache, bt, req, bounds, cg, out=b.scores))  # fmt: skip
+    kw = dict(order="rank_local", out_ids=b.own_ids) if s.order == "rank_local" else {}
+    times["indexer"] = _graph_time_us(lambda: st.indexer(b.scores, bounds, cg, k, out=b.packed, **kw))
     gathered = b.gathered if b.gathered is not None else b.packed.unsqueeze(0)
     times["select_to_slots"] = _graph_time_us(lambda: st.select_to_slots(
         gathered, b.own_ids, req, bt, cg, k, order=s.order, out_slots=b.slots, out_counts=b.counts))  # fmt: skip
@@ -186,7 +182,7 @@ def _stage_times(step, q, shard, meta, index_q, weights) -> dict[str, float]:
 
 
 def bench_row(
-    layout: str, W: int, T: int, ctx: int, cache: str, fused: bool, device: torch.device, group: Any = None
+    layout: str, W: int, T: int, ctx: int, cache: str, device: torch.device, group: Any = None
 ) -> dict[str, Any]:
     """One row. ``group``: a real group of ``W`` ranks (several GPUs: the collectives are measured, not
     modelled), else this rank alone (:class:`LocalRankGroup`)."""
@@ -202,10 +198,10 @@ def bench_row(
     stages = kernel_stages(device, torch.bfloat16, DQK, DV, num_heads=heads, topk=TOPK, kv_format=kv_format)
     from dcp_ref.geometry import DcpGeometry
 
-    order = "rank_local" if layout == "dcp" and W > 1 and not fused else "global_id"
+    order = "rank_local" if layout == "dcp" and W > 1 else "global_id"
     spec = StepSpec(DcpGeometry(W, 0, 1, BLOCK), max_tokens=T, topk=TOPK, num_heads=H, head_dim=DQK, v_dim=DV,
                     sm_scale=SCALE, dtype=torch.bfloat16, device=device, layout=layout, exchange="owner", order=order,
-                    combine="alltoall", q_replicate=W == 1, scoring=ScoringSpec(local, fused=fused))  # fmt: skip
+                    combine="alltoall", q_replicate=W == 1, scoring=ScoringSpec(local))  # fmt: skip
     real = group is not None
     if real and rank != 0:
         spec = dataclasses.replace(spec, geometry=DcpGeometry(W, rank, 1, BLOCK))
@@ -230,7 +226,7 @@ def bench_row(
     allocs = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) - mem0
     row: dict[str, Any] = {
         "layout": layout, "W": W, "T": T, "ctx": ctx, "cache": cache, "local_keys": local,
-        "scoring": "fused" if fused else "unfused", "order": order, "impl": step.impls,
+        "scoring": "unfused", "order": order, "impl": step.impls,
         "notes": dict(step.stages.notes), "plan_ms": plan_ms, "allocations_per_run": allocs,
     }  # fmt: skip
     row["eager_us"] = _eager_time_us(run)
@@ -266,10 +262,9 @@ def main() -> None:
     ap.add_argument("--T", default="1,32,128")
     ap.add_argument("--ctx", default="8192,65536,131072")
     ap.add_argument("--cache", default="bf16,fp8")
-    ap.add_argument("--fused", default="0,1", help="scoring fused into the indexer: 0, 1 or both")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting rows after this many seconds")
     ap.add_argument("--transport", default="nccl", help="under torch.distributed.run: nccl, symm (symmetric memory)")
-    ap.add_argument("--configs", default=None, help="explicit rows in this order: layout:W:T:ctx:cache:fused,...")
+    ap.add_argument("--configs", default=None, help="explicit rows in this order: layout:W:T:ctx:cache,...")
     args = ap.parse_args()
     group = None
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -295,15 +290,14 @@ def main() -> None:
     configs = []
     if args.configs:
         for c in args.configs.split(","):
-            lay, w_, t_, ctx_, cache_, fused_ = c.split(":")
-            configs.append((lay, int(w_), int(t_), int(ctx_), cache_, bool(int(fused_))))
+            lay, w_, t_, ctx_, cache_ = c.split(":")
+            configs.append((lay, int(w_), int(t_), int(ctx_), cache_))
     for W in [] if args.configs else ints(args.W):
         for T in ints(args.T):
             for ctx in ints(args.ctx):
                 for cache in args.cache.split(","):
-                    for fused in ints(args.fused):
-                        for layout in ("dcp",) if W == 1 else ("dcp", "tp"):
-                            configs.append((layout, W, T, ctx, cache, bool(fused)))
+                    for layout in ("dcp",) if W == 1 else ("dcp", "tp"):
+                        configs.append((layout, W, T, ctx, cache))
     name = "layer.json" if group is None else f"layer_W{world}_{args.transport}.json"
 
     def result() -> dict[str, Any]:

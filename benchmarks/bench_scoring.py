@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Benchmark the scoring stage on one H200: FP8 index keys -> index scores (next_n 1 and 2), and fused -> top-K -> pack.
+"""Benchmark the scoring stage on one H200: FP8 index keys -> index scores (next_n 1 and 2), then -> top-K -> pack.
 
     python3 benchmarks/bench_scoring.py --out $OUT [--peers .gpu/peers/vllm] [--deepgemm $OUT/deepgemm_logits.json]
-        [--no-fused] [--no-sweep | --sweep-budget 300] [--fused-sweep] [--next-n 1,2] [--ncu-json ncu.json ...]
+        [--no-chain] [--no-sweep | --sweep-budget 300] [--next-n 1,2] [--ncu-json ncu.json ...]
     python3 benchmarks/bench_scoring.py --quick --no-sweep --out /tmp/s   # a smoke test
     python3 benchmarks/bench_scoring.py --print-plans benchmarks/results/scoring.json   # CPU: the PLANS table
 
@@ -19,7 +19,7 @@ so make two calls back to back (the machine stays warm, ``/tmp/dcp-gpu-site`` ke
         python3 benchmarks/bench_scoring.py --out $OUT --peers .gpu/peers/vllm --deepgemm $OUT/deepgemm_logits.json")
 
 (If the second call lands on a fresh machine, CuTeDSL is missing: vLLM's pack column is skipped and recorded
-in ``peer_errors``; the rest runs.) ``--no-fused --no-sweep`` times ours (and reads DeepGEMM's JSON) only: the
+in ``peer_errors``; the rest runs.) ``--no-chain --no-sweep`` times ours (and reads DeepGEMM's JSON) only: the
 quick loop while tuning the kernel.
 
 Shapes (``_scoring_inputs.py``: the same bytes as the DeepGEMM peer's): ``next_n = 1`` — ``T`` in {1, 32, 128}
@@ -30,12 +30,9 @@ x local ``L`` in {4096, 32768, 131072}; 64 index heads x 128, block size 64, ran
 * ``ours`` — :func:`dcp_ref.kernels.scoring_triton.index_scores_triton` (``out=``, ``validate=False``,
   ``next_n=``), default plan; its relative error against the float64 oracle (:func:`dcp_ref.scoring.index_scores`)
   on the first rows (``max_rel_err``: ``max |err| / max |score|``);
-* ``fused`` (``next_n = 1`` only: the fused kernel has no ``next_n``) —
-  :func:`dcp_ref.kernels.scored_indexer_triton.scored_topk_pack` with ``k = 2048`` (scores never written) and, for
-  comparison (every shape), ``ours_chain`` = the scoring kernel + ``indexer_topk_pack`` on its scores; the fused
-  candidates are compared with the chain's as per-row sets of (score, id) bit patterns (``fused_same_as_chain``:
-  rows equal; last-bit differences between the two kernels' float32 sums can swap a near-tie at the threshold,
-  so ``fused_tolerant_ok`` also checks the selection against the chain's scores within 1e-5 relative);
+* ``ours_chain`` — the scoring kernel + ``indexer_topk_pack`` (``k = 2048``) on its scores, every shape (a kernel
+  that fused the two, scores never written, measured slower than this chain at every shape on 2026-12-02 and was
+  removed: ``results/scoring.md``);
 * ``vllm`` — vLLM's indexer top-K (``top_k_per_row_decode``, ctypes, no CuTeDSL needed) and pack
   (``pack_dcp_topk_candidates``, its module imports cutlass: needs the CuTeDSL bundle) on our scores (per-row
   lengths), from ``--peers DIR`` (``../shared/peers/vllm``); skipped when absent;
@@ -46,7 +43,7 @@ x local ``L`` in {4096, 32768, 131072}; 64 index heads x 128, block size 64, ran
   measured in this run) and the FP8 compute floor (``2 * T * L * 64 * 128`` FLOP at 1979 TFLOP/s dense), and
   which binds; the target ``target_us = 1.3 * read_floor_us + 3`` (``meets_target``).
 
-``--no-fused`` skips the fused, chain and vLLM columns. FlashInfer 0.7's ``fp8_paged_mqa_logits`` is an
+``--no-chain`` skips the chain and vLLM columns. FlashInfer 0.7's ``fp8_paged_mqa_logits`` is an
 SM100-only CuTeDSL kernel: it is not a peer on the H200.
 
 Times: device time per call from replaying a CUDA graph of back-to-back calls (``do_bench`` median / calls), as
@@ -58,14 +55,13 @@ leaves every shape with the same configurations; each checked (``max_rel_err`` a
 ``vs_default_rel_err`` against the default plan's whole output) and timed with a cheaper timer
 (``_scoring_inputs.sweep_time``: a CUDA graph of ``reps`` calls, ``do_bench`` rep = 25 ms). :func:`best_plans`
 picks, per ``(next_n, T, L)``, the fastest configuration within 1e-3; ``--print-plans scoring.json`` prints them as
-the ``PLANS`` literal of ``kernels/scoring_triton.py`` (no GPU needed). ``--fused-sweep``: the fused kernel's
-configurations (:data:`FUSED_SWEEP`) at :data:`FUSED_SWEEP_SHAPES` as before, off by default. ``--ncu-json FILE``
+the ``PLANS`` literal of ``kernels/scoring_triton.py`` (no GPU needed). ``--ncu-json FILE``
 (repeatable): summaries written by ``profile_scoring.py --summarize``, kept under ``ncu`` and tabulated.
 
 Writes ``scoring.json`` under ``--out``: ``summary`` rows ``{"T", "B", "L", "next_n", "ours_us", "read_floor_us",
 "compute_floor_us", "binds", "target_us", "meets_target", "max_rel_err", "plan", "deepgemm_us",
-"deepgemm_max_rel_err", "deepgemm_metadata_us", "vs_deepgemm"}`` (+ ``fused_chain_us``, ``ours_unfused_chain_us``,
-``vllm_topk_pack_us``, ``peer_chain_us``, ``fused_read_floor_us``, ``fused_same_as_chain``, ``fused_tolerant_ok``
+"deepgemm_max_rel_err", "deepgemm_metadata_us", "vs_deepgemm"}`` (+ ``ours_unfused_chain_us``,
+``vllm_topk_pack_us``, ``peer_chain_us``
 where measured, else ``None``), ``results`` (the per-shape details), ``sweep`` (records ``{"kernel": "scoring",
 "T", "B", "L", "next_n", "config", "plan", "graph": {"median_us", ...}, "max_rel_err", "vs_default_rel_err"}`` or
 ``"error"``), ``sweep_best`` (per shape: the default and the best plan and times), ``ncu``; and ``scoring.md``
@@ -109,19 +105,6 @@ SWEEP_SPACE: dict[str, tuple[Any, ...]] = {
 }
 SWEEP_EXTRA = [dict(block_n=64, num_warps=4, tiles=t, num_stages=5, tma=False) for t in (4, 16, 24)]
 PLAN_FIELDS = ("block_n", "tiles", "num_warps", "num_stages", "tma", "pair_dot")
-#: (T, L) where the fused kernel's configurations are timed (``--fused-sweep``; next_n = 1)
-FUSED_SWEEP_SHAPES = [(32, 32768), (128, 131072), (1, 131072), (128, 4096)]
-#: (sm_90a, compiled here: 16 warps x 8192-key segments use 128 registers per thread -> one program per SM;
-#: 4 warps with a streamed select (sel_tile < seg) ~140-160 -> three per SM, so that one program's scoring
-#: overlaps another's selection.)
-FUSED_SWEEP = [
-    dict(seg=sg, num_warps=nw, block_n=bn, num_stages=ns, programs_per_sm=pp, sel_tile=st)
-    for sg, nw, bn, ns, pp, st in [
-        (8192, 16, 64, 3, 1, None), (8192, 32, 128, 2, 1, None), (8192, 8, 64, 3, 2, 2048),
-        (8192, 8, 128, 2, 2, 1024), (8192, 4, 64, 3, 3, 1024), (8192, 4, 64, 3, 4, 1024),
-        (4096, 4, 64, 3, 3, 512), (4096, 8, 64, 3, 2, None), (2048, 4, 64, 3, 4, None),
-    ]
-]  # fmt: skip
 
 
 def load_peers(folder: str | None) -> tuple[dict[str, Any], dict[str, str]]:
@@ -142,10 +125,6 @@ def load_peers(folder: str | None) -> tuple[dict[str, Any], dict[str, str]]:
         except Exception as e:  # noqa: BLE001 - a missing bundle (cutlass) skips that column, recorded
             errors[name] = f"{type(e).__name__}: {e}"[:300]
     return mods, errors
-
-
-def pair_bits(packed: torch.Tensor) -> torch.Tensor:
-    return torch.sort(packed.contiguous().view(torch.int64).squeeze(-1), 1).values
 
 
 def tolerant_selection_ok(cand: torch.Tensor, scores: torch.Tensor, k: int, rel: float = 1e-5) -> bool:
@@ -179,7 +158,7 @@ def shape_list(quick: bool, next_ns: Iterable[int]) -> list[tuple[int, int, int]
     return [s for s in si.all_shapes(quick) if s[2] in want]
 
 
-def run_shape(t: int, n: int, nn: int, bw: float, peers: dict[str, Any], fused_cols: bool = True) -> dict[str, Any]:
+def run_shape(t: int, n: int, nn: int, bw: float, peers: dict[str, Any], chain_cols: bool = True) -> dict[str, Any]:
     from dcp_ref.geometry import DcpGeometry
     from dcp_ref.kernels.scoring_triton import index_scores_triton, scoring_plan
 
@@ -204,11 +183,10 @@ def run_shape(t: int, n: int, nn: int, bw: float, peers: dict[str, Any], fused_c
     rec["ours_neginf_past_bounds"] = bool((scores[~inside] == float("-inf")).all())
     del inside
     rec["ours"] = si.graph_time(ours)
-    if not fused_cols:
+    if not chain_cols:
         return rec
     from dcp_ref.kernels.indexer_triton import indexer_topk_pack, workspace_for
 
-    rec["floors_fused"] = si.floors(t, n, bw, t * k * 8, next_n=nn)
     # ---- ours, unfused chain: scores + indexer_topk_pack (per-row lengths: any next_n)
     chain_out = torch.empty((t, k, 2), device=DEV)
     ws = workspace_for(scores, k)
@@ -217,22 +195,6 @@ def run_shape(t: int, n: int, nn: int, bw: float, peers: dict[str, Any], fused_c
     chain()
     torch.cuda.synchronize()
     rec["ours_chain"] = si.graph_time(chain)
-    # ---- fused (no next_n: next_n = 1 rows only)
-    if nn == 1:
-        from dcp_ref.kernels import scored_indexer_triton as fused
-
-        plan = fused.scored_plan(t, n, k, scores.device)
-        rec["fused_plan"] = plan._asdict()
-        scratch, fws = fused.scratch_for(plan, DEV), fused.workspace_for(plan, t, k, DEV)
-        cand = torch.full((t, k, 2), float("nan"), device=DEV)
-        fz = lambda: fused.scored_topk_pack(*args, g, k, n_cols=n, out=cand, workspace=fws,  # noqa: E731
-                                            scratch=scratch, validate=False)  # fmt: skip
-        fz()
-        torch.cuda.synchronize()
-        same = (pair_bits(cand) == pair_bits(chain_out)).all(1)
-        rec["fused_same_as_chain"] = float(same.float().mean())
-        rec["fused_tolerant_ok"] = tolerant_selection_ok(cand, scores, k)
-        rec["fused"] = si.graph_time(fz)
     # ---- vLLM's top-K + pack on our scores
     if "topk_decode" in peers:
         try:
@@ -445,45 +407,6 @@ def plans_literal(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def sweep_fused(budget: float, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
-    """The fused kernel's configurations (:data:`FUSED_SWEEP`) at ``shapes`` (next_n = 1), within ``budget`` s."""
-    from dcp_ref.geometry import DcpGeometry
-    from dcp_ref.kernels import scored_indexer_triton as fused
-    from dcp_ref.kernels.scoring_triton import index_scores_triton
-
-    k = si.TOPK
-    g = DcpGeometry(W, RANK, I, si.BLOCK)
-    out: list[dict[str, Any]] = []
-    t0 = time.monotonic()
-    for t, n in shapes:
-        inp = si.build_inputs(t, n, DEV)
-        args = [inp[x] for x in ("index_q", "weights", "index_cache", "block_table", "req_of_token", "local_bounds")]
-        base = index_scores_triton(*args, g, validate=False)
-        base_cand = fused.scored_topk_pack(*args, g, k, n_cols=n, validate=False)
-        for kw in [{}, *FUSED_SWEEP]:
-            if time.monotonic() - t0 > budget:
-                return out
-            rec: dict[str, Any] = {"kernel": "fused", "T": t, "B": t, "L": n, "next_n": 1, "config": kw}
-            try:
-                plan = fused.scored_plan(t, n, k, base.device, **kw)
-                rec["plan"] = plan._asdict()
-                scr, ws = fused.scratch_for(plan, DEV), fused.workspace_for(plan, t, k, DEV)
-                c = torch.full((t, k, 2), float("nan"), device=DEV)
-                fn = lambda: fused.scored_topk_pack(*args, g, k, n_cols=n, out=c, workspace=ws,  # noqa: E731
-                                                    scratch=scr, validate=False, **kw)  # fmt: skip
-                fn()
-                torch.cuda.synchronize()
-                rec["same_as_default"] = float((pair_bits(c) == pair_bits(base_cand)).all(1).float().mean())
-                rec["tolerant_ok"] = tolerant_selection_ok(c, base, k)
-                rec["graph"] = si.graph_time(fn)
-            except Exception as e:  # noqa: BLE001
-                rec["error"] = f"{type(e).__name__}: {e}"[:400]
-            out.append(rec)
-            print(f"sweep fused T={t} L={n} {kw} -> {rec.get('graph', {}).get('median_us')} "
-                  f"same={rec.get('same_as_default')} {rec.get('error', '')}", flush=True)  # fmt: skip
-    return out
-
-
 # ---- the JSON, the tables ---------------------------------------------------------------------------------
 def load_json(path: str | None) -> dict[str, Any]:
     if not path:
@@ -532,13 +455,9 @@ def summarize(results: list[dict[str, Any]], dg: dict[str, Any]) -> list[dict[st
                 "deepgemm_max_rel_err": d.get("max_rel_err"),
                 "deepgemm_metadata_us": d.get("metadata_us"),
                 "vs_deepgemm": ours / dgu if ours is not None and dgu else None,
-                "fused_chain_us": med("fused"),
                 "ours_unfused_chain_us": med("ours_chain"),
                 "vllm_topk_pack_us": vllm,
                 "peer_chain_us": dgu + vllm if dgu is not None and vllm is not None else None,
-                "fused_read_floor_us": r.get("floors_fused", {}).get("read_floor_us") if nn == 1 else None,
-                "fused_same_as_chain": r.get("fused_same_as_chain"),
-                "fused_tolerant_ok": r.get("fused_tolerant_ok"),
             }
         )
     return rows
@@ -591,20 +510,19 @@ def markdown(data: dict[str, Any]) -> str:
         f"first seeing L - 1 keys. Device µs per call (CUDA-graph replay). Copy bandwidth "
         f"{data['copy_bandwidth_TBps']:.2f} TB/s. *target* = {TARGET_FACTOR} x read floor + {TARGET_SLACK_US:.0f} µs; "
         "*read floor*: the keys once per request + the scores; *peer chain* = DeepGEMM logits + vLLM top-K + vLLM "
-        "pack; *fused*: next_n = 1 only.",
+        "pack; *our chain* = our scoring + our local top-K + pack.",
         "",
-        "| next_n | T | B | L | ours | target | meets | DeepGEMM | ours / DG | fused (scoring+top-K+pack) "
-        "| ours unfused chain | peer chain | read floor | compute floor | binds | rel err | DG rel err "
-        "| fused = chain |",
-        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| next_n | T | B | L | ours | target | meets | DeepGEMM | ours / DG "
+        "| our chain | peer chain | read floor | compute floor | binds | rel err | DG rel err |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for s in data["summary"]:
         lines.append(
             f"| {s['next_n']} | {s['T']} | {s['B']} | {s['L']} | {f(s['ours_us'])} | {f(s['target_us'])} "
             f"| {f(s['meets_target'])} | {f(s['deepgemm_us'])} | {f(s['vs_deepgemm'], '.2f')} "
-            f"| {f(s['fused_chain_us'])} | {f(s['ours_unfused_chain_us'])} | {f(s['peer_chain_us'])} "
+            f"| {f(s['ours_unfused_chain_us'])} | {f(s['peer_chain_us'])} "
             f"| {f(s['read_floor_us'])} | {f(s['compute_floor_us'])} | {s['binds']} | {f(s['max_rel_err'], '.2e')} "
-            f"| {f(s['deepgemm_max_rel_err'], '.2e')} | {f(s['fused_same_as_chain'], '.3f')} |"
+            f"| {f(s['deepgemm_max_rel_err'], '.2e')} |"
         )
     if data.get("sweep_best"):
         sw = data.get("sweep_meta", {})
@@ -663,11 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deepgemm", help="JSON written by peer_deepgemm_logits.py in its own process")
     ap.add_argument("--quick", action="store_true", help=f"only {si.QUICK} (next_n 1) and {si.QUICK_MTP} (next_n 2)")
     ap.add_argument("--next-n", default="1,2", help="shape families: 1 (SHAPES), 2 (MTP_SHAPES) or 1,2 (default)")
-    ap.add_argument("--no-fused", dest="fused", action="store_false", help="skip the fused, chain and vLLM columns")
+    ap.add_argument("--no-chain", dest="chain", action="store_false", help="skip the chain and vLLM columns")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the scoring launch-config sweep")
     ap.add_argument("--sweep-budget", type=float, default=300.0, help="seconds for the scoring sweep")
-    ap.add_argument("--fused-sweep", action="store_true", help=f"also sweep the fused kernel at {FUSED_SWEEP_SHAPES}")
-    ap.add_argument("--fused-sweep-budget", type=float, default=150.0, help="seconds for the fused sweep")
     ap.add_argument("--ncu-json", action="append", default=None, help="profile_scoring.py --summarize output "
                     "(repeatable): kept under 'ncu', tabulated in scoring.md")  # fmt: skip
     ap.add_argument(
@@ -684,11 +600,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     next_ns = [int(v) for v in args.next_n.split(",") if v.strip()]
     shapes = shape_list(args.quick, next_ns)
-    peers, peer_errors = load_peers(args.peers) if args.fused else ({}, {"peers": "--no-fused"})
+    peers, peer_errors = load_peers(args.peers) if args.chain else ({}, {"peers": "--no-chain"})
     bw = si.copy_bandwidth()
     data: dict[str, Any] = {
         "benchmark": "scoring stage: FP8 index keys -> index scores (kernels/scoring_triton.py; next_n 1 and 2), "
-        "fused with the local top-K + pack (kernels/scored_indexer_triton.py; next_n 1); peers: DeepGEMM "
+        "then our local top-K + pack on its scores; peers: DeepGEMM "
         "fp8_paged_mqa_logits, vLLM top-K + pack",
         "device": si.device_info(),
         "versions": _meta.versions(),
@@ -715,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     for t, n, nn in shapes:
         try:
-            rec = run_shape(t, n, nn, bw, peers, fused_cols=args.fused)
+            rec = run_shape(t, n, nn, bw, peers, chain_cols=args.chain)
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - a failing shape is recorded; the others still run
             rec = {
@@ -730,10 +646,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(rec)
         print(
             f"T={t:4d} L={n:6d} next_n={nn} ours={rec.get('ours', {}).get('median_us', float('nan')):9.1f} "
-            f"fused={rec.get('fused', {}).get('median_us', float('nan')):9.1f} "
             f"chain={rec.get('ours_chain', {}).get('median_us', float('nan')):9.1f} "
             f"vllm={rec.get('vllm_topk_pack', {}).get('median_us', float('nan')):8.1f} "
-            f"err={rec.get('max_rel_err')} same={rec.get('fused_same_as_chain')} {rec.get('error', '')[:200]}",
+            f"err={rec.get('max_rel_err')} {rec.get('error', '')[:200]}",
             flush=True,
         )
         data["results"] = results
@@ -747,18 +662,10 @@ def main(argv: list[str] | None = None) -> int:
         data["sweep_meta"] = sw | {"space": {k: list(v) for k, v in SWEEP_SPACE.items()}, "extra": SWEEP_EXTRA}
         data["sweep_best"] = sweep_best(data["sweep"])
         write(args.out, data)
-    if args.fused_sweep and 1 in next_ns:
-        data.setdefault("sweep", []).extend(
-            sweep_fused(args.fused_sweep_budget, si.QUICK if args.quick else FUSED_SWEEP_SHAPES)
-        )
-        write(args.out, data)
     print(json.dumps(data["summary"], indent=1))
     if data.get("sweep_best"):
         print(plans_literal(data["sweep"]))
-    ok = all(
-        "error" not in r and r.get("max_rel_err", 1.0) < MAX_REL_ERR and r.get("fused_tolerant_ok", True)
-        for r in results
-    )
+    ok = all("error" not in r and r.get("max_rel_err", 1.0) < MAX_REL_ERR for r in results)
     return 0 if ok else 1
 
 

@@ -5,7 +5,7 @@
     compute-sanitizer --tool racecheck --error-exitcode 9 python benchmarks/sanitize_all.py
     python benchmarks/sanitize_all.py --out benchmarks/results        # + sanitize_all.json
     python benchmarks/sanitize_all.py --only pack,deinterleave          # some families
-    python benchmarks/sanitize_all.py --only guard,scoring,scored_indexer,splitkv,select_to_slots,indexer_compact
+    python benchmarks/sanitize_all.py --only guard,scoring,splitkv,select_to_slots,indexer_compact
 
 Kernel families (``--only`` names; each skipped, and said so, when its package or file is missing):
 
@@ -19,7 +19,6 @@ Kernel families (``--only`` names; each skipped, and said so, when its package o
 * ``guard`` — the Triton guard stage (``kernels/guard_triton.py``; reference ``dcp_ref/guard.py``);
 * ``scoring`` — the Triton FP8 index scoring (``kernels/scoring_triton.py``; reference ``dcp_ref/scoring.py``
   over the paged FP8 index-key cache of ``dcp_ref/index_cache.py``);
-* ``scored_indexer`` — the fused scoring -> top-K -> pack (``kernels/scored_indexer_triton.py``);
 * ``splitkv`` — the Triton split-KV sparse MLA decode (``kernels/attention_splitkv_triton.py``);
 * ``topk_cutedsl`` — the CuTeDSL stable top-K (``kernels/topk_cutedsl.py``);
 * ``select_to_slots`` — the CuTeDSL owner-local select-to-slots, both orders, the cluster split
@@ -655,51 +654,41 @@ def fam_scoring(f: Family) -> None:
             want = index_scores(q, w, cache, bt, req, dec, geo, validate=False)
             got = index_scores_triton(*_dev(q, w, cache, bt, req, dec), geo, validate=False, block_n=block_n)
             f.check(f"T={T} bs={bs} decode, width {width} from the table", _same_nan_and_values(got, want))
+    _scoring_mtp_cases(f, g)
+
+
+def _scoring_mtp_cases(f: Family, g: torch.Generator) -> None:
+    """MTP pairs (``next_n = 2``) by one dot and by two, TMA and cp.async, 64-key blocks, with the decode verdict's
+    first-entries part made 2 entries (``SCAN`` patched) so that rows of 4 blocks read entries on both sides of
+    it: the table rows with a missing and a foreign block (every request's pairs) and a pair of two requests."""
+    from dcp_ref.kernels import scoring_triton as st
+    from dcp_ref.scoring import index_scores
+
+    lens = (230, 130, 64)
+    q, w, cache, bt, _, _, _, L = _index_problem(g, 10, 3, 64, 64, lens, torch.float8_e4m3fn)
+    req = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 1])  # rows 3 and 4: the bad table rows; the last pair mixed
+    full = [*lens, lens[0], lens[0]]
+    bounds = torch.tensor([full[int(r)] - 1 + (i % 2) for i, r in enumerate(req)]).clamp(min=0)
+    bounds[9] = 100
+    geo = DcpGeometry(1, 0, 1, 64)
+    want = index_scores(q, w, cache, bt, req, bounds, geo, out=torch.empty(10, L), validate=False, next_n=2)
+    saved, st.SCAN = st.SCAN, 2
+    try:
+        for pair_dot in (True, False):
+            for tma in (True, False):
+                with f.case(f"MTP pair_dot={pair_dot} tma={tma}"):
+                    out = torch.full((10, L), 12345.0, device=DEV)
+                    got = st.index_scores_triton(*_dev(q, w, cache, bt, req, bounds), geo, out=out, validate=False,
+                                                 next_n=2, pair_dot=pair_dot, tma=tma, tiles=2)  # fmt: skip
+                    ok = got is out and _same_nan_and_values(got, want) and bool(torch.isnan(want[6:]).all())
+                    f.check(f"MTP pair_dot={pair_dot} tma={tma}: bad pairs NaN, the rest exact", ok)
+    finally:
+        st.SCAN = saved
 
 
 def _pair_sets(x: torch.Tensor) -> torch.Tensor:
     """int64 ``[T, k]``: each row's (score, id) float32 pairs as sorted bit patterns (compare rows as sets)."""
     return torch.sort(x.cpu().contiguous().view(torch.int64).squeeze(-1), 1).values
-
-
-def fam_scored_indexer(f: Family) -> None:
-    from dcp_ref.indexer import local_topk
-    from dcp_ref.kernels import scored_indexer_triton as si
-    from dcp_ref.scoring import index_scores
-
-    g = gen(11)
-    fp8 = torch.float8_e4m3fn
-    # (T, B, bs, H, lens, index dtype, W, I, k, seg, block_n, sel_tile, select_limit)
-    for T, B, bs, H, lens, it, W, I, k, seg, block_n, sel, limit in [
-        (9, 3, 4, 5, (10, 7, 13), torch.int32, 2, 1, 6, 16, 16, None, si.MAX_TILE),  # 1-2 segments, one level
-        (10, 3, 8, 16, (90, 25, 33), torch.int64, 3, 2, 3, 16, 16, None, 16),  # 7 segments, two split levels
-        (9, 3, 8, 5, (40, 9, 20), torch.int32, 2, 2, 40, 64, 32, 16, si.MAX_TILE),  # k > most rows; streamed select
-    ]:
-        with f.case(f"k={k} seg={seg} W={W} I={I}"):
-            q, w, cache, bt, req, bounds, starts, L = _index_problem(g, T, B, bs, H, lens, fp8)
-            bt, req, bounds, starts = bt.to(it), req.to(it), bounds.to(it), starts.to(it)
-            geo = DcpGeometry(W, W - 1, I, bs)
-            scores = index_scores(
-                q, w, cache, bt, req, bounds, geo, row_starts=starts, out=torch.empty(T, L), validate=False
-            )
-            want = pack_candidates(
-                scores, local_topk(scores, k, bounds, starts, validate=False), geo, starts, validate=False
-            )
-            plan = si.scored_plan(
-                T, min(L, bt.shape[1] * bs), k, DEV, seg=seg, block_n=block_n, sel_tile=sel, select_limit=limit
-            )
-            scratch = torch.full((plan.programs, plan.seg), NAN, device=DEV)  # poisoned: read only after written
-            ws = si.workspace_for(plan, T, k, DEV)
-            if ws is not None:
-                ws.fill_(12345.0)
-            out = torch.full((T, k, 2), 12345.0, device=DEV)
-            got = si.scored_topk_pack(
-                *_dev(q, w, cache, bt, req, bounds), geo, k, n_cols=L, row_starts=starts.to(DEV), out=out, workspace=ws,
-                scratch=scratch, validate=False, seg=seg, block_n=block_n, sel_tile=sel, select_limit=limit,
-            )  # fmt: skip
-            ok = got is out and torch.equal(_pair_sets(got), _pair_sets(want))
-            ok &= bool((got[:7, :, 1] == -1).all().cpu())  # poisoned rows: padding only
-            f.check(f"k={k} seg={seg} levels={plan.levels} {it}: candidates = oracle's (sets, bits)", ok)
 
 
 def fam_splitkv(f: Family) -> None:
@@ -965,7 +954,6 @@ FAMILIES: dict[str, tuple[Callable[[Family], None], str, str]] = {
     "indexer_compact": (fam_indexer_compact, "triton", "triton"),
     "guard": (fam_guard, "triton", "triton"),
     "scoring": (fam_scoring, "triton", "triton"),
-    "scored_indexer": (fam_scored_indexer, "triton", "triton"),
     "splitkv": (fam_splitkv, "triton", "triton"),
     "topk_cutedsl": (fam_topk, "cutlass", "cuda"),
     "select_to_slots": (fam_select_to_slots, "cutlass", "cuda"),
@@ -979,7 +967,6 @@ _FILES = {
     "indexer_compact": "kernels/indexer_triton.py",
     "guard": "kernels/guard_triton.py",
     "scoring": "kernels/scoring_triton.py",
-    "scored_indexer": "kernels/scored_indexer_triton.py",
     "splitkv": "kernels/attention_splitkv_triton.py",
     "select_to_slots": "kernels/select_to_slots_cutedsl.py",
     "local_topk": "kernels/local_topk_cutedsl.py",

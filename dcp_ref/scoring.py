@@ -33,8 +33,9 @@ token's bound hold ``-inf`` (DeepGEMM leaves them unwritten unless ``clean_logit
 
 The oracle computes in float64 from the exactly dequantized values (:func:`index_scores`) and
 returns float32. The GPU kernel is ``dcp_ref.kernels.scoring_triton.index_scores_triton`` (same
-arguments, same checks and messages); ``dcp_ref.kernels.scored_indexer_triton`` fuses it with the
-indexer's top-K and pack so that the ``[T, L]`` scores never reach memory.
+arguments, same checks and messages). (A kernel that fused the scoring into the indexer's top-K and pack, so
+that the ``[T, L]`` scores never reached memory, measured slower than the two stages one after the other at every
+shape on the H200 and was removed: ``benchmarks/results/scoring.md``.)
 
 The ``validate=False`` rule (the hot path: nothing read on the host)
 --------------------------------------------------------------------
@@ -87,7 +88,7 @@ class ScoringArgs(NamedTuple):
 
     T: int  #: query tokens
     H: int  #: index heads
-    L: int | None  #: output columns (``None`` when the caller has no score matrix: the fused indexer)
+    L: int | None  #: output columns (``None`` when the caller checks no width: ``width=False``)
     B: int  #: requests (rows of the block table)
     M: int  #: blocks per request in the table
     num_blocks: int  #: blocks of the cache
@@ -131,9 +132,10 @@ def check_scoring_inputs(
     non-negative bounds and starts, the blocks each token needs present in the table and the cache,
     and (``width``) every row inside ``out`` (all exact in Python ints: no int64 wrap-around).
     ``width=False``: the caller writes no ``[T, L]`` matrix (``out`` is not checked here).
-    ``n_cols`` (with ``out=None``): the width ``L`` of the score matrix a fused caller stands for
-    (checked as ``out``'s width would be). ``next_n`` (an int ``>= 1`` dividing ``T``): the query
-    tokens come in consecutive groups of ``next_n`` tokens of one request (MTP).
+    ``n_cols`` (with ``out=None``): the width ``L`` of a score matrix the caller will make (checked as ``out``'s
+    width would be; the Triton kernel passes 0 where a validated call takes the width from the values). ``next_n``
+    (an int ``>= 1`` dividing ``T``): the query tokens come in consecutive groups of ``next_n`` tokens of one
+    request (MTP).
     """
     validate = check_bool(validate, "validate")
     if not isinstance(geometry, DcpGeometry):

@@ -7,7 +7,7 @@ keys itself)::
     ownership    global lengths -> this rank's local causal bound per query token      (the step's metadata)
     -- query gather: all-gather q over heads, [T, H/W, D] -> [T, H, D]  (dcp, unless the query is replicated)
     scoring      FP8 index query x this rank's FP8 index keys -> index scores [T, L]    (or precomputed scores)
-    indexer      local stable top-K of the scores -> candidates                         (scoring may be fused in)
+    indexer      local stable top-K of the scores -> candidates
     -- all-gather of the candidates (W > 1)
     exchange "allgather":  select (stable global top-k ids) then deinterleave (ids -> this rank's slots)
     exchange "owner":      select_to_slots (the gathered candidates -> this rank's winners' slots, one stage)
@@ -77,7 +77,6 @@ __all__ = [
     "AttentionStage",
     "MergeStage",
     "ScoringStage",
-    "ScoredIndexerStage",
     "SelectToSlotsStage",
     "GuardStage",
     "CombineStage",
@@ -105,7 +104,6 @@ __all__ = [
 #: The stages a :class:`Stages` value implements, in step order (a run uses the ones its spec needs).
 STAGE_NAMES = (
     "scoring",
-    "scored_indexer",
     "indexer",
     "select",
     "deinterleave",
@@ -177,9 +175,6 @@ STAGE_MAP: tuple[StageInfo, ...] = (
               "dcp_ref.step:PlannedStep", (), "07_end_to_end", "bench_layer.py", "layer.json"),
     StageInfo("scoring", "FP8 index query x this rank's FP8 index keys -> index scores [T, L]",
               "dcp_ref.scoring:index_scores", ("scoring_triton",), "02_indexer", "bench_scoring.py", "scoring.json"),
-    StageInfo("scored_indexer", "scoring fused into the local top-K + pack (the scores are never written)",
-              "dcp_ref.stages:reference_scored_indexer", ("scored_indexer_triton",), "02_indexer", "bench_scoring.py",
-              "scoring.json"),
     StageInfo("indexer", "local stable top-K of the scores, packed as (score, global id), or scores + local ids",
               "dcp_ref.indexer:local_topk", ("indexer_triton", "pack_triton"), "02_indexer", "bench_local_topk.py",
               "local_topk.json"),
@@ -227,25 +222,19 @@ class ScoringSpec:
         index_heads: index heads of the lightning indexer (64 for DeepSeek V3.2).
         index_dim: dims per index head: 128, the index-key cache's (``dcp_ref.index_cache.INDEX_K_FP8``), the
             only width the scoring stage reads (refused here otherwise, naming this field, not at the first run).
-        fused: score inside the indexer (the ``scored_indexer`` stage): the ``[T, L]`` score matrix is never
-            written. Needs ``order="global_id"``.
         next_n: query tokens per request in decode (MTP / speculative: the draft tokens with the last one), laid
             out as the ownership stage does (consecutive tokens of one request): the scoring stage then reads each
             key once for a request's tokens. A run whose groups of ``next_n`` tokens name two requests is out of
-            contract (poisoned, or refused with ``validate=True``). Not with ``fused``.
+            contract (poisoned, or refused with ``validate=True``).
     """
 
     max_keys: int
     _: KW_ONLY
     index_heads: int = 64
     index_dim: int = 128
-    fused: bool = False
     next_n: int = 1
 
     def __post_init__(self) -> None:
-        if self.fused and self.next_n != 1:
-            raise ValueError(f"next_n must be 1 with fused=True (the fused indexer scores one token per read), got "
-                             f"{self.next_n}")  # fmt: skip
         for name in ("max_keys", "index_heads", "index_dim", "next_n"):
             object.__setattr__(self, name, check_int_scalar(getattr(self, name), name, min_value=1))
         if self.index_dim != INDEX_K_FP8.head_dim:
@@ -253,8 +242,6 @@ class ScoringSpec:
                 f"index_dim must be {INDEX_K_FP8.head_dim}: the scoring stage reads the index-key cache's layout "
                 f"(dcp_ref.index_cache.INDEX_K_FP8, {INDEX_K_FP8.head_dim} e4m3 values per key), got {self.index_dim}"
             )
-        if not isinstance(self.fused, bool):
-            raise TypeError(f"fused must be a bool, got {type(self.fused).__name__}")
 
 
 def _check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
@@ -352,8 +339,6 @@ class StepSpec:
             raise TypeError(f"q_replicate must be a bool, got {type(self.q_replicate).__name__}")
         if self.scoring is not None and not isinstance(self.scoring, ScoringSpec):
             raise TypeError(f"scoring must be a ScoringSpec or None, got {type(self.scoring).__name__}")
-        if self.scoring is not None and self.scoring.fused and self.order != "global_id":
-            raise ValueError("scoring.fused needs order='global_id' (the fused indexer packs (score, global id))")
 
     @property
     def heads_per_rank(self) -> int:
@@ -532,28 +517,6 @@ class ScoringStage(Protocol):
         ...
 
 
-class ScoredIndexerStage(Protocol):
-    def __call__(
-        self,
-        index_q: torch.Tensor,
-        weights: torch.Tensor,
-        index_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        req_of_token: torch.Tensor,
-        local_bounds: torch.Tensor,
-        geometry: DcpGeometry,
-        k: int,
-        *,
-        n_cols: int,
-        row_starts: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The scoring stage fused into the indexer: same result as the indexer over the scoring stage's
-        scores (float32 ``[T, k, 2]`` (score, global id) candidates), without writing the ``[T, L]`` scores.
-        ``n_cols``: ``L``, the width of the score matrix it stands for (keys past it are out of contract)."""
-        ...
-
-
 class SelectToSlotsStage(Protocol):
     def __call__(
         self,
@@ -710,32 +673,6 @@ def reference_indexer(
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     ids = local_topk(scores, k, lengths, row_starts, validate=False)
     return write_into(pack_candidates(scores, ids, g, row_starts, validate=False), out)
-
-
-@named_impl("torch")
-def reference_scored_indexer(
-    index_q: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_of_token: torch.Tensor,
-    local_bounds: torch.Tensor,
-    geometry: DcpGeometry,
-    k: int,
-    *,
-    n_cols: int,
-    row_starts: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The reference of the fused stage: :func:`reference_scoring` then :func:`reference_indexer` (it writes the
-    scores; the kernels' fused stage does not)."""
-    from .scoring import reference_scoring as scoring
-
-    # The score matrix this reference writes (the kernels' fused stage never does) is n_cols wide: the planned L.
-    scores = torch.empty((local_bounds.shape[0], n_cols), dtype=torch.float32, device=local_bounds.device)
-    scoring(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts=row_starts,
-            out=scores)  # fmt: skip
-    return reference_indexer(scores, local_bounds, geometry, k, row_starts=row_starts, out=out)
 
 
 @named_impl("torch")
@@ -910,7 +847,7 @@ class Stages:
     """One implementation per stage (see the module docstring and each stage's ``Protocol``).
 
     Attributes:
-        scoring, scored_indexer, indexer, select, deinterleave, select_to_slots, attention, guard, merge, combine:
+        scoring, indexer, select, deinterleave, select_to_slots, attention, guard, merge, combine:
             the stage callables (:data:`STAGE_NAMES`); a step calls the ones its :class:`StepSpec` needs.
         attention_layout: ``"compact"`` or ``"masked"`` (see :data:`ATTENTION_LAYOUTS`): what the
             attention stage reads, hence whether the step asks the deinterleave stage to compact.
@@ -927,7 +864,6 @@ class Stages:
     """
 
     scoring: ScoringStage = reference_scoring
-    scored_indexer: ScoredIndexerStage = reference_scored_indexer
     indexer: IndexerStage = reference_indexer
     select: SelectStage = reference_select
     deinterleave: DeinterleaveStage = reference_deinterleave

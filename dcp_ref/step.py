@@ -14,7 +14,7 @@ One run on rank ``r`` of ``W`` (``T`` query tokens, ``H`` heads, ``k`` = top-k; 
     (ownership      seq_lens, next_n -> local bound per token [T]: once per decode step, in StepMetadata)
     query gather    q [T, H/W, D] -> all-gather over heads -> [T, H, D]      (dcp with q_replicate=False)
     scoring         index_q, index_weights x shard.index_cache -> scores [T, L]   (spec.scoring; else the
-                    shard's precomputed index_scores; spec.scoring.fused: inside the indexer)
+                    shard's precomputed index_scores)
     indexer         scores -> candidates: (score, id) [T, k, 2], or scores [T, k] + local ids ("rank_local")
     all-gather      -> gathered [W, T, k, 2] / [W, T, k]                      (W > 1)
     exchange        "allgather": select -> ids [T, k], deinterleave -> slots [T, k], counts [T]
@@ -238,7 +238,7 @@ class _RunViews:
 
     q_gathered: torch.Tensor | None  # [W, T, H/W, D]   query gather
     q_full: torch.Tensor | None  # [T, H, D]           query gather, T > 1 (the transpose)
-    scores: torch.Tensor | None  # [T, L]              scoring, unfused
+    scores: torch.Tensor | None  # [T, L]              scoring
     packed: torch.Tensor  # [T, k, 2] (global_id) or [T, k] scores (rank_local)
     own_ids: torch.Tensor | None  # [T, k]             rank_local
     gathered: torch.Tensor | None  # [W, T, k, (2)]    W > 1
@@ -290,7 +290,6 @@ def _check_group(group: object, needs_all_to_all: bool) -> None:
 #: Keywords the step passes to each stage (a custom stage without them is refused at plan time, by name).
 _STAGE_KEYWORDS: dict[str, tuple[str, ...]] = {
     "scoring": ("row_starts", "out", "next_n"),
-    "scored_indexer": ("n_cols", "row_starts", "out"),
     "indexer": ("row_starts", "out"),
     "select": ("out",),
     "deinterleave": ("compact", "out_slots", "out_counts"),
@@ -416,7 +415,7 @@ class PlannedStep:
         self._q_gathered = buf(W * T * Hs * D, spec.dtype) if gather_q else None
         # At T = 1 the gathered [W, 1, H/W, D] already is [1, H, D] in memory: no transpose buffer.
         self._q_full = buf(T * H * D, spec.dtype) if gather_q and T > 1 else None
-        self._scores = buf(T * sc.max_keys, f32) if sc is not None and not sc.fused else None
+        self._scores = buf(T * sc.max_keys, f32) if sc is not None else None
         self._packed = buf(T * k * (1 if rank_local else 2), f32)
         self._own_ids = buf(T * k, i32) if rank_local else None
         self._gathered = buf(Wc * T * k * (1 if rank_local else 2), f32) if Wc > 1 else None
@@ -449,9 +448,8 @@ class PlannedStep:
         s = self.spec
         used: list[str] = []
         if s.scoring is not None:
-            used.append("scored_indexer" if s.scoring.fused else "scoring")
-        if s.scoring is None or not s.scoring.fused:
-            used.append("indexer")
+            used.append("scoring")
+        used.append("indexer")
         used += ["select_to_slots"] if s.exchange == "owner" else ["select", "deinterleave"]
         used += ["attention", "guard"]
         if s.cache_geometry.world_size > 1:
@@ -712,28 +710,22 @@ class PlannedStep:
         # ---- scoring + indexer ----
         own_ids = None
         scores = shard.index_scores
-        if s.scoring is not None and s.scoring.fused:
-            fn = st.scored_indexer
-            packed = _result("scored_indexer", fn, fn(
-                index_q, index_weights, shard.index_cache, bt, req, bounds, cg, k, n_cols=n_cols, row_starts=starts,
-                out=b.packed), b.packed)  # fmt: skip
+        if s.scoring is not None:
+            assert b.scores is not None
+            fn = st.scoring
+            scores = _result("scoring", fn, fn(
+                index_q, index_weights, shard.index_cache, bt, req, bounds, cg, row_starts=starts, out=b.scores,
+                next_n=s.scoring.next_n,
+            ), b.scores)  # fmt: skip
+        if s.order == "rank_local":
+            assert b.own_ids is not None
+            fn = st.indexer
+            packed, own_ids = _pair("indexer", fn, fn(
+                scores, bounds, cg, k, row_starts=starts, out=b.packed, order="rank_local", out_ids=b.own_ids
+            ), (b.packed, b.own_ids))  # fmt: skip
         else:
-            if s.scoring is not None:
-                assert b.scores is not None
-                fn = st.scoring
-                scores = _result("scoring", fn, fn(
-                    index_q, index_weights, shard.index_cache, bt, req, bounds, cg, row_starts=starts, out=b.scores,
-                    next_n=s.scoring.next_n,
-                ), b.scores)  # fmt: skip
-            if s.order == "rank_local":
-                assert b.own_ids is not None
-                fn = st.indexer
-                packed, own_ids = _pair("indexer", fn, fn(
-                    scores, bounds, cg, k, row_starts=starts, out=b.packed, order="rank_local", out_ids=b.own_ids
-                ), (b.packed, b.own_ids))  # fmt: skip
-            else:
-                packed = _result("indexer", st.indexer, st.indexer(scores, bounds, cg, k, row_starts=starts,
-                                                                   out=b.packed), b.packed)  # fmt: skip
+            packed = _result("indexer", st.indexer, st.indexer(scores, bounds, cg, k, row_starts=starts,
+                                                               out=b.packed), b.packed)  # fmt: skip
         # ---- exchange ----
         # Wc = 1 (tp, or dcp over one rank): the all-gather is the identity, a view of what the indexer returned.
         gathered = _all_gather_into(self.group, packed, b.gathered) if b.gathered is not None else packed.unsqueeze(0)
@@ -795,7 +787,7 @@ class PlannedStep:
                 trace["global_ids"] = ids.clone()
             if own_ids is not None:
                 trace["own_ids"] = own_ids.clone()
-            if s.scoring is not None and not s.scoring.fused and scores is not None:
+            if s.scoring is not None and scores is not None:
                 trace["scores"] = scores.clone()
             if q_full is not q:
                 trace["q_full"] = q_full.clone()

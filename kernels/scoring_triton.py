@@ -50,11 +50,7 @@ from dcp_ref.scoring import ScoringArgs, check_scoring_inputs
 from ._util import cdiv, check_flag, nearest_shapes, next_pow2, raise_if_flagged, sm_count
 
 __all__ = [
-    "row_meta",
-    "row_poisoned",
     "load_query",
-    "key_slots",
-    "load_key_tile",
     "token_meta",
     "count_bad_entries",
     "first_entries",
@@ -79,47 +75,12 @@ __all__ = [
 
 #: ``index_q`` dtypes the kernel takes (float64 is the reference's only).
 KERNEL_Q_DTYPES = (torch.float8_e4m3fn, torch.float16, torch.bfloat16, torch.float32)
-#: Table entries read per step of the row check (:func:`row_poisoned`).
+#: Table entries read per step of the row check (:func:`count_bad_entries`; the first ones by :func:`first_entries`).
 SCAN = 1024
-#: A column beyond every row: the fused indexer has no output width to check.
+#: The validated check kernel's "no width to check" (above every column a row can reach).
 NO_WIDTH = 1 << 62
 #: Output columns per store of the fill (the ``-inf`` / NaN columns that hold no key).
 FILL = 256
-
-
-@triton.jit
-def row_meta(req_ptr, bound_ptr, start_ptr, t, HAS_STARTS: tl.constexpr):
-    """``(request, bound, start)`` of token ``t`` as int64 (``start = 0`` without row starts)."""
-    req = tl.load(req_ptr + t).to(tl.int64)
-    bound = tl.load(bound_ptr + t).to(tl.int64)
-    start = tl.zeros([], tl.int64)
-    if HAS_STARTS:
-        start = tl.load(start_ptr + t).to(tl.int64)
-    return req, bound, start
-
-
-@triton.jit
-def row_poisoned(
-    bt_ptr, sbt_r, sbt_c, req, bound, start, n_req, n_tbl, n_blocks, n_cols, block_size, SCAN_N: tl.constexpr
-):
-    """Whether a row's metadata is out of contract (then every column of it is NaN).
-
-    Out of contract: the request outside ``[0, n_req)``, a negative bound or start, ``start + bound``
-    past ``n_cols``, more blocks needed than the table has (``n_tbl``), or a needed table entry that
-    is not a block of the cache (``< 0`` or ``>= n_blocks``). Only the entries the row needs are read,
-    ``SCAN_N`` at a time, and only when the scalar checks passed (so never outside the table).
-    """
-    need = (tl.maximum(bound, 0) + block_size - 1) // block_size
-    bad = (req < 0) | (req >= n_req) | (bound < 0) | (start < 0) | (start + bound > n_cols) | (need > n_tbl)
-    n_scan = tl.where(bad, 0, need)
-    row_ptr = bt_ptr + tl.minimum(tl.maximum(req, 0), tl.maximum(n_req - 1, 0)) * sbt_r
-    wrong = tl.zeros([], tl.int32)
-    for c in range(0, n_scan, SCAN_N):
-        o = c + tl.arange(0, SCAN_N)
-        m = o < n_scan
-        blk = tl.load(row_ptr + o * sbt_c, mask=m, other=0).to(tl.int64)
-        wrong += tl.sum((m & ((blk < 0) | (blk >= n_blocks))).to(tl.int32), 0)
-    return bad | (wrong > 0)
 
 
 @triton.jit
@@ -140,30 +101,6 @@ def load_query(
         q = tl.load(qp, mask=hm[:, None], other=0.0).to(tl.float32)
     w = tl.load(w_ptr + t.to(tl.int64) * sw_t + h.to(tl.int64) * sw_h, mask=hm, other=0.0)
     return q, w
-
-
-@triton.jit
-def key_slots(bt_row_ptr, sbt_c, j, valid, block_size):
-    """``(block id int64, offset in block)`` of local keys ``j`` (only ``valid`` ones read the table).
-
-    The keys of one tile may span blocks: each key finds its own block, ``j // block_size``.
-    """
-    phys = tl.load(bt_row_ptr + (j // block_size).to(tl.int64) * sbt_c, mask=valid, other=0).to(tl.int64)
-    return phys, (j % block_size).to(tl.int64)
-
-
-@triton.jit
-def load_key_tile(cache_u8, cache_f32, phys, off, valid, block_size, D: tl.constexpr):
-    """The keys' e4m3 values ``[N, D]`` (float8e4nv) and float32 scales ``[N]`` (masked: 0 when not valid).
-
-    Block ``b`` starts at byte ``b * block_size * (D + 4)``: the values of its tokens first
-    (``D`` bytes each), then their float32 scales (``cache_f32`` is the same memory as float32).
-    """
-    d = tl.arange(0, D)
-    row = phys * (block_size * (D + 4)) + off * D  # int64 byte offset of each key's first value
-    vals = tl.load(cache_u8 + row[:, None] + d[None, :], mask=valid[:, None], other=0)
-    scale = tl.load(cache_f32 + phys * (block_size * (D + 4) // 4) + block_size * (D // 4) + off, mask=valid, other=0.0)
-    return vals.to(tl.float8e4nv, bitcast=True), scale
 
 
 @triton.jit

@@ -15,8 +15,7 @@ device and dtype, and the reference otherwise (the reason is logged once on
   (:mod:`.flashinfer_mla`; plans on the host) — needs CUDA, bf16, 576/512; on an FP8 cache FlashMLA's FP8
   decode (:mod:`.flashmla_fp8`), masked layout;
 - merge: the Triton LSE correction (:mod:`.lse_merge_triton`) — as the indexer;
-- scoring: the Triton FP8 index scoring (:mod:`.scoring_triton`), and the fused scoring -> top-K + pack
-  (:mod:`.scored_indexer_triton`) — as the indexer;
+- scoring: the Triton FP8 index scoring (:mod:`.scoring_triton`) — as the indexer;
 - select_to_slots: the CuTeDSL owner-local selection (:mod:`.select_to_slots_cutedsl`) — as select;
 - guard: the Triton metadata guard (:mod:`.guard_triton`) — as the indexer;
 - combine: the Triton merge of W partials (:func:`.lse_merge_triton.lse_merge`) — as the indexer.
@@ -57,7 +56,6 @@ from dcp_ref.stages import (
     reference_guard,
     reference_indexer,
     reference_merge,
-    reference_scored_indexer,
     reference_scoring,
     reference_select,
     reference_select_to_slots,
@@ -347,28 +345,6 @@ def _scoring_triton(
                                    row_starts=row_starts, out=out, validate=False, next_n=next_n)  # fmt: skip
 
 
-@named_impl("triton-fused")
-def _scored_indexer_triton(
-    index_q: torch.Tensor,
-    weights: torch.Tensor,
-    index_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    req_of_token: torch.Tensor,
-    local_bounds: torch.Tensor,
-    geometry: DcpGeometry,
-    k: int,
-    *,
-    n_cols: int,
-    row_starts: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    from .scored_indexer_triton import fused_scored_indexer
-
-    with _launch(index_q.device):
-        return fused_scored_indexer(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry,
-                                    k, n_cols=n_cols, row_starts=row_starts, out=out)  # fmt: skip
-
-
 def _select_to_slots_cutedsl_for(split: int | None) -> Any:
     """The CuTeDSL select-to-slots stage with its CTAs per row fixed (chosen at plan time for the planned rows, so
     that a run with fewer tokens reuses the compiled kernel instead of compiling another split)."""
@@ -471,7 +447,7 @@ def kernel_stage_impls(
     topk: int | None = None,
     kv_format: str = "native",
 ) -> dict[str, str]:
-    """What :func:`kernel_stages` runs for each stage (``"triton"``, ``"triton-fused"``, ``"fused"``,
+    """What :func:`kernel_stages` runs for each stage (``"triton"``, ``"fused"``,
     ``"torch+triton"``, ``"cutedsl"``, ``"flashmla"``, ``"triton-splitkv"``, ``"flashinfer"``, ``"flashmla-fp8"``,
     ``"torch"``, ``"torch-fp8"``), in step order (each fallback is logged once). Where two attention kernels can run,
     the one named is FlashMLA; a planned step picks by its token count (:data:`SPLITKV_MAX_TOKENS`)."""
@@ -497,10 +473,9 @@ def _choose(
         tri = ""
     impl: dict[str, str] = {}
     if tri:
-        for stage in ("scoring", "scored_indexer", "indexer", "deinterleave", "guard", "merge", "combine"):
+        for stage in ("scoring", "indexer", "deinterleave", "guard", "merge", "combine"):
             reasons[stage] = tri
     impl["scoring"] = "triton" if not tri and _has("scoring_triton") else "torch"
-    impl["scored_indexer"] = "triton-fused" if not tri and _has("scored_indexer_triton") else "torch"
     # "fused": local top-K + pack in one launch, by the CuTeDSL kernel where the indexer's plan takes it, else Triton
     impl["indexer"] = "fused" if not tri and _has("indexer_triton") else ("torch+triton" if not tri else "torch")
     if not cuda:
@@ -596,9 +571,6 @@ def kernel_stages(
     }
     by_name: dict[str, Any] = {
         "scoring": _scoring_triton if impl["scoring"] == "triton" else reference_scoring,
-        "scored_indexer": _scored_indexer_triton
-        if impl["scored_indexer"] == "triton-fused"
-        else reference_scored_indexer,
         "indexer": {
             "fused": _indexer_fused,
             "torch+triton": compose_indexer(_local_topk_torch, _pack_triton),

@@ -292,7 +292,7 @@ def test_sweep_and_shapes_interpreted(bs, si, monkeypatch):
     assert set(bs.best_plans(recs)) == {(1, 2, 128), (2, 4, 128)}
     rows = []
     for t, n, nn in [(2, 128, 1), (4, 128, 2)]:
-        r = bs.run_shape(t, n, nn, 4e12, {}, fused_cols=False)
+        r = bs.run_shape(t, n, nn, 4e12, {}, chain_cols=False)
         assert r["max_rel_err"] < 1e-5 and r["ours_all_finite"] and r["ours_neginf_past_bounds"], r
         assert r["B"] == t // nn and "fused" not in r and "ours_chain" not in r
         rows.append(r)
@@ -312,9 +312,7 @@ def result(t, n, nn, ours, read):
 
 def test_summarize_and_markdown(bs):
     results = [result(32, 4096, 1, 7.0, 4.0), result(64, 4096, 2, 12.0, 4.0)]
-    results[0] |= {"fused": {"median_us": 50.0}, "ours_chain": {"median_us": 20.0},
-                   "vllm_topk_pack": {"median_us": 6.0}, "floors_fused": {"read_floor_us": 4.1},
-                   "fused_same_as_chain": 1.0, "fused_tolerant_ok": True}  # fmt: skip
+    results[0] |= {"ours_chain": {"median_us": 20.0}, "vllm_topk_pack": {"median_us": 6.0}}
     dg = {"shapes": [{"T": 32, "L": 4096, "deepgemm_us": 10.0, "max_rel_err": 3e-4, "metadata_us": 2.0},  # old: 1
                      {"T": 64, "L": 4096, "next_n": 1, "deepgemm_us": 99.0},  # another next_n: not joined
                      {"T": 64, "L": 4096, "next_n": 2, "deepgemm_us": 8.0, "max_rel_err": 1e-4}]}  # fmt: skip
@@ -324,9 +322,9 @@ def test_summarize_and_markdown(bs):
     a, b = rows
     assert a["target_us"] == pytest.approx(1.3 * 4.0 + 3) and a["meets_target"] is True
     assert a["deepgemm_us"] == 10.0 and a["vs_deepgemm"] == pytest.approx(0.7) and a["peer_chain_us"] == 16.0
-    assert a["fused_chain_us"] == 50.0 and a["plan"]["tiles"] == 2
+    assert a["ours_unfused_chain_us"] == 20.0 and a["plan"]["tiles"] == 2 and "fused_chain_us" not in a
     assert b["next_n"] == 2 and b["B"] == 32 and b["deepgemm_us"] == 8.0 and b["vs_deepgemm"] == pytest.approx(1.5)
-    assert b["meets_target"] is False and b["fused_chain_us"] is None and b["peer_chain_us"] is None
+    assert b["meets_target"] is False and b["ours_unfused_chain_us"] is None and b["peer_chain_us"] is None
     ncu = [{"file": "n.json", "label": "new 32x4096", "kernels": [{"name": "index_scores_kernel", "duration_us": 7.1,
             "warp_stalls_top5": [["Stall Long Scoreboard", 9.8]], "grid_size": "132x8x1"}]}]  # fmt: skip
     data = {"device": {"name": "H200"}, "versions": {"torch": "t", "triton": "x"}, "date_utc": "d",

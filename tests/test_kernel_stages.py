@@ -71,6 +71,6 @@ def test_interpreted_kernels_cover_the_new_stages(kernel_device) -> None:
     if kernel_device.type != "cpu":
         pytest.skip("the interpreter's choice")
     impls = ks.kernel_stages("cpu", torch.float32, 8, 8).impls()
-    assert impls["scoring"] == "triton" and impls["scored_indexer"] == "triton-fused"
+    assert impls["scoring"] == "triton" and "scored_indexer" not in impls
     assert impls["guard"] == "triton" and impls["combine"] == "triton" and impls["indexer"] == "fused"
     assert impls["select"] == impls["select_to_slots"] == impls["attention"] == "torch"  # CUDA only

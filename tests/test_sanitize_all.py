@@ -29,7 +29,6 @@ TRITON_FAMILIES = (
     "indexer_compact",
     "guard",
     "scoring",
-    "scored_indexer",
     "splitkv",
 )
 

@@ -1,4 +1,4 @@
-"""The scoring stage: FP8 index-key cache, quantizers, the float64 oracle, the Triton kernel and the fused indexer.
+"""The scoring stage: FP8 index-key cache, quantizers, the float64 oracle and the Triton kernel.
 
 Independent references written here: the cache bytes are decoded by hand (e4m3 bit fields, float32
 scales with ``struct``), and the scores are summed in plain Python floats (float64) key by key.
@@ -7,9 +7,9 @@ even code), decoded by hand too. Owner-only writes are checked against the read 
 (``global_ids_to_local_slots``). The kernels run under the Triton interpreter on small shapes and
 are compared with the oracle: exactly on "dyadic" inputs (small integers in FP8, weights in eighths,
 power-of-two scales: every float32 sum is exact, so ties are real ties), within float32 rounding
-on random ones. The fused scoring -> top-K -> pack kernel is compared with
-``pack_candidates(local_topk(scores))`` as per-row sets of (score, id) bit patterns. ``-m gpu``:
-the compiled kernels against the oracle, CUDA-graph capture with new inputs replayed, no host sync.
+on random ones. ``-m gpu``: the compiled kernels against the oracle, and the scoring kernel followed by the
+indexer's top-K + pack (``indexer_topk_pack``, compared with ``pack_candidates(local_topk(scores))`` as per-row
+sets of (score, id) bit patterns) captured in a CUDA graph and replayed with new inputs, with no host sync.
 """
 
 from __future__ import annotations
@@ -384,7 +384,6 @@ def test_nan_data_propagates_to_exactly_its_scores() -> None:
 # The Triton kernel (interpreter) against the oracle
 # ---------------------------------------------------------------------------------------------
 st_kernel = pytest.importorskip("dcp_ref.kernels.scoring_triton")
-fused = pytest.importorskip("dcp_ref.kernels.scored_indexer_triton")
 
 
 def _dev(kernel_device, *ts):
@@ -745,7 +744,7 @@ def test_scoring_plan_from_shapes_only() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused scoring -> local top-K -> pack
+# Candidates as sets of (score, id) bit patterns (the GPU hot path below)
 # ---------------------------------------------------------------------------------------------
 def pair_bits(packed: torch.Tensor) -> torch.Tensor:
     return packed.contiguous().view(torch.int64).squeeze(-1)
@@ -755,103 +754,9 @@ def same_sets(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (torch.sort(pair_bits(got.cpu()), 1).values == torch.sort(pair_bits(want.cpu()), 1).values).all(1)
 
 
-def assert_kernel_order(got: torch.Tensor) -> None:
-    ids = got[..., 1]
-    valid = ids >= 0
-    pos = torch.arange(ids.shape[1])
-    assert bool((valid == (pos < valid.sum(1, keepdim=True))).all())
-    assert bool(((ids[:, 1:] > ids[:, :-1]) | ~valid[:, 1:]).all())
-
-
 def oracle_candidates(scores, bounds, k, g, rs=None) -> torch.Tensor:
     ids = local_topk(scores, k, bounds, rs, validate=False)
     return pack_candidates(scores, ids, g, rs, validate=False)
-
-
-@pytest.mark.parametrize(
-    "k,seg,block_n,limit,sel,W,I,starts",
-    [
-        (7, 64, 16, None, None, 1, 1, False),  # one segment per row
-        (5, 16, 16, None, None, 2, 1, True),  # 3-4 segments per row, one select level
-        (3, 16, 16, 16, None, 3, 2, False),  # extra split levels (select_limit 16)
-        (40, 32, 16, None, None, 2, 2, True),  # k larger than most rows: padding
-        (6, 64, 32, None, 16, 2, 1, False),  # the select streams the segment from the scratch (sel_tile < seg)
-    ],
-)
-def test_fused_equals_oracle_exactly(kernel_device, k, seg, block_n, limit, sel, W, I, starts) -> None:
-    """Dyadic inputs (exact scores, many ties): the fused candidates are the oracle's, bit for bit, as sets."""
-    q, w, cache, bt, req, bounds, rs = make_problem(30 + k, T=5, bs=8, exact=True, starts=starts, unwritten=True)
-    g = DcpGeometry(W, W - 1, I, 8)
-    L = width(bounds, rs) + 1
-    scores = index_scores(q, w, cache, bt, req, bounds, g, row_starts=rs, out=torch.empty(5, L))
-    want = oracle_candidates(scores, bounds, k, g, rs)
-    out = torch.full((5, k, 2), 12345.0, device=kernel_device)
-    kw = dict(seg=seg, block_n=block_n, sel_tile=sel) | ({} if limit is None else dict(select_limit=limit))
-    got = fused.scored_topk_pack(*_dev(kernel_device, q, w, cache, bt, req, bounds), g, k, n_cols=L,
-                                 row_starts=_dev(kernel_device, rs)[0], out=out, **kw)  # fmt: skip
-    assert got is out
-    bad = (~same_sets(got, want)).nonzero().flatten().tolist()
-    assert not bad, f"rows {bad}: got {got[bad[0]].tolist()} want {want[bad[0]].tolist()}"
-    assert_kernel_order(got.cpu())
-
-
-def test_fused_equals_unfused_kernels_on_random_inputs(kernel_device) -> None:
-    """Random FP8 inputs: the fused result is indexer_topk_pack of the scoring kernel's scores, bit for bit."""
-    from dcp_ref.kernels.indexer_triton import indexer_topk_pack
-
-    q, w, cache, bt, req, bounds, _ = make_problem(41, T=4, bs=4, lens=(40, 25, 33))
-    g = DcpGeometry(2, 0, 1, 4)
-    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
-    L = bt.shape[1] * 4
-    scores = st_kernel.index_scores_triton(*args, g, out=torch.empty(4, L, device=kernel_device), block_n=16)
-    for k, seg in ((9, 16), (9, 64), (30, 32)):
-        want = indexer_topk_pack(scores, args[5], k, g)
-        got = fused.scored_topk_pack(*args, g, k, n_cols=L, seg=seg, block_n=16)
-        assert bool(same_sets(got, want).all()), (k, seg)
-    # and the oracle agrees wherever its float64 scores round to the kernel's float32 ones
-    ref = index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(4, L))
-    assert_close_scores(scores, ref, rel=1e-5)
-
-
-def test_fused_poisoned_and_empty_rows(kernel_device) -> None:
-    q, w, cache, bt, req, bounds, rs = make_problem(6, T=6, bs=4, exact=True, lens=(10, 7, 13), M=5, starts=True)
-    bt[1, 0] = -1
-    req[0], bounds[2] = 7, -1
-    bounds[3] = 0
-    g = DcpGeometry(2, 1, 1, 4)
-    L = 25
-    scores = index_scores(q, w, cache, bt, req, bounds, g, row_starts=rs, out=torch.empty(6, L), validate=False)
-    want = oracle_candidates(scores, bounds, 6, g, rs)
-    got = fused.scored_topk_pack(*_dev(kernel_device, q, w, cache, bt, req, bounds), g, 6, n_cols=L,
-                                 row_starts=_dev(kernel_device, rs)[0], validate=False, seg=16, block_n=16)  # fmt: skip
-    assert bool(same_sets(got, want).all())
-    assert bool((got[:1, :, 1] == -1).all()) and bool((got[3, :, 1] == -1).all())  # poisoned / empty: padding only
-
-
-def test_fused_stage_plans_its_buffers_once(kernel_device) -> None:
-    q, w, cache, bt, req, bounds, _ = make_problem(8, T=3, bs=8, exact=True, lens=(30, 12, 20))
-    g = DcpGeometry(1, 0, 1, 8)
-    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
-    L = bt.shape[1] * 8
-    want = oracle_candidates(index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(3, L)), bounds, 4, g)
-    out = torch.empty(3, 4, 2, device=kernel_device)
-    planned = lambda: len(getattr(fused._PLANNED, "by_key", {}))  # noqa: E731
-    before = planned()
-    for _ in range(2):
-        assert fused.fused_scored_indexer(*args, g, 4, n_cols=L, out=out) is out
-        assert bool(same_sets(out, want).all())
-        assert planned() == before + 1  # made on the first call, reused by the second
-    assert fused.fused_scored_indexer.impl_name == "triton-fused-scoring"
-
-
-def test_scored_plan_from_shapes_only() -> None:
-    cpu = torch.device("cpu")
-    p = fused.scored_plan(128, 131072, 2048, cpu)
-    assert (p.seg, p.segments, p.block_n, p.num_warps) == (8192, 16, 128, 16)
-    assert p.levels == (16, 4)  # 16 x 2048 candidates, then 4 x 2048 = one tile
-    assert fused.scored_plan(4, 100, 10, cpu).levels == ()
-    assert fused.scored_plan(4, 300, 10, cpu, seg=64).levels == (5,)
-    assert fused.scored_plan(4, 300, 10, cpu, seg=64, sel_tile=16).sel_tile == 16
 
 
 COMPILE_SCRIPT = r"""
@@ -860,17 +765,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dcp_ref.kernels.scoring_triton import index_scores_check_kernel, index_scores_kernel
-from dcp_ref.kernels.scored_indexer_triton import scored_topk_pack_kernel
 
 PTRS = {"q_ptr": "*u8", "w_ptr": "*fp32", "cache_u8": "*u8", "cache_f32": "*fp32", "bt_ptr": "*i32", "req_ptr": "*i32",
         "bound_ptr": "*i32", "start_ptr": "*i64", "chk_ptr": "*i64", "n_cols": "i64", "chunk": "i64"}
-KERNELS = {"scoring": index_scores_kernel, "check": index_scores_check_kernel, "fused": scored_topk_pack_kernel}
+KERNELS = {"scoring": index_scores_kernel, "check": index_scores_check_kernel}
 report = []
 for kind, cfg, warps, stages in json.loads(sys.argv[1]):
     kern = KERNELS[kind]
     names = kern.arg_names
     sig = {n: PTRS.get(n, "i32") for n in names}
-    sig.update({"out_ptr": "*fp32" if kind == "scoring" else "*i64", "scratch_ptr": "*fp32", "no_width": "i64"})
+    sig.update({"out_ptr": "*fp32"})
     sig = {n: sig[n] for n in names}
     if "desc_v" in sig:  # the bulk-copy descriptor of a TMA launch (else no descriptor: None, a constexpr)
         cfg = dict(cfg, TMA=cfg.get("TMA", False))
@@ -899,7 +803,6 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
 
     base = dict(HAS_STARTS=False, Q_FP8=True, H_PAD=64, D=128, SCAN_N=st_kernel.SCAN)
     new = dict(BS=64, FILL_N=st_kernel.FILL, PAIR_DOT=False)
-    sel = dict(WORLD=2, INTERLEAVE=1, RADIX_BITS=5, PAD_BLOCK=1024)
     checks = dict(CHECK=False, CLEAR=False)
     configs = [
         ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=64), 4, 4),  # a tile is one cache block
@@ -913,8 +816,6 @@ def test_kernels_compile_for_sm90a_on_the_cpu() -> None:
         ("scoring", base | new | checks | dict(NEXT_N=1, BLOCK_N=64, HAS_STARTS=True), 4, 4),  # prefill rows
         ("check", dict(HAS_STARTS=True, NEXT_N=1, WIDTH=True, BS=64, SCAN_N=st_kernel.SCAN), 4, 1),
         ("check", dict(HAS_STARTS=False, NEXT_N=2, WIDTH=False, BS=64, SCAN_N=st_kernel.SCAN), 4, 1),
-        ("fused", base | sel | dict(BLOCK_N=128, SEG=8192, SEL_TILE=8192, NAN_PAD=True), 16, 2),
-        ("fused", base | sel | dict(BLOCK_N=64, SEG=8192, SEL_TILE=1024, NAN_PAD=False), 4, 3),
     ]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(configs)], capture_output=True, text=True,
@@ -989,33 +890,21 @@ def test_gpu_mtp_pairs_and_long_rows_match_reference(cuda_device, bad_block) -> 
         assert str(kernel_err.value) == str(ref_err.value)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("lens,k", [((5000, 700, 8100), 2048), ((40000, 33000), 2048), ((20000, 100), 512)])
-def test_gpu_fused_equals_oracle_on_dyadic_inputs(cuda_device, lens, k) -> None:
-    q, w, cache, bt, req, bounds = gpu_problem(60 + k, 24, lens, exact=True)
-    g = DcpGeometry(2, 0, 1, 64)
-    L = bt.shape[1] * 64
-    scores = index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(24, L, device="cuda"))
-    want = oracle_candidates(scores, bounds, k, g)
-    got = fused.scored_topk_pack(q, w, cache, bt, req, bounds, g, k, n_cols=L)
-    assert bool(same_sets(got, want).all())
-    assert_kernel_order(got.cpu())
-
-
 def hot_path(seed, T, k, lens, g, device):
     """A GPU problem and the hot path over it: ``(inputs, scores, cand, call)``, where ``call()`` runs the
-    scoring kernel into ``scores`` and the fused stage into ``cand``, both with ``validate=False`` and with
-    every buffer (scratch and split workspace too) made once, here, so that ``call`` allocates nothing."""
+    scoring kernel into ``scores`` and the indexer's top-K + pack into ``cand``, both with ``validate=False`` and
+    with every buffer (the indexer's split workspace too) made once, here, so that ``call`` allocates nothing."""
     inputs = gpu_problem(seed, T, lens, exact=True)
     L = inputs[3].shape[1] * 64
     scores = torch.empty(T, L, device="cuda")
     cand = torch.empty(T, k, 2, device="cuda")
-    plan = fused.scored_plan(T, L, k, device)
-    scratch, ws = fused.scratch_for(plan, "cuda"), fused.workspace_for(plan, T, k, "cuda")
+    from dcp_ref.kernels.indexer_triton import indexer_topk_pack, workspace_for
+
+    ws = workspace_for(scores, k)
 
     def call() -> None:
         st_kernel.index_scores_triton(*inputs, g, out=scores, validate=False)
-        fused.scored_topk_pack(*inputs, g, k, n_cols=L, out=cand, workspace=ws, scratch=scratch, validate=False)
+        indexer_topk_pack(scores, inputs[5], k, g, out=cand, workspace=ws, validate=False)
 
     return inputs, scores, cand, call
 

@@ -32,7 +32,6 @@ from dcp_ref.testing import (
     check_local_topk,
     check_merge,
     check_pack,
-    check_scored_indexer,
     check_scoring,
     check_select,
     check_select_to_slots,
@@ -375,14 +374,12 @@ def test_the_interpreter_decodes_the_fp8_nan_byte_as_480() -> None:
 
 
 def test_the_new_checks_and_the_scoring_oracle_refuse_bad_arguments() -> None:
-    from dcp_ref.stages import REFERENCE_STAGES, reference_scored_indexer, reference_scoring
+    from dcp_ref.stages import REFERENCE_STAGES, reference_scoring
 
     with pytest.raises(ValueError, match=r"^mtp must be"):
         check_scoring(reference_scoring, mtp="yes")
     with pytest.raises(TypeError, match=r"^fp8_nan must be a bool"):
         check_scoring(reference_scoring, fp8_nan=1)
-    with pytest.raises(TypeError, match=r"^fp8_nan must be a bool"):
-        check_scored_indexer(reference_scored_indexer, fp8_nan="no")
     with pytest.raises(ValueError, match=r"^options must be None, 'all'"):
         check_step(REFERENCE_STAGES, options="every")
     with pytest.raises(TypeError, match=r"^options must be a sequence of dicts"):
@@ -428,25 +425,6 @@ def test_the_scoring_oracle_is_the_reference() -> None:
 
     agree()
     assert finite[0] > 100  # the draws reach many scored cells
-
-
-def test_reference_scored_indexer_conforms() -> None:
-    """The reference fused stage (scoring, then the indexer) meets the kit's contract."""
-    from dcp_ref.stages import reference_scored_indexer
-
-    check_scored_indexer(reference_scored_indexer, max_examples=40)
-
-
-def test_triton_scored_indexer_conforms(interp: torch.device) -> None:
-    """The fused Triton kernel (interpreted; validate=False; no NaN bytes: see the scoring test) conforms."""
-    from dcp_ref.kernels.scored_indexer_triton import scored_topk_pack
-
-    def fused(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, k, *, n_cols,
-              row_starts=None, out=None):  # type: ignore[no-untyped-def]  # fmt: skip
-        return scored_topk_pack(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, k,
-                                n_cols=n_cols, row_starts=row_starts, out=out, validate=False)  # fmt: skip
-
-    check_scored_indexer(fused, device=interp, max_examples=FAST, fp8_nan=False)
 
 
 def _in_a_step(fn):  # type: ignore[no-untyped-def]
@@ -625,7 +603,6 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     step_stages = planned(4)
     assert step_stages.impls() == planned(1).impls(), (step_stages.impls(), planned(1).impls())
     check_scoring(ks.scoring, device=cuda_device, max_examples=GPU_EXAMPLES)  # NaN bytes too: a GPU decodes them
-    check_scored_indexer(ks.scored_indexer, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_indexer(ks.indexer, device=cuda_device, max_examples=GPU_EXAMPLES)  # strided lengths: see the CPU test
     check_select(ks.select, device=cuda_device, max_examples=GPU_EXAMPLES)
     check_deinterleave(ks.deinterleave, device=cuda_device, max_examples=GPU_EXAMPLES)
@@ -1692,45 +1669,6 @@ def _scoring_mutant(change: str) -> Callable[..., Any]:
     return fn
 
 
-def _scored_indexer_mutant(change: str) -> Callable[..., Any]:
-    """Scoring, then a top-k written here with one thing wrong (``change``)."""
-
-    def fn(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, k, *, n_cols,
-           row_starts=None, out=None):  # type: ignore[no-untyped-def]  # fmt: skip
-        from dcp_ref.stages import reference_scoring
-
-        T = local_bounds.shape[0]
-        scores = reference_scoring(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry,
-                                   row_starts=row_starts, out=torch.empty(T, n_cols))  # fmt: skip
-        if change == "NaN as 0":
-            scores = scores.nan_to_num(nan=0.0, posinf=math.inf, neginf=-math.inf)
-        W, r, interleave = geometry.world_size, geometry.rank, geometry.interleave
-        res = torch.empty(T, k, 2)
-        res[..., 0], res[..., 1] = -math.inf, -1.0
-        for t in range(T):
-            s0 = 0 if row_starts is None else int(row_starts[t])
-            n = max(int(local_bounds[t]), 0)
-            cand = [(float(scores[t, s0 + j]), j) for j in range(n) if s0 + j < n_cols]
-            cand = [c for c in cand if not math.isnan(c[0])]
-            high_id = change == "ties to the higher id"
-            cand.sort(key=lambda c: (-c[0], -c[1] if high_id else c[1]))
-            win = cand[:k]
-            if change == "drops the last winner" and win:
-                win = win[:-1]
-            for i, (sc, j) in enumerate(win):
-                gid = (
-                    j if change == "local ids" else (j // interleave) * W * interleave + r * interleave + j % interleave
-                )
-                res[t, i, 0], res[t, i, 1] = sc, float(gid)
-        if out is not None:
-            out.copy_(res)
-            return out
-        return res
-
-    fn.__name__ = fn.__qualname__ = "mut_scored_indexer_" + change.replace(" ", "_")
-    return fn
-
-
 def _check(name: str) -> Callable[..., None]:
     kw = dict(max_examples=MUT_EXAMPLES, shrink_budget=MUT_SHRINK)
     return {
@@ -1738,7 +1676,6 @@ def _check(name: str) -> Callable[..., None]:
         # each a few torch ops
         "guard": lambda fn: check_guard(fn, **{**kw, "max_examples": 80}),
         "scoring": lambda fn: check_scoring(fn, **{**kw, "max_examples": 40}),
-        "scored_indexer": lambda fn: check_scored_indexer(fn, **{**kw, "max_examples": 60}),
         "combine": lambda fn: check_combine(fn, **kw),
         "select_to_slots": lambda fn: check_select_to_slots(fn, **kw),
         "select_to_slots_rank_local": lambda fn: check_select_to_slots(fn, order="rank_local", **kw),
@@ -1806,10 +1743,6 @@ MUTANTS: list[tuple[str, Callable[..., Any]]] = [
     ("scoring", _scoring_mutant("drops the last key")),
     ("scoring", _scoring_mutant("NaN as 0")),
     ("scoring", _scoring_mutant("poison as empty")),
-    ("scored_indexer", _scored_indexer_mutant("ties to the higher id")),
-    ("scored_indexer", _scored_indexer_mutant("drops the last winner")),
-    ("scored_indexer", _scored_indexer_mutant("local ids")),
-    ("scored_indexer", _scored_indexer_mutant("NaN as 0")),
     ("guard", mut_guard_ignoring_the_index_query),
     ("guard", mut_guard_ignoring_the_index_cache),
     ("guard", mut_guard_ignoring_mtp_groups),

@@ -33,7 +33,7 @@ COVER = [
     "tests/test_attention_splitkv.py::test_zero_tokens_and_zero_width",
     "tests/test_attention_splitkv.py::test_default_plan_at_deepseek_dims",
     "tests/test_scoring.py::test_kernel_empty_cases",
-    "tests/test_scoring.py::test_fused_equals_oracle_exactly[40-32-16-None-None-2-2-True]",
+    "tests/test_scoring.py::test_kernel_verdict_past_the_first_entries[2-40-True]",
     "tests/test_bad_inputs.py::test_class1_the_kernel_attention_prologues_poison_the_poison_slot",
     "tests/test_bad_inputs.py::test_class6_flashmla_sparse_validates_from_its_prologue",
     "tests/test_indexer_kernel.py::test_prefill_row_starts",
@@ -141,6 +141,28 @@ def test_the_tool_catches_what_the_interpreter_lets_through(tmp_path: Path) -> N
     errors = {r["kernel"].rsplit(".", 1)[1]: r.get("error", "") for r in report["launches"]}
     assert "plain_helper" in errors["helper_kernel"] and "Break" in errors["break_kernel"]
     assert report["summary"]["failed"] == 2
+
+
+def test_recorded_argument_types_are_the_jits() -> None:
+    """The recorder types each argument as Triton's JIT would (``mangle_type``), a host TMA descriptor included."""
+    import torch
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    keys = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    args = [
+        keys,
+        torch.zeros(3, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.bool),
+        TensorDescriptor.from_tensor(keys, [64, 128]),
+        True,
+        7,
+        2**40,
+        0.5,
+    ]
+    assert [triton_sm90._arg_type(a)[0] for a in args] == [mangle_type(a) for a in args]
+    with pytest.raises(TypeError, match="unrecorded argument type"):
+        triton_sm90._arg_type(object())
 
 
 def test_the_committed_record_covers_every_launched_kernel_and_compiled() -> None:

@@ -52,12 +52,12 @@ kexpr() {  # the -k expression of a part
 }
 CUTE_TESTS=$(printf '%s\n' "${CUTE_LANES[@]}" | tr ' ' '\n' | grep . | sed 's/@.*//' | sort -u | tr '\n' ' ')
 FI_TESTS=$(printf '%s\n' "${FI_LANES[@]}" | tr ' ' '\n' | grep . | sed 's/@.*//' | sort -u | tr '\n' ' ')
-CUTE_FAMILIES="pack,deinterleave,lse_merge,indexer,indexer_compact,guard,scoring,scored_indexer,splitkv,topk_cutedsl,select_to_slots,local_topk"
+CUTE_FAMILIES="pack,deinterleave,lse_merge,indexer,indexer_compact,guard,scoring,splitkv,topk_cutedsl,select_to_slots,local_topk"
 FI_FAMILIES="flashinfer,flashmla,flashmla_fp8"
-# the layer rows `bench` measures (layout:W:T:ctx:cache:fused), in priority order: the issues' shapes
-LAYER_DEFAULT="dcp:1:32:8192:bf16:0,dcp:1:1:8192:bf16:0,dcp:8:32:32768:bf16:0,tp:8:32:32768:bf16:0,dcp:1:32:8192:bf16:1"
-LAYER_DEFAULT="$LAYER_DEFAULT,dcp:8:32:8192:bf16:0,tp:8:32:8192:bf16:0,dcp:8:32:65536:bf16:0,tp:8:32:65536:bf16:0"
-LAYER_DEFAULT="$LAYER_DEFAULT,dcp:2:32:8192:bf16:0,tp:2:32:8192:bf16:0,dcp:4:32:32768:bf16:0,tp:4:32:32768:bf16:0"
+# the layer rows `bench` measures (layout:W:T:ctx:cache), in priority order: the issues' shapes
+LAYER_DEFAULT="dcp:1:32:8192:bf16,dcp:1:1:8192:bf16,dcp:8:32:32768:bf16,tp:8:32:32768:bf16"
+LAYER_DEFAULT="$LAYER_DEFAULT,dcp:8:32:8192:bf16,tp:8:32:8192:bf16,dcp:8:32:65536:bf16,tp:8:32:65536:bf16"
+LAYER_DEFAULT="$LAYER_DEFAULT,dcp:2:32:8192:bf16,tp:2:32:8192:bf16,dcp:4:32:32768:bf16,tp:4:32:32768:bf16"
 
 gpu_marked() { grep -l -E '^\s*(@pytest\.mark\.gpu|pytestmark\s*=.*mark\.gpu)' tests/test_*.py | sort; }
 check_lists() {  # every gpu-marked file in exactly one list, every listed file exists

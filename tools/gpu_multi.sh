@@ -21,7 +21,7 @@ W=$(nvidia-smi -L | wc -l)
 echo "W = $W GPUs"
 run() { timeout "$1" python3 -m torch.distributed.run --nproc_per_node "$W" "${@:2}"; }
 run 150 benchmarks/bench_collectives.py --out "$out" 2>&1 | tee "$out/collectives.log"
-rows="dcp:$W:32:8192:bf16:0,dcp:$W:32:65536:bf16:0,dcp:$W:1:8192:bf16:0,dcp:$W:128:8192:bf16:0"
+rows="dcp:$W:32:8192:bf16,dcp:$W:32:65536:bf16,dcp:$W:1:8192:bf16,dcp:$W:128:8192:bf16"
 run 200 benchmarks/bench_layer.py --out "$out" --transport nccl --budget-s 150 --configs "$rows" 2>&1 | tee "$out/layer_nccl.log"
 run 150 benchmarks/bench_layer.py --out "$out" --transport symm --budget-s 100 --configs "$rows" 2>&1 | tee "$out/layer_symm.log"
 timeout 120 python3 -m pytest -m gpu -q tests/test_step.py -k nccl -p no:cacheprovider --junitxml="$out/junit_step_nccl.xml" \

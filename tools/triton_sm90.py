@@ -13,7 +13,7 @@ on the device. This tool closes that gap in two steps:
 
 A launch is keyed by (kernel, signature, constexpr values, num_warps, num_stages); the signature is the one
 Triton's JIT would build from the arguments (tensors -> ``*dtype``, Python ints -> ``i32`` or ``i64`` by value,
-floats -> ``fp32``, bools -> ``i1``), without its value specializations (``== 1``, multiples of 16), so what is
+floats -> ``fp32``, bools -> ``u1``), without its value specializations (``== 1``, multiples of 16), so what is
 compiled is the most general variant of each launch. ``tests/test_triton_sm90.py`` runs both steps in CI over
 a few launches of every kernel module; ``benchmarks/results/triton_sm90.json`` is the record over the whole
 CPU suite.
@@ -47,7 +47,7 @@ _DTYPES = {
     "uint16": "u16",
     "uint32": "u32",
     "uint64": "u64",
-    "bool": "i1",
+    "bool": "u1",
     "float8_e4m3fn": "fp8e4nv",
     "float8_e5m2": "fp8e5",
 }
@@ -60,13 +60,18 @@ def _arg_type(value: Any) -> tuple[str, Any]:
     if isinstance(value, torch.Tensor):
         return "*" + _DTYPES[str(value.dtype).removeprefix("torch.")], None
     if isinstance(value, bool):
-        return "i1", value
+        return "u1", value
     if isinstance(value, int):
         return ("i32" if -(2**31) <= value < 2**31 else "i64"), value
     if isinstance(value, float):
         return "fp32", value
     if value is None:
         return "constexpr", None
+    base, block = getattr(value, "base", None), getattr(value, "block_shape", None)
+    if isinstance(base, torch.Tensor) and block is not None:
+        # a host-side TensorDescriptor (TMA): the JIT types it by its element type and block shape
+        dtype = _DTYPES[str(base.dtype).removeprefix("torch.")]
+        return f"tensordesc<{dtype}[{', '.join(str(int(b)) for b in block)}]>", None
     raise TypeError(f"unrecorded argument type {type(value).__name__}")
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 STAGES = (
-    "scoring", "scored_indexer", "indexer", "local_topk", "pack", "select", "deinterleave", "select_to_slots",
+    "scoring", "indexer", "local_topk", "pack", "select", "deinterleave", "select_to_slots",
     "guard", "attention", "merge", "combine", "step", "stages",
 )  # fmt: skip
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -122,7 +122,7 @@ def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
             kw["dtype"] = dtype
     if s == "select_to_slots":
         kw.update(order=a.order, ordered=a.ordered)
-    if s in ("scoring", "scored_indexer") and a.device == "cpu":
+    if s == "scoring" and a.device == "cpu":
         kw["fp8_nan"] = False  # Triton's CPU interpreter decodes e4m3fn's NaN byte as 480 (a GPU: NaN)
     if s == "combine":
         kw.update(lse_base=a.lse_base, **nc)

@@ -69,7 +69,6 @@ __all__ = [
     "check_select_to_slots",
     "check_guard",
     "check_scoring",
-    "check_scored_indexer",
     "check_attention",
     "check_merge",
     "check_combine",
@@ -948,7 +947,7 @@ _SCORE_RTOL = 2.0**-12
 
 
 def _scoring_oracle(v: dict[str, Any], n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`oracle.scoring` on a scoring / scored-indexer case's values: ``(scores, magnitude)``."""
+    """:func:`oracle.scoring` on a scoring case's values: ``(scores, magnitude)``."""
     return oracle.scoring(v["index_q"], v["weights"], v["index_cache"], v["block_table"], v["req_of_token"],
                           v["local_bounds"], v["geometry"], n_cols, v["row_starts"], v.get("next_n", 1))  # fmt: skip
 
@@ -1021,94 +1020,6 @@ def check_scoring(
     )
 
 
-def _winners_diff(win: list[tuple[float, int]], keys: dict[int, tuple[float, float]], k: int) -> str:
-    """What is wrong with one row's winners ``(score, global id)`` given its scored keys (``id -> (oracle score,
-    tolerance)``), or ``""``: the count, distinct ids, scores, then the top-k order (see
-    :func:`check_scored_indexer`)."""
-    want = min(k, len(keys))
-    if len(win) != want:
-        return f"{len(win)} winners, expected {want}"
-    ids = [int(i) for _, i in win]
-    if len(set(ids)) != len(ids):
-        return "an id twice"
-    for score, i in zip((sc for sc, _ in win), ids, strict=True):
-        if i not in keys:
-            return f"id {i} is not a scored key of the row"
-        if abs(score - keys[i][0]) > keys[i][1]:
-            return f"id {i} scored {score!r}, expected {keys[i][0]!r}"
-    for u in (u for u in keys if u not in ids):
-        su, tu = keys[u]
-        for c in ids:
-            sc, tc = keys[c]
-            if su > sc + tu + tc or (su == sc and u < c):
-                return f"id {u} (score {su!r}) left out while id {c} (score {sc!r}) won"
-    return ""
-
-
-def check_scored_indexer(
-    fn: Callable,
-    *,
-    device: torch.device | str = "cpu",
-    max_examples: int | None = None,
-    seed: int | None = None,
-    shrink_budget: int = DEFAULT_SHRINK_BUDGET,
-    fp8_nan: bool = True,
-) -> None:
-    """Check a fused scoring -> indexer stage (:class:`~dcp_ref.stages.ScoredIndexerStage`): ``fn(index_q,
-    weights, index_cache, block_table, req_of_token, local_bounds, geometry, k, n_cols=L, row_starts=...)`` ->
-    float32 ``[T, k, 2]``: each row's ``min(k, scored keys)`` winners as ``(score, global id)`` in any positions,
-    every other entry exactly ``(-inf, -1)``. Against :func:`dcp_ref.testing.oracle.scoring` (float64): every
-    winner a distinct key of the row whose score is not NaN, its score within ``2**-12`` of the terms'
-    magnitude of the oracle's; no key left out scores above a winner beyond the two scores' tolerances; between
-    keys of *exactly* equal scores (a block repeated in the table: the same bytes) the lower id wins; a row out
-    of contract (all NaN) has no winner. A float32 kernel may order keys the oracle finds within rounding of
-    each other either way; nothing else is free."""
-    __tracebackhide__ = True  # pytest: show the ConformanceError, not the kit's frames
-    dev = _dev(device)
-    if not isinstance(fp8_nan, bool):
-        raise TypeError(f"fp8_nan must be a bool, got {type(fp8_nan).__name__}")
-
-    def evaluate(case: Case) -> None:
-        v = case.values
-        call = _invoke(fn, case, dev)
-        got = _cpu(call.result, "the packed candidates", case)
-        T, k, L = v["local_bounds"].shape[0], v["k"], v["n_cols"]
-        _check_shape_dtype(got, (T, k, 2), (torch.float32,), "the result", case)
-        got = _written(call, "out", got, case)
-        exp, mag = _scoring_oracle(v, L)
-        g = v["geometry"]
-        starts = [0] * T if v["row_starts"] is None else v["row_starts"].tolist()
-        diffs: list[str] = []
-        for t in range(T):
-            n = int(v["local_bounds"][t])
-            keys = {}  # global id -> (oracle score, its tolerance) of each of the row's scored keys
-            if not bool(torch.isnan(exp[t]).all()):
-                for j in range(max(n, 0)):
-                    col = starts[t] + j
-                    if not math.isnan(float(exp[t, col])):
-                        tol = float(mag[t, col]) * _SCORE_RTOL + 1e-30
-                        keys[oracle._to_global(j, g.world_size, g.rank, g.interleave)] = (float(exp[t, col]), tol)
-            pairs = _pairs(got, t)
-            bad = _winners_diff([p for p in pairs if not _pair_eq(p, (-math.inf, -1))], keys, k)
-            if bad:
-                diffs.append(f"row {t}: {bad}; got {_fmt_pairs(pairs)}")
-        if diffs:
-            raise _Mismatch(case, "  " + "\n  ".join(diffs[:3]))
-
-    _run(
-        "scored_indexer",
-        _conv(device=dev),
-        fn,
-        S.scored_indexer_cases(fp8_nan=fp8_nan),
-        evaluate,
-        device=dev,
-        max_examples=max_examples,
-        seed=seed,
-        shrink_budget=shrink_budget,
-    )
-
-
-# ---- attention ----------------------------------------------------------------------------------
 def _empty_ok(x: float, convention: str) -> bool:
     if convention == "-inf":
         return x == -math.inf
@@ -1696,7 +1607,7 @@ def check_stages(
     seed: int | None = None,
     **step_kwargs: Any,
 ) -> None:
-    """Every stage of a :class:`~dcp_ref.stages.Stages` value through its checker (scoring, scored indexer,
+    """Every stage of a :class:`~dcp_ref.stages.Stages` value through its checker (scoring,
     indexer, select, deinterleave, select-to-slots in both orders, guard, attention, merge, combine), then the
     whole step.
 
@@ -1709,7 +1620,6 @@ def check_stages(
         raise TypeError(f"stages must be a Stages value or a dict of stages, got {type(stages).__name__}")
     kw: dict[str, Any] = dict(device=device, max_examples=max_examples, seed=seed)
     check_scoring(st_.scoring, **kw)
-    check_scored_indexer(st_.scored_indexer, **kw)
     check_indexer(st_.indexer, **kw)
     check_select(st_.select, **kw)
     check_deinterleave(st_.deinterleave, compact=st_.attention_layout == "compact", **kw)

@@ -48,7 +48,6 @@ __all__ = [
     "select_to_slots_cases",
     "guard_cases",
     "scoring_cases",
-    "scored_indexer_cases",
     "adversarial_select_to_slots_cases",
     "local_topk_cases",
     "pack_cases",
@@ -664,32 +663,6 @@ def scoring_cases(draw: st.DrawFn, *, max_tokens: int = 4, mtp: bool = False, fp
         ("index_q", "weights", "index_cache", "block_table", "req_of_token", "local_bounds", "geometry"),
         kwargs=kwargs,
         out_buffers={"out": ((T, L), torch.float32, 7.0)},
-    )
-
-
-@st.composite
-def scored_indexer_cases(draw: st.DrawFn, *, max_tokens: int = 4, fp8_nan: bool = True) -> Case:
-    """The fused scoring -> indexer stage: a :func:`scoring_cases` draw (its ``out`` width is ``n_cols``), a ``k``
-    (at most, exactly or beyond the row's keys), and now and then keys repeated (one block twice in a row of
-    the table: exactly equal scores, whose ties the lower id must win)."""
-    c = draw(scoring_cases(max_tokens=max_tokens, fp8_nan=fp8_nan))
-    values, code = dict(c.values), dict(c.code)
-    T, L = c.out_buffers["out"][0]
-    table = values["block_table"]
-    if table.shape[1] >= 2 and draw(st.booleans()):
-        table = table.clone()
-        table[:, 1] = table[:, 0]  # every request's second block is its first: exact score ties
-        _tensor_case_value(values, code, "block_table", table)
-    k = draw(st.integers(1, max(1, L + 1)))
-    _scalar(values, code, "k", k)
-    _scalar(values, code, "n_cols", L)
-    return Case(
-        "scored_indexer",
-        values,
-        code,
-        ("index_q", "weights", "index_cache", "block_table", "req_of_token", "local_bounds", "geometry", "k"),
-        kwargs=("n_cols", "row_starts"),
-        out_buffers={"out": ((T, k, 2), torch.float32, NAN)} if draw(st.booleans()) else {},
     )
 
 
