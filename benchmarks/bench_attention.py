@@ -23,6 +23,12 @@ against the float64 reference (:mod:`dcp_ref.attention`, :func:`dcp_ref.fp8_cach
 for FP8) on the inputs timed (T <= 32; outputs poisoned with NaN first). ``ctas``: phase-1 programs of the
 split-KV kernel (``sm_busy = min(ctas, SMs) / SMs``); for FlashMLA's bf16 kernel, ``T * H / 64``.
 
+The ``flashmla_splits`` section times FlashMLA's bf16 stage at each ``splits`` (each token's slots cut into that
+many kernel rows, merged by LSE: :mod:`dcp_ref.kernels.flashmla_sparse`) for H in {64, 128}, K = 2048 and T from 1
+to 128 (``--only-splits``: that section alone); ``flashmla_splits_best`` is the fastest per shape, the data of
+:data:`~dcp_ref.kernels.flashmla_sparse.FLASHMLA_SPLITS`. The main table's ``flashmla_bf16`` rows run the planned
+splits (:func:`~dcp_ref.kernels.flashmla_sparse.flashmla_splits`).
+
 The ``sweep`` section times launch configurations (``block_h``, ``block_n``, ``num_warps``, ``num_stages``)
 x ``num_splits`` per shape and prints the best per shape next to the default plan's time, i.e. what
 :func:`splitkv_plan`'s defaults should be.
@@ -58,6 +64,8 @@ PEAK_BF16_FLOPS = 989e12  # H200 SXM, dense bf16 tensor cores
 CACHE_ROWS = 131072
 
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+FLASHMLA_SWEEP_SPLITS = (1, 2, 4, 8, 16)  # K = 2048: a split is at least the kernel's 128-slot width multiple
+FLASHMLA_SWEEP_T = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def graph_us(fn: Callable[[], object], calls: int = 20, reps: int = 5) -> float:
@@ -145,7 +153,7 @@ def main_table(data: dict, Ts, Ks, Hs_ours, gen, bw: float, sms: int, result: di
         import flash_mla  # noqa: F401
 
         from dcp_ref.kernels.flashmla_fp8 import FlashMLAFp8Decode
-        from dcp_ref.kernels.flashmla_sparse import sparse_mla_flashmla
+        from dcp_ref.kernels.flashmla_sparse import flashmla_splits, sparse_mla_flashmla
 
         fp8_dec = FlashMLAFp8Decode(data["kv"].device, validate=False)
         have_fm = True
@@ -176,13 +184,16 @@ def main_table(data: dict, Ts, Ks, Hs_ours, gen, bw: float, sms: int, result: di
                     fm_kw = (
                         {"validate": False} if "validate" in inspect.signature(sparse_mla_flashmla).parameters else {}
                     )
+                    n_split = flashmla_splits(T, H)
                     summary.append(
                         measure(
                             "flashmla_bf16", "bf16", inp,
-                            lambda inp=inp: sparse_mla_flashmla(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE,
-                                                                DV, out=inp.out, out_lse=inp.lse, **fm_kw),
+                            lambda inp=inp, n=n_split: sparse_mla_flashmla(
+                                inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV, out=inp.out, out_lse=inp.lse,
+                                splits=n, **fm_kw),
                             data, bw, check,
-                            {"ctas": T * H // 64, "sm_busy": min(T * H // 64, sms) / sms},
+                            {"ctas": T * H // 64 * n_split, "sm_busy": min(T * H // 64 * n_split, sms) / sms,
+                             "splits": n_split},
                         )
                     )  # fmt: skip
                     summary.append(
@@ -202,6 +213,52 @@ def main_table(data: dict, Ts, Ks, Hs_ours, gen, bw: float, sms: int, result: di
                 save()
                 del inp
                 torch.cuda.empty_cache()
+
+
+def flashmla_splits_sweep(data: dict, Ts, Hs, K: int, splits_list, gen, bw: float, result: dict, save) -> None:
+    """FlashMLA's bf16 stage at every ``splits`` per ``(T, H)``; the fastest per shape into ``flashmla_splits_best``
+    (each row checked against the float64 reference where ``T <= 32``)."""
+    try:
+        from dcp_ref.kernels.flashmla_sparse import sparse_mla_flashmla
+    except Exception as e:  # pragma: no cover - depends on the device
+        result["flashmla_splits_error"] = f"{type(e).__name__}: {e}"[:300]
+        return
+    rows, best = result["flashmla_splits"], result["flashmla_splits_best"]
+    for H in Hs:
+        for T in Ts:
+            inp = Inputs(data, T, H, K, gen)
+            shape_rows = []
+            for n in splits_list:
+                e = measure(
+                    "flashmla_bf16", "bf16", inp,
+                    lambda inp=inp, n=n: sparse_mla_flashmla(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV,
+                                                             out=inp.out, out_lse=inp.lse, splits=n),
+                    data, bw, T <= 32, {"splits": n, "ctas": T * H // 64 * n},
+                )  # fmt: skip
+                rows.append(e)
+                shape_rows.append(e)
+                print(f"  flashmla T={T:4d} H={H:4d} K={K:5d} splits={n:3d}: {e['graph_us']} us  err {e['rel_err']}",
+                      flush=True)  # fmt: skip
+            from dcp_ref.kernels.attention_splitkv_triton import splitkv_attention
+
+            sk = measure(  # the other bf16 kernel at the same shape, in the same run: where the step's crossover lies
+                "splitkv", "bf16", inp,
+                lambda inp=inp: splitkv_attention(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV,
+                                                  out=inp.out, out_lse=inp.lse),
+                data, bw, T <= 32, {},
+            )  # fmt: skip
+            rows.append(sk)
+            print(f"  splitkv  T={T:4d} H={H:4d} K={K:5d}: {sk['graph_us']} us", flush=True)
+            ok = [e for e in shape_rows if e.get("graph_us") is not None]
+            if ok:
+                b = min(ok, key=lambda e: e["graph_us"])
+                one = next((e["graph_us"] for e in ok if e["splits"] == 1), None)
+                best.append({"T": T, "H": H, "K": K, "ctas_unsplit": T * H // 64, "splits": b["splits"],
+                             "graph_us": b["graph_us"], "one_split_us": one, "splitkv_us": sk.get("graph_us"),
+                             "floor_us": b["floor_us"]})  # fmt: skip
+            save()
+            del inp
+            torch.cuda.empty_cache()
 
 
 def sweep(data: dict, shapes, gen, sms: int, result: dict, save, configs, splits_list, deadline: float) -> None:
@@ -327,6 +384,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few configs (checks the script)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
     ap.add_argument("--sweep-only", action="store_true", help="only the launch-config sweep")
+    ap.add_argument("--only-splits", action="store_true", help="only FlashMLA's splits sweep")
     ap.add_argument("--budget-s", type=float, default=520.0, help="stop the sweep after this many seconds in all")
     ap.add_argument("--note", default="", help="how the run was made (kept in the JSON)")
     args = ap.parse_args()
@@ -364,9 +422,11 @@ def main() -> None:
         "summary": [],
         "sweep": [],
         "sweep_best": [],
+        "flashmla_splits": [],
+        "flashmla_splits_best": [],
         "kernel_breakdown": [],
     }
-    path = out_dir / "attention.json"
+    path = out_dir / ("attention_flashmla_splits.json" if args.only_splits else "attention.json")
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=1) + "\n")
@@ -382,6 +442,21 @@ def main() -> None:
         shapes += [(1, 16, 2048), (32, 16, 2048), (1, 64, 2048), (32, 64, 2048), (1, 128, 1024), (32, 128, 1024)]
         shapes += [(1, 32, 2048), (8, 16, 2048)]
         configs, splits = SWEEP_CONFIGS, SWEEP_SPLITS
+    if not args.sweep_only:
+        print("== FlashMLA splits", flush=True)
+        fs_T = (1, 32) if args.smoke else FLASHMLA_SWEEP_T
+        flashmla_splits_sweep(data, fs_T, (128,) if args.smoke else (64, 128), 256 if args.smoke else 2048,
+                              (1, 2) if args.smoke else FLASHMLA_SWEEP_SPLITS, gen, bw, result, save)  # fmt: skip
+    if args.only_splits:
+        result["elapsed_s"] = time.time() - t_start
+        save()
+        for b in result["flashmla_splits_best"]:
+            print(
+                f"  T={b['T']:4d} H={b['H']:4d}: best splits {b['splits']:3d} {b['graph_us']:7.1f} us "
+                f"(1 split: {b['one_split_us']}; split-KV {b['splitkv_us']}; floor {b['floor_us']:.1f})"
+            )
+        print("wrote", path)
+        return
     if not args.sweep_only:
         print("== main table", flush=True)
         main_table(data, Ts, Ks, Hs, gen, bw, sms, result, save)

@@ -426,6 +426,13 @@ def fam_flashmla(f: Family) -> None:
             q, kv, slots, counts = _attention_inputs(g, 4, 64, K, S)
             got = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), slots.to(DEV), counts.to(DEV), 0.1)
             f.check(f"K = {K}: valid rows vs reference", _same_attention(got, _reference(q, kv, slots, counts)))
+    # splits: each token's slots cut into kernel rows and merged (K = 300 pads to 4 x 128; later splits empty)
+    for splits in (2, 4):
+        with f.case(f"splits = {splits}"):
+            q, kv, slots, counts = _attention_inputs(g, 4, 64, 300, 500)
+            got = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), slots.to(DEV), counts.to(DEV), 0.1, splits=splits)
+            f.check(f"splits = {splits}: vs reference", _same_attention(got, _reference(q, kv, slots, counts)))
+    q, kv, slots, counts = _attention_inputs(g, 4, 64, 64, 300)
     # the hot path's bad values: a used slot past the cache or negative poisons its row; counts past K clamp
     with f.case("validate=False bad slots"):
         bad_slots, bad_counts = slots.clone().long(), counts.clone()

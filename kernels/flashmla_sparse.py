@@ -12,6 +12,14 @@ the ``gpu`` tests against :func:`dcp_ref.attention.sparse_mla_attention`:
 - a row with no keys gives output 0 and LSE **+inf**; this wrapper normalises it to ``-inf`` (the
   merge's "empty" value), deciding emptiness from ``counts == 0``, never from the LSE's value;
 - ``H`` must be 64 or 128, ``q`` and the cache bf16, ``Dqk = 576``, ``v = 512``.
+
+**Splits.** The kernel gives one CTA to 64 heads of one query token and walks all of its ``K`` slots, so a step of
+``T`` tokens at ``H = 128`` fills ``2 T`` of the H200's 132 SMs (``T = 32``: 64) and a CTA's time is its whole row's
+(measured: about 60 µs at ``K = 2048`` whatever ``T``). With ``splits = S`` the wrapper hands the kernel ``S T``
+rows instead: token ``t``'s ``q`` repeated ``S`` times, row ``t S + s`` given slots ``[s K/S, (s + 1) K/S)`` of
+the token's (padded) row — the same int32 buffer viewed as ``[T S, K/S]``, so the prologue does not move a slot —
+and its own count; the epilogue merges a token's ``S`` partial outputs by their LSEs (a partial with no slots
+weighs exactly zero, emptiness again the count). :data:`FLASHMLA_SPLITS` is the measured choice per ``T``.
 """
 
 from __future__ import annotations
@@ -38,13 +46,32 @@ from dcp_ref.attention import check_attention_slots, check_sm_scale
 
 from ._util import cdiv, check_flag, next_pow2, per_thread, raise_if_flagged
 
-__all__ = ["FLASHMLA_LSE_BASE", "FLASHMLA_HEADS", "flashmla_unsupported", "sparse_mla_flashmla"]
+__all__ = [
+    "FLASHMLA_LSE_BASE",
+    "FLASHMLA_HEADS",
+    "FLASHMLA_SPLITS",
+    "flashmla_splits",
+    "flashmla_unsupported",
+    "sparse_mla_flashmla",
+]
 
 #: The base of the LSE that ``flash_mla_sparse_fwd`` returns (checked by tests/test_flashmla.py on a GPU).
 FLASHMLA_LSE_BASE = "e"
 #: Query head counts the SM90 sparse kernel takes.
 FLASHMLA_HEADS = (64, 128)
 _DQK, _DV = 576, 512
+#: ``(most CTAs, splits)``, ascending: a call whose kernel would have at most that many CTAs unsplit
+#: (``T * H / 64``) runs with that many splits of each token's slots (:func:`flashmla_splits`; past the last entry,
+#: 1). From ``benchmarks/results/attention.json`` (``flashmla_splits_best``, H200, K = 2048).
+FLASHMLA_SPLITS: tuple[tuple[int, int], ...] = ()
+
+
+def flashmla_splits(T: int, H: int = 128) -> int:
+    """The splits :data:`FLASHMLA_SPLITS` plans for ``T`` query tokens of ``H`` heads (1 past its last entry)."""
+    T = check_int_scalar(T, "T", min_value=0)
+    H = check_int_scalar(H, "H", min_value=1)
+    ctas = T * max(H // 64, 1)
+    return next((s for c, s in FLASHMLA_SPLITS if ctas <= c), 1)
 
 
 def _flash_mla() -> Any:
@@ -83,12 +110,14 @@ INDEX_WIDTH_MULTIPLE = 128
 @triton.jit
 def _prologue_kernel(
     slots_ptr, counts_ptr, safe_ptr, cnt_ptr, poison_ptr, K, KP, S, stride_t, stride_k, BLOCK: tl.constexpr,
-    chk_ptr=None, CHECK: tl.constexpr = False,
+    chk_ptr=None, CHECK: tl.constexpr = False, SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
     """Row ``t``: ``cnt = clamp(counts[t], 0, K)``; ``safe[t, :K] = slots[t]`` as int32, except that a used
     entry (``j < cnt``) outside ``[0, S)`` becomes slot 0 and marks the row poisoned; ``safe[t, K:KP] = -1``
     (the padding to FlashMLA's width multiple). The range test runs on the slot as given (int64 included),
-    *before* the narrowing to int32, so a wide slot can never wrap into a valid one.
+    *before* the narrowing to int32, so a wide slot can never wrap into a valid one. ``SPLITS``: the kernel's
+    row ``t SPLITS + s`` holds ``safe[t, s KS : (s + 1) KS]`` (``KS = KP / SPLITS``), its count
+    ``cnt[t SPLITS + s] = clamp(cnt - s KS, 0, KS)``.
 
     ``CHECK`` (``validate=True``): a row that :func:`dcp_ref.attention.check_attention_slots` would refuse
     (``counts[t]`` outside ``[0, K]``, or a poisoned row) sets ``chk[0]`` to 1 with an atomic max; a good
@@ -103,7 +132,7 @@ def _prologue_kernel(
         outside = (j < c) & ((s < 0) | (s >= S))
         bad = bad | outside.to(tl.int32)
         tl.store(safe_ptr + t * KP + j, tl.where(outside, 0, s).to(tl.int32), mask=j < KP)
-    tl.store(cnt_ptr + t, c.to(tl.int32))
+    split_counts(cnt_ptr, t, c, KP, SPLITS)
     poisoned = tl.max(bad, 0)
     tl.store(poison_ptr + t, poisoned)
     if CHECK:
@@ -112,35 +141,70 @@ def _prologue_kernel(
 
 
 @triton.jit
+def split_counts(cnt_ptr, t, c, KP, SPLITS: tl.constexpr):
+    """The kernel rows of token ``t`` (count ``c``): split ``s`` holds ``clamp(c - s KP / SPLITS, 0, KP / SPLITS)``
+    of its slots (one row, ``c`` itself, when ``SPLITS == 1``)."""
+    ks = KP // SPLITS
+    s = tl.arange(0, SPLITS)
+    tl.store(cnt_ptr + t * SPLITS + s, tl.minimum(tl.maximum(c - s * ks, 0), ks).to(tl.int32))
+
+
+@triton.jit
+def merge_splits(o_ptr, lse_ptr, cnt_ptr, t, h, v, V, o_st, o_sh, o_sv, lse_st, lse_sh, SPLITS: tl.constexpr):
+    """``(out [BLOCK_V] float32, lse)`` of head ``h`` of token ``t`` from its ``SPLITS`` kernel rows: the
+    LSE-weighted mean of the partial outputs. A row of no slots weighs exactly zero (decided by its count, not
+    FlashMLA's ``+inf`` LSE); a NaN partial (NaN in ``q`` or a used key) makes the result NaN; with no slots
+    at all, ``(0, -inf)``. One split is the partial itself, bit for bit."""
+    r = t * SPLITS
+    if SPLITS == 1:
+        x = tl.load(o_ptr + r * o_st + h * o_sh + v * o_sv, mask=v < V, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + r * lse_st + h * lse_sh).to(tl.float32)
+        return x, tl.where(tl.load(cnt_ptr + r) == 0, float("-inf"), lse)
+    m = float("-inf")
+    for s in tl.static_range(SPLITS):  # the largest LSE of a row with slots (NaN kept)
+        lse_s = tl.load(lse_ptr + (r + s) * lse_st + h * lse_sh).to(tl.float32)
+        lse_s = tl.where(tl.load(cnt_ptr + r + s) > 0, lse_s, float("-inf"))
+        m = tl.maximum(m, lse_s, propagate_nan=tl.PropagateNan.ALL)
+    base = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, not exp(-inf - -inf)
+    acc = tl.zeros(v.shape, tl.float32)
+    den = 0.0
+    for s in tl.static_range(SPLITS):
+        lse_s = tl.load(lse_ptr + (r + s) * lse_st + h * lse_sh).to(tl.float32)
+        used = tl.load(cnt_ptr + r + s) > 0
+        w = tl.where(used, tl.exp(lse_s - base), 0.0)
+        x = tl.load(o_ptr + (r + s) * o_st + h * o_sh + v * o_sv, mask=v < V, other=0.0).to(tl.float32)
+        acc += w * tl.where(used, x, 0.0)  # an empty split's output is never read into the sum
+        den += w
+    out = tl.where(den > 0, acc / den, acc)
+    return out, tl.where(den > 0, base + tl.log(tl.where(den > 0, den, 1.0)), m)
+
+
+@triton.jit
 def _epilogue_kernel(
     o_ptr, lse_ptr, cnt_ptr, poison_ptr, out_ptr, out_lse_ptr,
     V,
     o_st, o_sh, o_sv, lse_st, lse_sh,  # FlashMLA's o, lse
     out_st, out_sh, out_sv, olse_st, olse_sh,  # the stage's out, out_lse
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
-    """Head ``h`` of row ``t``: ``out = o`` (NaN when the row is poisoned) and ``out_lse = lse``, ``-inf``
-    where the row has no keys (FlashMLA says ``+inf``; emptiness is the count, never the LSE's value), NaN
+    """Head ``h`` of token ``t``: ``out`` and ``out_lse`` from its kernel rows (:func:`merge_splits`), ``-inf``
+    where the token has no keys (FlashMLA says ``+inf``; emptiness is the count, never the LSE's value), both NaN
     when poisoned."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     poisoned = tl.load(poison_ptr + t) != 0
-    empty = tl.load(cnt_ptr + t) == 0
     v = tl.arange(0, BLOCK_V)
-    x = tl.load(o_ptr + t * o_st + h * o_sh + v * o_sv, mask=v < V, other=0.0)
-    x = tl.where(poisoned, float("nan"), x.to(tl.float32))
+    x, lse = merge_splits(o_ptr, lse_ptr, cnt_ptr, t, h, v, V, o_st, o_sh, o_sv, lse_st, lse_sh, SPLITS)
+    x = tl.where(poisoned, float("nan"), x)
     tl.store(out_ptr + t * out_st + h * out_sh + v * out_sv, x.to(out_ptr.dtype.element_ty), mask=v < V)
-    lse = tl.load(lse_ptr + t * lse_st + h * lse_sh).to(tl.float32)
-    lse = tl.where(empty, float("-inf"), lse)
-    lse = tl.where(poisoned, float("nan"), lse)
-    tl.store(out_lse_ptr + t * olse_st + h * olse_sh, lse)
+    tl.store(out_lse_ptr + t * olse_st + h * olse_sh, tl.where(poisoned, float("nan"), lse))
 
 
 _SCRATCH = threading.local()  # per thread (a SimulatedWorld rank is a thread): the prologue's buffers by shape
 
 
-def _scratch(device: torch.device, T: int, KP: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prologue's ``(indices int32 [T, KP], counts int32 [T], poisoned int32 [T])``, made once per thread,
+def _scratch(device: torch.device, T: int, KP: int, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The prologue's ``(indices int32 [T, KP], counts int32 [T * splits], poisoned int32 [T])``, made once per thread,
     device and shape and reused by every later call: the hot path allocates none of them, and a CUDA graph
     that captured a call keeps reading the same addresses. Calls of one thread are ordered on its stream,
     so a call rewrites them only after the previous kernel has read them."""
@@ -149,11 +213,20 @@ def _scratch(device: torch.device, T: int, KP: int) -> tuple[torch.Tensor, torch
         i32 = torch.int32
         return (
             torch.empty((T, KP), dtype=i32, device=device),
-            torch.empty((T,), dtype=i32, device=device),
+            torch.empty((T * splits,), dtype=i32, device=device),
             torch.empty((T,), dtype=i32, device=device),
         )
 
-    return per_thread(_SCRATCH, (device, T, KP), make)
+    return per_thread(_SCRATCH, (device, T, KP, splits), make)
+
+
+def _split_queries(q: torch.Tensor, splits: int) -> torch.Tensor:
+    """``q [T, H, D]`` repeated per split, ``[T * splits, H, D]`` (row ``t * splits + s`` = ``q[t]``), in a
+    per-thread buffer of that shape (one copy kernel; a captured graph keeps reading the same address)."""
+    T, H, D = q.shape
+    buf = per_thread(_SCRATCH, ("q", q.device, q.dtype, T, H, D, splits), lambda: q.new_empty((T * splits, H, D)))
+    buf.view(T, splits, H, D).copy_(q.unsqueeze(1).expand(T, splits, H, D))
+    return buf
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -162,7 +235,7 @@ def _use_triton(device: torch.device) -> bool:
 
 
 def _prologue_torch(
-    slots: torch.Tensor, counts: torch.Tensor, S: int, KP: int
+    slots: torch.Tensor, counts: torch.Tensor, S: int, KP: int, splits: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_prologue_kernel` in torch ops (CPU without the Triton interpreter)."""
     K = slots.shape[1]
@@ -170,7 +243,28 @@ def _prologue_torch(
     used = torch.arange(K, device=slots.device) < cnt.unsqueeze(1)
     outside = used & ((slots < 0) | (slots >= S))  # on the slots as given, before narrowing
     safe = torch.nn.functional.pad(slots.masked_fill(outside, 0), (0, KP - K), value=-1).to(torch.int32)
-    return safe, cnt, outside.any(1).to(torch.int32)
+    ks = KP // splits
+    per_split = (cnt.unsqueeze(1) - ks * torch.arange(splits, device=slots.device, dtype=torch.int32)).clamp(0, ks)
+    return safe, per_split.reshape(-1).to(torch.int32), outside.any(1).to(torch.int32)
+
+
+def _merge_torch(
+    o: torch.Tensor, lse: torch.Tensor, cnt: torch.Tensor, T: int, S: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_splits` in torch ops: ``o [T S, H, V]``, ``lse [T S, H]``, ``cnt [T S]`` -> ``(out [T, H, V]
+    float32, lse [T, H])``, the LSE ``-inf`` where a token has no keys."""
+    H, V = o.shape[1], o.shape[2]
+    used = (cnt.view(T, S) > 0).unsqueeze(2)
+    if S == 1:
+        return o.float(), lse.float().masked_fill(~used[:, 0], -math.inf)
+    l_s = lse.float().view(T, S, H).masked_fill(~used, -math.inf)
+    m = l_s.amax(1)  # NaN kept
+    base = m.masked_fill(m == -math.inf, 0.0)
+    w = torch.exp(l_s - base.unsqueeze(1)).masked_fill(~used, 0.0)
+    x = o.float().view(T, S, H, V).masked_fill(~used.unsqueeze(3), 0.0)
+    acc, den = (w.unsqueeze(3) * x).sum(1), w.sum(1)
+    out = torch.where(den.unsqueeze(2) > 0, acc / den.unsqueeze(2), acc)
+    return out, torch.where(den > 0, base + torch.log(den), m)
 
 
 def sparse_mla_flashmla(
@@ -184,6 +278,7 @@ def sparse_mla_flashmla(
     out: torch.Tensor | None = None,
     out_lse: torch.Tensor | None = None,
     validate: bool = False,
+    splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over compacted slots on FlashMLA (the attention stage's contract, :mod:`dcp_ref.stages`).
 
@@ -206,6 +301,9 @@ def sparse_mla_flashmla(
             captured step) reads nothing on the host: counts are clamped and a row whose used slots
             leave the cache (e.g. the deinterleave stage's poison slot ``2**31 - 1``) is poisoned (NaN
             output and LSE).
+        splits: a power of two: each token's slots cut into this many rows of the kernel, merged by LSE
+            afterwards (the module's **Splits**; a planned step takes :func:`flashmla_splits` of its ``T``).
+            Each split is at least the kernel's width multiple (128), so ``K`` is padded to ``128 * splits``.
     Returns:
         ``(out [T, H, 512] bf16, lse [T, H] float32)``: LSE in base e, ``-inf`` where ``counts == 0``.
     """
@@ -216,6 +314,9 @@ def sparse_mla_flashmla(
     check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=q.device)
     T, H, D = q.shape
     v_dim = check_int_scalar(v_dim, "v_dim", min_value=1)
+    splits = check_int_scalar(splits, "splits", min_value=1)
+    if splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
     sm_scale = check_sm_scale(sm_scale)
     if (D, v_dim, kv_cache.shape[-1]) != (_DQK, _DV, _DQK):
         raise ValueError(
@@ -230,7 +331,7 @@ def sparse_mla_flashmla(
     # used slots leave the cache reads only slot 0 there and is poisoned (NaN output and LSE) afterwards, as
     # the reference does with validate=False — never an out-of-bounds read, never a silently dropped key.
     K, S = slots.shape[1], kv_cache.reshape(-1, _DQK).shape[0]
-    KP = max(cdiv(K, INDEX_WIDTH_MULTIPLE), 1) * INDEX_WIDTH_MULTIPLE
+    KP = max(cdiv(K, INDEX_WIDTH_MULTIPLE * splits), 1) * INDEX_WIDTH_MULTIPLE * splits
     fused = _use_triton(q.device)
     if out is not None:
         check_out(out, "out", (T, H, _DV), q.dtype, q.device)
@@ -243,32 +344,34 @@ def sparse_mla_flashmla(
         check_values_readable(counts, "counts")
         check_values_readable(slots, "slots")
     if fused:
-        safe, cnt, poisoned = _scratch(q.device, T, KP)
+        safe, cnt, poisoned = _scratch(q.device, T, KP, splits)
         chk = check_flag(q.device) if check else None
         if T:
             _prologue_kernel[(T,)](
                 slots, counts, safe, cnt, poisoned, K, KP, S, slots.stride(0), slots.stride(1),
-                BLOCK=min(max(next_pow2(KP), 16), 1024), chk_ptr=chk, CHECK=chk is not None,
+                BLOCK=min(max(next_pow2(KP), 16), 1024), chk_ptr=chk, CHECK=chk is not None, SPLITS=splits,
             )  # fmt: skip
     else:
-        safe, cnt, poisoned = _prologue_torch(slots, counts, S, KP)
+        safe, cnt, poisoned = _prologue_torch(slots, counts, S, KP, splits)
         chk = ((poisoned != 0) | (counts < 0) | (counts > K)).any().view(1) if check else None
     # before the kernel: the prologue raised the flag for a row the reference refuses (a count outside [0, K], a
     # used slot outside the cache)
     raise_if_flagged(chk, lambda: check_attention_slots(slots, counts, S), "the FlashMLA prologue")
+    # one kernel row per (token, split): the same int32 buffer read as [T * splits, KP / splits]
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
-        q,
+        q if splits == 1 else _split_queries(q, splits),
         kv_cache.reshape(-1, 1, _DQK),
-        safe.unsqueeze(1),
+        safe.view(T * splits, 1, KP // splits),
         sm_scale,
         d_v=_DV,
         topk_length=cnt,
         use_legacy=True,
     )
-    lse = lse.reshape(T, H)
+    lse = lse.reshape(T * splits, H)
     if FLASHMLA_LSE_BASE != "e":  # pragma: no cover - the measured convention is base e
         lse = lse * math.log(2.0)
-    out = o if out is None else out
+    if out is None:  # one split: the epilogue rewrites FlashMLA's own output in place
+        out = o if splits == 1 else torch.empty((T, H, _DV), dtype=q.dtype, device=q.device)
     out_lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if out_lse is None else out_lse
     if fused:
         if T:
@@ -276,14 +379,14 @@ def sparse_mla_flashmla(
                 o, lse, cnt, poisoned, out, out_lse, _DV,
                 o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
                 out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1),
-                BLOCK_V=next_pow2(_DV),
+                BLOCK_V=next_pow2(_DV), SPLITS=splits,
             )  # fmt: skip
         return out, out_lse
-    if out is not o:
-        out.copy_(o)
-    out_lse.copy_(lse)
     # Emptiness is a count of zero (FlashMLA says +inf there); never inferred from the LSE's value.
-    out_lse.masked_fill_((cnt == 0).unsqueeze(1), -math.inf)
+    merged, merged_lse = _merge_torch(o, lse, cnt, T, splits)
+    if out is not o:
+        out.copy_(merged)
+    out_lse.copy_(merged_lse)
     bad = poisoned.bool()
     out_lse.masked_fill_(bad.unsqueeze(1), math.nan)
     out.masked_fill_(bad.view(T, 1, 1), math.nan)

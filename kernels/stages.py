@@ -185,21 +185,32 @@ def _deinterleave_triton(
         return fn(global_ids, req, block_table, geometry, out=out_slots, counts=out_counts, validate=False)
 
 
-@named_impl("flashmla")
-def _attention_flashmla(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
-    sm_scale: float,
-    v_dim: int,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from .flashmla_sparse import sparse_mla_flashmla
+def _attention_flashmla_for(splits: int) -> Any:
+    """FlashMLA's bf16 attention stage with each token's slots cut into ``splits`` kernel rows (chosen at plan time
+    for the planned tokens: :func:`~.flashmla_sparse.flashmla_splits`)."""
 
-    return sparse_mla_flashmla(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
+    @named_impl("flashmla")
+    def stage(
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor,
+        sm_scale: float,
+        v_dim: int,
+        *,
+        out: torch.Tensor | None = None,
+        out_lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from .flashmla_sparse import sparse_mla_flashmla
+
+        return sparse_mla_flashmla(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse,
+                                   splits=splits)  # fmt: skip
+
+    stage.__dict__["splits"] = splits  # what the plan chose, for the tests
+    return stage
+
+
+_attention_flashmla = _attention_flashmla_for(1)
 
 
 _FP8_DECODERS = threading.local()  # one FlashMLA FP8 decoder per thread (rank): it keeps a schedule per shape
@@ -426,15 +437,28 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
         # One split (CTAs per row) for the planned rows, whatever a run's token count: one compiled kernel.
         split = make_config(spec.order, W, k, k, spec.cache_geometry, rows=T).split
         chosen = dataclasses.replace(chosen, select_to_slots=_select_to_slots_cutedsl_for(split))
-    if len(alternatives) < 2:
+    attention, why = chosen.attention, ""
+    if len(alternatives) >= 2:
+        best = "triton-splitkv" if T <= SPLITKV_MAX_TOKENS else "flashmla"
+        attention = alternatives[best]
+        why = (
+            f"planned for T <= {T} query tokens: the split-KV kernel is faster up to {SPLITKV_MAX_TOKENS}, FlashMLA "
+            "beyond (measured on the H200, benchmarks/results/attention.json)"
+        )
+    if attention is _attention_flashmla:
+        from .flashmla_sparse import flashmla_splits
+
+        splits = flashmla_splits(T, spec.attention_heads)
+        if splits > 1:
+            attention = _attention_flashmla_for(splits)
+            why = (why + "; " if why else "") + (
+                f"FlashMLA with {splits} splits of each token's slots for T <= {T} at H = {spec.attention_heads} "
+                "(FLASHMLA_SPLITS, measured on the H200)"
+            )
+    if not why:
         return chosen if chosen is not stages else None
-    best = "triton-splitkv" if T <= SPLITKV_MAX_TOKENS else "flashmla"
-    why = (
-        f"planned for T <= {T} query tokens: the split-KV kernel is faster up to {SPLITKV_MAX_TOKENS}, FlashMLA "
-        "beyond (measured on the H200, benchmarks/results/attention.json)"
-    )
     notes = tuple(sorted((*(n for n in chosen.notes if n[0] != "attention"), ("attention", why))))
-    return dataclasses.replace(chosen, attention=alternatives[best], notes=notes)
+    return dataclasses.replace(chosen, attention=attention, notes=notes)
 
 
 # ---- selection -------------------------------------------------------------------------------------------

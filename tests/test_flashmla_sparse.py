@@ -146,6 +146,72 @@ def test_strided_out_and_empty_batch(fake: list) -> None:
         fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out_lse=torch.empty(4, 64, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("K", [64, 300])
+def test_splits_match_the_reference_and_hand_each_row_its_own_slots(fake: list, splits: int, K: int) -> None:
+    """``splits = S``: the kernel gets ``T S`` rows, row ``t S + s`` the slots ``[s KS, (s + 1) KS)`` of token
+    ``t`` (``KS`` = the padded width over ``S``, at least 128) and their count; the merged output and LSE are the
+    reference's — with counts that leave the later splits empty, end inside one, or fill every one."""
+    q, kv, slots, _ = _inputs(K=K, seed=K + splits)
+    counts = torch.tensor([K, 0, 17, min(129, K)], dtype=torch.int32)
+    out, lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, splits=splits)
+    ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.05, "e", v_dim=512)
+    torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(lse[1]).all() and bool((out[1] == 0).all())
+    one_out, one_lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05)  # one split: the same attention
+    torch.testing.assert_close(out.float(), one_out.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, one_lse, rtol=1e-5, atol=1e-5)
+    call = fake[-2]
+    ks = -(-K // (128 * splits)) * 128  # every split at least the kernel's width multiple
+    idx = call["indices"][:, 0, :]
+    assert idx.shape == (4 * splits, ks)
+    for t in range(4):
+        row = idx[t * splits : (t + 1) * splits].reshape(-1)  # the token's splits, end to end
+        assert torch.equal(row[:K], slots[t]) and bool((row[K:] == -1).all())
+        n = int(counts[t])
+        assert call["topk_length"][t * splits : (t + 1) * splits].tolist() == [
+            min(max(n - s * ks, 0), ks) for s in range(splits)
+        ]
+
+
+def test_splits_propagate_nan_and_poison_like_one_split(fake: list) -> None:
+    """A NaN in one token's query, or in a key only its second split reads, makes that token's output and LSE
+    NaN (never dropped by the merge); a used slot outside the cache poisons its token; the other tokens are the
+    reference's."""
+    q, kv, slots, _ = _inputs(K=256)
+    counts = torch.tensor([256, 256, 200, 0], dtype=torch.int32)
+    q, kv, slots = q.clone(), kv.clone(), slots.clone()
+    q[0, 3, 7] = math.nan
+    kv[slots[1, 200]] = math.nan  # token 1's split 1 (slots 128..255) reads it
+    slots[2, 150] = 10_000  # token 2: a used slot past the cache
+    out, lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, splits=2)
+    one_out, one_lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05)
+    for t in (0, 1, 2):  # NaN exactly where one split has it
+        assert torch.equal(torch.isnan(out[t]), torch.isnan(one_out[t])) and torch.isnan(out[t]).any(), t
+        assert torch.equal(torch.isnan(lse[t]), torch.isnan(one_lse[t])) and torch.isnan(lse[t]).any(), t
+    assert torch.isnan(out[2]).all() and torch.isnan(lse[2]).all()
+    assert torch.isneginf(lse[3]).all() and bool((out[3] == 0).all())
+
+
+def test_splits_is_a_power_of_two() -> None:
+    q, kv, slots, counts = _inputs()
+    for bad, err, msg in ((0, ValueError, "splits must be"), (3, ValueError, "power of two"),
+                          (True, TypeError, "splits"), (2.0, TypeError, "splits")):  # fmt: skip
+        with pytest.raises(err, match=msg):
+            fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, splits=bad)
+
+
+def test_flashmla_splits_reads_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fm, "FLASHMLA_SPLITS", ((4, 16), (32, 2)))  # (most CTAs unsplit = T * H / 64, splits)
+    assert [fm.flashmla_splits(t) for t in (0, 1, 2, 3, 16, 17, 1024)] == [16, 16, 16, 2, 2, 1, 1]
+    assert [fm.flashmla_splits(t, 64) for t in (4, 5, 32, 33)] == [16, 2, 2, 1]
+    with pytest.raises(ValueError, match="T"):
+        fm.flashmla_splits(-1)
+    with pytest.raises(ValueError, match="H"):
+        fm.flashmla_splits(1, 0)
+
+
 def test_why_flashmla_cannot_run() -> None:
     cpu = torch.device("cpu")
     assert "not CUDA" in fm.flashmla_unsupported(cpu, torch.bfloat16, 128, 576, 512, 2048)
@@ -264,3 +330,34 @@ def test_a_wide_int64_slot_is_refused_by_the_validated_call(fake: list) -> None:
     with pytest.raises(ValueError) as ker:
         fm.sparse_mla_flashmla(q, kv, wide, counts, 0.05, validate=True)
     assert str(ker.value) == str(ref.value) and "slots[t, :counts[t]]" in str(ker.value) and not fake
+
+
+# ---- on the H200: the real kernel, split ------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_gpu_splits_match_the_reference(cuda_device, H: int) -> None:
+    """FlashMLA's kernel at every split the plan may take, against the float64 reference: full rows of 2048
+    slots, ragged counts that leave later splits empty or end inside one, an empty token; a NaN in a key that only
+    a later split reads makes its token NaN; a split output equals the unsplit one to bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(H)
+    T, K, S = 8, 2048, 20000
+    q = (torch.randn(T, H, 576, generator=g, device="cuda") / 4).bfloat16()
+    kv = (torch.randn(S, 576, generator=g, device="cuda") / 4).bfloat16()
+    slots = torch.rand(T, S, generator=g, device="cuda").topk(K, dim=1).indices.int().contiguous()
+    counts = torch.tensor([K, 0, 1, 127, 128, 129, 1500, K - 1], dtype=torch.int32, device="cuda")
+    ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.07, "e", v_dim=512)
+    one_out, one_lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.07)
+    for splits in (1, 2, 4, 8, 16):
+        out, lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.07, splits=splits)
+        torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=1e-2)
+        fin = torch.isfinite(ref_lse)
+        torch.testing.assert_close(lse.double()[fin], ref_lse[fin], rtol=1e-4, atol=1e-4)
+        assert torch.isneginf(lse[1]).all() and bool((out[1] == 0).all())
+        torch.testing.assert_close(out.float(), one_out.float(), rtol=1e-2, atol=8e-3)
+        torch.testing.assert_close(lse, one_lse, rtol=1e-5, atol=1e-5)
+    bad_kv = kv.clone()
+    bad_kv[slots[0, 2000]] = math.nan  # token 0's last split (and the unsplit row) reads it
+    out, lse = fm.sparse_mla_flashmla(q, bad_kv, slots, counts, 0.07, splits=8)
+    assert torch.isnan(out[0]).any() and torch.isnan(lse[0]).all()

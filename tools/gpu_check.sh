@@ -40,7 +40,7 @@ FI_LANES=(
   "tests/test_testing_kit.py@select"
   "tests/test_testing_kit.py@rest"
   "tests/test_bad_inputs.py tests/test_attention_splitkv.py tests/test_step.py tests/test_step_fp8.py
-   tests/test_pipeline.py tests/test_attention.py tests/test_fp8_cache.py"
+   tests/test_pipeline.py tests/test_attention.py tests/test_fp8_cache.py tests/test_flashmla_sparse.py"
 )
 kexpr() {  # the -k expression of a part
   case "$1" in
@@ -175,6 +175,7 @@ case "$what" in
           python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work" --keep benchmarks/results/step.json \
             --note "tools/gpu_check.sh bench: W = 1, one H200, the two caches one after the other." > /dev/null ;;
         validation) b validation 150 benchmarks/bench_validation.py --out "$work" ;;
+        attention_splits) b attention_splits 200 benchmarks/bench_attention.py --out "$work" --only-splits ;;
         scoring)  # DeepGEMM's fp8_paged_mqa_logits (built from source, .gpu/dgsrc) in its own process, then ours
           dg=()
           if [ -d .gpu/dgsrc ] && bash tools/dgsrc_unpack.sh > "$work/dgsrc_unpack.txt" 2>&1; then
