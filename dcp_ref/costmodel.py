@@ -355,7 +355,7 @@ class CostConstants:
     attention_splitkv: LineCost = LineCost(10e-6, 1 / 150e12, "flops")
     select_to_slots: LineCost = LineCost(5.0e-6, 1 / 3.0e12)
     combine: LineCost = LineCost(2.0e-6, 1 / 2.0e12)
-    splitkv_max_tokens: int = 8
+    splitkv_max_tokens: int = 2
     step_overhead_s: float = 0.0
     launch_s: float = 0.0
     sync_s: float = 0.0

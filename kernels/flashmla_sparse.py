@@ -16,10 +16,13 @@ the ``gpu`` tests against :func:`dcp_ref.attention.sparse_mla_attention`:
 **Splits.** The kernel gives one CTA to 64 heads of one query token and walks all of its ``K`` slots, so a step of
 ``T`` tokens at ``H = 128`` fills ``2 T`` of the H200's 132 SMs (``T = 32``: 64) and a CTA's time is its whole row's
 (measured: about 60 µs at ``K = 2048`` whatever ``T``). With ``splits = S`` the wrapper hands the kernel ``S T``
-rows instead: token ``t``'s ``q`` repeated ``S`` times, row ``t S + s`` given slots ``[s K/S, (s + 1) K/S)`` of
-the token's (padded) row — the same int32 buffer viewed as ``[T S, K/S]``, so the prologue does not move a slot —
-and its own count; the epilogue merges a token's ``S`` partial outputs by their LSEs (a partial with no slots
-weighs exactly zero, emptiness again the count). :data:`FLASHMLA_SPLITS` is the measured choice per ``T``.
+rows instead: token ``t``'s ``q`` repeated ``S`` times, and its ``counts[t]`` used slots dealt out evenly, row
+``t S + s`` holding slots ``[s c, (s + 1) c)`` with ``c = ceil(counts[t] / S)`` — written by the prologue, which
+writes every slot anyway, into the int32 buffer the kernel reads as ``[T S, K/S]`` — so a token with few used
+slots in a wide row (a DCP rank's share of the ``k`` winners) splits its work too; the epilogue merges a token's
+``S`` partial outputs by their LSEs (a partial with no slots weighs exactly zero, emptiness again the count).
+Measured on the H200 (``benchmarks/results/attention_flashmla_splits.json``): at ``T = 8`` 60.9 µs unsplit, 30.5 with
+4 splits; at ``T = 32`` 68.9 and 60.4 with 2. :data:`FLASHMLA_SPLITS` is the measured choice per CTA count.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ _DQK, _DV = 576, 512
 #: ``(most CTAs, splits)``, ascending: a call whose kernel would have at most that many CTAs unsplit
 #: (``T * H / 64``) runs with that many splits of each token's slots (:func:`flashmla_splits`; past the last entry,
 #: 1). From ``benchmarks/results/attention.json`` (``flashmla_splits_best``, H200, K = 2048).
-FLASHMLA_SPLITS: tuple[tuple[int, int], ...] = ()
+FLASHMLA_SPLITS: tuple[tuple[int, int], ...] = ((2, 16), (8, 8), (32, 4), (64, 2))
 
 
 def flashmla_splits(T: int, H: int = 128) -> int:
@@ -115,9 +118,11 @@ def _prologue_kernel(
     """Row ``t``: ``cnt = clamp(counts[t], 0, K)``; ``safe[t, :K] = slots[t]`` as int32, except that a used
     entry (``j < cnt``) outside ``[0, S)`` becomes slot 0 and marks the row poisoned; ``safe[t, K:KP] = -1``
     (the padding to FlashMLA's width multiple). The range test runs on the slot as given (int64 included),
-    *before* the narrowing to int32, so a wide slot can never wrap into a valid one. ``SPLITS``: the kernel's
-    row ``t SPLITS + s`` holds ``safe[t, s KS : (s + 1) KS]`` (``KS = KP / SPLITS``), its count
-    ``cnt[t SPLITS + s] = clamp(cnt - s KS, 0, KS)``.
+    *before* the narrowing to int32, so a wide slot can never wrap into a valid one. ``SPLITS > 1``: the
+    token's used slots are dealt out evenly, ``chunk = ceil(cnt / SPLITS)`` to a split: the kernel's row
+    ``t SPLITS + s`` (``safe[t, s KS : (s + 1) KS]``, ``KS = KP / SPLITS``) starts with slots
+    ``[s chunk, (s + 1) chunk)`` and its count is ``clamp(cnt - s chunk, 0, chunk)`` (:func:`split_layout`), so a
+    row of few used slots in a wide buffer (a DCP rank's share) still splits its work; the rest is ``-1``.
 
     ``CHECK`` (``validate=True``): a row that :func:`dcp_ref.attention.check_attention_slots` would refuse
     (``counts[t]`` outside ``[0, K]``, or a poisoned row) sets ``chk[0]`` to 1 with an atomic max; a good
@@ -126,13 +131,15 @@ def _prologue_kernel(
     raw = tl.load(counts_ptr + t).to(tl.int64)
     c = tl.minimum(tl.maximum(raw, 0), K)
     bad = tl.zeros([BLOCK], tl.int32)
-    for j0 in range(0, KP, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        s = tl.load(slots_ptr + t * stride_t + j * stride_k, mask=j < K, other=-1).to(tl.int64)
-        outside = (j < c) & ((s < 0) | (s >= S))
+    chunk = split_layout(cnt_ptr, t, c, KP, SPLITS)
+    for d0 in range(0, KP, BLOCK):
+        d = d0 + tl.arange(0, BLOCK)  # the kernel's entry: split d // KS, its entry d % KS
+        j = (d // (KP // SPLITS)) * chunk + d % (KP // SPLITS)  # the token's slot it holds
+        has = (d % (KP // SPLITS) < chunk) & (j < K)
+        s = tl.load(slots_ptr + t * stride_t + j * stride_k, mask=has, other=-1).to(tl.int64)
+        outside = has & (j < c) & ((s < 0) | (s >= S))
         bad = bad | outside.to(tl.int32)
-        tl.store(safe_ptr + t * KP + j, tl.where(outside, 0, s).to(tl.int32), mask=j < KP)
-    split_counts(cnt_ptr, t, c, KP, SPLITS)
+        tl.store(safe_ptr + t * KP + d, tl.where(outside, 0, s).to(tl.int32), mask=d < KP)
     poisoned = tl.max(bad, 0)
     tl.store(poison_ptr + t, poisoned)
     if CHECK:
@@ -141,12 +148,13 @@ def _prologue_kernel(
 
 
 @triton.jit
-def split_counts(cnt_ptr, t, c, KP, SPLITS: tl.constexpr):
-    """The kernel rows of token ``t`` (count ``c``): split ``s`` holds ``clamp(c - s KP / SPLITS, 0, KP / SPLITS)``
-    of its slots (one row, ``c`` itself, when ``SPLITS == 1``)."""
-    ks = KP // SPLITS
+def split_layout(cnt_ptr, t, c, KP, SPLITS: tl.constexpr):
+    """``chunk``, the used slots of token ``t`` (count ``c``) each of its kernel rows starts with; writes the rows'
+    counts ``clamp(c - s chunk, 0, chunk)``. One split: the row as it is (``chunk = KP``, count ``c``)."""
+    chunk = c * 0 + KP if SPLITS == 1 else (c + SPLITS - 1) // SPLITS
     s = tl.arange(0, SPLITS)
-    tl.store(cnt_ptr + t * SPLITS + s, tl.minimum(tl.maximum(c - s * ks, 0), ks).to(tl.int32))
+    tl.store(cnt_ptr + t * SPLITS + s, tl.minimum(tl.maximum(c - s * chunk, 0), chunk).to(tl.int32))
+    return chunk
 
 
 @triton.jit
@@ -243,9 +251,16 @@ def _prologue_torch(
     used = torch.arange(K, device=slots.device) < cnt.unsqueeze(1)
     outside = used & ((slots < 0) | (slots >= S))  # on the slots as given, before narrowing
     safe = torch.nn.functional.pad(slots.masked_fill(outside, 0), (0, KP - K), value=-1).to(torch.int32)
-    ks = KP // splits
-    per_split = (cnt.unsqueeze(1) - ks * torch.arange(splits, device=slots.device, dtype=torch.int32)).clamp(0, ks)
-    return safe, per_split.reshape(-1).to(torch.int32), outside.any(1).to(torch.int32)
+    if splits == 1:
+        return safe, cnt, outside.any(1).to(torch.int32)
+    chunk = (cnt.long() + splits - 1) // splits  # [T]: the used slots dealt out evenly (see _prologue_kernel)
+    s = torch.arange(splits, device=slots.device)
+    per_split = (cnt.long().unsqueeze(1) - s * chunk.unsqueeze(1)).clamp(min=0).minimum(chunk.unsqueeze(1))
+    d = torch.arange(KP, device=slots.device)
+    j = (d // (KP // splits)) * chunk.unsqueeze(1) + d % (KP // splits)  # [T, KP]: the slot entry d holds
+    has = (d % (KP // splits) < chunk.unsqueeze(1)) & (j < K)
+    dealt = torch.where(has, safe.long().gather(1, j.clamp(max=KP - 1)), -1).to(torch.int32)
+    return dealt, per_split.reshape(-1).to(torch.int32), outside.any(1).to(torch.int32)
 
 
 def _merge_torch(
@@ -301,9 +316,9 @@ def sparse_mla_flashmla(
             captured step) reads nothing on the host: counts are clamped and a row whose used slots
             leave the cache (e.g. the deinterleave stage's poison slot ``2**31 - 1``) is poisoned (NaN
             output and LSE).
-        splits: a power of two: each token's slots cut into this many rows of the kernel, merged by LSE
-            afterwards (the module's **Splits**; a planned step takes :func:`flashmla_splits` of its ``T``).
-            Each split is at least the kernel's width multiple (128), so ``K`` is padded to ``128 * splits``.
+        splits: a power of two: each token's used slots dealt out evenly to this many rows of the kernel, merged
+            by LSE afterwards (the module's **Splits**; a planned step takes :func:`flashmla_splits`). Each row is
+            at least the kernel's width multiple (128) wide, so ``K`` is padded to ``128 * splits``.
     Returns:
         ``(out [T, H, 512] bf16, lse [T, H] float32)``: LSE in base e, ``-inf`` where ``counts == 0``.
     """

@@ -23,7 +23,8 @@ device and dtype, and the reference otherwise (the reason is logged once on
 The attention is chosen per planned shape: where both FlashMLA and the split-KV Triton kernel
 (:mod:`.attention_splitkv_triton`, any head count that is a multiple of 16) can run, ``prepare`` plans the
 split-KV kernel for steps of at most :data:`SPLITKV_MAX_TOKENS` query tokens and FlashMLA beyond — the
-crossover measured on the H200 — and says so in ``Stages.notes``. Where FlashMLA cannot run (``H`` not 64
+crossover measured on the H200 — with each token's slots split over
+:func:`~.flashmla_sparse.flashmla_splits` kernel rows, and says so in ``Stages.notes``. Where FlashMLA cannot run (``H`` not 64
 or 128: a tensor-parallel rank's ``H/W`` heads) the split-KV kernel runs.
 
 ``dcp_ref`` never imports this module: :func:`dcp_ref.stages.resolve_stages` loads it by name when a
@@ -407,10 +408,11 @@ def _attention_splitkv(
 
 
 #: Up to this many query tokens per planned step the split-KV kernel is the faster bf16 attention, beyond it
-#: FlashMLA's sparse kernel (H200, graph replay, H = 128, K = 2048; ``benchmarks/results/attention.json``:
-#: T = 8: 41.5 against 60.8 µs; T = 32: 125.4 against 69.3 µs). ``tests/test_kernel_stages.py`` checks this
-#: constant against the committed measurement, so a re-measurement that moves the crossover fails until it moves.
-SPLITKV_MAX_TOKENS = 8
+#: FlashMLA's sparse kernel at its planned splits (H200, graph replay, H = 128, K = 2048, both in one run:
+#: ``benchmarks/results/attention_flashmla_splits.json``). Derived by ``tools/flashmla_splits_table.py``;
+#: ``tests/test_kernel_stages.py`` checks it against the committed sweep, so a re-measurement that moves the
+#: crossover fails until it moves.
+SPLITKV_MAX_TOKENS = 2
 
 
 def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives: dict[str, Any]) -> Stages | None:

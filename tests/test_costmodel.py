@@ -71,8 +71,9 @@ def test_attention_flops_and_bytes_by_hand() -> None:
     # 128 / 2 = 64 heads and T > splitkv_max_tokens: FlashMLA, as the planned step picks it
     tp2 = cm.tp_step_cost(2, T, c)
     assert tp2.attention_flops == pytest.approx(2 * T * 64 * 2048 * (576 + 512))
-    assert cm.tp_step_cost(2, 8, c).stages_s["attention"] == pytest.approx(
-        cm.DEFAULT_CONSTANTS.attention_splitkv.time_s(2 * 8 * 64 * 2048 * (576 + 512))
+    small = cm.DEFAULT_CONSTANTS.splitkv_max_tokens  # up to the crossover: the split-KV kernel
+    assert cm.tp_step_cost(2, small, c).stages_s["attention"] == pytest.approx(
+        cm.DEFAULT_CONSTANTS.attention_splitkv.time_s(2 * small * 64 * 2048 * (576 + 512))
     )
     # short context: only c keys exist
     assert cm.tp_step_cost(1, 2, 100).attention_flops == pytest.approx(2 * 2 * 128 * 100 * 1088)

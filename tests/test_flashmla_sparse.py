@@ -149,11 +149,12 @@ def test_strided_out_and_empty_batch(fake: list) -> None:
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("K", [64, 300])
 def test_splits_match_the_reference_and_hand_each_row_its_own_slots(fake: list, splits: int, K: int) -> None:
-    """``splits = S``: the kernel gets ``T S`` rows, row ``t S + s`` the slots ``[s KS, (s + 1) KS)`` of token
-    ``t`` (``KS`` = the padded width over ``S``, at least 128) and their count; the merged output and LSE are the
-    reference's — with counts that leave the later splits empty, end inside one, or fill every one."""
+    """``splits = S``: the kernel gets ``T S`` rows of ``KS`` entries (the padded width over ``S``, at least 128);
+    token ``t``'s ``c`` used slots are dealt out evenly, row ``t S + s`` starting with slots ``[s m, (s + 1) m)``,
+    ``m = ceil(c / S)``, with that count; the merged output and LSE are the reference's — with counts of 0, fewer
+    than ``S``, an uneven share and all ``K``."""
     q, kv, slots, _ = _inputs(K=K, seed=K + splits)
-    counts = torch.tensor([K, 0, 17, min(129, K)], dtype=torch.int32)
+    counts = torch.tensor([K, 0, 3, min(129, K)], dtype=torch.int32)
     out, lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, splits=splits)
     ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.05, "e", v_dim=512)
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-2, atol=2e-2)
@@ -167,12 +168,12 @@ def test_splits_match_the_reference_and_hand_each_row_its_own_slots(fake: list, 
     idx = call["indices"][:, 0, :]
     assert idx.shape == (4 * splits, ks)
     for t in range(4):
-        row = idx[t * splits : (t + 1) * splits].reshape(-1)  # the token's splits, end to end
-        assert torch.equal(row[:K], slots[t]) and bool((row[K:] == -1).all())
         n = int(counts[t])
-        assert call["topk_length"][t * splits : (t + 1) * splits].tolist() == [
-            min(max(n - s * ks, 0), ks) for s in range(splits)
-        ]
+        m = -(-n // splits)
+        lengths = call["topk_length"][t * splits : (t + 1) * splits].tolist()
+        assert lengths == [min(max(n - s * m, 0), m) for s in range(splits)] and sum(lengths) == n
+        used = torch.cat([idx[t * splits + s, : lengths[s]] for s in range(splits)])
+        assert torch.equal(used, slots[t, :n])  # every used slot once, in order, none lost
 
 
 def test_splits_propagate_nan_and_poison_like_one_split(fake: list) -> None:
