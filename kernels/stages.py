@@ -450,12 +450,14 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
     if attention is _attention_flashmla:
         from .flashmla_sparse import flashmla_splits
 
-        splits = flashmla_splits(T, spec.attention_heads)
+        # the slots a token uses on this rank: all k winners (one rank, or tp), else about its k / W share
+        keys = spec.topk if spec.layout == "tp" or W == 1 else spec.topk // W
+        splits = flashmla_splits(T, spec.attention_heads, keys)
         if splits > 1:
             attention = _attention_flashmla_for(splits)
             why = (why + "; " if why else "") + (
-                f"FlashMLA with {splits} splits of each token's slots for T <= {T} at H = {spec.attention_heads} "
-                "(FLASHMLA_SPLITS, measured on the H200)"
+                f"FlashMLA with {splits} splits of each token's ~{keys} slots for T <= {T} at H = "
+                f"{spec.attention_heads} (FLASHMLA_SPLITS, measured on the H200)"
             )
     if not why:
         return chosen if chosen is not stages else None

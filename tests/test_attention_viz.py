@@ -38,10 +38,11 @@ def test_rows_are_the_committed_ones() -> None:
         assert [r["sms_busy"] for r in rows] == [r["sm_busy"] * a["versions"]["sm_count"] for r in want]
 
 
-def test_flashmla_runs_one_cta_per_64_heads() -> None:
+def test_flashmla_runs_one_cta_per_64_heads_and_split() -> None:
     a = _attention()
+    splits = {r["T"]: r["splits"] for r in a["summary"] if r["impl"] == "flashmla_bf16" and r["H"] == 128}
     for r in av.sm_busy_rows(a, "flashmla_bf16"):
-        assert r["ctas"] == r["T"] * 128 // 64
+        assert r["ctas"] == r["T"] * 128 // 64 * splits[r["T"]]  # the planned splits each token's slots take
         assert r["sms_busy"] == pytest.approx(min(r["ctas"], 132))
 
 
@@ -58,10 +59,10 @@ def test_figure_plots_the_rows_small() -> None:
         assert s[f"time | {label}"][1] == [r["graph_us"] for r in rows]
     ts = [r["T"] for r in av.sm_busy_rows(a, "splitkv")]
     assert s[f"SMs busy | {a['versions']['sm_count']} SMs"] == ([float(min(ts)), float(max(ts))], [132.0, 132.0])
-    # at one query token FlashMLA keeps 2 SMs busy, the split-KV kernel most of them
+    # at one query token FlashMLA's two CTAs, split 16 ways, keep 32 SMs busy, the split-KV kernel most of them
     one = {impl: av.sm_busy_rows(a, impl)[0] for impl in av.KERNEL_LABELS}
     assert one["flashmla_bf16"]["T"] == one["splitkv"]["T"] == 1
-    assert one["flashmla_bf16"]["sms_busy"] == 2 and one["splitkv"]["sms_busy"] > 100
+    assert one["flashmla_bf16"]["sms_busy"] == 32 and one["splitkv"]["sms_busy"] > 100
 
 
 def test_synthetic_file_and_bad_input() -> None:

@@ -207,6 +207,7 @@ def test_flashmla_splits_reads_the_measured_table(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(fm, "FLASHMLA_SPLITS", ((4, 16), (32, 2)))  # (most CTAs unsplit = T * H / 64, splits)
     assert [fm.flashmla_splits(t) for t in (0, 1, 2, 3, 16, 17, 1024)] == [16, 16, 16, 2, 2, 1, 1]
     assert [fm.flashmla_splits(t, 64) for t in (4, 5, 32, 33)] == [16, 2, 2, 1]
+    assert [fm.flashmla_splits(1, 128, k) for k in (0, 256, 1024, 2047, 2048, 4096)] == [1, 1, 1, 1, 16, 16]
     with pytest.raises(ValueError, match="T"):
         fm.flashmla_splits(-1)
     with pytest.raises(ValueError, match="H"):

@@ -73,6 +73,31 @@ def test_prepare_plans_the_attention_by_token_count(T, expected) -> None:
     assert ks._prepare(spec, REFERENCE_STAGES, impl, {"flashmla": mla}) is None  # one candidate: nothing to pick
 
 
+@pytest.mark.parametrize(
+    "layout,W,T,splits",
+    [("dcp", 1, 32, 2), ("dcp", 1, 8, 4), ("dcp", 1, 2, None), ("dcp", 8, 32, 1), ("dcp", 2, 8, 1),
+     ("tp", 2, 32, 4), ("dcp", 1, 128, 1)],
+)  # fmt: skip
+def test_prepare_plans_flashmla_splits_for_all_k_slots_only(layout, W, T, splits) -> None:
+    """FlashMLA's splits come from the measured table where a token uses all ``k = 2048`` slots (one rank, or tp);
+    a DCP rank's ``k / W`` share runs unsplit (measured slower split); up to the crossover split-KV runs."""
+    from dcp_ref.kernels import flashmla_sparse as fm
+
+    spec = StepSpec(DcpGeometry(W, 0), max_tokens=T, topk=2048, num_heads=128, head_dim=576, v_dim=512,
+                    sm_scale=0.1, dtype=torch.bfloat16, device="cpu", layout=layout)  # fmt: skip
+    impl = {"select": "torch", "select_to_slots": "torch"}
+    alternatives = {"flashmla": ks._attention_flashmla, "triton-splitkv": ks._attention_splitkv}
+    chosen = ks._prepare(spec, REFERENCE_STAGES, impl, alternatives)
+    assert chosen is not None
+    if splits is None:
+        assert chosen.attention is ks._attention_splitkv
+        return
+    assert chosen.attention.__dict__.get("splits") == splits
+    assert (chosen.attention is ks._attention_flashmla) == (splits == 1)
+    heads = spec.attention_heads
+    assert splits == fm.flashmla_splits(T, heads, 2048 if layout == "tp" or W == 1 else 2048 // W)
+
+
 def test_prepare_runs_the_reference_select_past_the_cutedsl_limit(caplog) -> None:
     """A step planned for more gathered candidates per row (W * k) than the CuTeDSL top-K holds: the select stage
     becomes the reference, logged and named in the notes (no compile, no warm-up launch); within the limit the
