@@ -27,7 +27,7 @@ The ``flashmla_splits`` section times FlashMLA's bf16 stage at each ``splits`` (
 many kernel rows, merged by LSE: :mod:`dcp_ref.kernels.flashmla_sparse`) for H in {64, 128}, K = 2048 and T from 1
 to 128 (``--only-splits``: that section alone, into ``attention_flashmla_splits.json``); ``flashmla_splits_best`` is the fastest per shape, the data of
 :data:`~dcp_ref.kernels.flashmla_sparse.FLASHMLA_SPLITS`. The main table's ``flashmla_bf16`` rows run the planned
-splits (:func:`~dcp_ref.kernels.flashmla_sparse.flashmla_splits`).
+splits (:func:`~dcp_ref.kernels.flashmla_sparse.flashmla_splits` of T, H and K: a step of topk = K at one rank).
 
 The ``sweep`` section times launch configurations (``block_h``, ``block_n``, ``num_warps``, ``num_stages``)
 x ``num_splits`` per shape and prints the best per shape next to the default plan's time, i.e. what
@@ -184,7 +184,7 @@ def main_table(data: dict, Ts, Ks, Hs_ours, gen, bw: float, sms: int, result: di
                     fm_kw = (
                         {"validate": False} if "validate" in inspect.signature(sparse_mla_flashmla).parameters else {}
                     )
-                    n_split = flashmla_splits(T, H)
+                    n_split = flashmla_splits(T, H, K)  # what a step of topk = K plans at one rank
                     summary.append(
                         measure(
                             "flashmla_bf16", "bf16", inp,

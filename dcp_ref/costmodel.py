@@ -337,7 +337,11 @@ class CostConstants:
         select_to_slots: per-byte line of the owner-local selection (bytes of gathered candidates read).
         combine: per-byte line of the merge of ``W`` received partials after the all-to-all.
         splitkv_max_tokens: the planned step runs the split-KV kernel up to this many tokens where FlashMLA
-            could run too (the measured crossover; ``dcp_ref.kernels.stages.SPLITKV_MAX_TOKENS``).
+            could run too and splits each token's slots (the measured crossover;
+            ``dcp_ref.kernels.stages.SPLITKV_MAX_TOKENS``).
+        splitkv_max_tokens_unsplit: the same where FlashMLA runs unsplit: a token uses fewer than
+            ``flashmla_splits_keys`` slots (``dcp_ref.kernels.stages.SPLITKV_MAX_TOKENS_UNSPLIT``,
+            ``dcp_ref.kernels.flashmla_sparse.FLASHMLA_SPLITS_KEYS``).
         step_overhead_s: what the captured step costs beyond its stages (0 until ``step.json``).
         launch_s, sync_s: eager per-launch and per-host-sync costs (0 until ``step.json``).
     """
@@ -356,6 +360,8 @@ class CostConstants:
     select_to_slots: LineCost = LineCost(5.0e-6, 1 / 3.0e12)
     combine: LineCost = LineCost(2.0e-6, 1 / 2.0e12)
     splitkv_max_tokens: int = 2
+    splitkv_max_tokens_unsplit: int = 8
+    flashmla_splits_keys: int = 2048
     step_overhead_s: float = 0.0
     launch_s: float = 0.0
     sync_s: float = 0.0
@@ -365,6 +371,8 @@ class CostConstants:
             _real(getattr(self, f), f)
         _real(self.link_Bps, "link_Bps", strict=True)
         _pos_int(self.splitkv_max_tokens, "splitkv_max_tokens", 0)
+        _pos_int(self.splitkv_max_tokens_unsplit, "splitkv_max_tokens_unsplit", 0)
+        _pos_int(self.flashmla_splits_keys, "flashmla_splits_keys", 1)
         for f in _LINE_FAMILIES:
             if not isinstance(getattr(self, f), LineCost):
                 raise TypeError(f"{f} must be a LineCost, got {type(getattr(self, f)).__name__}")
@@ -697,10 +705,12 @@ def _attention_s(t: int, heads: int, keys: float, g: MlaGeometry, k: CostConstan
     """The attention kernel the planned step runs for ``t`` tokens and ``heads`` heads, its time and FLOPs.
 
     FlashMLA (heads padded to ``min_kernel_heads``; only 64 or 128 heads) or the split-KV kernel (any heads), as
-    ``dcp_ref.kernels.stages`` plans it: split-KV up to ``splitkv_max_tokens`` tokens or where FlashMLA cannot run.
+    ``dcp_ref.kernels.stages`` plans it: split-KV up to ``splitkv_max_tokens`` tokens (``splitkv_max_tokens_unsplit``
+    for fewer than ``flashmla_splits_keys`` keys a token) or where FlashMLA cannot run.
     """
     mla_ok = heads in (64, 128)
-    if mla_ok and t > k.splitkv_max_tokens:
+    most = k.splitkv_max_tokens if keys >= k.flashmla_splits_keys else k.splitkv_max_tokens_unsplit
+    if mla_ok and t > most:
         f = attention_flops(t, max(heads, g.min_kernel_heads), keys, g)
         return "flashmla", k.attention.time_s(f), f
     f = attention_flops(t, heads, keys, g)

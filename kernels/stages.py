@@ -413,6 +413,10 @@ def _attention_splitkv(
 #: ``tests/test_kernel_stages.py`` checks it against the committed sweep, so a re-measurement that moves the
 #: crossover fails until it moves.
 SPLITKV_MAX_TOKENS = 2
+#: The same crossover against FlashMLA unsplit: where a token uses fewer than
+#: :data:`~.flashmla_sparse.FLASHMLA_SPLITS_KEYS` slots (a DCP rank's ``k / W``), FlashMLA runs unsplit and the
+#: split-KV kernel stays faster up to this many tokens (the same sweep's one-split rows).
+SPLITKV_MAX_TOKENS_UNSPLIT = 8
 
 
 def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives: dict[str, Any]) -> Stages | None:
@@ -439,25 +443,26 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
         # One split (CTAs per row) for the planned rows, whatever a run's token count: one compiled kernel.
         split = make_config(spec.order, W, k, k, spec.cache_geometry, rows=T).split
         chosen = dataclasses.replace(chosen, select_to_slots=_select_to_slots_cutedsl_for(split))
+    from .flashmla_sparse import FLASHMLA_SPLITS_KEYS, flashmla_splits
+
+    # the slots a token uses on this rank: all k winners (one rank, or tp), else about its k / W share
+    keys = spec.topk if spec.layout == "tp" or W == 1 else spec.topk // W
     attention, why = chosen.attention, ""
     if len(alternatives) >= 2:
-        best = "triton-splitkv" if T <= SPLITKV_MAX_TOKENS else "flashmla"
+        most = SPLITKV_MAX_TOKENS if keys >= FLASHMLA_SPLITS_KEYS else SPLITKV_MAX_TOKENS_UNSPLIT
+        best = "triton-splitkv" if T <= most else "flashmla"
         attention = alternatives[best]
         why = (
-            f"planned for T <= {T} query tokens: the split-KV kernel is faster up to {SPLITKV_MAX_TOKENS}, FlashMLA "
-            "beyond (measured on the H200, benchmarks/results/attention.json)"
+            f"planned for T <= {T} query tokens of ~{keys} slots: the split-KV kernel is faster up to {most}, "
+            "FlashMLA beyond (measured on the H200, benchmarks/results/attention_flashmla_splits.json)"
         )
     if attention is _attention_flashmla:
-        from .flashmla_sparse import flashmla_splits
-
-        # the slots a token uses on this rank: all k winners (one rank, or tp), else about its k / W share
-        keys = spec.topk if spec.layout == "tp" or W == 1 else spec.topk // W
         splits = flashmla_splits(T, spec.attention_heads, keys)
         if splits > 1:
             attention = _attention_flashmla_for(splits)
             why = (why + "; " if why else "") + (
-                f"FlashMLA with {splits} splits of each token's ~{keys} slots for T <= {T} at H = "
-                f"{spec.attention_heads} (FLASHMLA_SPLITS, measured on the H200)"
+                f"FlashMLA with {splits} splits of each token's slots at H = {spec.attention_heads} "
+                "(FLASHMLA_SPLITS, measured on the H200)"
             )
     if not why:
         return chosen if chosen is not stages else None

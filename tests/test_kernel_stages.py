@@ -41,6 +41,7 @@ def test_the_flashmla_plan_constants_are_the_sweeps() -> None:
     d = json.loads((RESULTS / "attention_flashmla_splits.json").read_text())
     table = tbl.splits_table(d["flashmla_splits_best"], d["flashmla_splits"])
     assert fm.FLASHMLA_SPLITS == table and ks.SPLITKV_MAX_TOKENS == tbl.splitkv_max_tokens(d["flashmla_splits"], table)
+    assert ks.SPLITKV_MAX_TOKENS_UNSPLIT == tbl.splitkv_max_tokens(d["flashmla_splits"], ())
     rows = [r for r in d["flashmla_splits"] if "count" not in r and r.get("graph_us")]
     for b in d["flashmla_splits_best"]:
         planned = next(r["graph_us"] for r in rows if r["impl"] == "flashmla_bf16" and (r["T"], r["H"]) == (b["T"], b["H"])
@@ -52,7 +53,9 @@ def test_the_flashmla_plan_constants_are_the_sweeps() -> None:
     assert all(r.get("rel_err") is None or r["rel_err"] < 1e-2 for r in d["flashmla_splits"])
     from dcp_ref.costmodel import CostConstants
 
-    assert CostConstants().splitkv_max_tokens == ks.SPLITKV_MAX_TOKENS  # the cost model plans as the step does
+    c = CostConstants()  # the cost model plans as the step does
+    assert (c.splitkv_max_tokens, c.splitkv_max_tokens_unsplit, c.flashmla_splits_keys) == (
+        ks.SPLITKV_MAX_TOKENS, ks.SPLITKV_MAX_TOKENS_UNSPLIT, fm.FLASHMLA_SPLITS_KEYS)  # fmt: skip
 
 
 @pytest.mark.parametrize("T,expected", [(1, "split"), (2, "split"), (3, "mla"), (128, "mla")])
@@ -63,8 +66,8 @@ def test_prepare_plans_the_attention_by_token_count(T, expected) -> None:
     def split(*a, **k):  # type: ignore[no-untyped-def]
         raise AssertionError
 
-    spec = StepSpec(DcpGeometry(1, 0), max_tokens=T, topk=4, num_heads=128, head_dim=576, v_dim=512, sm_scale=0.1,
-                    dtype=torch.bfloat16, device="cpu")  # fmt: skip
+    spec = StepSpec(DcpGeometry(1, 0), max_tokens=T, topk=2048, num_heads=128, head_dim=576, v_dim=512,
+                    sm_scale=0.1, dtype=torch.bfloat16, device="cpu")  # fmt: skip
     impl = {"select": "torch", "select_to_slots": "torch"}
     chosen = ks._prepare(spec, REFERENCE_STAGES, impl, {"flashmla": mla, "triton-splitkv": split})
     assert chosen is not None
@@ -75,12 +78,13 @@ def test_prepare_plans_the_attention_by_token_count(T, expected) -> None:
 
 @pytest.mark.parametrize(
     "layout,W,T,splits",
-    [("dcp", 1, 32, 2), ("dcp", 1, 8, 4), ("dcp", 1, 2, None), ("dcp", 8, 32, 1), ("dcp", 2, 8, 1),
-     ("tp", 2, 32, 4), ("dcp", 1, 128, 1)],
+    [("dcp", 1, 32, 2), ("dcp", 1, 8, 4), ("dcp", 1, 2, None), ("dcp", 8, 32, 1), ("dcp", 2, 8, None),
+     ("dcp", 2, 9, 1), ("tp", 2, 32, 4), ("dcp", 1, 128, 1)],
 )  # fmt: skip
 def test_prepare_plans_flashmla_splits_for_all_k_slots_only(layout, W, T, splits) -> None:
     """FlashMLA's splits come from the measured table where a token uses all ``k = 2048`` slots (one rank, or tp);
-    a DCP rank's ``k / W`` share runs unsplit (measured slower split); up to the crossover split-KV runs."""
+    a DCP rank's ``k / W`` share runs unsplit (measured slower split); up to the crossover split-KV runs — against
+    split FlashMLA ``SPLITKV_MAX_TOKENS``, against unsplit ``SPLITKV_MAX_TOKENS_UNSPLIT``."""
     from dcp_ref.kernels import flashmla_sparse as fm
 
     spec = StepSpec(DcpGeometry(W, 0), max_tokens=T, topk=2048, num_heads=128, head_dim=576, v_dim=512,

@@ -8,7 +8,8 @@
   splits whose time, summed over the shapes of that count (full rows of ``K`` slots), is the least; runs of equal
   splits merged (the entry keeps the run's largest count); trailing 1s dropped (past the table: 1).
 * ``SPLITKV_MAX_TOKENS`` (``kernels/stages.py``): the largest ``T`` at H = 128 up to which the split-KV kernel is
-  faster than FlashMLA at the planned splits at every measured ``T`` (both measured in the same run).
+  faster than FlashMLA at the planned splits at every measured ``T`` (both measured in the same run);
+  ``SPLITKV_MAX_TOKENS_UNSPLIT``: the same against FlashMLA's one-split rows (what runs for fewer used slots).
 
 The derivation is this file's, so the device run that measured the sweep and this checkout compute the same
 constants (``tests/test_kernel_stages.py`` checks the committed ones against the committed sweep).
@@ -52,7 +53,7 @@ def planned_splits(table: tuple[tuple[int, int], ...], T: int, H: int) -> int:
 
 
 def splitkv_max_tokens(rows: list[dict], table: tuple[tuple[int, int], ...]) -> int:
-    """The split-KV crossover at H = 128 against FlashMLA at the planned splits."""
+    """The split-KV crossover at H = 128 against FlashMLA at the planned splits (``table=()``: unsplit)."""
     by = {(r["impl"], r["T"], r.get("splits")): r["graph_us"] for r in rows
           if r["H"] == 128 and "count" not in r and r.get("graph_us")}  # fmt: skip
     best = 0
@@ -74,12 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     d = json.loads(Path(a.sweep).read_text())
     table = splits_table(d["flashmla_splits_best"], d["flashmla_splits"])
     cross = splitkv_max_tokens(d["flashmla_splits"], table)
-    print(f"FLASHMLA_SPLITS = {table}\nSPLITKV_MAX_TOKENS = {cross}")
+    unsplit = splitkv_max_tokens(d["flashmla_splits"], ())
+    print(f"FLASHMLA_SPLITS = {table}\nSPLITKV_MAX_TOKENS = {cross}\nSPLITKV_MAX_TOKENS_UNSPLIT = {unsplit}")
     if a.apply:
         for path, pattern, value in (
             (ROOT / "kernels" / "flashmla_sparse.py", r"^FLASHMLA_SPLITS: tuple\[tuple\[int, int\], \.\.\.\] = .*$",
              f"FLASHMLA_SPLITS: tuple[tuple[int, int], ...] = {table}"),
             (ROOT / "kernels" / "stages.py", r"^SPLITKV_MAX_TOKENS = \d+$", f"SPLITKV_MAX_TOKENS = {cross}"),
+            (ROOT / "kernels" / "stages.py", r"^SPLITKV_MAX_TOKENS_UNSPLIT = \d+$",
+             f"SPLITKV_MAX_TOKENS_UNSPLIT = {unsplit}"),
         ):  # fmt: skip
             text = path.read_text()
             new, n = re.subn(pattern, value, text, flags=re.M)
