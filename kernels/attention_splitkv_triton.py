@@ -47,10 +47,10 @@ latency-bound at small T — a program's fixed cost (query load, two dependent g
 store) is several µs at one program per SM (186-252 registers x 256 threads; ncu: 12 % occupancy, 6-7
 cycles per issued instruction) — so the best split count gives about one program per SM with one or two key
 blocks each (:func:`_default_splits`), and the block sizes follow the regime (:func:`_default_config`).
-H = 128, K = 2048: T = 1 14.6 µs (phase 1 9.8 + combine 4.1; FlashMLA bf16 59.6, FlashMLA FP8 decode
-20.6), T = 8 41.5 (60.8 / 29.1), T = 32 125 (69.3 / 66.3), T = 128 436 (148 / 191); a TP rank's 16 heads
-at T = 1: 8.8 µs (FlashMLA refuses H = 16). From T = 32 FlashMLA's warp-specialised kernel is ~2x faster:
-the step should pick per shape.
+H = 128, K = 2048 (2026-12-02; FlashMLA bf16 at its planned splits / FlashMLA FP8 decode beside): T = 1 14.6 µs
+(17.4 / 20.6), T = 8 41.6 (31.1 / 29.1), T = 32 125 (60.8 / 66.1), T = 128 433 (151 / 192); a TP rank's 16
+heads at T = 1: 8.8 µs (FlashMLA refuses H = 16). From T = 4 split FlashMLA is faster: the step picks per shape
+(``dcp_ref.kernels.stages.SPLITKV_MAX_TOKENS``).
 
 Launch shapes, workspace and everything else are planned once per shape (:func:`splitkv_plan`,
 :func:`workspace_for`); with ``validate=False`` and a planned workspace a call allocates nothing

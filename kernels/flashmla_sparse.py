@@ -21,8 +21,8 @@ rows instead: token ``t``'s ``q`` repeated ``S`` times, and its ``counts[t]`` us
 writes every slot anyway, into the int32 buffer the kernel reads as ``[T S, K/S]`` — so a token with few used
 slots in a wide row (a DCP rank's share of the ``k`` winners) splits its work too; the epilogue merges a token's
 ``S`` partial outputs by their LSEs (a partial with no slots weighs exactly zero, emptiness again the count).
-Measured on the H200 (``benchmarks/results/attention_flashmla_splits.json``): at ``T = 8`` 60.9 µs unsplit, 30.5 with
-4 splits; at ``T = 32`` 68.9 and 60.4 with 2. :data:`FLASHMLA_SPLITS` is the measured choice per CTA count.
+Measured on the H200 (``benchmarks/results/attention_flashmla_splits.json``): at ``T = 8`` 61.5 µs unsplit, 30.7 with
+4 splits; at ``T = 32`` 70.1 and 60.6 with 2. :data:`FLASHMLA_SPLITS` is the measured choice per CTA count.
 """
 
 from __future__ import annotations
