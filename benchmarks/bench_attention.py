@@ -21,13 +21,14 @@ flush). ``floor_us``: ``max(bytes / copy bandwidth measured in this run, FLOPs /
 ``T*K*bytes_per_row + q + out`` and FLOPs = ``2*T*H*K*(576 + 512)``. ``rel_err``: ``||out - ref|| / ||ref||``
 against the float64 reference (:mod:`dcp_ref.attention`, :func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8`
 for FP8) on the inputs timed (T <= 32; outputs poisoned with NaN first). ``ctas``: phase-1 programs of the
-split-KV kernel (``sm_busy = min(ctas, SMs) / SMs``); for FlashMLA's bf16 kernel, ``T * H / 64``.
+split-KV kernel (``sm_busy = min(ctas, SMs) / SMs``); for FlashMLA's bf16 kernel, ``T * H / 64`` per split.
 
 The ``flashmla_splits`` section times FlashMLA's bf16 stage at each ``splits`` (each token's slots cut into that
 many kernel rows, merged by LSE: :mod:`dcp_ref.kernels.flashmla_sparse`) for H in {64, 128}, K = 2048 and T from 1
-to 128 (``--only-splits``: that section alone, into ``attention_flashmla_splits.json``); ``flashmla_splits_best`` is the fastest per shape, the data of
-:data:`~dcp_ref.kernels.flashmla_sparse.FLASHMLA_SPLITS`. The main table's ``flashmla_bf16`` rows run the planned
-splits (:func:`~dcp_ref.kernels.flashmla_sparse.flashmla_splits` of T, H and K: a step of topk = K at one rank).
+to 128 (``--only-splits``: that section alone, into ``attention_flashmla_splits.json``); ``flashmla_splits_best``
+is the fastest per shape, the data of :data:`~dcp_ref.kernels.flashmla_sparse.FLASHMLA_SPLITS`. The main table's
+``flashmla_bf16`` rows run the planned splits (:func:`~dcp_ref.kernels.flashmla_sparse.flashmla_splits` of T, H and
+K: a step of topk = K at one rank; ``ctas`` = ``T * H / 64`` times the splits).
 
 The ``sweep`` section times launch configurations (``block_h``, ``block_n``, ``num_warps``, ``num_stages``)
 x ``num_splits`` per shape and prints the best per shape next to the default plan's time, i.e. what

@@ -22,9 +22,10 @@ device and dtype, and the reference otherwise (the reason is logged once on
 
 The attention is chosen per planned shape: where both FlashMLA and the split-KV Triton kernel
 (:mod:`.attention_splitkv_triton`, any head count that is a multiple of 16) can run, ``prepare`` plans the
-split-KV kernel for steps of at most :data:`SPLITKV_MAX_TOKENS` query tokens and FlashMLA beyond — the
-crossover measured on the H200 — with each token's slots split over
-:func:`~.flashmla_sparse.flashmla_splits` kernel rows, and says so in ``Stages.notes``. Where FlashMLA cannot run (``H`` not 64
+split-KV kernel for steps of at most :data:`SPLITKV_MAX_TOKENS` query tokens (:data:`SPLITKV_MAX_TOKENS_UNSPLIT`
+where a token uses fewer than all ``k`` slots) and FlashMLA beyond — the crossovers measured on the H200 — with
+each token's slots split over :func:`~.flashmla_sparse.flashmla_splits` kernel rows, and says so in
+``Stages.notes``. Where FlashMLA cannot run (``H`` not 64
 or 128: a tensor-parallel rank's ``H/W`` heads) the split-KV kernel runs.
 
 ``dcp_ref`` never imports this module: :func:`dcp_ref.stages.resolve_stages` loads it by name when a

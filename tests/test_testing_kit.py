@@ -601,7 +601,6 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     # check_step's cases: 2 ranks x 64 heads, up to 2 requests x 2 MTP tokens, so T in [1, 4]; a plan for T = 1
     # and one for T = 4 may pick different attentions (split-KV up to SPLITKV_MAX_TOKENS): check_step runs both.
     plans = {T: planned(T) for T in (1, 4)}
-    step_stages = plans[4]
     check_scoring(ks.scoring, device=cuda_device, max_examples=GPU_EXAMPLES)  # NaN bytes too: a GPU decodes them
     check_indexer(ks.indexer, device=cuda_device, max_examples=GPU_EXAMPLES)  # strided lengths: see the CPU test
     check_select(ks.select, device=cuda_device, max_examples=GPU_EXAMPLES)
