@@ -62,3 +62,17 @@ def device() -> dict[str, Any]:
 def now_utc() -> str:
     """The time of the run in UTC, ``"2026-12-01T12:00:00Z"``."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def copy_bandwidth(device: torch.device | str = "cuda") -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write), measured in this run: the bandwidth every
+    benchmark's memory floor divides by, measured one way for all of them (``triton.testing.do_bench``, eager; on
+    the H200 about 4.2 TB/s, where the CUDA-graph replay of the same copy ``bench_attention.py`` used to time read
+    2.76 TB/s — 2026-12-02 — and so overstated its floors by half)."""
+    import triton.testing
+
+    n = 1 << 28  # 1 GiB of int32: far beyond the 60 MB L2
+    src = torch.randint(0, 1 << 30, (n,), dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
+    return 2 * n * 4 / (ms * 1e-3)

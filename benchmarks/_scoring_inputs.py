@@ -179,17 +179,6 @@ def sweep_time(fn: Callable[[], Any], reps: int) -> dict[str, Any]:
             "reps": reps, "timing": "graph, do_bench rep=25 ms"}  # fmt: skip
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device copy (read + write), measured in this run."""
-    import triton.testing
-
-    n = 1 << 28
-    src = torch.empty(n, dtype=torch.int32, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    return 2 * n * 4 / (ms * 1e-3)
-
-
 def device_info() -> dict[str, Any]:
     p = torch.cuda.get_device_properties(0)
     return {"name": p.name, "sms": p.multi_processor_count, "capability": f"{p.major}.{p.minor}"}

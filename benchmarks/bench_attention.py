@@ -79,14 +79,6 @@ def graph_us(fn: Callable[[], object], calls: int = 20, reps: int = 5) -> float:
     return us
 
 
-def copy_bandwidth(dev: torch.device) -> float:
-    """Bytes/s of a device-to-device copy of 1 GiB (read + write), median of a CUDA-graph of copies."""
-    a = torch.empty(1 << 29, dtype=torch.float16, device=dev)
-    b = torch.empty_like(a)
-    us = graph_us(lambda: b.copy_(a), calls=5, reps=5)
-    return 2 * a.numel() * a.element_size() / (us * 1e-6)
-
-
 def floor_us(T: int, H: int, K: int, row_bytes: int, bw: float) -> tuple[float, float, float]:
     nbytes = T * K * row_bytes + T * H * (DQK + DV) * 2
     flops = 2.0 * T * H * K * (DQK + DV)
@@ -420,7 +412,7 @@ def main() -> None:
     S = 8192 if args.smoke else CACHE_ROWS
     kv = torch.randn(S, DQK, generator=gen, device=dev).bfloat16()
     data = {"kv": kv, "fp8": quantize_kv_fp8(kv)}
-    bw = max(copy_bandwidth(dev) for _ in range(2))  # the first copy can run before the clocks are up
+    bw = _meta.copy_bandwidth(dev)
     result: dict = {
         "benchmark": "bench_attention",
         "what": "sparse MLA decode attention of one rank: split-KV Triton kernel vs FlashMLA bf16 sparse / FP8 decode",

@@ -79,16 +79,6 @@ def torch_baseline(ids, req, bt, bs, w, r, i):
     return torch.gather(slots, 1, order).to(torch.int32), valid.sum(1, dtype=torch.int32)
 
 
-def copy_bandwidth(dev) -> float:
-    import triton.testing
-
-    n = 1 << 28  # 1 GiB of int32: far beyond the 60 MB L2
-    src = torch.randint(0, 1 << 30, (n,), dtype=torch.int32, device=dev)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    return 2 * n * 4 / (ms * 1e-3)
-
-
 def graph_of(fn) -> torch.cuda.CUDAGraph:
     """Capture ``fn`` (already warmed up / compiled) in a CUDA graph."""
     return capture(fn)
@@ -143,7 +133,7 @@ def run(args) -> dict:
         "graph_cold_us: do_bench median of graph.replay (L2 flushed, launch cost hidden by the flush)",
         "bytes_model": "8 bytes per (row, k) entry (int32 id read + int32 slot written) + 4 per row (count)",
     }
-    bw = copy_bandwidth(dev) if not args.sanitize else float("nan")
+    bw = _meta.copy_bandwidth(dev) if not args.sanitize else float("nan")
     result["copy_bandwidth_TBps"] = bw / 1e12
     rows_out = []
     gen = torch.Generator().manual_seed(0)

@@ -181,6 +181,14 @@ def _stage_times(step, q, shard, meta, index_q, weights) -> dict[str, float]:
     return times
 
 
+def check_kernels_ran(impls: dict[str, str], notes: dict[str, str]) -> None:
+    """Refuse to time a layer whose stages fell back to the reference (``"torch"``): a machine without the bundle's
+    environment plans one silently, and its rows (several times slower) would read as the kernels'."""
+    fell = {stage: notes.get(stage, "") for stage, impl in impls.items() if impl in ("torch", "reference")}
+    if fell:
+        raise RuntimeError(f"stages fell back to the reference, not timed: {fell}")
+
+
 def bench_row(
     layout: str, W: int, T: int, ctx: int, cache: str, device: torch.device, group: Any = None
 ) -> dict[str, Any]:
@@ -210,6 +218,7 @@ def bench_row(
     t0 = time.perf_counter()
     step = PlannedStep(group, spec, stages)
     plan_ms = (time.perf_counter() - t0) * 1e3
+    check_kernels_ran(step.impls, dict(step.stages.notes))
 
     def run() -> Any:
         return step.run(q, shard, meta, index_q=index_q, index_weights=weights)

@@ -137,16 +137,6 @@ def reps_for(fn) -> int:
     return max(1, min(20, int(2000 / max(t_us, 1e-3))))
 
 
-def copy_bandwidth() -> float:
-    import triton.testing
-
-    n = 1 << 28
-    src = torch.empty(n, dtype=torch.int32, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    return 2 * n * 4 / (ms * 1e-3)
-
-
 def launch_floor() -> dict:
     """One empty Triton launch per call, in the same graph harness: the least any one-launch kernel costs."""
     import triton
@@ -628,7 +618,7 @@ def main() -> int:
     t_start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
-    bw = copy_bandwidth()
+    bw = _meta.copy_bandwidth(DEV)
     floor = launch_floor()["median_us"]
     peers = Peers(args.peers)
     data = {

@@ -50,14 +50,6 @@ def bench(fn) -> dict:
     return {"median_us": med * 1e3, "p20_us": lo * 1e3, "p80_us": hi * 1e3}
 
 
-def copy_bandwidth() -> float:
-    n = 1 << 30  # 1 GiB each way
-    src = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    t = bench(lambda: dst.copy_(src))
-    return 2 * n / (t["median_us"] * 1e-6) / 1e12
-
-
 def torch_merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """Plain torch merge of all W partials (base 2), as a framework would write it."""
     m = lses.amax(0)
@@ -392,7 +384,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "lse_floor.json").write_text(json.dumps({**meta, **floor()}, indent=1))
         return 0
-    copy_tbps = copy_bandwidth()
+    copy_tbps = _meta.copy_bandwidth() / 1e12
     print(f"{meta['device']}: copy bandwidth {copy_tbps:.2f} TB/s (issue: {ISSUE_COPY_TBPS})", flush=True)
     merge = bench_merge(copy_tbps)
     common = {

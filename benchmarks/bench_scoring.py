@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     next_ns = [int(v) for v in args.next_n.split(",") if v.strip()]
     shapes = shape_list(args.quick, next_ns)
     peers, peer_errors = load_peers(args.peers) if args.chain else ({}, {"peers": "--no-chain"})
-    bw = si.copy_bandwidth()
+    bw = _meta.copy_bandwidth()
     data: dict[str, Any] = {
         "benchmark": "scoring stage: FP8 index keys -> index scores (kernels/scoring_triton.py; next_n 1 and 2), "
         "then our local top-K + pack on its scores; peers: DeepGEMM "
