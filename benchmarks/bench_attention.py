@@ -350,14 +350,12 @@ def kernel_breakdown(data: dict, shapes, gen, result: dict, save) -> None:
 
     from dcp_ref.kernels.attention_splitkv_triton import splitkv_attention
 
-    fns: dict = {"splitkv": splitkv_attention}
+    fns: dict = {"splitkv": lambda *a, splits, **k: splitkv_attention(*a, **k)}
     try:
-        from dcp_ref.kernels.flashmla_sparse import sparse_mla_flashmla
+        from dcp_ref.kernels.flashmla_sparse import flashmla_splits, sparse_mla_flashmla
 
-        if "validate" in inspect.signature(sparse_mla_flashmla).parameters:
-            fns["flashmla_bf16"] = lambda *a, **k: sparse_mla_flashmla(*a, **k, validate=False)
-        else:
-            fns["flashmla_bf16"] = sparse_mla_flashmla
+        # FlashMLA as the stage plans it for the shape (its splits), the prologue / epilogue included
+        fns["flashmla_bf16"] = lambda *a, splits, **k: sparse_mla_flashmla(*a, **k, validate=False, splits=splits)
     except Exception:
         pass
     for T, H, K in shapes:
@@ -366,9 +364,11 @@ def kernel_breakdown(data: dict, shapes, gen, result: dict, save) -> None:
             if impl != "splitkv" and H not in (64, 128):
                 continue
             try:
+                n = flashmla_splits(T, H, K) if impl == "flashmla_bf16" else 1
 
-                def call(fn=fn, inp=inp):
-                    return fn(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV, out=inp.out, out_lse=inp.lse)
+                def call(fn=fn, inp=inp, n=n):
+                    return fn(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV, out=inp.out, out_lse=inp.lse,
+                              splits=n)  # fmt: skip
 
                 for _ in range(3):
                     call()
@@ -382,7 +382,8 @@ def kernel_breakdown(data: dict, shapes, gen, result: dict, save) -> None:
                     tot = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
                     if tot and evt.count:
                         kernels[evt.key[:80]] = {"us": tot / evt.count, "count": evt.count}
-                result["kernel_breakdown"].append({"impl": impl, "T": T, "H": H, "K": K, "kernels": kernels})
+                result["kernel_breakdown"].append({"impl": impl, "T": T, "H": H, "K": K, "splits": n,
+                                                   "kernels": kernels})  # fmt: skip
                 print(f"  {impl:14s} T={T} H={H} K={K}: "
                       + ", ".join(f"{k[:40]} {v['us']:.1f}us x{v['count'] // 20}" for k, v in kernels.items()),
                       flush=True)  # fmt: skip
