@@ -220,21 +220,23 @@ def flashmla_splits_sweep(
         result["flashmla_splits_error"] = f"{type(e).__name__}: {e}"[:300]
         return
     rows, best = result["flashmla_splits"], result["flashmla_splits_best"]
+
+    def at_splits(inp: Inputs, n: int, check: bool, extra: dict) -> dict:  # one timed row of FlashMLA at n splits
+        e = measure(
+            "flashmla_bf16", "bf16", inp,
+            lambda: sparse_mla_flashmla(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV, out=inp.out,
+                                        out_lse=inp.lse, splits=n),
+            data, bw, check, {"splits": n, "ctas": inp.T * inp.H // 64 * n, **extra},
+        )  # fmt: skip
+        rows.append(e)
+        print(f"  flashmla T={inp.T:4d} H={inp.H:4d} K={K:5d} splits={n:3d} {extra}: {e['graph_us']} us  "
+              f"err {e['rel_err']}", flush=True)  # fmt: skip
+        return e
+
     for H in Hs:
         for T in Ts:
             inp = Inputs(data, T, H, K, gen)
-            shape_rows = []
-            for n in splits_list:
-                e = measure(
-                    "flashmla_bf16", "bf16", inp,
-                    lambda inp=inp, n=n: sparse_mla_flashmla(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV,
-                                                             out=inp.out, out_lse=inp.lse, splits=n),
-                    data, bw, T <= 32, {"splits": n, "ctas": T * H // 64 * n},
-                )  # fmt: skip
-                rows.append(e)
-                shape_rows.append(e)
-                print(f"  flashmla T={T:4d} H={H:4d} K={K:5d} splits={n:3d}: {e['graph_us']} us  err {e['rel_err']}",
-                      flush=True)  # fmt: skip
+            shape_rows = [at_splits(inp, n, T <= 32, {}) for n in splits_list]
             from dcp_ref.kernels.attention_splitkv_triton import splitkv_attention
 
             sk = measure(  # the other bf16 kernel at the same shape, in the same run: where the step's crossover lies
@@ -259,16 +261,7 @@ def flashmla_splits_sweep(
         inp = Inputs(data, T, 128, K, gen)
         inp.counts.fill_(n_used)
         for n in splits_list:
-            e = measure(
-                "flashmla_bf16", "bf16", inp,
-                lambda inp=inp, n=n: sparse_mla_flashmla(inp.q, data["kv"], inp.slots, inp.counts, SM_SCALE, DV,
-                                                         out=inp.out, out_lse=inp.lse, splits=n),
-                data, bw, True, {"splits": n, "ctas": T * 2 * n, "count": n_used},
-            )  # fmt: skip
-            rows.append(e)
-            print(
-                f"  flashmla T={T:4d} H= 128 K={K:5d} count={n_used:5d} splits={n:3d}: {e['graph_us']} us", flush=True
-            )
+            at_splits(inp, n, True, {"count": n_used})
         save()
         del inp
         torch.cuda.empty_cache()

@@ -76,16 +76,19 @@ FLASHMLA_SPLITS: tuple[tuple[int, int], ...] = ((2, 16), (8, 8), (32, 4), (64, 2
 FLASHMLA_SPLITS_KEYS = 2048
 
 
-def flashmla_splits(T: int, H: int = 128, keys: int = FLASHMLA_SPLITS_KEYS) -> int:
-    """The splits :data:`FLASHMLA_SPLITS` plans for ``T`` query tokens of ``H`` heads that each use about ``keys``
-    slots: 1 past the table's last entry, and 1 below :data:`FLASHMLA_SPLITS_KEYS` used slots."""
+def flashmla_splits(
+    T: int, H: int = 128, keys: int = FLASHMLA_SPLITS_KEYS, table: tuple[tuple[int, int], ...] | None = None
+) -> int:
+    """The splits ``table`` (default :data:`FLASHMLA_SPLITS`, read at the call) plans for ``T`` query tokens of ``H``
+    heads that each use about ``keys`` slots: 1 past the table's last entry, and 1 below :data:`FLASHMLA_SPLITS_KEYS`
+    used slots."""
     T = check_int_scalar(T, "T", min_value=0)
     H = check_int_scalar(H, "H", min_value=1)
     keys = check_int_scalar(keys, "keys", min_value=0)
     if keys < FLASHMLA_SPLITS_KEYS:
         return 1
     ctas = T * max(H // 64, 1)
-    return next((s for c, s in FLASHMLA_SPLITS if ctas <= c), 1)
+    return next((s for c, s in (FLASHMLA_SPLITS if table is None else table) if ctas <= c), 1)
 
 
 def _flash_mla() -> Any:
@@ -162,6 +165,7 @@ def _prologue_kernel(
 def split_layout(cnt_ptr, t, c, KP, SPLITS: tl.constexpr):
     """``chunk``, the used slots of token ``t`` (count ``c``) each of its kernel rows starts with; writes the rows'
     counts ``clamp(c - s chunk, 0, chunk)``. One split: the row as it is (``chunk = KP``, count ``c``)."""
+    # (c * 0 + KP: the int64 tensor of the other branch, so that both give the index arithmetic one type)
     chunk = c * 0 + KP if SPLITS == 1 else (c + SPLITS - 1) // SPLITS
     s = tl.arange(0, SPLITS)
     tl.store(cnt_ptr + t * SPLITS + s, tl.minimum(tl.maximum(c - s * chunk, 0), chunk).to(tl.int32))
@@ -278,11 +282,11 @@ def _merge_torch(
     o: torch.Tensor, lse: torch.Tensor, cnt: torch.Tensor, T: int, S: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_splits` in torch ops: ``o [T S, H, V]``, ``lse [T S, H]``, ``cnt [T S]`` -> ``(out [T, H, V]
-    float32, lse [T, H])``, the LSE ``-inf`` where a token has no keys."""
+    (float32; ``o`` itself when ``S == 1``), lse [T, H])``, the LSE ``-inf`` where a token has no keys."""
     H, V = o.shape[1], o.shape[2]
     used = (cnt.view(T, S) > 0).unsqueeze(2)
-    if S == 1:
-        return o.float(), lse.float().masked_fill(~used[:, 0], -math.inf)
+    if S == 1:  # the partial itself (the caller copies it only into a buffer of its own)
+        return o, lse.float().masked_fill(~used[:, 0], -math.inf)
     l_s = lse.float().view(T, S, H).masked_fill(~used, -math.inf)
     m = l_s.amax(1)  # NaN kept
     base = m.masked_fill(m == -math.inf, 0.0)

@@ -208,7 +208,7 @@ def _attention_flashmla_for(splits: int) -> Any:
         return sparse_mla_flashmla(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse,
                                    splits=splits)  # fmt: skip
 
-    stage.__dict__["splits"] = splits  # what the plan chose, for the tests
+    stage.splits = splits  # type: ignore[attr-defined]
     return stage
 
 
@@ -444,27 +444,26 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
         # One split (CTAs per row) for the planned rows, whatever a run's token count: one compiled kernel.
         split = make_config(spec.order, W, k, k, spec.cache_geometry, rows=T).split
         chosen = dataclasses.replace(chosen, select_to_slots=_select_to_slots_cutedsl_for(split))
-    from .flashmla_sparse import FLASHMLA_SPLITS_KEYS, flashmla_splits
+    from .flashmla_sparse import flashmla_splits
 
     # the slots a token uses on this rank: all k winners (one rank, or tp), else about its k / W share
     keys = spec.topk if spec.layout == "tp" or W == 1 else spec.topk // W
+    splits = flashmla_splits(T, spec.attention_heads, keys)  # how FlashMLA would run here
     attention, why = chosen.attention, ""
-    if len(alternatives) >= 2:
-        most = SPLITKV_MAX_TOKENS if keys >= FLASHMLA_SPLITS_KEYS else SPLITKV_MAX_TOKENS_UNSPLIT
+    if len(alternatives) >= 2:  # the crossover against FlashMLA as it would run: split, or not
+        most = SPLITKV_MAX_TOKENS if splits > 1 else SPLITKV_MAX_TOKENS_UNSPLIT
         best = "triton-splitkv" if T <= most else "flashmla"
         attention = alternatives[best]
         why = (
             f"planned for T <= {T} query tokens of ~{keys} slots: the split-KV kernel is faster up to {most}, "
             "FlashMLA beyond (measured on the H200, benchmarks/results/attention_flashmla_splits.json)"
         )
-    if attention is _attention_flashmla:
-        splits = flashmla_splits(T, spec.attention_heads, keys)
-        if splits > 1:
-            attention = _attention_flashmla_for(splits)
-            why = (why + "; " if why else "") + (
-                f"FlashMLA with {splits} splits of each token's slots at H = {spec.attention_heads} "
-                "(FLASHMLA_SPLITS, measured on the H200)"
-            )
+    if attention is _attention_flashmla and splits > 1:
+        attention = _attention_flashmla_for(splits)
+        why = (why + "; " if why else "") + (
+            f"FlashMLA with {splits} splits of each token's slots at H = {spec.attention_heads} "
+            "(FLASHMLA_SPLITS, measured on the H200)"
+        )
     if not why:
         return chosen if chosen is not stages else None
     notes = tuple(sorted((*(n for n in chosen.notes if n[0] != "attention"), ("attention", why))))

@@ -96,7 +96,7 @@ def test_prepare_plans_flashmla_splits_for_all_k_slots_only(layout, W, T, splits
     if splits is None:
         assert chosen.attention is ks._attention_splitkv
         return
-    assert chosen.attention.__dict__.get("splits") == splits
+    assert chosen.attention.splits == splits
     assert (chosen.attention is ks._attention_flashmla) == (splits == 1)
     heads = spec.attention_heads
     assert splits == fm.flashmla_splits(T, heads, 2048 if layout == "tp" or W == 1 else 2048 // W)

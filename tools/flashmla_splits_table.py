@@ -25,6 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from dcp_ref.kernels.flashmla_sparse import flashmla_splits  # noqa: E402  (the plan's own lookup, any table)
 
 
 def splits_table(best_rows: list[dict], rows: list[dict]) -> tuple[tuple[int, int], ...]:
@@ -46,19 +48,13 @@ def splits_table(best_rows: list[dict], rows: list[dict]) -> tuple[tuple[int, in
     return tuple(table)
 
 
-def planned_splits(table: tuple[tuple[int, int], ...], T: int, H: int) -> int:
-    """What :func:`dcp_ref.kernels.flashmla_sparse.flashmla_splits` returns under ``table``."""
-    ctas = T * max(H // 64, 1)
-    return next((s for c, s in table if ctas <= c), 1)
-
-
 def splitkv_max_tokens(rows: list[dict], table: tuple[tuple[int, int], ...]) -> int:
     """The split-KV crossover at H = 128 against FlashMLA at the planned splits (``table=()``: unsplit)."""
     by = {(r["impl"], r["T"], r.get("splits")): r["graph_us"] for r in rows
           if r["H"] == 128 and "count" not in r and r.get("graph_us")}  # fmt: skip
     best = 0
     for T in sorted({t for impl, t, _ in by if impl == "splitkv"}):
-        fm = by.get(("flashmla_bf16", T, planned_splits(table, T, 128)))
+        fm = by.get(("flashmla_bf16", T, flashmla_splits(T, 128, table=table)))
         if fm is None:
             continue
         if by[("splitkv", T, None)] >= fm:
