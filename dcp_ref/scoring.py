@@ -88,7 +88,7 @@ class ScoringArgs(NamedTuple):
 
     T: int  #: query tokens
     H: int  #: index heads
-    L: int | None  #: output columns (``None`` when the caller checks no width: ``width=False``)
+    L: int  #: output columns
     B: int  #: requests (rows of the block table)
     M: int  #: blocks per request in the table
     num_blocks: int  #: blocks of the cache
@@ -120,7 +120,6 @@ def check_scoring_inputs(
     validate: object,
     *,
     q_dtypes: tuple[torch.dtype, ...] = SCORING_Q_DTYPES,
-    width: bool = True,
     n_cols: object = None,
     layout: IndexKeyLayout = INDEX_K_FP8,
     next_n: object = 1,
@@ -130,8 +129,7 @@ def check_scoring_inputs(
     Always (free): types, dtypes, ranks, shapes, devices, contiguity of ``out``. With ``validate``:
     the values (one host sync) — request ids in range, one request per group of ``next_n`` tokens,
     non-negative bounds and starts, the blocks each token needs present in the table and the cache,
-    and (``width``) every row inside ``out`` (all exact in Python ints: no int64 wrap-around).
-    ``width=False``: the caller writes no ``[T, L]`` matrix (``out`` is not checked here).
+    and every row inside ``out`` (all exact in Python ints: no int64 wrap-around).
     ``n_cols`` (with ``out=None``): the width ``L`` of a score matrix the caller will make (checked as ``out``'s
     width would be; the Triton kernel passes 0 where a validated call takes the width from the values). ``next_n``
     (an int ``>= 1`` dividing ``T``): the query tokens come in consecutive groups of ``next_n`` tokens of one
@@ -168,30 +166,29 @@ def check_scoring_inputs(
     B, M = block_table.shape
     nb = blocks.shape[0]
     L: int | None = None
-    if width:
-        if out is not None:
-            check_tensor(out, "out", dtypes=(torch.float32,), ndim=2)
-            assert isinstance(out, torch.Tensor)
-            if out.device != dev:
-                raise ValueError(f"out must be on device {dev} (index_q's), got {out.device}")
-            if out.shape[0] != T:
-                raise ValueError(f"out must be [T={T}, L] (one row per query token), got shape {tuple(out.shape)}")
-            if not out.is_contiguous():
-                raise ValueError("out must be contiguous (each row is written as L consecutive floats)")
-            check_no_alias(
-                out, "out", index_q=index_q, weights=weights, index_cache=index_cache, block_table=block_table,
-                req_of_token=req_of_token, local_bounds=local_bounds, row_starts=row_starts,
-            )  # fmt: skip
-            L = out.shape[1]
-        elif n_cols is not None:
-            L = check_int_scalar(n_cols, "n_cols", min_value=0)
-        elif not validate:
-            if starts is not None:
-                raise ValueError(
-                    "out must be given when validate=False and row_starts is given: the width "
-                    "max(row_starts + local_bounds) cannot be read without a host sync"
-                )
-            L = M * bs  # decode: the widest in-contract row (shapes only, no host read)
+    if out is not None:
+        check_tensor(out, "out", dtypes=(torch.float32,), ndim=2)
+        assert isinstance(out, torch.Tensor)
+        if out.device != dev:
+            raise ValueError(f"out must be on device {dev} (index_q's), got {out.device}")
+        if out.shape[0] != T:
+            raise ValueError(f"out must be [T={T}, L] (one row per query token), got shape {tuple(out.shape)}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous (each row is written as L consecutive floats)")
+        check_no_alias(
+            out, "out", index_q=index_q, weights=weights, index_cache=index_cache, block_table=block_table,
+            req_of_token=req_of_token, local_bounds=local_bounds, row_starts=row_starts,
+        )  # fmt: skip
+        L = out.shape[1]
+    elif n_cols is not None:
+        L = check_int_scalar(n_cols, "n_cols", min_value=0)
+    elif not validate:
+        if starts is not None:
+            raise ValueError(
+                "out must be given when validate=False and row_starts is given: the width "
+                "max(row_starts + local_bounds) cannot be read without a host sync"
+            )
+        L = M * bs  # decode: the widest in-contract row (shapes only, no host read)
     if validate and T:
         readable = (
             ("req_of_token", req),
@@ -243,24 +240,23 @@ def check_scoring_inputs(
                     f"block_table[{int(r[t])}, {j}] is {v} {what}, but token {t} reads local keys up to "
                     f"{int(n[t])} through it"
                 )
-        if width:
-            what = "row_starts + local_bounds" if starts is not None else "local_bounds"
-            if L is None:
-                wraps = s > _INT64_MAX - n  # s + n would wrap around (n >= 0 here: the test itself cannot)
-                if bool(wraps.any()):
-                    t = int(wraps.nonzero()[0, 0])
-                    raise ValueError(
-                        f"{what} must fit int64 (the width of the score matrix), but token {t} needs "
-                        f"{int(s[t]) + int(n[t])}"
-                    )
-                L = int((s + n).max())
-            else:
-                past = _past_end(n, s, L)
-                if bool(past.any()):
-                    t = int(past.nonzero()[0, 0])
-                    has = f"out has {L} columns" if out is not None else f"n_cols={L}"
-                    raise ValueError(f"{has}, but token {t} needs {what} = {int(s[t]) + int(n[t])}")
-    if width and L is None:  # validate with T == 0
+        what = "row_starts + local_bounds" if starts is not None else "local_bounds"
+        if L is None:
+            wraps = s > _INT64_MAX - n  # s + n would wrap around (n >= 0 here: the test itself cannot)
+            if bool(wraps.any()):
+                t = int(wraps.nonzero()[0, 0])
+                raise ValueError(
+                    f"{what} must fit int64 (the width of the score matrix), but token {t} needs "
+                    f"{int(s[t]) + int(n[t])}"
+                )
+            L = int((s + n).max())
+        else:
+            past = _past_end(n, s, L)
+            if bool(past.any()):
+                t = int(past.nonzero()[0, 0])
+                has = f"out has {L} columns" if out is not None else f"n_cols={L}"
+                raise ValueError(f"{has}, but token {t} needs {what} = {int(s[t]) + int(n[t])}")
+    if L is None:  # validate with T == 0
         L = 0
     return ScoringArgs(T, H, L, B, M, nb, bs, blocks, next_n)
 
@@ -376,7 +372,6 @@ def index_scores(
         index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts, out, validate,
         layout=layout, next_n=next_n,
     )  # fmt: skip
-    assert a.L is not None
     T, H, L, bs = a.T, a.H, a.L, a.block_size
     dev = index_q.device
     result = out if out is not None else torch.empty((T, L), dtype=torch.float32, device=dev)

@@ -624,7 +624,6 @@ def index_scores_triton(
     width_from_values = validate and out is None
     args = (index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry, row_starts, out)
     a = check_scoring_inputs(*args, False, n_cols=0 if width_from_values else None, next_n=next_n)
-    assert a.L is not None
     T, L = a.T, a.L
     dev = index_q.device
     check = validate and T > 0
@@ -665,7 +664,6 @@ def index_scores_triton(
             a = reference_check()  # raises the reference's message
             if not width_from_values:
                 raise AssertionError("the scoring check flagged a row that the reference accepts (a kernel bug)")
-            assert a.L is not None
             L = a.L  # an end too large for the flag's code (>= 2**62): the host's width
         chk, check = (chk if clear else None), False
     try:
