@@ -85,10 +85,16 @@ def flashmla_splits(
     T = check_int_scalar(T, "T", min_value=0)
     H = check_int_scalar(H, "H", min_value=1)
     keys = check_int_scalar(keys, "keys", min_value=0)
+    table = FLASHMLA_SPLITS if table is None else table
+    if not isinstance(table, tuple) or not all(
+        isinstance(e, tuple) and len(e) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+        for e in table
+    ):
+        raise TypeError(f"table must be a tuple of (most CTAs, splits) int pairs, got {table!r}")
     if keys < FLASHMLA_SPLITS_KEYS:
         return 1
     ctas = T * max(H // 64, 1)
-    return next((s for c, s in (FLASHMLA_SPLITS if table is None else table) if ctas <= c), 1)
+    return next((s for c, s in table if ctas <= c), 1)
 
 
 def _flash_mla() -> Any:

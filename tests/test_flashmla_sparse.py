@@ -212,6 +212,10 @@ def test_flashmla_splits_reads_the_measured_table(monkeypatch: pytest.MonkeyPatc
         fm.flashmla_splits(-1)
     with pytest.raises(ValueError, match="H"):
         fm.flashmla_splits(1, 0)
+    assert fm.flashmla_splits(4, table=((8, 2),)) == 2 and fm.flashmla_splits(4, table=()) == 1
+    for bad in ([(8, 2)], ((8,),), ((8, 2.0),), ((True, 2),)):
+        with pytest.raises(TypeError, match="table must be"):
+            fm.flashmla_splits(4, table=bad)
 
 
 def test_why_flashmla_cannot_run() -> None:
