@@ -64,6 +64,20 @@ def host_profile(fn: Callable[[], object], calls: int = 200) -> dict[str, float]
     }
 
 
+def device_kernels(fn: Callable[[], object], calls: int = 20) -> dict[str, dict[str, float]]:
+    """Each device kernel's (and copy's) calls and mean device µs over ``calls`` calls of ``fn``
+    (``torch.profiler``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as tp:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kern: dict[str, list[float]] = {}
+    for e in tp.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kern.setdefault(e.name[:80], []).append(e.device_time_total)
+    return {name: {"calls": len(v), "mean_us": statistics.mean(v)} for name, v in kern.items()}
+
+
 def all_rows(n: int, reps: int) -> list[dict]:
     """Every ``bench_validation`` row that runs here: interleaved times and the host functions that grow most."""
     import bench_validation as bv
@@ -95,7 +109,8 @@ def all_rows(n: int, reps: int) -> list[dict]:
         grow = sorted(((hv[k] - hu.get(k, 0.0), k) for k in hv), reverse=True)[:12]
         rec = {"wrapper": name, **shape, **{f"{k}_us": v for k, v in t.items()},
                "over_floor_us": t["validated"] - t["floor"],
-               "host_growth_us": {k: round(d, 2) for d, k in grow}}  # fmt: skip
+               "host_growth_us": {k: round(d, 2) for d, k in grow},
+               "device_unvalidated": device_kernels(fu), "device_validated": device_kernels(fv)}  # fmt: skip
         out.append(rec)
         print(f"{name:40s} T={shape.get('T')}: " + ", ".join(f"{a} {b:.1f}" for a, b in t.items())
               + f"  over floor {rec['over_floor_us']:+.1f}", flush=True)  # fmt: skip
@@ -136,6 +151,13 @@ def main() -> int:
                 g, req, table, geo, k, order=order, own_ids=own, out_slots=out_s, out_counts=out_n, validate=False
             )
             chk = s2s.check_flag(su.dev)
+
+            def select(g, own, order, spec, flag, req=req, table=table):  # type: ignore[no-untyped-def]
+                return s2s._select(
+                    g, req, table, geo, spec, order=order, own_ids=own, out_slots=out_s, out_counts=out_n,
+                    tvm_ffi=None, variant=None, config=None, first_bits=None, vec=None, split=None, flag=flag,
+                )  # fmt: skip
+
             fns: dict[str, Callable[[], object]] = {
                 "shape_checks": lambda g=g, own=own, order=order: check_select_to_slots_inputs(
                     g, req, table, geo, k, order=order, own_ids=own, out_slots=out_s, out_counts=out_n, validate=False
@@ -143,22 +165,12 @@ def main() -> int:
                 "check_launch": lambda g=g, own=own, order=order: s2s.check_select_to_slots_values(
                     g, req, table, geo, order=order, own_ids=own
                 ),
-                "select_launch": lambda g=g, own=own, order=order, spec=spec: s2s._select(
-                    g,
-                    req,
-                    table,
-                    geo,
-                    spec,
-                    order=order,
-                    own_ids=own,
-                    out_slots=out_s,
-                    out_counts=out_n,
-                    tvm_ffi=None,
-                    variant=None,
-                    config=None,
-                    first_bits=None,
-                    vec=None,
-                    split=None,
+                "select_launch": lambda g=g, own=own, order=order, spec=spec: select(g, own, order, spec, None),
+                # the validated call's launch: the checked configuration (one CTA a row), the flag raised on a fault
+                "checked_select_launch": lambda g=g, own=own, order=order, spec=spec: select(g, own, order, spec, chk),
+                "checked_select_then_read": lambda g=g, own=own, order=order, spec=spec: (
+                    select(g, own, order, spec, chk),
+                    chk.item(),
                 ),
                 "idle_read": lambda: probe.item(),
                 "unvalidated": lambda: call(False),
@@ -175,16 +187,12 @@ def main() -> int:
             prof.disable()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as tp:
-                for _ in range(20):
-                    call(True)
-                torch.cuda.synchronize()
-            kern: dict[str, list[float]] = {}
-            for e in tp.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    kern.setdefault(e.name[:80], []).append(e.device_time_total)
-            device = {name: {"calls": len(v), "mean_us": statistics.mean(v)} for name, v in kern.items()}
-            rec = {"T": T, "order": order, "phases_us": phases, "device_kernels": device}
+            device = device_kernels(lambda call=call: call(True))
+            hu, hv = host_profile(lambda call=call: call(False)), host_profile(lambda call=call: call(True))
+            grow = sorted(((hv[key] - hu.get(key, 0.0), key) for key in hv), reverse=True)[:12]
+            rec = {"T": T, "order": order, "phases_us": phases, "device_kernels": device,
+                   "device_kernels_unvalidated": device_kernels(lambda call=call: call(False)),
+                   "host_growth_us": {key: round(d, 2) for d, key in grow}}  # fmt: skip
             report["rows"].append(rec)
             print(f"== T={T} order={order}", file=text)
             print(json.dumps(phases, indent=1), file=text)

@@ -26,6 +26,14 @@ one exclusive scan per load over the block (a warp scan, then a scan of the warp
 the cluster's lower CTAs, gives every key the number of winners (and of tied keys) before it — its output slot,
 with no atomics, and the winners come out in increasing local index as the contract says.
 
+**Staged writes.** A CTA's winners fill one contiguous range of output slots (its keys all come after the lower
+CTAs' keys), so the commit puts each winner's key and column into shared memory at its slot in that range
+(:meth:`LocalTopKKernel.stage_winner`), and after one barrier the CTA's threads write the range out, one slot a
+thread (:meth:`LocalTopKKernel.write_staged`): the global id's division and the 8-byte store run once per winner,
+coalesced, instead of once per key position under a branch that some lane of nearly every warp takes (~6 % of
+keys win at ``k = 2048``, ``L = 32K``: a warp's 32 lanes hold a winner at ~87 % of positions). ``k`` above
+:data:`STAGE_MAX_K` (the staging would take more than 64 KiB of shared memory) writes directly.
+
 Measured and not kept (``benchmarks/results/local_topk_sweep.json``): a shared-memory list of pass 0's threshold
 bin for the later passes (with a 12-bit first digit) was slower at every swept shape.
 
@@ -81,6 +89,8 @@ CTA_ABOVE = 9  #: this CTA's winners above the threshold (read by the cluster's 
 CTA_TIES = 10  #: this CTA's keys equal to the threshold
 #: The least keys per CTA when the plan spreads a row over a cluster.
 SPREAD_MIN_KEYS = 8192
+#: The largest ``k`` whose winners are staged in shared memory (8 bytes each: 64 KiB) before they are written.
+STAGE_MAX_K = 8192
 NEG_INF_BITS = 0xFF800000
 NEG_ONE_BITS = 0xBF800000  # float32 -1.0
 NAN_BITS = 0x7FC00000
@@ -184,6 +194,9 @@ class LocalTopKKernel(SelectToSlotsKernel):
         self.sort_size = self.lo_size = 1
         # One 32-bit scan word per vector load holds both counts when they fit in 16 bits each.
         self.packed = cfg.capacity < (1 << 16) and cfg.k < (1 << 16)
+        # The winners are staged in shared memory (module docstring) when k's slots fit in it.
+        self.staged = cfg.k <= STAGE_MAX_K
+        self.stage_size = cfg.k if self.staged else 1
 
     @cute.jit
     def __call__(
@@ -235,6 +248,9 @@ class LocalTopKKernel(SelectToSlotsKernel):
         tab = smem.allocate_tensor(
             Int32, cute.make_layout(2 * self.cpt * 32), byte_alignment=16
         )  # warp totals per load
+        # The staged winners of this CTA by output slot (from the CTA's first): key bits and column.
+        shi = smem.allocate_tensor(Uint32, cute.make_layout(self.stage_size), byte_alignment=16)
+        scol = smem.allocate_tensor(Int32, cute.make_layout(self.stage_size), byte_alignment=16)
         self.clear_state(st, hist, hloc, tid)
 
         start, end = self.row_window(lens, starts, flag, row, cols, tid, crank)
@@ -257,8 +273,8 @@ class LocalTopKKernel(SelectToSlotsKernel):
         for d in cutlass.range_constexpr(len(self.schedule)):
             self.radix_pass_s2s(d, khi, khi, khi, hist, hloc, wsum, st, tid, lane, warp, Int32(0))
 
-        self.commit(sc, row, rstride, start, khi, st, tab, out64, out32, outid, obase, tid, lane, warp, crank,
-                    rank_i, stripe, inter)  # fmt: skip
+        self.commit(sc, row, rstride, start, khi, st, tab, shi, scol, out64, out32, outid, obase, tid, lane, warp,
+                    crank, rank_i, stripe, inter)  # fmt: skip
 
     @cute.jit
     def row_window(
@@ -388,6 +404,8 @@ class LocalTopKKernel(SelectToSlotsKernel):
         khi: cute.Tensor,
         st: cute.Tensor,
         tab: cute.Tensor,
+        shi: cute.Tensor,
+        scol: cute.Tensor,
         out64: cute.Tensor,
         out32: cute.Tensor,
         outid: cute.Tensor,
@@ -410,7 +428,8 @@ class LocalTopKKernel(SelectToSlotsKernel):
         rather than kept: a first warp scan per load leaves the warp totals in ``tab``; after one barrier (and,
         in a cluster, the lower CTAs' totals) each load's exclusive prefix is the loads before it, the warps
         before this one (a scan of ``tab``) and the lanes before this one (the warp scan again). No per-load
-        registers are held, so 32 keys a thread fit 1024 threads' 64 registers."""
+        registers are held, so 32 keys a thread fit 1024 threads' 64 registers. ``staged``: each winner goes to
+        ``shi`` / ``scol`` at its slot less the CTA's first slot, and :meth:`write_staged` writes them out."""
         T = const_expr(self.threads)
         C = const_expr(self.split)
         VEC = const_expr(self.vec)
@@ -456,6 +475,7 @@ class LocalTopKKernel(SelectToSlotsKernel):
                     run_a = run_a + dsmem_load(st.iterator + CTA_ABOVE, c)
                     if const_expr(not self.packed):
                         run_t = run_t + dsmem_load(st.iterator + CTA_TIES, c)
+        first = self.slot_at(run_a, run_t, need)  # this CTA's first output slot
         c0 = start - start % VEC
         for ci in cutlass.range_constexpr(CPT):
             a, t = self.load_counts(khi, ci, lower, tv)
@@ -482,12 +502,58 @@ class LocalTopKKernel(SelectToSlotsKernel):
                 is_t = (hi == tv) & (hi != Uint32(0))
                 if is_a | (is_t & (t0 < need)):
                     col = c0 + g * VEC + s
-                    self.write_winner(sc, row, rstride, col, col - start, hi, a0 + cutlass.min(t0, need), out64,
-                                      out32, outid, obase, rank_i, stripe, inter)  # fmt: skip
+                    slot = a0 + cutlass.min(t0, need)
+                    if const_expr(self.staged):
+                        shi[slot - first] = hi
+                        scol[slot - first] = col
+                    else:
+                        self.write_winner(sc, row, rstride, col, col - start, hi, slot, out64, out32, outid, obase,
+                                          rank_i, stripe, inter)  # fmt: skip
                 a0 = a0 + cutlass.select_(is_a, Int32(1), Int32(0))
                 t0 = t0 + cutlass.select_(is_t, Int32(1), Int32(0))
+        if const_expr(self.staged):
+            cute.arch.sync_threads()
+            self.write_staged(sc, row, rstride, start, shi, scol, first, self.slot_at(run_a, run_t, need), out64,
+                              out32, outid, obase, tid, rank_i, stripe, inter)  # fmt: skip
         if const_expr(C > 1):
             cluster_sync()  # the lower CTAs' totals have been read: their shared memory may go
+
+    @cute.jit
+    def slot_at(self, run_a: Int32, run_t: Int32, need: Int32) -> Int32:
+        """The output slot of the next winner after ``run_a`` keys above the threshold and ``run_t`` equal to it
+        (both packed in ``run_a`` when ``packed``): the ties count up to ``need``."""
+        a = run_a
+        t = run_t
+        if const_expr(self.packed):
+            a = run_a & Int32(0xFFFF)
+            t = Int32(Uint32(run_a.bitcast(Uint32) >> Uint32(16)).bitcast(Int32))
+        return a + cutlass.min(t, need)
+
+    @cute.jit
+    def write_staged(
+        self,
+        sc: cute.Tensor,
+        row: Int32,
+        rstride: Int64,
+        start: Int32,
+        shi: cute.Tensor,
+        scol: cute.Tensor,
+        first: Int32,
+        end: Int32,
+        out64: cute.Tensor,
+        out32: cute.Tensor,
+        outid: cute.Tensor,
+        obase: Int64,
+        tid: Int32,
+        rank_i: Int32,
+        stripe: Int32,
+        inter: Int32,
+    ) -> None:
+        """This CTA's staged winners, slots ``[first, end)``, written out one slot a thread (coalesced)."""
+        for j in cutlass.range(tid, end - first, self.threads):
+            col = scol[j]
+            self.write_winner(sc, row, rstride, col, col - start, shi[j], first + j, out64, out32, outid, obase,
+                              rank_i, stripe, inter)  # fmt: skip
 
     @cute.jit
     def write_winner(
@@ -600,9 +666,9 @@ def vec_for(scores: torch.Tensor) -> int:
 #: ``tests/test_local_topk_plans.py`` checks the table against the file.
 PLANS: dict[tuple[int, int], tuple[int, int, int]] = {
     (1, 4096): (1, 512, 8), (1, 8192): (2, 512, 8), (1, 32768): (8, 512, 8), (1, 131072): (8, 1024, 8),
-    (32, 4096): (1, 512, 8), (32, 8192): (2, 512, 8), (32, 32768): (2, 1024, 11), (32, 131072): (8, 1024, 8),
-    (128, 32768): (1, 1024, 8), (128, 131072): (8, 1024, 8),
-    (1024, 4096): (1, 512, 8), (1024, 8192): (1, 512, 11), (1024, 32768): (1, 1024, 8), (1024, 131072): (4, 1024, 8),
+    (32, 4096): (1, 512, 8), (32, 8192): (1, 512, 8), (32, 32768): (2, 1024, 11), (32, 131072): (8, 1024, 8),
+    (128, 32768): (1, 1024, 11), (128, 131072): (4, 1024, 8),
+    (1024, 4096): (1, 512, 8), (1024, 8192): (1, 512, 11), (1024, 32768): (1, 1024, 11), (1024, 131072): (4, 1024, 8),
 }  # fmt: skip
 PLANS_SOURCE = "benchmarks/results/local_topk_sweep.json"
 

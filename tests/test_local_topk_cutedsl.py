@@ -157,6 +157,20 @@ def test_compiles_to_sm90a(cfg, monkeypatch):
         assert res["frame_bytes"] == 0, res
 
 
+@pytest.mark.parametrize("k", [ltk.STAGE_MAX_K, ltk.STAGE_MAX_K + 1])
+def test_compiles_with_and_without_staged_winners(k, monkeypatch):
+    """Up to STAGE_MAX_K the winners go through shared memory (one more barrier, the write-out loop); above it
+    they are written where they are found. Both compile for sm_90a, one CTA and a cluster."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    for cluster in (1, 4):
+        c = ltk.LocalTopKConfig(k, cluster, 1024, 4, 4)
+        assert ltk.LocalTopKKernel(c).staged == (k <= ltk.STAGE_MAX_K)
+        with tempfile.TemporaryDirectory() as d:
+            ptx, _ = ltk.compile_artifacts(c, d)
+        assert ".entry" in ptx
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU (-m gpu): the kernel against the reference
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +194,9 @@ GPU_CONFIGS = [
     (16, 250000, 2048, 2, 1, 0, False, None, 0),  # 8 CTAs of ~31K keys
     (300, 16384, 512, 2, 1, 0, False, (2, 512, None), 0),
     (600, 1024, 128, 4, 2, 3, True, None, 0),
+    (64, 65536, ltk.STAGE_MAX_K, 2, 1, 0, False, None, 0),  # the most winners staged in shared memory
+    (48, 65536, ltk.STAGE_MAX_K + 1, 2, 2, 1, True, (4, None, None), 0),  # beyond: written directly, a cluster
+    (48, 30000, 12000, 3, 1, 2, False, (1, 1024, None), 0),  # beyond, one CTA
 ]
 
 
