@@ -564,7 +564,8 @@ DESIGN = [
      "11-bit fp16 bins, then 11 / 11 / 10 bits of the float; stop when the bin holds <= 2048, radix-sort those"),
     ("ties", "stable: the commit's index-order scan takes the lowest indices of the threshold value",
      "unstable: the threshold bin's keys by atomic order"),
-    ("output order", "winners by increasing local index (one exclusive scan per vector load)",
+    ("output order", "winners by increasing local index (one exclusive scan per vector load; staged in shared "
+     "memory by slot, then written out one slot a thread)",
      "atomic slot order"),
     ("occupancy", "1 CTA of 1024 threads per SM at 32 keys a thread (64 registers); 2 at 512 x 16",
      "512-thread CTAs, keys re-read rather than held (its occupancy not profiled here)"),
