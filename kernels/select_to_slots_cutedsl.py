@@ -54,7 +54,9 @@ runs under :data:`dcp_ref.kernels.stages.KERNEL_LOCK` (CuTeDSL compiles are not 
 
 **Validated call** (``validate=True``): the shape checks, then the values **inside the select kernel itself**
 (``check=True``, one CTA per row): each id ``-1``, NaN or an integer in ``[0, 2**24)`` and no id twice in the
-row (:meth:`SelectToSlotsKernel.hash_ids`: a shared-memory hash table of the row's ids, ``atom.shared.cas``),
+row (:meth:`SelectToSlotsKernel.hash_ids`: a shared-memory hash table of the row's ids, ``atom.shared.cas``
+— filled only for a row whose ids are not laid out as the indexer packs them, owned by their slice's rank and
+strictly ascending before the padding, which rules duplicates out by itself: :meth:`SelectToSlotsKernel.load_keys`),
 ``own_ids`` (:meth:`SelectToSlotsKernel.check_own`: a block-wide max scan), the request ids and every winner's
 block (the poison rule's test) — exactly what the reference refuses, no more — raising the shared per-stream
 flag (:func:`~dcp_ref.kernels._util.check_flag`), then one host read of it. Only a raised flag runs the
@@ -124,6 +126,9 @@ __all__ = [
 _INT32_MAX = 2**31 - 1
 #: A free entry of the in-kernel check's hash table (ids are below ``2**24``).
 EMPTY_ID = 0xFFFFFFFF
+#: Shared-state word (beyond :class:`State`'s) raised when a row's ids break the no-duplicates rule that spares the
+#: hash table (:meth:`SelectToSlotsKernel.load_keys`): then the row's ids go through it.
+HASH_NEEDED = 11
 #: CTAs per row of the split form (a thread-block cluster; 8 is the portable maximum).
 SPLITS = (1, 2, 4, 8)
 #: Streaming multiprocessors of the H200 (the split default fills them when rows are few).
@@ -471,10 +476,17 @@ class SelectToSlotsKernel(StableTopKKernel):
 
         khi = cute.make_rmem_tensor((self.items,), Uint32)
         klo = cute.make_rmem_tensor((self.items if const_expr(not self.lean and not self.rank_local) else 1,), Uint32)
+        hashing = const_expr(self.check and not self.rank_local)
+        cid = cute.make_rmem_tensor((self.items if hashing else 1,), Uint32)  # check: the items' integer ids
+        pend = Uint32(0)  # check: the items whose id goes into the hash table, if the row needs it
         if const_expr(C > 1):
-            self.load_keys(cand, rows, row, tid, khi, klo, slo, hloc, htab, crank)
+            self.load_keys(cand, rows, row, tid, khi, klo, slo, hloc, cid, crank)
         else:
-            bad = bad + self.load_keys(cand, rows, row, tid, khi, klo, slo, hist, htab, crank)
+            found, pend, unordered = self.load_keys(cand, rows, row, tid, khi, klo, slo, hist, cid, crank)
+            bad = bad + found
+            if const_expr(hashing):
+                if unordered != Int32(0):
+                    st[HASH_NEEDED] = Int32(1)  # any of the CTA's threads (the same value): read after the barrier
         if const_expr(self.rank_local):
             for u in cutlass.range_constexpr(self.own_per_thread):
                 c = u * T + tid
@@ -484,6 +496,9 @@ class SelectToSlotsKernel(StableTopKKernel):
             cluster_sync()  # every CTA's pass-0 histogram is complete
             self.merge(0, hloc, hist, tid)
         cute.arch.sync_threads()
+        if const_expr(hashing):
+            if st[HASH_NEEDED] != Int32(0):  # the same word for every thread: the CTA takes one branch
+                bad = bad + self.hash_ids(cid, pend, htab)
         if const_expr(self.check and self.rank_local):
             bad = bad + self.check_own(khi, sown, wsum, tid, lane, warp, rank * KL)
         if const_expr(self.check):
@@ -659,13 +674,18 @@ class SelectToSlotsKernel(StableTopKKernel):
         klo: cute.Tensor,
         slo: cute.Tensor,
         hist: cute.Tensor,
-        htab: cute.Tensor,
+        cid: cute.Tensor,
         crank: Int32,
-    ) -> Int32:
+    ) -> tuple[Int32, Uint32, Int32]:
         """Vector-load this thread's candidates as keys and count pass 0's histogram on the way; with ``check``
         (``global_id``) also check their ids: each ``-1``, NaN or an integer in ``[0, 2**24)`` (``check_candidate_ids``'
-        rule), and no integer id twice in the row (:meth:`hash_ids`). Returns how many of them the check flags (0
-        without ``check``).
+        rule), and prepare the no-duplicates check. Returns ``(bad, pend, unordered)``: how many ids the check
+        refuses; the items whose integer id (in ``cid``) the hash table would take (:meth:`hash_ids`); how many
+        integer ids break the rule that rules duplicates out without it — every integer id owned by its slice's
+        rank (``(id // I) % W == w``: the slices of two ranks share no id) and, from the slice's first candidate
+        on, above the integer id just before it (so strictly ascending within the slice: no id twice). The
+        indexer writes exactly that (its winners by increasing local index, then ``-1`` padding), so a good row
+        never fills the table; any other row does, and the table is exact either way. All 0 without ``check``.
 
         Vector load ``ci`` of thread ``tid`` is chunk ``q = crank*NCC + ci*T + tid`` of the row: ``vec``
         consecutive candidates of one rank's slice (``K % vec == 0``), at word offset
@@ -686,8 +706,8 @@ class SelectToSlotsKernel(StableTopKKernel):
         words = cute.make_tensor(cand.iterator, cute.make_layout((1 << 30, WPL), stride=(WPL, 1)))
         bad = Int32(0)
         hashing = const_expr(self.check and not self.rank_local)
-        cid = cute.make_rmem_tensor((self.items if hashing else 1,), Uint32)  # check: the items' integer ids
         pend = Uint32(0)  # check: the items whose id goes into the hash table
+        unordered = Int32(0)  # check: integer ids that break the no-duplicates rule (docstring)
         for ci in cutlass.range_constexpr(self.cpt):
             ql = ci * T + tid  # chunk index within this CTA's share
             inb = Boolean(True)
@@ -703,6 +723,11 @@ class SelectToSlotsKernel(StableTopKKernel):
                 if const_expr((ci + 1) * T > NCC):
                     off = Int64(cutlass.select_(inb, off, Int64(0)))
             v = words[off, None].load()
+            # check: the id before this chunk's first candidate in its slice (the last of chunk cq - 1), if any
+            pidf = Float32(-1.0)
+            if const_expr(hashing):
+                if inb & (cq > 0):
+                    pidf = words[off - 1, WPL - 1].bitcast(Float32)
             for s in cutlass.range_constexpr(VEC):
                 i = ci * VEC + s
                 if const_expr(self.rank_local):
@@ -718,6 +743,15 @@ class SelectToSlotsKernel(StableTopKKernel):
                         bad = bad + Int32(cutlass.select_(inb & ~fine, Int32(1), Int32(0)))
                         cid[i] = Uint32(Int32(idf))
                         pend = pend | Uint32(cutlass.select_(inb & integral, Uint32(1 << i), Uint32(0)))
+                        # the no-duplicates rule (docstring): owned by slice w, above the integer id before it
+                        owned = (Int32(idf) // self.cfg.interleave) % self.cfg.world == w
+                        p_int = (pidf >= Float32(0.0)) & (Float32(Int32(pidf)) == pidf)  # an id < 2**24 before
+                        rising = p_int & (pidf < idf)
+                        if const_expr(s == 0):
+                            rising = rising | (cq == 0)  # the slice's first candidate
+                        breaks = inb & integral & ~(owned & rising)
+                        unordered = unordered + Int32(cutlass.select_(breaks, Int32(1), Int32(0)))
+                        pidf = idf
                 # -0.0 -> +0.0 so that the two zeros tie and the tie-break decides.
                 sb = Uint32(cutlass.select_(sb == Uint32(0x80000000), Uint32(0), sb))
                 # Negative floats: flip all bits; non-negative: set the sign bit.
@@ -733,9 +767,7 @@ class SelectToSlotsKernel(StableTopKKernel):
                         klo[i] = lo
                 digit = Int32(cutlass.select_(hi != Uint32(0), (hi >> Uint32(SH0)) & Uint32(NB0 - 1), Uint32(NB0)))
                 cute.arch.atomic_add(hist.iterator + digit, Int32(1))
-        if const_expr(hashing):
-            bad = bad + self.hash_ids(cid, pend, htab)
-        return bad
+        return bad, pend, unordered
 
     @cute.jit
     def hash_ids(self, cid: cute.Tensor, pend: Uint32, htab: cute.Tensor) -> Int32:
@@ -1637,10 +1669,11 @@ def select_to_slots_cutedsl(
     pending = flag = None
     checked = False
     if validate and spec.rows:
-        if _checks_in_kernel(gathered, geometry, split):
-            # The select kernel checks the values itself and raises the flag: no second launch.
-            _check_readable(gathered, req_of_token, block_table, own_ids)
-            flag = check_flag(gathered.device)
+        dev = gathered.device
+        if _checks_in_kernel(gathered, dev, geometry.world_size * spec.kloc, split):
+            # The select kernel checks the values itself and raises the flag: no second launch. (No readability
+            # check: every tensor is on gathered's CUDA device, so none is a meta tensor.)
+            flag = check_flag(dev)
         else:
             # On the GPU the check kernel's flag is read after the select is launched (it is safe on any input):
             # the host does not wait between the two launches.
@@ -1666,7 +1699,7 @@ def select_to_slots_cutedsl(
             if f is not None:
                 f.zero_()  # a call that stops before its read leaves the shared flag clear
         raise
-    if pending is not None:
+    if pending is not None and (not checked or pending.item()):  # the select's own checks: one read of a clear flag
         _finish_validation(
             pending, gathered, req_of_token, block_table, geometry, spec.k, order=order, own_ids=own_ids,
             in_kernel=checked,
@@ -1674,14 +1707,12 @@ def select_to_slots_cutedsl(
     return result[0], result[1]
 
 
-def _checks_in_kernel(gathered: torch.Tensor, geometry: DcpGeometry, split: int | None) -> bool:
-    """Whether the validated call's value checks can run inside the select kernel (``check=True``): on CUDA, a
-    contiguous ``gathered`` it can read, one CTA per row (``split`` ``None`` or 1). Elsewhere the check kernel
-    runs (or, where the select cannot run at all, the reference's check, so that it refuses values first)."""
-    n = geometry.world_size * gathered.shape[2]
-    return (
-        gathered.device.type == "cuda" and gathered.is_contiguous() and 0 < n <= MAX_CANDIDATES and split in (None, 1)
-    )
+def _checks_in_kernel(gathered: torch.Tensor, dev: torch.device, n: int, split: int | None) -> bool:
+    """Whether the validated call's value checks can run inside the select kernel (``check=True``): on CUDA
+    (``dev``, ``gathered``'s device), a contiguous ``gathered`` it can read of ``n = W*K`` candidates per row, one
+    CTA per row (``split`` ``None`` or 1). Elsewhere the check kernel runs (or, where the select cannot run at
+    all, the reference's check, so that it refuses values first)."""
+    return dev.type == "cuda" and split in (None, 1) and 0 < n <= MAX_CANDIDATES and gathered.is_contiguous()
 
 
 def _check_readable(

@@ -14,6 +14,7 @@ import random
 import re
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -1050,6 +1051,62 @@ def test_cutedsl_validated_call_falls_back_to_the_check_kernel(cuda_device, monk
         assert want_msg and "twice" in want_msg
         assert _refusal(mod.select_to_slots_cutedsl, bad, req, table, g, K, split=split) == want_msg
         assert int(mod.check_flag(torch.device(cuda_device)).item()) == 0
+
+
+def _indexer_rows(W: int, I: int, K: int, rows: int, counts: list[int], seed: int) -> torch.Tensor:
+    """``[W, rows, K, 2]`` pairs as the indexer packs them: rank ``w``'s first ``counts[t]`` candidates of row ``t``
+    are ids it owns, strictly ascending, then ``(-inf, -1)`` padding (the layout the in-kernel check's
+    no-duplicates rule recognises, so that such a row needs no hash table)."""
+    gen = torch.Generator().manual_seed(seed)
+    pairs = torch.empty(W, rows, K, 2)
+    pairs[..., 0], pairs[..., 1] = -math.inf, -1.0
+    for w in range(W):
+        for t in range(rows):
+            n = counts[t]
+            loc = torch.sort(torch.randperm(4 * K, generator=gen)[:n]).values
+            pairs[w, t, :n, 0] = torch.randn(n, generator=gen)
+            pairs[w, t, :n, 1] = ((loc // I) * (W * I) + w * I + loc % I).float()
+    return pairs
+
+
+@pytest.mark.gpu
+def test_cutedsl_no_duplicates_rule_and_hash_agree_with_the_reference(cuda_device):
+    """The checked select kernel spares the hash table only for rows laid out as the indexer packs them (ids owned
+    by their slice's rank, strictly ascending, padding after); every other row goes through it. Both sides of that
+    decision, at K = 2048 (W = 2, 8) and a small K: the flag is raised exactly where the reference refuses —
+    distinct ids out of order, out of their owner's slice or after padding are no duplicates (no flag); a
+    duplicate across ranks or next to itself is (flag, the reference's message)."""
+    from dcp_ref.kernels.select_to_slots_cutedsl import select_to_slots_cutedsl
+
+    for W, I, K, rows in ((2, 1, 2048, 3), (8, 2, 2048, 2), (3, 2, 64, 4)):
+        counts = [K, K // 2 + 1, 0, 5][:rows]
+        base = _indexer_rows(W, I, K, rows, counts, 70 + W)
+        g = DcpGeometry(W, 1, I, 64)
+        n_blocks = 4 * K * W // 64 + 2
+        loc = 4 * K + 1  # rank 1's, beyond every local index of the rows: an id of no other candidate
+        foreign = float((loc // I) * (W * I) + 1 * I + loc % I)
+        table = torch.randperm(4 * rows * n_blocks)[: rows * n_blocks].view(rows, n_blocks).to(torch.int32)
+        muts: dict[str, Callable[[torch.Tensor], None]] = {
+            "indexer layout": lambda p: None,
+            "out of order": lambda p: p[1, 0, :2].copy_(p[1, 0, :2].flip(0)),
+            "padding in the middle": lambda p: p[0, 1, 1].copy_(torch.tensor([-math.inf, -1.0])),
+            "another rank's id": lambda p, f=foreign: p[0, 0, 0, 1].fill_(f),
+            "twice across ranks": lambda p: p[1, 0, 3, 1].copy_(p[0, 0, 5, 1]),
+            "twice in a slice": lambda p: p[0, 0, 4, 1].copy_(p[0, 0, 3, 1]),
+        }
+        for name, mut in muts.items():
+            pairs = base.clone()
+            mut(pairs)
+            pairs = pairs.to(cuda_device)
+            t, gd = table.to(cuda_device), g
+            want = _refusal(select_to_slots, pairs, None, t, gd, K)
+            assert (want is not None) == name.startswith("twice"), (W, K, name, want)
+            flag, checked = _in_kernel_flag(pairs, None, t, gd, K, "global_id", None)
+            assert checked and flag == (want is not None), (W, K, name)
+            assert _refusal(select_to_slots_cutedsl, pairs, None, t, gd, K) == want, (W, K, name)
+            if want is None:
+                got = select_to_slots_cutedsl(pairs, None, t, gd, K)
+                assert _same(got, select_to_slots(pairs, None, t, gd, K), K), (W, K, name)
 
 
 @pytest.mark.gpu
