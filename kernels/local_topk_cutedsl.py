@@ -28,7 +28,7 @@ with no atomics, and the winners come out in increasing local index as the contr
 
 **Staged writes.** A CTA's winners fill one contiguous range of output slots (its keys all come after the lower
 CTAs' keys), so the commit puts each winner's key and column into shared memory at its slot in that range
-(:meth:`LocalTopKKernel.stage_winner`), and after one barrier the CTA's threads write the range out, one slot a
+(:meth:`LocalTopKKernel.commit`), and after one barrier the CTA's threads write the range out, one slot a
 thread (:meth:`LocalTopKKernel.write_staged`): the global id's division and the 8-byte store run once per winner,
 coalesced, instead of once per key position under a branch that some lane of nearly every warp takes (~6 % of
 keys win at ``k = 2048``, ``L = 32K``: a warp's 32 lanes hold a winner at ~87 % of positions). ``k`` above
