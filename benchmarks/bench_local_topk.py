@@ -554,7 +554,7 @@ def markdown(data: dict) -> str:
 
 
 #: How ours and vLLM's select a row (from vLLM's source, ``csrc/sampler.cu``, and our kernel), beside the ncu reading
-#: of ours (``benchmarks/results/ncu/local_topk_1024x32768.json``; vLLM's kernel was not profiled in this run).
+#: of ours (``benchmarks/results/ncu/local_topk_<T>x<L>.json``, :data:`NCU_SHAPES`; vLLM's kernel was not profiled).
 DESIGN = [
     ("reads of each score from HBM", "1 (the row held in registers)",
      "1 for the histogram, then 1-3 more passes over the row (L2 when it fits)"),
@@ -569,9 +569,15 @@ DESIGN = [
      "atomic slot order"),
     ("occupancy", "1 CTA of 1024 threads per SM at 32 keys a thread (64 registers); 2 at 512 x 16",
      "512-thread CTAs, keys re-read rather than held (its occupancy not profiled here)"),
-    ("what bounds it", "instruction issue at many rows (ncu below); latency of the pass chain at few",
+    ("what bounds it", "instruction issue at many rows (ncu below); latency of the pass chain at few; with 128K "
+     "keys at many rows, waits, not issue (clusters of 4, one CTA per SM: ncu below)",
      "not profiled here"),
 ]  # fmt: skip
+
+
+#: The committed ncu summaries the design section quotes (``results/ncu/local_topk_<T>x<L>.json``, from
+#: ``profile_local_topk.py``): a shape where ours is issue-bound and one where it waits.
+NCU_SHAPES = ("1024x32768", "128x131072")
 
 
 def design_section() -> list[str]:
@@ -579,8 +585,10 @@ def design_section() -> list[str]:
     lines = ["", "## Ours against vLLM's, by design", "", "| | ours (CuTeDSL) | vLLM `top_k_per_row_decode` |",
              "|---|---|---|"]  # fmt: skip
     lines += [f"| {a} | {b} | {c} |" for a, b, c in DESIGN]
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ncu", "local_topk_1024x32768.json")
-    if os.path.exists(path):
+    for shape in NCU_SHAPES:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ncu", f"local_topk_{shape}.json")
+        if not os.path.exists(path):
+            continue
         with open(path) as fh:
             ncu = json.load(fh)
         k = ncu["kernels"][0]
