@@ -28,10 +28,15 @@ metadata on the host before any stage runs), so its row times the one call and s
 step's: T = 1 and 32 query rows, K = 2048, W = 2, 64K context, H = 128, D = 512 (576 for the attention).
 
 Timing: the eager wall time of ``n`` back-to-back calls (host launch overhead, the device work and, for
-a validated call, its host read), with the device synchronised before and after, divided by ``n``;
-the median over ``reps`` repetitions, and the 20/80 % quantiles. The "peer" of every validated row is
-the unvalidated call of the same wrapper on the same inputs, measured in the same run and interleaved with it
-(the three calls of a row take turns each repetition: this host's eager times drift between runs).
+a validated call, its host read), with the device synchronised before and after, divided by ``n``. The
+"peer" of every validated row is the unvalidated call of the same wrapper on the same inputs, measured in the
+same run. **Every row is timed in one loop** (:func:`measure_rows`): each of ``reps`` repetitions times every
+call of every row once, the rows and a row's calls in an order that rotates by one per repetition, so a slow
+stretch of this host (its eager times drift by ±30 % and more within a run, and a validated call's extra is
+host work that grows with it) falls on every row alike instead of on the rows that happened to run then. The
+verdict reads the **paired** extra, the median over repetitions of (validated − floor) of the same
+repetition (two calls timed back to back), with its 20/80 % quantiles; the medians of each call and their
+difference are recorded beside it.
 
 ``--smoke`` runs every row that can run on the CPU (the Triton ones, under ``TRITON_INTERPRET=1``) on tiny
 shapes, one call per repetition: it checks that each row's inputs are valid (its validated call passes) and
@@ -113,30 +118,50 @@ def eager_us(fn: Callable[[], object], su: Setup) -> dict:
     return eager_interleaved({"x": fn}, su)["x"]
 
 
-def eager_interleaved(fns: dict[str, Callable[[], object]], su: Setup) -> dict[str, dict]:
-    """:func:`eager_us` of several calls measured together: each repetition times ``n`` back-to-back calls of
-    every one, in an order that rotates by one per repetition, so that a slow stretch of the host (this host's
-    eager times drift ±30 % between runs) falls on all of them alike and their differences stay."""
-    for fn in fns.values():
+def _warm(fns: list[Callable[[], object]], su: Setup) -> None:
+    for fn in fns:
         for _ in range(su.warm):  # warm: compile, allocator, lazily built plans
             fn()
     sync(su.dev)
+
+
+def _time_n(fn: Callable[[], object], su: Setup) -> float:
+    """µs per call of ``n`` back-to-back calls, the device idle before and drained after."""
+    sync(su.dev)
+    t0 = time.perf_counter()
+    for _ in range(su.n):
+        fn()
+    sync(su.dev)
+    return (time.perf_counter() - t0) / su.n * 1e6
+
+
+def _rotated(items: list, r: int) -> list:
+    return items[r % len(items) :] + items[: r % len(items)] if items else []
+
+
+def eager_interleaved(fns: dict[str, Callable[[], object]], su: Setup) -> dict[str, dict]:
+    """:func:`eager_us` of several calls measured together: each repetition times ``n`` back-to-back calls of
+    every one, in an order that rotates by one per repetition, so that a slow stretch of the host falls on all
+    of them alike and their differences stay."""
+    _warm(list(fns.values()), su)
     names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(su.reps):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            fn = fns[name]
-            sync(su.dev)
-            t0 = time.perf_counter()
-            for _ in range(su.n):
-                fn()
-            sync(su.dev)
-            times[name].append((time.perf_counter() - t0) / su.n * 1e6)
+        for name in _rotated(names, r):
+            times[name].append(_time_n(fns[name], su))
     return {k: _stats(v) for k, v in times.items()}
 
 
 def _print(name: str, shape: dict, text: str) -> None:
     print(f"{name:34s} {json.dumps(shape):52s} {text}", flush=True)
+
+
+@dataclass
+class Row:
+    """One wrapper at one shape: its record and the calls to time (none when it was skipped or failed)."""
+
+    rec: dict[str, Any]
+    calls: dict[str, Callable[[], object]]
 
 
 def row(
@@ -146,8 +171,9 @@ def row(
     su: Setup,
     *,
     unsupported: str = "",
-) -> dict:
-    """Time ``make(validate)()`` for both flags; the unvalidated call is the validated one's peer.
+) -> Row:
+    """Build ``make(validate)()`` for both flags (the unvalidated call is the validated one's peer) and the
+    floor; :func:`measure_rows` times them.
 
     ``unsupported``: why the wrapper cannot run here (recorded as ``skipped``, nothing is called). An
     ``ImportError`` while making the calls is a skip too; any other exception — above all a validated call
@@ -157,66 +183,96 @@ def row(
     if unsupported:
         rec["skipped"] = unsupported
         _print(name, shape, f"skipped: {unsupported}")
-        return rec
+        return Row(rec, {})
     try:
         fns = {v: make(v) for v in (False, True)}
     except ImportError as e:
         rec["skipped"] = f"{type(e).__name__}: {e}"
         _print(name, shape, f"skipped: {rec['skipped']}")
-        return rec
+        return Row(rec, {})
     try:
         fns[False]()
         fns[True]()  # a validated call on valid inputs must not raise
         rec["validated_call_ok"] = True
         sync(su.dev)
-        # The floor of any validated call: the unvalidated call, then one host read (it waits for the call's
-        # device work, so back-to-back calls no longer overlap the host's launches with the device's work).
-        probe = torch.zeros(1, device=su.dev)
-        rec.update(
-            eager_interleaved(
-                {
-                    "unvalidated": fns[False],
-                    "validated": fns[True],
-                    "unvalidated_then_one_read": lambda: (fns[False](), probe.item()),
-                },
-                su,
-            )
-        )
     except Exception as e:  # noqa: BLE001 - recorded, not fatal
         rec["failed"] = f"{type(e).__name__}: {e}"
         _print(name, shape, f"FAILED: {rec['failed']}")
-        return rec
-    u, v = rec["unvalidated"]["median_us"], rec["validated"]["median_us"]
-    rec["ratio"] = v / u
-    rec["extra_us"] = v - u
-    f = rec["unvalidated_then_one_read"]["median_us"]
-    rec["target_us"] = f + TARGET_SLACK_US
-    rec["ratio_rule_us"] = TARGET_RATIO * u + TARGET_SLACK_US
-    rec["over_read_floor_us"] = v - f
-    verdict = "(smoke: interpreted, no verdict)"
-    if not su.smoke:
-        rec["meets_target"] = v <= rec["target_us"]
-        rec["meets_ratio_rule"] = v <= rec["ratio_rule_us"]
-        rec["ratio_rule_reachable"] = f <= rec["ratio_rule_us"]
-        verdict = "ok" if rec["meets_target"] else "OVER TARGET"
-        verdict += f" (one-read floor {f:7.1f} us, {'+' if v >= f else ''}{v - f:.1f})"
-    _print(name, shape, f"unvalidated {u:9.1f} us  validated {v:9.1f} us  (x{v / u:4.2f}, +{v - u:7.1f} us) {verdict}")
-    return rec
+        return Row(rec, {})
+    # The floor of any validated call: the unvalidated call, then one host read (it waits for the call's device
+    # work, so back-to-back calls no longer overlap the host's launches with the device's work).
+    probe = torch.zeros(1, device=su.dev)
+    floor = "unvalidated_then_one_read"
+    return Row(rec, {"unvalidated": fns[False], "validated": fns[True], floor: lambda: (fns[False](), probe.item())})
 
 
-def row_unvalidated_only(name: str, shape: dict, fn: Callable[[], object], why: str, su: Setup) -> dict:
+def row_unvalidated_only(name: str, shape: dict, fn: Callable[[], object], why: str, su: Setup) -> Row:
     """A wrapper with no ``validate=`` (no validated form): its one call is timed, and the row says why."""
     rec: dict[str, Any] = {"wrapper": name, **shape, "no_validated_form": why}
     try:
         fn()
         sync(su.dev)
-        rec["unvalidated"] = eager_us(fn, su)
     except Exception as e:  # noqa: BLE001 - recorded, not fatal
         rec["failed"] = f"{type(e).__name__}: {e}"
         _print(name, shape, f"FAILED: {rec['failed']}")
-        return rec
-    _print(name, shape, f"unvalidated {rec['unvalidated']['median_us']:9.1f} us  no validated form")
-    return rec
+        return Row(rec, {})
+    return Row(rec, {"unvalidated": fn})
+
+
+def measure_rows(rows: list[Row], su: Setup) -> None:
+    """Time every call of every row in one loop (the module docstring says why) and write each row's times,
+    paired extra and verdict into its record. A call that raises while timed fails its row, not the run."""
+    live = [r for r in rows if r.calls]
+    for r in live:
+        try:
+            _warm(list(r.calls.values()), su)
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+            r.rec["failed"] = f"{type(e).__name__}: {e}"
+            r.calls = {}
+    live = [r for r in live if r.calls]
+    times: dict[int, dict[str, list[float]]] = {id(r): {k: [] for k in r.calls} for r in live}
+    for rep in range(su.reps):
+        for r in _rotated(live, rep):
+            if not r.calls:
+                continue
+            try:
+                for name in _rotated(list(r.calls), rep):
+                    times[id(r)][name].append(_time_n(r.calls[name], su))
+            except Exception as e:  # noqa: BLE001 - recorded, not fatal
+                r.rec["failed"] = f"{type(e).__name__}: {e}"
+                r.calls = {}
+    for r in live:
+        if r.calls:
+            _verdict(r.rec, times[id(r)], su)
+
+
+def _verdict(rec: dict[str, Any], times: dict[str, list[float]], su: Setup) -> None:
+    name = rec["wrapper"]
+    shape = {k: v for k, v in rec.items() if k not in ("wrapper", "no_validated_form", "validated_call_ok")}
+    rec.update({k: _stats(v) for k, v in times.items()})
+    if "validated" not in times:
+        _print(name, shape, f"unvalidated {rec['unvalidated']['median_us']:9.1f} us  no validated form")
+        return
+    u, v = rec["unvalidated"]["median_us"], rec["validated"]["median_us"]
+    f = rec["unvalidated_then_one_read"]["median_us"]
+    paired = [a - b for a, b in zip(times["validated"], times["unvalidated_then_one_read"], strict=True)]
+    over = _stats(paired)
+    rec["ratio"] = v / u
+    rec["extra_us"] = v - u
+    rec["target_us"] = f + TARGET_SLACK_US
+    rec["ratio_rule_us"] = TARGET_RATIO * u + TARGET_SLACK_US
+    rec["over_read_floor_us"] = over["median_us"]  # paired: what the verdict reads
+    rec["over_read_floor_paired"] = over
+    rec["over_read_floor_of_medians_us"] = v - f
+    verdict = "(smoke: interpreted, no verdict)"
+    if not su.smoke:
+        rec["meets_target"] = over["median_us"] <= TARGET_SLACK_US
+        rec["meets_ratio_rule"] = v <= rec["ratio_rule_us"]
+        rec["ratio_rule_reachable"] = f <= rec["ratio_rule_us"]
+        verdict = "ok" if rec["meets_target"] else "OVER TARGET"
+        verdict += f" (one-read floor {f:7.1f} us, paired {over['median_us']:+.1f} [{over['p20_us']:+.1f}, "
+        verdict += f"{over['p80_us']:+.1f}])"
+    _print(name, shape, f"unvalidated {u:9.1f} us  validated {v:9.1f} us  (x{v / u:4.2f}, +{v - u:7.1f} us) {verdict}")
 
 
 def _gen(su: Setup, seed: int) -> torch.Generator:
@@ -245,7 +301,7 @@ def deinterleave_inputs(T: int, su: Setup, seed: int = 0):  # type: ignore[no-un
     return ids, req, bt
 
 
-def bench_deinterleave(T: int, su: Setup) -> list[dict]:
+def bench_deinterleave(T: int, su: Setup) -> list[Row]:
     from dcp_ref.kernels import deinterleave_triton as dk
 
     K, W, bs = su.K, su.W, su.bs
@@ -277,7 +333,7 @@ def bench_deinterleave(T: int, su: Setup) -> list[dict]:
 
 
 # ---- merge ----------------------------------------------------------------------------------------------
-def bench_lse(T: int, su: Setup) -> list[dict]:
+def bench_lse(T: int, su: Setup) -> list[Row]:
     from dcp_ref.kernels.lse_merge_triton import lse_correct, lse_merge
 
     W, H, D = su.W, su.H, su.D
@@ -299,7 +355,7 @@ def bench_lse(T: int, su: Setup) -> list[dict]:
 
 
 # ---- pack / indexer --------------------------------------------------------------------------------------
-def bench_pack_indexer(T: int, su: Setup) -> list[dict]:
+def bench_pack_indexer(T: int, su: Setup) -> list[Row]:
     W, K, cols = su.W, su.K, su.local
     g = _gen(su, 2)
     logits = torch.randn(T, cols, device=su.dev, generator=g)
@@ -327,7 +383,7 @@ def bench_pack_indexer(T: int, su: Setup) -> list[dict]:
 
 
 # ---- FP8 index scoring -----------------------------------------------------------------------------------
-def bench_scoring(T: int, su: Setup) -> list[dict]:
+def bench_scoring(T: int, su: Setup) -> list[Row]:
     import _scoring_inputs as si  # this folder is on sys.path
 
     L = su.local
@@ -357,7 +413,7 @@ def attention_inputs(T: int, su: Setup, seed: int = 3) -> tuple[torch.Tensor, to
     return q, kv, slots, counts
 
 
-def bench_attention(T: int, su: Setup) -> list[dict]:
+def bench_attention(T: int, su: Setup) -> list[Row]:
     H, K, S = su.H, su.K, su.S
     q, kv, slots, counts = attention_inputs(T, su)
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=su.dev)
@@ -414,7 +470,7 @@ GUARD_NO_VALIDATED_FORM = (
 )
 
 
-def bench_guard(T: int, su: Setup) -> list[dict]:
+def bench_guard(T: int, su: Setup) -> list[Row]:
     from dcp_ref.kernels.guard_triton import guard_triton
 
     H, V, W, bs = su.H, 512, su.W, su.bs
@@ -470,7 +526,7 @@ def select_unsupported(dev: torch.device) -> str:
     return ""
 
 
-def bench_select(T: int, su: Setup) -> list[dict]:
+def bench_select(T: int, su: Setup) -> list[Row]:
     why = select_unsupported(su.dev)
     x = select_inputs(T, su)
     k = su.K
@@ -524,17 +580,21 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit("bench_validation.py needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1 on the CPU)")
         su = full_setup(args.quick)
     t_list = [int(x) for x in (args.T or ("1,2" if su.smoke else "1,32")).split(",")]
-    rows: list[dict] = []
+    built: list[Row] = []
     for T in t_list:
         for bench in BENCHES:
-            rows += bench(T, su)
+            built += bench(T, su)
+    measure_rows(built, su)
+    rows = [r.rec for r in built]
     timed = [r for r in rows if "meets_target" in r]
     result = {
         "versions": {**_meta.device(), **_meta.versions(), "date_utc": _meta.now_utc()},
         "smoke": su.smoke,
         "target": f"validated <= its one-read floor + {TARGET_SLACK_US} us (eager call)",
-        "method": f"eager wall time of {su.n} back-to-back calls / {su.n}, median of {su.reps} repetitions; the "
-        "unvalidated call, the validated call and the floor take turns each repetition (interleaved)",
+        "method": f"eager wall time of {su.n} back-to-back calls / {su.n}, median of {su.reps} repetitions; every "
+        "row's calls (unvalidated, validated, floor) timed in one loop, rows and calls in an order rotating by one "
+        "per repetition; the verdict reads the paired extra: median over repetitions of validated - floor of the "
+        "same repetition",
         "all_meet_target": bool(timed) and all(r["meets_target"] for r in timed),
         "floor": "unvalidated_then_one_read: the unvalidated call followed by one host read of a device scalar, "
         "timed the same way: what any validated call costs at least (its one read waits for the call's device "
