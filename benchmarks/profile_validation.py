@@ -78,14 +78,15 @@ def device_kernels(fn: Callable[[], object], calls: int = 20) -> dict[str, dict[
     return {name: {"calls": len(v), "mean_us": statistics.mean(v)} for name, v in kern.items()}
 
 
-def all_rows(n: int, reps: int) -> list[dict]:
-    """Every ``bench_validation`` row that runs here: interleaved times and the host functions that grow most."""
+def all_rows(n: int, reps: int, only: str = "") -> list[dict]:
+    """Every ``bench_validation`` row that runs here (``only``: those whose wrapper name contains it):
+    interleaved times and the host functions that grow most."""
     import bench_validation as bv
 
     captured: list[tuple[str, dict, Callable[[bool], Callable[[], object]]]] = []
 
     def capture(name, shape, make, su, *, unsupported=""):  # type: ignore[no-untyped-def]
-        if not unsupported:
+        if not unsupported and only in name:
             captured.append((name, shape, make))
         return {}
 
@@ -123,16 +124,19 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--all", action="store_true", help="also every bench_validation row (interleaved, host growth)")
+    ap.add_argument("--only", default="", help="only the bench_validation rows whose wrapper name contains this "
+                    "(implies --all; the select-to-slots phases are skipped)")  # fmt: skip
     args = ap.parse_args()
-    from dcp_ref.kernels import select_to_slots_cutedsl as s2s
-    from dcp_ref.select_to_slots import check_select_to_slots_inputs
+    if not args.only:
+        from dcp_ref.kernels import select_to_slots_cutedsl as s2s
+        from dcp_ref.select_to_slots import check_select_to_slots_inputs
 
     su = full_setup(False)
     geo = DcpGeometry(su.W, 0, 1, su.bs)
     k = su.K
     report: dict = {"versions": {**_meta.device(), **_meta.versions(), "date_utc": _meta.now_utc()}, "rows": []}
     text = io.StringIO()
-    for T in (1, 32):
+    for T in () if args.only else (1, 32):
         x = select_inputs(T, su)
         out_s = torch.empty(T, k, dtype=torch.int32, device=su.dev)
         out_n = torch.empty(T, dtype=torch.int32, device=su.dev)
@@ -199,8 +203,8 @@ def main() -> int:
             print(json.dumps(device, indent=1), file=text)
             print(s.getvalue()[:6000], file=text)
             print(f"T={T} {order}: " + ", ".join(f"{a} {b:.1f}" for a, b in phases.items()), flush=True)
-    if args.all:
-        report["all_rows"] = all_rows(args.n, args.reps)
+    if args.all or args.only:
+        report["all_rows"] = all_rows(args.n, args.reps, args.only)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile_validation.json").write_text(json.dumps(report, indent=1) + "\n")

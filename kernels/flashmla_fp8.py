@@ -245,27 +245,47 @@ def prepare_indices(
     check_no_alias(row_state, "row_state", slots=slots, counts=counts, out=out)
     if T == 0:
         return out, row_state
-    block = min(1024, next_pow2(k_pad))
     chk = check_flag(dev) if validate else None  # CHECK=False compiles the check out
+    _launch_prepare(slots, counts, num_slots, out, row_state, chk)
+    if chk is not None and not defer_read:
+        read_check(slots, counts, num_slots, chk)
+    return out, row_state
+
+
+def _launch_prepare(
+    slots: torch.Tensor,
+    counts: torch.Tensor | None,
+    num_slots: int,
+    out: torch.Tensor,
+    row_state: torch.Tensor,
+    chk: torch.Tensor | None,
+) -> None:
+    """:func:`prepare_indices`' one launch on arguments already checked (``T >= 1``; ``out`` / ``row_state`` its
+    contiguous buffers; ``chk``: the check flag, or ``None`` to compile the check out). The FP8 stage calls it
+    directly on its planned buffers: the wrapper's argument checks would only repeat the stage's own."""
+    T, K = slots.shape
+    k_pad = out.shape[-1]
     prepare_indices_kernel[(T,)](
         slots, counts if counts is not None else slots, out, row_state,
         K, k_pad, num_slots,
         slots.stride(0), slots.stride(1),
-        HAS_COUNTS=counts is not None, BLOCK=block,
+        HAS_COUNTS=counts is not None, BLOCK=min(1024, next_pow2(k_pad)),
         chk_ptr=chk, CHECK=chk is not None,
     )  # fmt: skip
-    if chk is not None and not defer_read:
-        read_check(slots, counts, num_slots)
-    return out, row_state
 
 
-def read_check(slots: torch.Tensor, counts: torch.Tensor | None, num_slots: int) -> None:
+def read_check(
+    slots: torch.Tensor, counts: torch.Tensor | None, num_slots: int, chk: torch.Tensor | None = None
+) -> None:
     """The one host read of a validated :func:`prepare_indices` (``slots`` / ``counts`` / ``num_slots`` as given
-    to it): when its kernel raised the flag for a row the reference refuses (a slot that may not be read, a count
+    to it; ``chk``: the flag it raised, :func:`~dcp_ref.kernels._util.check_flag` of ``slots``' device when not
+    given): when its kernel raised the flag for a row the reference refuses (a slot that may not be read, a count
     outside ``[0, K]``), the flag is cleared for the next call and the reference's checker names the culprit."""
     layout = "masked" if counts is None else "compact"
     raise_if_flagged(
-        check_flag(slots.device), lambda: check_fp8_slots(slots, counts, num_slots, layout), "prepare_indices"
+        check_flag(slots.device) if chk is None else chk,
+        lambda: check_fp8_slots(slots, counts, num_slots, layout),
+        "prepare_indices",
     )
 
 
@@ -490,7 +510,10 @@ class FlashMLAFp8Decode:
         # validate: the value checks run in this launch; its flag is read once, after FlashMLA's kernel is
         # launched (the indices never let it read an unreadable slot), so the host does not wait in between.
         # On a refused call the outputs then hold the validate=False answer (NaN rows), as the other stages.
-        prepare_indices(slots, counts, num_slots, out=idx, row_state=row_state, validate=validate, defer_read=True)
+        # Every argument is checked above and idx / row_state are this plan's own buffers, so the launch is
+        # made directly (prepare_indices would repeat the checks: host time on every call of the hot path).
+        chk = check_flag(self.device) if validate else None
+        _launch_prepare(slots, counts, num_slots, idx, row_state, chk)
         try:
             o_raw, lse_raw = self._fm.flash_mla_with_kvcache(
                 q.unsqueeze(1),
@@ -509,11 +532,11 @@ class FlashMLAFp8Decode:
                 o_raw.reshape(T, H, _V_DIM), lse_raw.reshape(T, H), row_state, out=out, out_lse=out_lse
             )
         except BaseException:
-            if validate:
-                check_flag(slots.device).zero_()  # a call that stops before its read leaves the shared flag clear
+            if chk is not None:
+                chk.zero_()  # a call that stops before its read leaves the shared flag clear
             raise
-        if validate:
-            read_check(slots, counts, num_slots)
+        if chk is not None:
+            read_check(slots, counts, num_slots, chk)
         return res
 
     __call__ = attention
