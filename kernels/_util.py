@@ -101,19 +101,25 @@ def per_thread(store: threading.local, key: Any, make: Callable[[], Any]) -> Any
     return cache[key]
 
 
-_CHECK_FLAGS: dict[tuple[int, Any, int], torch.Tensor] = {}
+_CHECK_FLAGS: dict[tuple[int, object, int], torch.Tensor] = {}
 
 
 def raw_stream(dev: torch.device) -> int:
     """The current CUDA stream of ``dev`` as its raw handle (``cudaStream_t``; 0 off CUDA). One C call, as
     Triton's launcher asks it: ``torch.cuda.current_stream(dev).cuda_stream`` builds a ``Stream`` object and
     costs several µs of host time per call on the H200's host, which every validated call paid."""
+    return _stream_key(dev)[1]
+
+
+def _stream_key(dev: torch.device) -> tuple[object, int]:
+    """``(device, raw stream)`` of ``dev``'s current stream: the device as its CUDA index (the current one when
+    ``dev`` names none: the legacy default stream is handle 0 on every device), or ``dev`` itself off CUDA."""
     if dev.type != "cuda":
-        return 0
-    import torch
+        return dev, 0
+    import torch  # already imported: a dict lookup (this file imports no torch at load)
 
     index = dev.index if dev.index is not None else torch._C._cuda_getDevice()
-    return int(torch._C._cuda_getCurrentRawStream(index))
+    return index, int(torch._C._cuda_getCurrentRawStream(index))
 
 
 def check_flag(dev: torch.device) -> torch.Tensor:
@@ -122,13 +128,15 @@ def check_flag(dev: torch.device) -> torch.Tensor:
 
     Shared by the wrappers that check inside their kernel (the pack, the indexer, the deinterleave, the scoring,
     the attentions, select-to-slots' check): each reads it once with :func:`raise_if_flagged`, which clears a
-    raised flag before raising, so calls on one stream never see each other's flag.
+    raised flag before raising, so calls on one stream never see each other's flag. Every validated call asks
+    for it, so its lookup is one C call for the stream and one dict probe with a key of plain values.
     """
-    import torch
-
-    key = (threading.get_ident(), dev, raw_stream(dev))
+    where, stream = _stream_key(dev)
+    key = (threading.get_ident(), where, stream)
     flag = _CHECK_FLAGS.get(key)
     if flag is None:
+        import torch
+
         flag = _CHECK_FLAGS[key] = torch.zeros(1, dtype=torch.int64, device=dev)
     return flag
 
