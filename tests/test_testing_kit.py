@@ -450,12 +450,77 @@ def test_check_step_runs_the_layer_options() -> None:
     from dcp_ref.testing.checks import STEP_OPTIONS
 
     assert {"exchange": "owner"} in STEP_OPTIONS and {"q_replicate": False} in STEP_OPTIONS
+    assert {"layout": "tp"} in STEP_OPTIONS and {"scoring": "fp8"} in STEP_OPTIONS
+    assert {"exchange": "owner", "order": "rank_local"} in STEP_OPTIONS
     check_step(REFERENCE_STAGES, options="all", world_sizes=(1, 2, 3), max_examples=10)
     for broken in (REFERENCE_STAGES.with_(select_to_slots=_in_a_step(mut_s2s_dropping_the_last_winner)),
                    REFERENCE_STAGES.with_(combine=mut_combine_ignoring_the_last_rank)):  # fmt: skip
         check_step(broken, world_sizes=(2, 3), max_examples=10)  # the default step never calls it
         with pytest.raises(ConformanceError, match="with the step options"):
             check_step(broken, options="all", world_sizes=(2, 3), max_examples=10, shrink_budget=0)
+
+
+#: Stages wrong only where one option reaches them: rank_local's tie-break reversed (the later rank / position
+#: first), a scoring stage that drops each token's last key or takes |weights| (called only when the layer scores
+#: its index keys). By name: the mutants are defined further down.
+ONE_OPTION_MUTANTS = {
+    "s2s rank_local ties reversed": ({"exchange": "owner", "order": "rank_local"}, "select_to_slots"),
+    "scoring drops the last key": ({"scoring": "fp8"}, "scoring"),
+    "scoring abs weights": ({"scoring": "fp8"}, "scoring"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_OPTION_MUTANTS))
+def test_check_step_flags_a_stage_wrong_only_under_one_option(name: str) -> None:
+    """A stage the default step never calls wrongly passes the default check and is flagged under its option:
+    the rank_local order (the oracle breaks ties by rank, then local index) and the layer scoring FP8 index keys
+    (the problem gains index keys whose float32 scores are exact)."""
+    from dcp_ref.stages import REFERENCE_STAGES
+
+    option, stage = ONE_OPTION_MUTANTS[name]
+    fn = _in_a_step(mut_s2s_ties_to_higher_id) if stage == "select_to_slots" else _scoring_mutant(name[8:])
+    stages = REFERENCE_STAGES.with_(**{stage: fn})
+    check_step(stages, world_sizes=(2, 3), max_examples=15)
+    with pytest.raises(ConformanceError, match="with the step options"):
+        check_step(stages, options=[option], world_sizes=(2, 3), max_examples=30, shrink_budget=0)
+
+
+def test_step_option_problems_hold_the_same_decode() -> None:
+    """The tp problem (one rank, the whole context) and the problem with index keys are the same decode: the
+    oracle reads the same answer from the unsharded tensors; the index keys' scores are the oracle's own float64
+    scores (exact in float32), and the tp layout runs without a merge or a combine on every rank."""
+    from dcp_ref.stages import REFERENCE_STAGES
+    from dcp_ref.testing import oracle
+    from dcp_ref.testing.checks import run_step_problem
+    from dcp_ref.testing.strategies import make_step_problem, unsharded, with_index_keys
+
+    rows = [[0.5, 1.0, 0.0, 1.0, 0.5, 1.0, 0.0][:n] for n in (6, 7, 3)]
+    p = make_step_problem(3, 2, 2, [7, 3], [2, 1], rows, num_heads=6, head_dim=4, topk=3, seed=1)
+
+    def decode(x, **kw):  # type: ignore[no-untyped-def]
+        return oracle.decode(x.q, x.kv_caches, x.block_tables, x.index_scores, x.seq_lens, x.next_n, x.topk,
+                             x.sm_scale, block_size=x.block_size, interleave=x.interleave, v_dim=x.v_dim,
+                             **kw)  # fmt: skip
+
+    ref, one = decode(p), decode(unsharded(p))
+    assert torch.equal(ref.ids, one.ids) and torch.equal(ref.out, one.out)
+    scored = with_index_keys(p, index_heads=3, seed=2)
+    assert scored.index_q.dtype == torch.float8_e4m3fn and len(scored.index_caches) == 3
+    sref = decode(scored)
+    assert torch.equal(decode(unsharded(scored)).ids, sref.ids)
+    traces: list[dict] = [{} for _ in range(3)]
+    out, _ = run_step_problem(p, REFERENCE_STAGES, traces=traces, options={"layout": "tp"})
+    torch.testing.assert_close(out.double(), ref.out, rtol=1e-5, atol=1e-5)
+    assert all("merge" not in t["impl"] and "combine" not in t["impl"] for t in traces)
+    out, _ = run_step_problem(scored, REFERENCE_STAGES, traces=traces, options={"scoring": "fp8"})
+    torch.testing.assert_close(out.double(), sref.out, rtol=1e-5, atol=1e-5)
+    assert all(next(iter(t["impl"])) == "scoring" for t in traces)
+    # a tie at the threshold between position 1 (rank 1, local 0) and position 2 (rank 0, local 1): global_id
+    # takes the lower position, rank_local the lower rank
+    tie = make_step_problem(2, 1, 2, [4], 1, [[0.0, 1.0, 1.0, 0.0]], num_heads=2, head_dim=2, topk=1)
+    assert decode(tie).ids.tolist() == [[1]] and decode(tie, order="rank_local").ids.tolist() == [[2]]
+    with pytest.raises(ValueError, match="order must be"):
+        decode(tie, order="rank")
 
 
 def test_triton_guard_conforms(interp: torch.device) -> None:
@@ -476,6 +541,8 @@ def test_kernel_stages_conform_on_the_cpu(interp: torch.device) -> None:
     check_deinterleave(ks.deinterleave, device=interp, max_examples=FAST)
     check_merge(ks.merge, device=interp, max_examples=FAST)
     check_step(ks, device=interp, world_sizes=(1, 2, 3), max_examples=8)
+    # and under every layer option: both orders, tp, the layer scoring its FP8 index keys (the Triton scoring)
+    check_step(ks, device=interp, options="all", world_sizes=(1, 2, 3), max_examples=8)
 
 
 # ---- the GPU kernels (the H200) -----------------------------------------------------------------------
@@ -636,6 +703,18 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
             topk=64,
             max_examples=10,
         )
+
+
+@pytest.mark.gpu
+def test_kernel_step_options_on_gpu(cuda_device: torch.device) -> None:
+    """The "kernels" Stages stepped under every layer option (:data:`~dcp_ref.testing.checks.STEP_OPTIONS`: both
+    exchanges and orders, both combines, the query gathered, tp, the layer scoring FP8 index keys with the Triton
+    scoring kernel) at DeepSeek's head geometry on 2 ranks, on the H200."""
+    from dcp_ref.kernels.stages import kernel_stages
+
+    ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
+    check_step(ks, device=cuda_device, dtype=torch.bfloat16, world_sizes=(2,), head_dim=576, v_dim=512,
+               heads_per_rank=64, topk=64, options="all", max_examples=4)  # fmt: skip
 
 
 # ---- seeded bugs are caught, with a small reproducer that reproduces ------------------------------------

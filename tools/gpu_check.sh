@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 
 # ---- which call runs what (edit here when a test file or kernel family is added) ----------------------------------
 # One lane = one shell running its units one after another; a call runs its lanes at once (balanced by the times
-# measured on the H200, 2026-12-01). A unit is a test file, or FILE@PART for a part of one (kexpr below): the two
+# measured on the H200, 2026-12-01). A unit is a test file, or FILE@PART for a part of one (kexpr below): the
 # parts of a file are complements, so the file runs whole.
 CUTE_LANES=(
   "tests/test_topk.py@10k"
@@ -37,7 +37,7 @@ CUTE_LANES=(
   "tests/test_deinterleave.py tests/test_bad_inputs_guard.py tests/test_bad_inputs_select_to_slots.py"
 )
 FI_LANES=(
-  "tests/test_testing_kit.py@select"
+  "tests/test_testing_kit.py@select tests/test_testing_kit.py@options"
   "tests/test_testing_kit.py@rest"
   "tests/test_bad_inputs.py tests/test_attention_splitkv.py tests/test_step.py tests/test_step_fp8.py
    tests/test_pipeline.py tests/test_attention.py tests/test_fp8_cache.py tests/test_flashmla_sparse.py"
@@ -46,7 +46,11 @@ kexpr() {  # the -k expression of a part
   case "$1" in
     10k) echo "differential_10k" ;;
     select) echo "cutedsl_select" ;;
-    rest) case "$2" in *test_topk.py) echo "not differential_10k" ;; *) echo "not cutedsl_select" ;; esac ;;
+    options) echo "step_options_on_gpu" ;;
+    rest) case "$2" in
+            *test_topk.py) echo "not differential_10k" ;;
+            *) echo "not cutedsl_select and not step_options_on_gpu" ;;
+          esac ;;
     *) echo "gpu_check.sh: unknown part @$1" >&2; return 1 ;;
   esac
 }

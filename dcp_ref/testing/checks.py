@@ -1337,16 +1337,36 @@ def _as_stages(impl: Any) -> Any:
 
 #: The layer options :func:`check_step` runs a ``Stages`` value under (``options="all"``): each a
 #: :class:`~dcp_ref.stages.StepSpec` choice whose answer is the oracle's exactly — the exchange through select +
-#: deinterleave or the owner-local select-to-slots (global-id order: ``rank_local`` breaks threshold ties by rank
-#: and is checked by the stage check instead), the combine by reduce-scatter or one all-to-all, the query
-#: replicated or gathered over heads.
+#: deinterleave or the owner-local select-to-slots, in either total order (``rank_local`` breaks score ties by
+#: rank and local index: the oracle's ``order=``), the combine by reduce-scatter or one all-to-all, the query
+#: replicated or gathered over heads, the tensor-parallel layout (every rank the whole context, its ``H/W``
+#: heads: :func:`~dcp_ref.testing.strategies.unsharded`), and the layer scoring FP8 index keys itself
+#: (``"scoring": "fp8"``: the problem gains index keys whose float32 scores are exact,
+#: :func:`~dcp_ref.testing.strategies.with_index_keys`, and the step is planned with a
+#: :class:`~dcp_ref.stages.ScoringSpec`).
 STEP_OPTIONS: tuple[dict[str, Any], ...] = (
     {},
     {"exchange": "owner"},
+    {"exchange": "owner", "order": "rank_local"},
     {"combine": "alltoall"},
     {"q_replicate": False},
     {"exchange": "owner", "combine": "alltoall", "q_replicate": False},
+    {"layout": "tp"},
+    {"scoring": "fp8"},
+    {"scoring": "fp8", "exchange": "owner", "order": "rank_local", "combine": "alltoall", "q_replicate": False},
 )
+#: Index heads of the problems ``{"scoring": "fp8"}`` adds index keys to.
+STEP_INDEX_HEADS = 2
+
+
+def _step_problem_for(problem: S.StepProblem, options: dict[str, Any]) -> S.StepProblem:
+    """The problem an option run answers: with index keys when the step scores them (``"scoring": "fp8"``),
+    the one the oracle then reads the exact scores of."""
+    if options.get("scoring") is None:
+        return problem
+    if options["scoring"] != "fp8":
+        raise ValueError(f"the step option scoring must be 'fp8' (score FP8 index keys), got {options['scoring']!r}")
+    return problem if problem.index_caches is not None else S.with_index_keys(problem, index_heads=STEP_INDEX_HEADS)
 
 
 def run_step_problem(
@@ -1361,38 +1381,57 @@ def run_step_problem(
 
     ``impl``: a :class:`~dcp_ref.stages.Stages` (or a dict ``{stage: callable}`` over the reference),
     run through :func:`dcp_ref.pipeline.dcp_decode_step` — or, with ``options`` (:class:`~dcp_ref.stages.StepSpec`
-    fields: ``exchange``, ``combine``, ``q_replicate``, ...), planned with them and run (the query sliced to the
-    rank's heads when the spec gathers it); or a whole step with :func:`~dcp_ref.pipeline.dcp_decode_step`'s
-    signature ``fn(group, q, shard, seq_lens, next_n, topk, sm_scale, v_dim=...)``. Returns ``(out [T, H, v],
-    lse [T, H])`` on the CPU, heads in order.
+    fields: ``layout``, ``exchange``, ``order``, ``combine``, ``q_replicate``, and ``"scoring": "fp8"`` for a
+    problem with index keys, :func:`~dcp_ref.testing.strategies.with_index_keys`), planned with them and run (the
+    query sliced to the rank's heads when the spec gathers it; ``layout="tp"``: every rank holds the
+    :func:`~dcp_ref.testing.strategies.unsharded` problem); or a whole step with
+    :func:`~dcp_ref.pipeline.dcp_decode_step`'s signature ``fn(group, q, shard, seq_lens, next_n, topk, sm_scale,
+    v_dim=...)``. Returns ``(out [T, H, v], lse [T, H])`` on the CPU, heads in order.
     """
     from ..group import SimulatedWorld
     from ..pipeline import RankShard, dcp_decode_step
-    from ..stages import StepSpec
+    from ..stages import ScoringSpec, StepSpec
     from ..step import PlannedStep, decode_metadata
 
     dev = torch.device(device)
     p = problem
     W = p.world_size
     stages = _as_stages(impl)
+    opts = dict(options or {})
+    scoring = opts.pop("scoring", None)
+    if scoring is not None and (scoring != "fp8" or p.index_caches is None):
+        raise ValueError("the step option scoring='fp8' needs a problem with index keys (strategies.with_index_keys)")
+    held = S.unsharded(p) if opts.get("layout") == "tp" else p  # tp: every rank holds the whole context
     q = p.q.to(dev)
     seq_lens = p.seq_lens.to(dev)
     next_n = p.next_n.to(dev) if isinstance(p.next_n, torch.Tensor) else p.next_n
-    shards = [
-        RankShard(p.kv_caches[r].to(dev), p.block_tables[r].to(dev), p.index_scores[r].to(dev), p.geometry(r))
-        for r in range(W)
-    ]
+
+    def shard_of(r: int) -> RankShard:
+        c = r if held is p else 0
+        index = held.index_caches[c].to(dev) if scoring and held.index_caches is not None else None
+        return RankShard(held.kv_caches[c].to(dev), held.block_tables[c].to(dev),
+                         None if scoring else held.index_scores[c].to(dev), held.geometry(c), index)  # fmt: skip
+
+    shards = [shard_of(r) for r in range(W)]
     trs = traces if traces is not None else [None] * W
+    extra: dict[str, Any] = {}  # the spec's scoring, and the layer inputs a run then takes
+    inputs: dict[str, torch.Tensor] = {}
+    if scoring and p.index_q is not None and p.index_weights is not None:
+        bounds = [decode_metadata(p.seq_lens, p.next_n, held.geometry(r)).local_bounds for r in range(held.world_size)]
+        max_keys = max([1] + [int(b.max()) for b in bounds if b.numel()])
+        extra["scoring"] = ScoringSpec(max_keys, index_heads=int(p.index_weights.shape[1]))
+        inputs = {"index_q": p.index_q.to(dev), "index_weights": p.index_weights.to(dev)}
 
     def one(group: Any, shard: Any, trace: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if stages is not None and options:
+        if stages is not None and (opts or scoring):
             T, H, D = q.shape
-            spec = StepSpec(shard.geometry, max_tokens=max(T, 1), topk=p.topk, num_heads=H, head_dim=D, v_dim=p.v_dim,
-                            sm_scale=p.sm_scale, dtype=q.dtype, device=q.device, **options)  # fmt: skip
+            meta = decode_metadata(seq_lens, next_n, shard.geometry, device=q.device)
+            spec = StepSpec(p.geometry(group.rank), max_tokens=max(T, 1), topk=p.topk, num_heads=H, head_dim=D,
+                            v_dim=p.v_dim, sm_scale=p.sm_scale, dtype=q.dtype, device=q.device, **opts,
+                            **extra)  # fmt: skip
             hs = spec.heads_per_rank
             qr = q if spec.query_heads == H else q[:, group.rank * hs : (group.rank + 1) * hs].contiguous()
-            meta = decode_metadata(seq_lens, next_n, shard.geometry, device=q.device)
-            o, l = PlannedStep(group, spec, stages).run(qr, shard, meta, trace=trace)
+            o, l = PlannedStep(group, spec, stages).run(qr, shard, meta, trace=trace, **inputs)
         elif stages is not None:
             o, l = dcp_decode_step(
                 group, q, shard, seq_lens, next_n, p.topk, p.sm_scale, v_dim=p.v_dim, stages=stages, trace=trace
@@ -1434,8 +1473,10 @@ def check_step(
         head_dim, v_dim, heads_per_rank: fix the head geometry (``H = heads_per_rank * W``).
         topk: fix the top-k (``None``: drawn from 1 to past the longest request).
         options: with a ``Stages`` value, the layer options each case is also planned and run under
-            (:class:`~dcp_ref.stages.StepSpec` fields): ``"all"`` for :data:`STEP_OPTIONS` (both exchanges,
-            both combines, the query replicated or gathered), or a list of dicts; ``None``: the default step.
+            (:class:`~dcp_ref.stages.StepSpec` fields, and ``"scoring": "fp8"`` for the layer scoring FP8 index
+            keys): ``"all"`` for :data:`STEP_OPTIONS` (both exchanges, both orders, both combines, the query
+            replicated or gathered, the tp layout, the layer scoring), or a list of dicts; ``None``: the default
+            step. Under ``order="rank_local"`` the oracle breaks score ties by rank, then local index.
     The output of every head must match the oracle (the LSE too, base e; a token whose scores are all
     NaN selects nothing: output 0, LSE ``-inf``). With a ``Stages`` value, ``trace["impl"]`` must name
     your implementations (``Stages.impls()``).
@@ -1475,7 +1516,7 @@ def check_step(
                 raise
 
     def evaluate_one(case: Case, opts: dict[str, Any]) -> None:
-        p: S.StepProblem = case.values["problem"]
+        p: S.StepProblem = _step_problem_for(case.values["problem"], opts)
         traces: list[dict] = [{} for _ in range(p.world_size)]
         try:
             out, lse = run_step_problem(p, impl, dev, traces, options=opts)
@@ -1495,6 +1536,7 @@ def check_step(
             block_size=p.block_size,
             interleave=p.interleave,
             v_dim=p.v_dim,
+            order=opts.get("order", "global_id"),
         )
         T, H = p.q.shape[:2]
         if tuple(out.shape) != (T, H, p.v_dim) or tuple(lse.shape) != (T, H):

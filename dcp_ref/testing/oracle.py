@@ -618,6 +618,7 @@ def decode(
     block_size: int,
     interleave: int = 1,
     v_dim: int | None = None,
+    order: str = "global_id",
 ) -> DecodeResult:
     """The whole DCP sparse-MLA decode step, from each rank's own tensors, without any sharded math.
 
@@ -637,11 +638,16 @@ def decode(
         next_n: query tokens per request: one int, or one per request.
         topk: global top-k.  sm_scale: softmax scale.  block_size: tokens per block.
         interleave: ``I``.  v_dim: value width (default ``D``).
+        order: the total order's tie-break: ``"global_id"`` (equal scores: the lower position first) or
+            ``"rank_local"`` (the owner-local exchange that sends no ids: the lower owner rank, then the lower
+            local index — :mod:`dcp_ref.select_to_slots`). Both orders pick the same keys off the ties.
     Returns:
         :class:`DecodeResult` (float64 output of *all* heads, base-e LSE, chosen ids).
     Raises:
         ValueError: a visible key with no block on its rank, or index scores too narrow for it.
     """
+    if order not in ("global_id", "rank_local"):
+        raise ValueError(f"order must be 'global_id' or 'rank_local', got {order!r}")
     W = len(kv_caches)
     if W < 1 or len(block_tables) != W or len(index_scores) != W:
         raise ValueError(
@@ -679,13 +685,15 @@ def decode(
             slot = int(bts[r][b, loc // bs]) * bs + loc % bs
             if slot >= kvs[r].shape[0]:
                 raise ValueError(f"position {p} of request {b} maps to slot {slot} outside kv_caches[{r}]")
-            cands.append((float(scs[r][t, loc]), p))
-            where[p] = (r, slot)
-        chosen = _top(cands, topk)
+            # the tie-break id: the position, or (rank, local index) as one integer (local < n <= 2**40)
+            cands.append((float(scs[r][t, loc]), p if order == "global_id" else (r << 40) + loc))
+            where[cands[-1][1]] = (r, slot, p)
+        chosen = [where[i][2] for i in _top(cands, topk)]
         rows.append(chosen)
         if not chosen:
             continue
-        keys = torch.stack([kvs[where[p][0]][where[p][1]] for p in chosen])  # [n, D]
+        at = {pos: (r, slot) for r, slot, pos in where.values()}
+        keys = torch.stack([kvs[at[p][0]][at[p][1]] for p in chosen])  # [n, D]
         s = (qq[t] @ keys.T) * float(sm_scale)
         lse[t] = torch.logsumexp(s, dim=-1)
         out[t] = torch.softmax(s, dim=-1) @ keys[:, :v]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,6 +58,8 @@ __all__ = [
     "step_cases",
     "StepProblem",
     "make_step_problem",
+    "with_index_keys",
+    "unsharded",
     "adversarial_select_cases",
     "adversarial_local_topk_cases",
     "adversarial_indexer_cases",
@@ -1124,6 +1126,10 @@ class StepProblem:
         kv_caches, block_tables, index_scores: one tensor per rank (paged KV ``[S_r, D]``, int32
             ``[B, M_r]``, float32 ``[T, L_r]`` with NaN past each token's local bound).
         world_size, interleave, block_size, topk, sm_scale, v_dim: the step's parameters.
+        index_q, index_weights, index_keys, index_caches: the lightning indexer's inputs when the problem
+            has them (:func:`with_index_keys`; ``None`` otherwise): float8_e4m3fn ``[T, Hi, 128]``, float32
+            ``[T, Hi]``, per request float32 ``[L_b, 128]``, per rank the FP8 index-key cache paged with
+            ``block_tables[r]``; ``index_scores`` are then their exact scores.
     """
 
     q: torch.Tensor
@@ -1138,6 +1144,10 @@ class StepProblem:
     topk: int
     sm_scale: float
     v_dim: int
+    index_q: torch.Tensor | None = None
+    index_weights: torch.Tensor | None = None
+    index_keys: list[torch.Tensor] | None = None
+    index_caches: list[torch.Tensor] | None = None
 
     def geometry(self, rank: int) -> DcpGeometry:
         return DcpGeometry(self.world_size, rank, self.interleave, self.block_size)
@@ -1230,6 +1240,81 @@ def make_step_problem(
         float(sm_scale),
         int(v_dim if v_dim is not None else head_dim),
     )
+
+
+def _owner_local(p: int, W: int, I: int) -> tuple[int, int]:
+    """``(rank, local index)`` of global position ``p`` (the ownership map, written out: the kit's own)."""
+    return (p // I) % W, (p // (W * I)) * I + p % I
+
+
+def with_index_keys(problem: StepProblem, *, index_heads: int = 2, seed: int = 0) -> StepProblem:
+    """The same decode problem with the lightning indexer's inputs, its index scores replaced by theirs.
+
+    Index keys and queries are integers in ``[-2, 2]`` (exact in e4m3, and the cache's per-key power-of-two
+    scale gives them back exactly), weights multiples of 1/16 below 1/4: every score ``sum_h w[h] *
+    relu(q[h] . k)`` is a multiple of 1/16 far below ``2**24`` steps, so a float32 scoring kernel's scores
+    equal these float64 ones bit for bit whatever its summation order, and the selection — with many ties —
+    must match exactly. Each rank's index-key cache shares its KV block table (as the layer's does).
+    """
+    from ..index_cache import build_sharded_index_caches  # the write side builds the input, not the answer
+
+    W, I, bs = problem.world_size, problem.interleave, problem.block_size
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in problem.seq_lens.tolist()]
+    req = problem.req_of_token().tolist()
+    T, dim = len(req), 128
+    keys = [torch.randint(-2, 3, (L, dim), generator=g).to(torch.float32) for L in lens]
+    q = torch.randint(-2, 3, (T, index_heads, dim), generator=g).to(torch.float32)
+    w = torch.randint(0, 4, (T, index_heads), generator=g).to(torch.float32) / 16
+    scores = [torch.full_like(sc, NAN) for sc in problem.index_scores]
+    for t, b in enumerate(req):
+        s = (w[t].double()[:, None] * torch.relu(q[t].double() @ keys[b].double().T)).sum(0)  # [L_b]
+        for pos in range(lens[b]):
+            r, loc = _owner_local(pos, W, I)
+            scores[r][t, loc] = float(s[pos])
+    caches = build_sharded_index_caches(
+        keys, problem.block_tables, problem.geometry(0), [kv.shape[0] // bs for kv in problem.kv_caches]
+    )
+    return replace(
+        problem,
+        index_scores=scores,
+        index_q=q.to(torch.float8_e4m3fn),
+        index_weights=w,
+        index_keys=keys,
+        index_caches=caches,
+    )
+
+
+def unsharded(problem: StepProblem, *, seed: int = 0) -> StepProblem:
+    """The same decode problem held whole by one rank (``W = 1``): what every rank of the tensor-parallel layout
+    holds. The KV rows, index scores (and index keys) of every position are the problem's; the blocks are
+    handed out anew in a shuffled order (one spare), unused cache rows NaN."""
+    from ..index_cache import build_sharded_index_caches
+
+    W, I, bs = problem.world_size, problem.interleave, problem.block_size
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in problem.seq_lens.tolist()]
+    req = problem.req_of_token().tolist()
+    B, T, D = len(lens), len(req), problem.kv_caches[0].shape[-1]
+    nblk = [-(-L // bs) for L in lens]
+    perm = torch.randperm(sum(nblk) + 1, generator=g).tolist()
+    table = torch.full((B, max(max(nblk, default=0), 1)), -1, dtype=torch.int32)
+    kv = torch.full(((sum(nblk) + 1) * bs, D), NAN, dtype=problem.kv_caches[0].dtype)
+    sc = torch.full((T, max(max(lens, default=0), 1)), NAN, dtype=torch.float32)
+    for b, L in enumerate(lens):
+        table[b, : nblk[b]] = torch.tensor([perm.pop() for _ in range(nblk[b])], dtype=torch.int32)
+        for pos in range(L):
+            r, loc = _owner_local(pos, W, I)
+            src = int(problem.block_tables[r][b, loc // bs]) * bs + loc % bs
+            kv[int(table[b, pos // bs]) * bs + pos % bs] = problem.kv_caches[r][src]
+    for t, b in enumerate(req):
+        for pos in range(lens[b]):
+            r, loc = _owner_local(pos, W, I)
+            sc[t, pos] = problem.index_scores[r][t, loc]
+    caches = None
+    if problem.index_keys is not None:
+        caches = build_sharded_index_caches(problem.index_keys, [table], DcpGeometry(1, 0, I, bs), kv.shape[0] // bs)
+    return replace(problem, kv_caches=[kv], block_tables=[table], index_scores=[sc], world_size=1, index_caches=caches)
 
 
 #: Index scores of a step: mostly three levels (ties across ranks decide the winners), else any score.
