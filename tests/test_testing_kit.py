@@ -712,9 +712,19 @@ def test_kernel_step_options_on_gpu(cuda_device: torch.device) -> None:
     scoring kernel) at DeepSeek's head geometry on 2 ranks, on the H200."""
     from dcp_ref.kernels.stages import kernel_stages
 
+    from dcp_ref.group import SimulatedWorld
+    from dcp_ref.stages import StepSpec
+    from dcp_ref.step import PlannedStep
+
     ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
-    check_step(ks, device=cuda_device, dtype=torch.bfloat16, world_sizes=(2,), head_dim=576, v_dim=512,
-               heads_per_rank=64, topk=64, options="all", max_examples=4)  # fmt: skip
+    # As test_kernel_stages_conform_on_gpu: the Stages a step plans for T = 1 and T = 4 (its prepare hook picks
+    # the attention by T; the trace must name the planned one).
+    for T in (1, 4):
+        spec = StepSpec(DcpGeometry(2, 0), max_tokens=T, topk=64, num_heads=128, head_dim=576, v_dim=512,
+                        sm_scale=0.5, dtype=torch.bfloat16, device=cuda_device)  # fmt: skip
+        stages = PlannedStep(SimulatedWorld(2).groups[0], spec, ks).stages
+        check_step(stages, device=cuda_device, dtype=torch.bfloat16, world_sizes=(2,), head_dim=576, v_dim=512,
+                   heads_per_rank=64, topk=64, options="all", max_examples=4)  # fmt: skip
 
 
 # ---- seeded bugs are caught, with a small reproducer that reproduces ------------------------------------
