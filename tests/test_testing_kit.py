@@ -710,9 +710,8 @@ def test_kernel_step_options_on_gpu(cuda_device: torch.device) -> None:
     """The "kernels" Stages stepped under every layer option (:data:`~dcp_ref.testing.checks.STEP_OPTIONS`: both
     exchanges and orders, both combines, the query gathered, tp, the layer scoring FP8 index keys with the Triton
     scoring kernel) at DeepSeek's head geometry on 2 ranks, on the H200."""
-    from dcp_ref.kernels.stages import kernel_stages
-
     from dcp_ref.group import SimulatedWorld
+    from dcp_ref.kernels.stages import kernel_stages
     from dcp_ref.stages import StepSpec
     from dcp_ref.step import PlannedStep
 
