@@ -152,6 +152,7 @@ def check_out(
         raise ValueError(f"{name} must be on device {device}, got {buf.device}")
     if contiguous and not buf.is_contiguous():
         raise ValueError(f"{name} must be contiguous (it is written as one flat buffer)")
+    check_not_self_overlapping(buf, name)
     return buf
 
 
@@ -186,6 +187,19 @@ def check_tensor(
     if device is not None and t.device != torch.device(device):
         raise ValueError(f"{name} must be on device {torch.device(device)}, got {t.device}")
     return t
+
+
+def check_device(device: object, name: str = "device") -> torch.device:
+    """A device argument: a ``torch.device`` or a string naming one (``TypeError`` / ``ValueError`` naming
+    ``name``, never torch's own parse error from deep inside a call)."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise TypeError(f"{name} must be a torch.device or a str, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{name} must name a torch device, got {device!r} ({e})") from None
 
 
 def check_lse_base(base: object, name: str = "base") -> str:
@@ -283,6 +297,28 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an expanded / stride-0 view, or any as_strided layout
+    whose strides do not nest): the dims of size > 1, sorted by stride, must each step over the whole extent
+    of the ones below it. A layout failing that test is refused even where it happens not to overlap."""
+    reach = 0  # the largest element offset reachable with the dims seen so far
+    for st, s in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if st <= reach:
+            return True
+        reach += st * (s - 1)
+    return False
+
+
+def check_not_self_overlapping(buf: torch.Tensor, name: str) -> None:
+    """An output buffer whose elements share memory (``expand``, stride 0) is refused (``ValueError`` naming
+    ``name``): one location written by several elements gives a schedule-dependent answer."""
+    if _self_overlapping(buf):
+        raise ValueError(
+            f"{name} must not overlap itself (an expanded / stride-0 view: several of its elements are one "
+            f"memory location), got shape {tuple(buf.shape)} with strides {tuple(buf.stride())}"
+        )
+
+
 def _storage_span(t: torch.Tensor) -> tuple[int, int]:
     """The byte range of ``t``'s whole storage: tensors whose storages do not intersect share nothing."""
     st = t.untyped_storage()
@@ -311,8 +347,9 @@ def check_no_alias(out: object, name: str = "out", /, *, same_ok: Sequence[str] 
 
 
 def check_no_aliases(outs: dict[str, object], inputs: dict[str, object], *, same_ok: Sequence[str] = ()) -> None:
-    """:func:`check_no_alias` for several outputs at once: no output may share memory with an input or
-    with an output listed before it. Each storage's byte range is computed once (the hot-path cost)."""
+    """:func:`check_no_alias` for several outputs at once: no output may share memory with an input, with an
+    output listed before it, or with itself (a stride-0 view). Each storage's byte range is computed once (the
+    hot-path cost)."""
     spans: dict[str, tuple[torch.Tensor, int, int]] = {}
     for n, t in inputs.items():
         if isinstance(t, torch.Tensor):
@@ -320,6 +357,7 @@ def check_no_aliases(outs: dict[str, object], inputs: dict[str, object], *, same
     for name, out in outs.items():
         if not isinstance(out, torch.Tensor):
             continue
+        check_not_self_overlapping(out, name)
         o_lo, o_hi = _storage_span(out)
         for other_name, (other, lo, hi) in spans.items():
             if hi <= o_lo or o_hi <= lo:  # separate allocations (or an empty storage): nothing shared

@@ -480,6 +480,7 @@ def q_replication_bytes(
         raise TypeError(f"geometry must be an MlaGeometry, got {type(geometry).__name__}")
     if not isinstance(projection, QueryProjection):
         raise TypeError(f"projection must be a QueryProjection, got {type(projection).__name__}")
+    _check_heads_divisible(geometry, w)  # TP-W holds 1/W of the heads' projection: W must split them
     qb, uk = projection.params_per_layer(geometry.num_heads)
     per_layer = qb * projection.q_b_bytes_per_param + uk * projection.w_uk_bytes_per_param
     return (1 - 1 / w) * per_layer * geometry.layers
@@ -577,6 +578,8 @@ def _check_heads_divisible(geometry: MlaGeometry, w: int) -> None:
 
 
 def _check_scope(scope: str) -> None:
+    if not isinstance(scope, str):
+        raise TypeError(f"scope must be 'step' or 'layer' (a str), got {type(scope).__name__}")
     if scope not in ("step", "layer"):
         raise ValueError(f"scope must be 'step' or 'layer', got {scope!r}")
 
@@ -718,6 +721,9 @@ def _attention_s(t: int, heads: int, keys: float, g: MlaGeometry, k: CostConstan
 
 
 def _check_layer_options(exchange: str, combine: str, order: str) -> None:
+    for name, value in (("exchange", exchange), ("combine", combine), ("order", order)):
+        if not isinstance(value, str):  # a wrong type is a TypeError (CONTRIBUTING), a wrong name a ValueError
+            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     if exchange not in ("allgather", "owner"):
         raise ValueError(f"exchange must be 'allgather' or 'owner', got {exchange!r}")
     if combine not in ("reduce_scatter", "alltoall"):

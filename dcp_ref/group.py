@@ -237,8 +237,8 @@ class SimulatedGroup:
                 raise ValueError(f"collective mismatch: rank {r} called {o}, rank 0 called {first_op}")
             if t.shape != first.shape or t.dtype != first.dtype:
                 raise ValueError(
-                    f"collective mismatch in {op}: rank {r} passed {tuple(t.shape)}/{t.dtype}, "
-                    f"rank 0 passed {tuple(first.shape)}/{first.dtype}"
+                    f"x must have one shape and dtype on every rank (collective mismatch in {op}): rank {r} passed "
+                    f"{tuple(t.shape)}/{t.dtype}, rank 0 passed {tuple(first.shape)}/{first.dtype}"
                 )
         return [t.to(x.device) for _, t in tagged]
 

@@ -150,7 +150,7 @@ def metadata_row_ok(
     req = req_of_token.long()
     ok = (req >= 0) & (req < B) & (bounds >= 0)
     starts = row_starts.long() if row_starts is not None else torch.zeros_like(bounds)
-    ok &= (starts >= 0) & (starts + bounds <= n_cols)
+    ok &= (starts >= 0) & (starts <= n_cols) & (bounds <= n_cols - starts)  # never starts + bounds: it may wrap
     need = torch.div(bounds.clamp_min(0) + geometry.block_size - 1, geometry.block_size, rounding_mode="floor")
     ok &= need <= M
     if M > 0 and B > 0:
@@ -163,7 +163,10 @@ def metadata_row_ok(
         groups = req.view(-1, next_n)
         ok &= (groups == groups[:, :1]).all(1).repeat_interleave(next_n)
     if index_q is not None and index_weights is not None:
-        ok &= torch.isfinite(index_q.float()).flatten(1).all(1) & torch.isfinite(index_weights.float()).all(1)
+        # finiteness in each tensor's own dtype (a float64 weight of 1e300 is finite; as float32 it is not);
+        # float8 e4m3fn has no isfinite kernel everywhere: read through float32, which holds every e4m3 value
+        q_fin = torch.isfinite(index_q.float() if index_q.dtype == torch.float8_e4m3fn else index_q)
+        ok &= q_fin.flatten(1).all(1) & torch.isfinite(index_weights).all(1)
     return ok
 
 

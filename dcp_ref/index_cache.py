@@ -386,7 +386,7 @@ def _check_slots(slots: object, name: str, num_slots: int, allow_skip: bool, dev
         lo = -1 if allow_skip else 0
         bad = (slots < lo) | (slots >= num_slots)
         if bool(bad.any()):
-            what = "-1 (not written here) or lie in" if allow_skip else "lie in"
+            what = "be -1 (not written here) or lie in" if allow_skip else "lie in"
             raise ValueError(f"{name} must {what} [0, num_slots={num_slots}), found {int(slots[bad][0])}")
     return slots
 

@@ -32,6 +32,7 @@ from ._checks import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,
+    check_no_aliases,
     check_non_negative,
     check_out,
     check_tensor,
@@ -195,5 +196,6 @@ def reference_indexer_rank_local(
         check_out(out, "out", (rows, k), torch.float32, scores.device)
     if out_ids is not None:
         check_out(out_ids, "out_ids", (rows, k), torch.int32, scores.device)
+    check_no_aliases(dict(out=out, out_ids=out_ids), dict(scores=scores, lengths=lengths, row_starts=row_starts))
     s, ids = local_topk_rank_local(scores, k, lengths, row_starts, validate=False)
     return (s if out is None else out.copy_(s)), (ids if out_ids is None else out_ids.copy_(ids))

@@ -106,7 +106,9 @@ def global_to_local(pos, world_size, interleave=1):
     w, _, i = check_world(world_size, None, interleave)
     t, scalar = _positions(pos, "pos")
     t64 = t.long()
-    return _out(torch.div(t64, w * i, rounding_mode="floor") * i + t64 % i, scalar, t)
+    # a stripe W*I beyond int64 holds every int64 position in its first stripe (and is no torch scalar)
+    stripes = torch.div(t64, w * i, rounding_mode="floor") if w * i <= _INT_MAX[torch.int64] else torch.zeros_like(t64)
+    return _out(stripes * i + t64 % i, scalar, t)
 
 
 @overload
@@ -128,15 +130,20 @@ def local_to_global(local, world_size, rank, interleave=1):
     t, scalar = _positions(local, "local")
     t64 = t.long()
     limit = _INT_MAX[torch.int64 if scalar else t.dtype]
-    # Largest local index whose global position fits: (l // I)*W*I + (W-1)*I + I-1 <= limit.
-    max_local = ((limit - w * i + 1) // (w * i)) * i + i - 1
+    # Largest local index whose global position (l // I)*W*I + r*I + l % I fits (Python ints, exact): the last
+    # stripe b whose first position on this rank fits, then as far into its I positions as still fits.
+    b_max = (limit - r * i) // (w * i)
+    max_local = b_max * i + min(i - 1, limit - b_max * w * i - r * i) if limit >= r * i else -1
     if t.numel() and int(t64.max()) > max_local:
         raise ValueError(
             f"local must be <= {max_local} for world_size={w}, interleave={i}: its global position would "
             f"overflow {'int64' if scalar else str(t.dtype).replace('torch.', '')}, got max {int(t64.max())}"
             + ("" if scalar or t.dtype == torch.int64 else " (pass an int64 tensor)")
         )
-    return _out(torch.div(t64, i, rounding_mode="floor") * (w * i) + r * i + t64 % i, scalar, t)
+    blocks = torch.div(t64, i, rounding_mode="floor")
+    # W*I beyond int64 (no torch scalar): every local index that fits is in stripe 0 (checked above)
+    stripe = blocks * (w * i) if w * i <= _INT_MAX[torch.int64] else torch.zeros_like(blocks)
+    return _out(stripe + r * i + t64 % i, scalar, t)
 
 
 @overload
@@ -377,6 +384,13 @@ def localize_prefill_chunk(
     check_non_negative(q, "query_lens")
     q = q.to(device=ctx.device, dtype=ctx.dtype)
     zero = torch.zeros(1, dtype=ctx.dtype, device=ctx.device)
+    over = q.long() > _INT_MAX[ctx.dtype] - ctx.long()  # never ctx + q: the sum may wrap
+    if bool(over.any()):
+        b = int(over.nonzero()[0, 0])
+        raise ValueError(
+            f"context_lens + query_lens must fit {str(ctx.dtype).replace('torch.', '')}: request {b} has "
+            f"{int(ctx[b])} + {int(q[b])} tokens" + ("" if ctx.dtype == torch.int64 else " (pass int64 tensors)")
+        )
 
     seq = ctx + q
     all_local = local_seq_lens(seq, w, None, i)  # [B, W]

@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
-from ._checks import check_int_scalar
+from ._checks import FLOAT_DTYPES, check_int_scalar, check_no_alias, check_no_aliases, check_tensor
 from .attention import sparse_mla_attention
 from .deinterleave import deinterleave_and_compact
 from .geometry import DcpGeometry
@@ -92,6 +93,7 @@ __all__ = [
     "compose_indexer",
     "impl_name",
     "write_into",
+    "write_outs",
     "STAGE_PROVIDERS",
     "register_stages",
     "resolve_stages",
@@ -245,7 +247,9 @@ class ScoringSpec:
 
 
 def _check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
+    if not isinstance(value, str):  # a wrong type (None, a list) is a TypeError, a wrong name a ValueError
+        raise TypeError(f"{name} must be one of {choices} (a str), got {type(value).__name__}")
+    if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
 
@@ -311,19 +315,24 @@ class StepSpec:
                 "each rank ends with H/W heads"
             )
         sc = self.sm_scale
-        if isinstance(sc, bool) or not isinstance(sc, (int, float)):  # numpy floats are floats
-            raise TypeError(f"sm_scale must be a float, got {type(sc).__name__}")
+        if isinstance(sc, (bool, np.bool_)) or not isinstance(sc, (int, float, np.integer, np.floating)):
+            raise TypeError(f"sm_scale must be a float, got {type(sc).__name__}")  # numpy floats are floats
         if not math.isfinite(sc) or sc <= 0:
             raise ValueError(f"sm_scale must be a finite float > 0, got {sc!r}")
         object.__setattr__(self, "sm_scale", float(sc))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
+        if self.dtype not in FLOAT_DTYPES:  # the query's and the bf16 cache's dtype: what attention computes in
+            allowed = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+            raise TypeError(f"dtype must be one of ({allowed}), got {str(self.dtype).replace('torch.', '')}")
         if not isinstance(self.device, (str, torch.device)):
             raise TypeError(f"device must be a torch.device or a str, got {type(self.device).__name__}")
         try:
             dev = torch.device(self.device)
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"device must name a torch device, got {self.device!r} ({e})") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device must be one this machine has: {self.device!r}, but CUDA is not available")
         if dev.type == "cuda" and dev.index is None:  # "cuda" means the current device: pin it (tensors say cuda:N)
             dev = torch.device("cuda", torch.cuda.current_device())
         object.__setattr__(self, "device", dev)
@@ -339,6 +348,11 @@ class StepSpec:
             raise TypeError(f"q_replicate must be a bool, got {type(self.q_replicate).__name__}")
         if self.scoring is not None and not isinstance(self.scoring, ScoringSpec):
             raise TypeError(f"scoring must be a ScoringSpec or None, got {type(self.scoring).__name__}")
+        if self.scoring is not None and self.scoring.next_n > self.max_tokens:
+            raise ValueError(
+                f"scoring.next_n={self.scoring.next_n} must be <= max_tokens={self.max_tokens}: a run's T is a "
+                "multiple of next_n (groups of one request's tokens), so no run but an empty one could fit"
+            )
 
     @property
     def heads_per_rank(self) -> int:
@@ -591,13 +605,59 @@ class CombineStage(Protocol):
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-def write_into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """``result`` copied into ``out`` when a buffer is given (cast to its dtype), else ``result``."""
-    if out is None:
-        return result
-    if tuple(out.shape) != tuple(result.shape):
-        raise ValueError(f"out must have shape {tuple(result.shape)}, got {tuple(out.shape)}")
-    return out.copy_(result)
+#: The dtypes a stage's float output buffer may have (the result is cast into it); an LSE buffer is float32 (the
+#: protocols'), or float64 (a float64 reference step's); packed candidates are float32.
+FLOAT_OUT = FLOAT_DTYPES
+_LSE = (torch.float32, torch.float64)
+_F32 = (torch.float32,)
+_I32 = (torch.int32,)
+
+
+_Out = tuple[str, "torch.Tensor | None", torch.Tensor, Sequence[torch.dtype]]
+
+
+def _write(outs: Sequence[_Out], inputs: Mapping[str, object], same_ok: Sequence[str] = ()) -> list[torch.Tensor]:
+    for name, buf, res, dtypes in outs:
+        if buf is None:
+            continue
+        check_tensor(buf, name, dtypes=dtypes)
+        if tuple(buf.shape) != tuple(res.shape):
+            raise ValueError(f"{name} must have shape {tuple(res.shape)}, got {tuple(buf.shape)}")
+        if buf.device != res.device:
+            raise ValueError(f"{name} must be on device {res.device}, got {buf.device}")
+    check_no_aliases({name: buf for name, buf, _, _ in outs}, dict(inputs), same_ok=same_ok)
+    return [res if buf is None else buf.copy_(res) for _, buf, res, _ in outs]
+
+
+def write_outs(
+    first: _Out, second: _Out, *, inputs: Mapping[str, object], same_ok: Sequence[str] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of ``first`` / ``second``, ``(name, buffer, result, dtypes)``: ``result`` copied into ``buffer`` when
+    one is given, else ``result``. Both buffers are checked before either is written, as a kernel stage checks
+    its own: a tensor of one of ``dtypes`` (``TypeError`` naming it), ``result``'s shape and device, sharing no
+    memory with ``inputs``, with the other buffer or with itself (``ValueError`` naming it; ``same_ok``: inputs
+    a buffer may be exactly, an in-place mode)."""
+    a, b = _write((first, second), inputs, same_ok)
+    return a, b
+
+
+def write_into(
+    result: torch.Tensor,
+    out: torch.Tensor | None,
+    name: str = "out",
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    **inputs: object,
+) -> torch.Tensor:
+    """:func:`write_outs` for one buffer: ``result`` copied into ``out`` (checked), else ``result``.
+
+    ``dtypes``: what ``out`` may be (the result is cast into it); default, any floating dtype for a floating
+    result (a float32 output into a bf16 or float64 buffer), else ``result``'s own dtype only (an id or count is
+    never narrowed). A stage of your own passes what it reads as ``inputs`` (``name=tensor``), so that an
+    aliased ``out`` is refused."""
+    if dtypes is None:
+        dtypes = FLOAT_OUT if result.is_floating_point() else (result.dtype,)
+    return _write(((name, out, result, dtypes),), inputs)[0]
 
 
 def impl_name(fn: Any) -> str:
@@ -672,13 +732,14 @@ def reference_indexer(
     if order != "global_id":
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     ids = local_topk(scores, k, lengths, row_starts, validate=False)
-    return write_into(pack_candidates(scores, ids, g, row_starts, validate=False), out)
+    return write_into(pack_candidates(scores, ids, g, row_starts, validate=False), out, dtypes=_F32, scores=scores,
+                      lengths=lengths, row_starts=row_starts)  # fmt: skip
 
 
 @named_impl("torch")
 def reference_select(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`dcp_ref.topk.stable_topk` (sorted: the reference always is)."""
-    return write_into(stable_topk(gathered, k, validate=False), out)
+    return write_into(stable_topk(gathered, k, validate=False), out, dtypes=_I32, gathered=gathered)
 
 
 @named_impl("torch")
@@ -701,7 +762,8 @@ def reference_deinterleave(
         slots, counts = deinterleave_and_compact(global_ids, req_of_token, block_table, g, validate=False)
     else:
         slots, counts = deinterleave_masked(global_ids, req_of_token, block_table, g, validate=False)
-    return write_into(slots, out_slots), write_into(counts, out_counts)
+    ins = dict(global_ids=global_ids, req_of_token=req_of_token, block_table=block_table)
+    return write_outs(("out_slots", out_slots, slots, _I32), ("out_counts", out_counts, counts, _I32), inputs=ins)
 
 
 @named_impl("torch")
@@ -718,7 +780,8 @@ def reference_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.attention.sparse_mla_attention` in float64 (base e)."""
     o, lse = sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "e", v_dim=v_dim, validate=False)
-    return write_into(o, out), write_into(lse, out_lse)
+    ins = dict(q=q, kv_cache=kv_cache, slots=slots, counts=counts)
+    return write_outs(("out", out, o, FLOAT_OUT), ("out_lse", out_lse, lse, _LSE), inputs=ins)
 
 
 @named_impl("torch-fp8")
@@ -752,7 +815,10 @@ def reference_merge(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.lse.correct_partial` (float64 weights)."""
     corrected, merged = correct_partial(partial, all_lse, rank, "e", validate=False)
-    return write_into(corrected, out), write_into(merged, out_lse)
+    ins = dict(partial=partial, all_lse=all_lse)
+    return write_outs(
+        ("out", out, corrected, FLOAT_OUT), ("out_lse", out_lse, merged, _LSE), inputs=ins, same_ok=("partial",)
+    )
 
 
 @named_impl("torch")
@@ -808,7 +874,8 @@ def reference_combine(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dcp_ref.lse.merge_partials` over the ``W`` received partials (float64 weights)."""
     merged, lse = merge_partials(outs, lses, "e", validate=False)
-    return write_into(merged, out), write_into(lse, out_lse)
+    ins = dict(outs=outs, lses=lses)
+    return write_outs(("out", out, merged, FLOAT_OUT), ("out_lse", out_lse, lse, _LSE), inputs=ins)
 
 
 def compose_indexer(
@@ -832,12 +899,15 @@ def compose_indexer(
         row_starts: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        check_no_alias(out, "out", scores=scores, lengths=lengths, row_starts=row_starts)  # before pack writes it
         ids = select_local(scores, k, lengths, row_starts)
         try:
             packed = pack(scores, ids, geometry, row_starts, out=out)
         except TypeError:  # a pack without out=
             packed = pack(scores, ids, geometry, row_starts)
-        return packed if out is None or packed is out else write_into(packed, out)
+        if out is None or packed is out:
+            return packed
+        return write_into(packed, out, dtypes=_F32, scores=scores, lengths=lengths, row_starts=row_starts)
 
     return indexer
 

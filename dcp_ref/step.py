@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_tensor
+from ._checks import FLOAT_DTYPES, INT_DTYPES, check_device, check_tensor
 from .fp8_cache import FP8_DS_MLA
 from .geometry import DcpGeometry
 from .group import Group
@@ -155,7 +155,7 @@ def decode_metadata(
         raise TypeError(f"geometry must be a DcpGeometry, got {type(geometry).__name__}")
     g = geometry
     bounds = localize_decode_bounds(seq_lens, next_n, g.world_size, g.rank, g.interleave).reshape(-1)
-    dev = torch.device(device) if device is not None else bounds.device
+    dev = check_device(device) if device is not None else bounds.device
     req = _req_of_token(torch.as_tensor(seq_lens).numel(), next_n)
     return StepMetadata(bounds.to(dev, torch.int32), req.to(dev))
 
@@ -173,7 +173,7 @@ def prefill_metadata(
         raise TypeError(f"geometry must be a DcpGeometry, got {type(geometry).__name__}")
     g = geometry
     m = localize_prefill_chunk(context_lens, query_lens, g.world_size, g.rank, g.interleave)
-    dev = torch.device(device) if device is not None else m.token_ks.device
+    dev = check_device(device) if device is not None else m.token_ks.device
     req = _req_of_token(torch.as_tensor(query_lens).numel(), torch.as_tensor(query_lens))
     return StepMetadata((m.token_ke - m.token_ks).to(dev, torch.int32), req.to(dev), m.token_ks.to(dev, torch.int32))
 
@@ -603,8 +603,9 @@ class PlannedStep:
             raise ValueError(f"meta.req_of_token must name one request per group of spec.scoring.next_n={nn} tokens "
                              "(the ownership stage's layout: a request's query tokens are consecutive)")  # fmt: skip
         n_cols = self._n_cols(shard)
-        need = int((starts + local).max())
-        if need > n_cols:
+        over = local > n_cols - starts  # never starts + local: two int64 near 2**63 wrap
+        if bool(over.any()):
+            need = max(a + b for a, b in zip(starts[over].tolist(), local[over].tolist()))  # Python ints: exact
             what = "spec.scoring.max_keys" if self.spec.scoring is not None else "shard.index_scores"
             raise ValueError(f"{what} has {n_cols} columns, but a token's keys reach column {need}")
         blocks_needed = (local + bs - 1) // bs

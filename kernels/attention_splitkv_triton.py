@@ -72,6 +72,7 @@ import triton.language as tl
 from dcp_ref._checks import (
     INT_DTYPES,
     check_bool,
+    check_device,
     check_int_scalar,
     check_no_aliases,
     check_out,
@@ -501,7 +502,7 @@ def splitkv_plan(
     picks the default (see the module docstring); a given value is used as is (``num_splits`` is
     capped so that no split is entirely past ``K``). Cached per arguments.
     """
-    dev = torch.device(device)
+    dev = check_device(device)
     T, H, K = (check_int_scalar(x, n, min_value=lo) for x, n, lo in ((T, "T", 0), (H, "H", 1), (K, "K", 0)))
     head_dim = check_int_scalar(head_dim, "head_dim", min_value=1)
     v_dim = check_int_scalar(v_dim, "v_dim", min_value=1)

@@ -40,7 +40,8 @@ def token_in_contract(
     start = tl.zeros([], tl.int64)
     if HAS_STARTS:
         start = tl.load(starts_ptr + t64 * s_start).to(tl.int64)
-    ok = (req >= 0) & (req < B) & (bound >= 0) & (start >= 0) & (start + bound <= n_cols)
+    # bound <= n_cols - start, never start + bound <= n_cols: the sum of two int64 near 2**63 wraps
+    ok = (req >= 0) & (req < B) & (bound >= 0) & (start >= 0) & (start <= n_cols) & (bound <= n_cols - start)
     g0 = (t64 // next_n) * next_n
     for i in range(0, next_n):  # MTP: one request per group (next_n = 1: the token itself)
         ok = ok & (tl.load(req_ptr + (g0 + i) * s_req).to(tl.int64) == req)
@@ -77,11 +78,10 @@ def query_finite(
             x = tl.load(ptr, mask=m, other=0)
             if Q_FP8:
                 nonfinite = (x & 0x7F) == 0x7F
-            else:
-                xf = x.to(tl.float32)
-                nonfinite = (xf != xf) | (tl.abs(xf) == float("inf"))
+            else:  # in the query's own dtype: a finite float64 beyond float32's range is still finite
+                nonfinite = (x != x) | (tl.abs(x) == float("inf"))
             bad = bad | (nonfinite & m).to(tl.int32)
-        w = tl.load(w_ptr + t64 * s_wt + (h0 + h).to(tl.int64) * s_wh, mask=hm, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t64 * s_wt + (h0 + h).to(tl.int64) * s_wh, mask=hm, other=0.0)  # its own dtype, as x
         bad = bad | ((((w != w) | (tl.abs(w) == float("inf"))) & hm).to(tl.int32))[:, None]
     return tl.max(tl.max(bad, 1), 0) == 0
 

@@ -77,6 +77,7 @@ from dcp_ref._checks import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,
+    check_no_aliases,
     check_tensor,
     triton_interpreting,
 )
@@ -1366,6 +1367,10 @@ def indexer_topk_pack(
         if out_ids is not None:
             raise ValueError("out_ids is only written with order='rank_local'")
         out = _check_pairs(out, "out", (rows, k, 2), dev)
+    # every buffer the kernel writes, against what it reads (and the other buffer): an aliased out is a
+    # schedule-dependent answer
+    check_no_aliases(dict(out=out, out_ids=out_ids, workspace=workspace),
+                     dict(scores=scores, lengths=lengths, row_starts=row_starts))  # fmt: skip
     # Largest global id the shapes allow: no sync needed when it is exactly representable (rank-local ids
     # are int32 local indices: no bound).
     host_check = not rank_local and (cols // g.interleave + 1) * g.stripe > _MAX_EXACT_ID

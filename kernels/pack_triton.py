@@ -20,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_bool, check_out, check_values_readable, max_global_id_bound
+from dcp_ref._checks import (
+    check_bool,
+    check_no_alias,
+    check_out,
+    check_pow2,
+    check_values_readable,
+    max_global_id_bound,
+)
 from dcp_ref.geometry import DcpGeometry, check_geometry
 from dcp_ref.topk import MAX_EXACT_ID, _check_pack
 
@@ -101,6 +108,7 @@ def pack_candidates_triton(
     # host only for rows whose global ids may reach 2**24 (from the shapes alone); otherwise the kernel runs them
     # (one flag, one host read).
     validate = check_bool(validate, "validate")
+    block = check_pow2(block, "block", lo=16, hi=4096)  # the kernel's tl.arange width
     g0 = check_geometry(geometry)
     cols = logits.shape[1] if isinstance(logits, torch.Tensor) and logits.ndim == 2 else 0
     host_values = validate and max_global_id_bound(cols, g0.world_size, g0.interleave) > MAX_EXACT_ID
@@ -115,6 +123,7 @@ def pack_candidates_triton(
         out = torch.empty((rows, K, 2), dtype=torch.float32, device=logits.device)
     else:
         check_out(out, "out", (rows, K, 2), torch.float32, logits.device, contiguous=True)
+        check_no_alias(out, "out", logits=logits, local_topk=local_topk, row_starts=row_starts)
     if rows == 0 or K == 0:
         return out
     chk = check_flag(logits.device) if fused else None

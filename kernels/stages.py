@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from dcp_ref._checks import has_module, triton_interpreting
+from dcp_ref._checks import check_tensor, has_module, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.stages import (
     STAGE_NAMES,
@@ -180,6 +180,9 @@ def _deinterleave_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from .deinterleave_triton import deinterleave_compact, deinterleave_masked_triton
 
+    for name, buf in (("out_slots", out_slots), ("out_counts", out_counts)):  # named as the stage's protocol does
+        if buf is not None:
+            check_tensor(buf, name, dtypes=(torch.int32,))
     req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
     # compact: the ordered row scan; masked: the same scan with compaction off (slots and counts, one launch)
     fn = functools.partial(deinterleave_compact, ordered=True) if compact else deinterleave_masked_triton

@@ -34,7 +34,8 @@ CUTE_LANES=(
   "tests/test_topk.py@10k"
   "tests/test_indexer_kernel.py tests/test_local_topk_cutedsl.py tests/test_bad_inputs_scoring.py"
   "tests/test_select_to_slots.py tests/test_scoring.py tests/test_topk.py@rest tests/test_ownership.py"
-  "tests/test_deinterleave.py tests/test_bad_inputs_guard.py tests/test_bad_inputs_select_to_slots.py"
+  "tests/test_deinterleave.py tests/test_bad_inputs_guard.py tests/test_bad_inputs_select_to_slots.py
+   tests/test_bad_inputs_contracts.py"
 )
 FI_LANES=(
   "tests/test_testing_kit.py@select tests/test_testing_kit.py@options"
