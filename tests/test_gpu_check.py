@@ -109,3 +109,31 @@ def test_merge_writes_counts_per_file_and_the_sanitizer_summary(tmp_path) -> Non
     }
     assert by_tool["racecheck"]["findings_in_this_projects_kernels"] == 1
     assert by_tool["memcheck"]["findings_in_this_projects_kernels"] == 0
+
+
+def test_slim_moves_what_no_device_call_reads_and_unslim_puts_it_back(tmp_path: Path) -> None:
+    """`slim` / `unslim` (the 64 MiB carry): the chapters and the CPU-only probe go under .gpu/offcarry and come back
+    byte for byte; a second `slim` before `unslim` refuses rather than overwrite the moved copy."""
+    (tmp_path / "tools").mkdir()
+    script = tmp_path / "tools" / "gpu_check.sh"
+    script.write_text((ROOT / "tools" / "gpu_check.sh").read_text())
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "00_a.ipynb").write_text("{}\n")
+    (tmp_path / "tools" / "probe_contracts.py").write_text("# probe\n")
+    (tmp_path / "kept.py").write_text("x = 1\n")
+
+    def run(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), mode], capture_output=True, text=True, cwd=tmp_path)
+
+    assert run("slim").returncode == 0
+    assert not (tmp_path / "notebooks").exists() and not (tmp_path / "tools" / "probe_contracts.py").exists()
+    assert (tmp_path / ".gpu" / "offcarry" / "notebooks" / "00_a.ipynb").read_text() == "{}\n"
+    assert (tmp_path / "kept.py").exists() and script.exists()
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "new.ipynb").write_text("{}\n")
+    assert run("unslim").returncode == 1  # both copies exist: nothing is overwritten
+    (tmp_path / "notebooks" / "new.ipynb").unlink()
+    (tmp_path / "notebooks").rmdir()
+    assert run("unslim").returncode == 0
+    assert (tmp_path / "notebooks" / "00_a.ipynb").read_text() == "{}\n"
+    assert (tmp_path / "tools" / "probe_contracts.py").read_text() == "# probe\n"

@@ -23,7 +23,7 @@
 # Each call packs what it wrote (JUnit XML, logs, sanitizer reports, benchmark JSON) into $OUT/<mode>.tgz.
 # CONTRIBUTING.md: every change to kernels/ or the step runs `cute` + `fi` before it lands.
 set -uo pipefail
-what=${1:?usage: tools/gpu_check.sh cute|fi|bench|merge TGZ...|lists}
+what=${1:?usage: tools/gpu_check.sh cute|fi|bench|merge TGZ...|lists|slim|unslim}
 cd "$(dirname "$0")/.."
 
 # ---- which call runs what (edit here when a test file or kernel family is added) ----------------------------------
@@ -74,6 +74,25 @@ check_lists() {  # every gpu-marked file in exactly one list, every listed file 
   for f in $listed; do [ -f "$f" ] || { echo "gpu_check.sh: listed file missing: $f" >&2; return 1; }; done
 }
 
+# The carry: a device call takes the tracked tree plus one bundle, 64 MiB in all; the CuTeDSL bundle (61.5 MB) leaves
+# ~5 MB for the tree. When a call is refused as larger than that, `slim` moves what no device call reads (the chapters,
+# the CPU-only contract probe) under .gpu/offcarry (git-ignored, never carried) and `unslim` puts it back: run
+# `tools/gpu_check.sh slim` before the calls and `tools/gpu_check.sh unslim` after (until then git status shows those
+# files deleted; CI and lint need them back).
+SLIM_PATHS="notebooks tools/probe_contracts.py"
+if [ "$what" = slim ] || [ "$what" = unslim ]; then
+  for p in $SLIM_PATHS; do
+    if [ "$what" = slim ] && [ -e "$p" ]; then
+      [ ! -e ".gpu/offcarry/$p" ] || { echo "gpu_check.sh: .gpu/offcarry/$p exists: unslim first" >&2; exit 1; }
+      mkdir -p ".gpu/offcarry/$(dirname "$p")" && mv "$p" ".gpu/offcarry/$p"
+    elif [ "$what" = unslim ] && [ -e ".gpu/offcarry/$p" ]; then
+      [ ! -e "$p" ] || { echo "gpu_check.sh: $p exists beside .gpu/offcarry/$p: resolve by hand" >&2; exit 1; }
+      mkdir -p "$(dirname "$p")" && mv ".gpu/offcarry/$p" "$p"
+    fi
+  done
+  echo "gpu_check.sh $what: $SLIM_PATHS"
+  exit 0
+fi
 if [ "$what" = lists ]; then check_lists && echo "cute: $(echo $CUTE_TESTS)" && echo "fi: $(echo $FI_TESTS)"; exit; fi
 if [ "$what" = merge ]; then
   shift
