@@ -342,6 +342,11 @@ def expect_equal(want: object, **tol: float) -> Callable[[Any], str | None]:
     return lambda got: diff(got, want, **tol)  # type: ignore[arg-type]
 
 
+def sums_to(want: torch.Tensor) -> Callable[[Any], str | None]:
+    """The check that a [T, W] result (one column a rank) sums over its ranks to want."""
+    return lambda r: diff(r.sum(-1), want)
+
+
 def rows_nan(t: torch.Tensor, rows: Sequence[int], what: str = "output") -> str | None:
     """Every element of ``t[rows]`` is NaN."""
     for r in rows:
@@ -654,22 +659,11 @@ def ownership_cases() -> list[Case]:
     def b_lsl() -> dict[str, Any]:
         return dict(seq_lens=i64([0, 1, 5, 13]), world_size=W, rank=1, interleave=I)
 
-    mk(
-        out,
-        "local_seq_lens",
-        "valid: brute force",
-        call_with(local_seq_lens, b_lsl),
-        "valid",
-        check=expect_equal(i64([bf_local_len(n, W, 1, I) for n in (0, 1, 5, 13)])),
-    )
-    mk(
-        out,
-        "local_seq_lens",
-        "valid: rank=None sums to seq_lens",
-        call_with(local_seq_lens, b_lsl, rank=None),
-        "valid",
-        check=lambda r: diff(r.sum(-1), i64([0, 1, 5, 13])),
-    )
+    for desc, kw, check in (
+        ("valid: brute force", {}, expect_equal(i64([bf_local_len(n, W, 1, I) for n in (0, 1, 5, 13)]))),
+        ("valid: rank=None sums to seq_lens", dict(rank=None), sums_to(i64([0, 1, 5, 13]))),
+    ):
+        mk(out, "local_seq_lens", desc, call_with(local_seq_lens, b_lsl, **kw), "valid", check=check)
     mk(
         out,
         "local_seq_lens",
@@ -854,22 +848,11 @@ def ownership_cases() -> list[Case]:
     def b_loc() -> dict[str, Any]:
         return dict(seq_lens=i64([10, 3]), query_lens=i64([3, 1]), world_size=2, rank=1, interleave=1)
 
-    mk(
-        out,
-        "localize_decode_bounds",
-        "valid: docstring example (8,9,10 -> 4,4,5)",
-        call_with(localize_decode_bounds, b_loc),
-        "valid",
-        check=expect_equal(i64([4, 4, 5, 1])),
-    )
-    mk(
-        out,
-        "localize_decode_bounds",
-        "valid: rank=None gives [T, W] summing to the global bound",
-        call_with(localize_decode_bounds, b_loc, rank=None),
-        "valid",
-        check=lambda r: diff(r.sum(-1), i64([8, 9, 10, 3])),
-    )
+    for desc, kw, check in (
+        ("valid: docstring example (8,9,10 -> 4,4,5)", {}, expect_equal(i64([4, 4, 5, 1]))),
+        ("valid: rank=None gives [T, W] summing to the global bound", dict(rank=None), sums_to(i64([8, 9, 10, 3]))),
+    ):
+        mk(out, "localize_decode_bounds", desc, call_with(localize_decode_bounds, b_loc, **kw), "valid", check=check)
     mk(
         out,
         "localize_decode_bounds",
@@ -3040,6 +3023,18 @@ def sc_inputs(T: int = 3) -> dict[str, Any]:
     )
 
 
+def sc_group(rows: slice, req: list[int], bounds: list[int]) -> dict[str, Any]:
+    """Overrides of sc_inputs: two of its tokens (rows) as one next_n=2 group, out 2 x 16."""
+    return dict(
+        index_q=From(lambda kw: kw["index_q"][rows]),
+        weights=From(lambda kw: kw["weights"][rows]),
+        req_of_token=i32(req),
+        local_bounds=i64(bounds),
+        out=torch.empty(2, 16),
+        next_n=2,
+    )
+
+
 def bf_scores(kw: dict[str, Any], L: int, unwritten: Sequence[int] = (9,)) -> torch.Tensor:
     """The scoring contract in float64: the formula inside each row's window, -inf outside, NaN for a row out of
     contract (module docstring of dcp_ref.scoring)."""
@@ -3125,47 +3120,26 @@ def scoring_cases() -> list[Case]:
                 "valid",
                 check=expect_equal(bf_scores(base(), L), **tol),
             )
-        rs = i64([0, 6, 2])
-        mk(
-            out,
-            name,
-            "valid: prefill row_starts",
-            call_with(fn, base, row_starts=rs),
-            "valid",
-            check=expect_equal(bf_scores({**base(), "row_starts": rs}, 16), **tol),
-        )
-        mk(
-            out,
-            name,
-            "valid: an unwritten slot scores NaN in its column only",
-            call_with(fn, base, local_bounds=i64([6, 10, 0])),
-            "valid",
-            check=expect_equal(bf_scores({**base(), "local_bounds": i64([6, 10, 0])}, 16), **tol),
-        )
         nw = base()["weights"].clone()
         nw[0, 1] = NAN
-        mk(
-            out,
-            name,
-            "valid: a NaN weight makes that token's scores NaN (data propagates)",
-            call_with(fn, base, weights=nw),
-            "valid",
-            check=expect_equal(bf_scores({**base(), "weights": nw}, 16), **tol),
-        )
+        for desc, kw in (
+            ("valid: prefill row_starts", dict(row_starts=i64([0, 6, 2]))),
+            ("valid: an unwritten slot scores NaN in its column only", dict(local_bounds=i64([6, 10, 0]))),
+            ("valid: a NaN weight makes that token's scores NaN (data propagates)", dict(weights=nw)),
+        ):
+            mk(
+                out,
+                name,
+                desc,
+                call_with(fn, base, **kw),
+                "valid",
+                check=expect_equal(bf_scores({**base(), **kw}, 16), **tol),
+            )
         mk(
             out,
             name,
             "valid: next_n=2 groups of one request",
-            call_with(
-                fn,
-                base,
-                index_q=From(lambda kw: kw["index_q"][1:]),
-                weights=From(lambda kw: kw["weights"][1:]),
-                req_of_token=i32([1, 1]),
-                local_bounds=i64([8, 9]),
-                out=torch.empty(2, 16),
-                next_n=2,
-            ),
+            call_with(fn, base, **sc_group(slice(1, None), [1, 1], [8, 9])),
             "valid",
             check=expect_equal(
                 bf_scores(
@@ -3198,32 +3172,22 @@ def scoring_cases() -> list[Case]:
             "valid",
             check=expect_equal(torch.empty(0, 16)),
         )
-        mk(
-            out,
-            name,
-            "valid: index cache as vLLM's [nb, bs, 132] view",
-            call_with(fn, base, index_cache=From(lambda kw: kw["index_cache"].view(SC_NB, SC_BS, 132))),
-            "valid",
-            check=expect_equal(bf_scores(base(), 16), **tol),
-        )
-        mk(
-            out,
-            name,
-            "valid: strided weights view",
-            call_with(fn, base, weights=From(lambda kw: strided(kw["weights"]))),
-            "either",
-            "weights",
-            check=expect_equal(bf_scores(base(), 16), **tol),
-        )
-        mk(
-            out,
-            name,
-            "valid: transposed block_table view",
-            call_with(fn, base, block_table=From(lambda kw: transposed(kw["block_table"]))),
-            "either",
-            "block_table",
-            check=expect_equal(bf_scores(base(), 16), **tol),
-        )
+        for desc, kw, expect, nm in (
+            (
+                "valid: index cache as vLLM's [nb, bs, 132] view",
+                dict(index_cache=From(lambda kw: kw["index_cache"].view(SC_NB, SC_BS, 132))),
+                "valid",
+                (),
+            ),
+            ("valid: strided weights view", dict(weights=From(lambda kw: strided(kw["weights"]))), "either", "weights"),
+            (
+                "valid: transposed block_table view",
+                dict(block_table=From(lambda kw: transposed(kw["block_table"]))),
+                "either",
+                "block_table",
+            ),
+        ):
+            mk(out, name, desc, call_with(fn, base, **kw), expect, nm, check=expect_equal(bf_scores(base(), 16), **tol))
         # ---- bad arguments (always checked)
         tensor_cases(out, name, fn, base, "index_q", kind="float", wrong_len=False)
         tensor_cases(out, name, fn, base, "weights", kind="float")
@@ -3316,14 +3280,7 @@ def scoring_cases() -> list[Case]:
                 ),
                 (
                     "MTP group names two requests",
-                    dict(
-                        index_q=From(lambda kw: kw["index_q"][:2]),
-                        weights=From(lambda kw: kw["weights"][:2]),
-                        req_of_token=i32([0, 1]),
-                        local_bounds=i64([1, 1]),
-                        out=torch.empty(2, 16),
-                        next_n=2,
-                    ),
+                    sc_group(slice(None, 2), [0, 1], [1, 1]),
                     "req_of_token",
                 ),
                 (
@@ -3386,17 +3343,7 @@ def scoring_cases() -> list[Case]:
             out,
             name,
             "validate=False, an MTP group naming two requests -> both rows NaN",
-            call_with(
-                fn,
-                base,
-                index_q=From(lambda kw: kw["index_q"][:2]),
-                weights=From(lambda kw: kw["weights"][:2]),
-                req_of_token=i32([0, 1]),
-                local_bounds=i64([1, 1]),
-                out=torch.empty(2, 16),
-                next_n=2,
-                **val,
-            ),
+            call_with(fn, base, **sc_group(slice(None, 2), [0, 1], [1, 1]), **val),
             "poison",
             check=lambda r: rows_nan(r, [0, 1], "scores"),
         )
@@ -4113,90 +4060,43 @@ def attention_cases() -> list[Case]:
         if fn is None:
             mk(out, name, "module unavailable", _skip("dcp_ref.kernels.attention_splitkv_triton"), "valid")
             continue
-        mk(
-            out,
-            name,
-            "valid: brute force (a count-0 row is 0 / -inf, repeated slots allowed)",
-            call_with(fn, base),
-            "valid",
-            check=expect_equal(want(), **tol),
-        )
-        mk(
-            out,
-            name,
-            "valid: v_dim = Dqk",
-            call_with(fn, base, v_dim=D),
-            "valid",
-            check=expect_equal(want(v_dim=D), **tol),
-        )
-        mk(
-            out,
-            name,
-            "valid: kv [S, 1, D]",
-            call_with(fn, base, kv_cache=KV.clone().unsqueeze(1)),
-            "valid",
-            check=expect_equal(want(), **tol),
-        )
-        mk(
-            out,
-            name,
-            "valid: T=0",
-            call_with(fn, base, q=Q[:0].clone(), slots=SL[:0].clone(), counts=CN[:0].clone()),
-            "valid",
-            check=expect_equal((torch.zeros(0, H, V), torch.zeros(0, H)), **tol),
-        )
-        mk(
-            out,
-            name,
-            "valid: K=0 (every row empty)",
-            call_with(fn, base, slots=torch.zeros(T, 0, dtype=torch.int32), counts=i32([0, 0, 0])),
-            "valid",
-            check=expect_equal((torch.zeros(T, H, V), torch.full((T, H), -INF)), **tol),
-        )
-        mk(
-            out,
-            name,
-            "valid: empty cache, all counts 0",
-            call_with(fn, base, kv_cache=torch.zeros(0, D), counts=i32([0, 0, 0])),
-            "valid",
-            check=expect_equal((torch.zeros(T, H, V), torch.full((T, H), -INF)), **tol),
-        )
         qn = Q.clone()
         qn[0, 1, 3] = NAN
-        mk(
-            out,
-            name,
-            "valid: NaN in one query head -> exactly that (token, head) NaN",
-            call_with(fn, base, q=qn),
-            "valid",
-            check=expect_equal(want(q=qn), **tol),
-        )
         kn = KV.clone()
         kn[7, 0] = NAN
         kn[5, 2] = NAN  # never attended
-        mk(
-            out,
-            name,
-            "valid: NaN in an attended KV row -> that token NaN; an unread NaN row no effect",
-            call_with(fn, base, kv_cache=kn),
-            "valid",
-            check=expect_equal(want(kv_cache=kn), **tol),
-        )
+        empty = (torch.zeros(T, H, V), torch.full((T, H), -INF))
+        for desc, kw, w in (
+            ("valid: brute force (a count-0 row is 0 / -inf, repeated slots allowed)", {}, want()),
+            ("valid: v_dim = Dqk", dict(v_dim=D), want(v_dim=D)),
+            ("valid: kv [S, 1, D]", dict(kv_cache=KV.clone().unsqueeze(1)), want()),
+            (
+                "valid: T=0",
+                dict(q=Q[:0].clone(), slots=SL[:0].clone(), counts=CN[:0].clone()),
+                (torch.zeros(0, H, V), torch.zeros(0, H)),
+            ),
+            (
+                "valid: K=0 (every row empty)",
+                dict(slots=torch.zeros(T, 0, dtype=torch.int32), counts=i32([0, 0, 0])),
+                empty,
+            ),
+            ("valid: empty cache, all counts 0", dict(kv_cache=torch.zeros(0, D), counts=i32([0, 0, 0])), empty),
+            ("valid: NaN in one query head -> exactly that (token, head) NaN", dict(q=qn), want(q=qn)),
+            (
+                "valid: NaN in an attended KV row -> that token NaN; an unread NaN row no effect",
+                dict(kv_cache=kn),
+                want(kv_cache=kn),
+            ),
+        ):
+            mk(out, name, desc, call_with(fn, base, **kw), "valid", check=expect_equal(w, **tol))
+        pad = dict(slots=i32([[1, 4, -1, -1], [7, -1, -1, -1], [3, 3, 0, 2]]), counts=i32([2, 1, 0]))
         mk(
             out,
             name,
             "valid: NaN in the cache under a padding entry (-1) leaks nothing",
-            call_with(
-                fn,
-                base,
-                kv_cache=From(lambda kw: kw["kv_cache"].index_fill(0, i64([S - 1]), NAN)),
-                slots=i32([[1, 4, -1, -1], [7, -1, -1, -1], [3, 3, 0, 2]]),
-                counts=i32([2, 1, 0]),
-            ),
+            call_with(fn, base, kv_cache=From(lambda kw: kw["kv_cache"].index_fill(0, i64([S - 1]), NAN)), **pad),
             "valid",
-            check=expect_equal(
-                want(slots=i32([[1, 4, -1, -1], [7, -1, -1, -1], [3, 3, 0, 2]]), counts=i32([2, 1, 0])), **tol
-            ),
+            check=expect_equal(want(**pad), **tol),
         )
         mk(
             out,
@@ -4749,6 +4649,12 @@ def bf_merge(outs: torch.Tensor, lses: torch.Tensor, base: str = "e") -> tuple[t
     return o, m
 
 
+def lse_kept_f64(r: Any) -> str | None:
+    """The merged LSE of 1e300 and 1e300 - 1e284 stays above 1e300 * (1 - 1e-15): no float32 round trip."""
+    v = float(r[1][0, 0])
+    return None if v > 1e300 * (1 - 1e-15) and math.isfinite(v) else f"lse {v}"
+
+
 def lse_cases() -> list[Case]:
     from dcp_ref import (
         SimulatedWorld,
@@ -4810,11 +4716,7 @@ def lse_cases() -> list[Case]:
         "valid: float64 LSEs keep their precision",
         lambda: merge_partials(torch.ones(2, 1, 1, 1, dtype=torch.float64), l64),
         "valid",
-        check=lambda r: (
-            None
-            if float(r[1][0, 0]) > 1e300 * (1 - 1e-15) and math.isfinite(float(r[1][0, 0]))
-            else f"lse {float(r[1][0, 0])}"
-        ),
+        check=lse_kept_f64,
     )
     mk(
         out,
@@ -5015,11 +4917,7 @@ def lse_cases() -> list[Case]:
             "valid: float64 LSEs into a float64 merged_lse keep their precision",
             lambda: lm(torch.ones(2, 1, 1, 1), l64, merged_lse=torch.empty(1, 1, dtype=torch.float64)),
             "valid",
-            check=lambda r: (
-                None
-                if float(r[1][0, 0]) > 1e300 * (1 - 1e-15) and math.isfinite(float(r[1][0, 0]))
-                else f"lse {float(r[1][0, 0])}"
-            ),
+            check=lse_kept_f64,
         )
         mk(
             out,
@@ -5705,22 +5603,8 @@ def step_cases() -> list[Case]:
         "valid",
         check=Pk.check(Pk.oracle()),
     )
-    mk(
-        out,
-        "PlannedStep.run",
-        "valid: validate=True on good inputs",
-        lambda: P.run(validate=True),
-        "valid",
-        check=P.check(),
-    )
-    mk(
-        out,
-        "PlannedStep.run",
-        "valid: validate=True, scoring",
-        lambda: Ps.run(validate=True),
-        "valid",
-        check=Ps.check(),
-    )
+    for desc, Pv in (("valid: validate=True on good inputs", P), ("valid: validate=True, scoring", Ps)):
+        mk(out, "PlannedStep.run", desc, lambda Pv=Pv: Pv.run(validate=True), "valid", check=Pv.check())
     mk(
         out,
         "PlannedStep.run",
@@ -6116,17 +6000,7 @@ def step_cases() -> list[Case]:
     def bad_select(gathered: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
         return torch.zeros(gathered.shape[1], k + 1, dtype=torch.int32)
 
-    def bad_attention(
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        slots: torch.Tensor,
-        counts: torch.Tensor,
-        sm: float,
-        v: int,
-        *,
-        out: torch.Tensor | None = None,
-        out_lse: torch.Tensor | None = None,
-    ) -> Any:
+    def bad_attention(*args: Any, out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None) -> Any:
         return out
 
     mk(
@@ -6932,30 +6806,19 @@ def stage_protocol_cases() -> list[Case]:
 
     # valid edges of the ownership maps: huge world sizes and interleaves (W*I beyond int64)
     big = 2**62
-    mk(
-        out,
-        "owner_rank",
-        "valid: W = 2**62, I = 4 (W*I beyond int64)",
-        lambda: owner_rank(i64([5, 2**40]), big, 4),
-        "valid",
-        check=expect_equal(i64([bf_owner(5, big, 4), bf_owner(2**40, big, 4)])),
-    )
-    mk(
-        out,
-        "global_to_local",
-        "valid: W = 2**62, I = 4 (W*I beyond int64)",
-        lambda: global_to_local(i64([5, 2**40]), big, 4),
-        "valid",
-        check=expect_equal(i64([bf_local(5, big, 4), bf_local(2**40, big, 4)])),
-    )
-    mk(
-        out,
-        "local_to_global",
-        "valid: W = 2**62, rank 1, local 0 -> global 4",
-        lambda: local_to_global(i64([0, 3]), big, 1, 4),
-        "valid",
-        check=expect_equal(i64([bf_global(0, big, 1, 4), bf_global(3, big, 1, 4)])),
-    )
+    for entry, fn, bf, xs, args, what in (
+        ("owner_rank", owner_rank, bf_owner, [5, 2**40], (big, 4), "I = 4 (W*I beyond int64)"),
+        ("global_to_local", global_to_local, bf_local, [5, 2**40], (big, 4), "I = 4 (W*I beyond int64)"),
+        ("local_to_global", local_to_global, bf_global, [0, 3], (big, 1, 4), "rank 1, local 0 -> global 4"),
+    ):
+        mk(
+            out,
+            entry,
+            f"valid: W = 2**62, {what}",
+            lambda fn=fn, xs=xs, args=args: fn(i64(xs), *args),
+            "valid",
+            check=expect_equal(i64([bf(x, *args) for x in xs])),
+        )
     # valid edges of the guard: finite float64 values beyond float32 are finite
     base = dict(
         partial=torch.ones(2, 2, 3),
