@@ -202,6 +202,16 @@ def check_device(device: object, name: str = "device") -> torch.device:
         raise ValueError(f"{name} must name a torch device, got {device!r} ({e})") from None
 
 
+def check_choice(value: object, name: str, choices: Sequence[str]) -> str:
+    """An option named by a string: not a str (``None``, a list) is a ``TypeError``, a name outside ``choices``
+    a ``ValueError``, both naming ``name``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {tuple(choices)} (a str), got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
 def check_lse_base(base: object, name: str = "base") -> str:
     """An LSE base is ``"e"`` (natural log) or ``"2"`` (what exp2-based kernels return)."""
     if not isinstance(base, str) or base not in ("e", "2"):

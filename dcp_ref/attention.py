@@ -211,5 +211,5 @@ def check_sm_scale(sm_scale: object, name: str = "sm_scale") -> float:
         raise TypeError(f"{name} must be a float, got {type(sm_scale).__name__}")
     value = float(sm_scale)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {sm_scale}")
+        raise ValueError(f"{name} must be a finite float > 0, got {sm_scale!r}")
     return value

@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._checks import check_bool, check_int_scalar
+from ._checks import check_bool, check_choice, check_int_scalar
 
 __all__ = [
     "KV_BYTES_PER_TOKEN",
@@ -578,10 +578,7 @@ def _check_heads_divisible(geometry: MlaGeometry, w: int) -> None:
 
 
 def _check_scope(scope: str) -> None:
-    if not isinstance(scope, str):
-        raise TypeError(f"scope must be 'step' or 'layer' (a str), got {type(scope).__name__}")
-    if scope not in ("step", "layer"):
-        raise ValueError(f"scope must be 'step' or 'layer', got {scope!r}")
+    check_choice(scope, "scope", ("step", "layer"))
 
 
 # ---- time ----------------------------------------------------------------------------------------
@@ -722,14 +719,11 @@ def _attention_s(t: int, heads: int, keys: float, g: MlaGeometry, k: CostConstan
 
 def _check_layer_options(exchange: str, combine: str, order: str) -> None:
     for name, value in (("exchange", exchange), ("combine", combine), ("order", order)):
-        if not isinstance(value, str):  # a wrong type is a TypeError (CONTRIBUTING), a wrong name a ValueError
+        if not isinstance(value, str):  # the cost model's own wording (its callers match it); check_choice for names
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    if exchange not in ("allgather", "owner"):
-        raise ValueError(f"exchange must be 'allgather' or 'owner', got {exchange!r}")
-    if combine not in ("reduce_scatter", "alltoall"):
-        raise ValueError(f"combine must be 'reduce_scatter' or 'alltoall', got {combine!r}")
-    if order not in ("global_id", "rank_local"):
-        raise ValueError(f"order must be 'global_id' or 'rank_local', got {order!r}")
+    check_choice(exchange, "exchange", ("allgather", "owner"))
+    check_choice(combine, "combine", ("reduce_scatter", "alltoall"))
+    check_choice(order, "order", ("global_id", "rank_local"))
     if order == "rank_local" and exchange != "owner":
         raise ValueError("order='rank_local' needs exchange='owner'")
 

@@ -41,16 +41,22 @@ selected key without a block), emit the poison slot ``2**31 - 1``, which the att
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
 import torch
 
-from ._checks import FLOAT_DTYPES, check_int_scalar, check_no_alias, check_no_aliases, check_tensor
-from .attention import sparse_mla_attention
+from ._checks import (
+    FLOAT_DTYPES,
+    check_choice,
+    check_device,
+    check_int_scalar,
+    check_no_alias,
+    check_no_aliases,
+    check_tensor,
+)
+from .attention import check_sm_scale, sparse_mla_attention
 from .deinterleave import deinterleave_and_compact
 from .geometry import DcpGeometry
 from .index_cache import INDEX_K_FP8
@@ -246,14 +252,6 @@ class ScoringSpec:
             )
 
 
-def _check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str):  # a wrong type (None, a list) is a TypeError, a wrong name a ValueError
-        raise TypeError(f"{name} must be one of {choices} (a str), got {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class StepSpec:
     """Everything a step is planned for: fixed for the life of a :class:`dcp_ref.step.PlannedStep`.
@@ -314,32 +312,22 @@ class StepSpec:
                 f"num_heads (H={self.num_heads}) must be divisible by the world size W={self.geometry.world_size}: "
                 "each rank ends with H/W heads"
             )
-        sc = self.sm_scale
-        if isinstance(sc, (bool, np.bool_)) or not isinstance(sc, (int, float, np.integer, np.floating)):
-            raise TypeError(f"sm_scale must be a float, got {type(sc).__name__}")  # numpy floats are floats
-        if not math.isfinite(sc) or sc <= 0:
-            raise ValueError(f"sm_scale must be a finite float > 0, got {sc!r}")
-        object.__setattr__(self, "sm_scale", float(sc))
+        object.__setattr__(self, "sm_scale", check_sm_scale(self.sm_scale))  # numpy floats are floats
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(self.dtype).__name__}")
         if self.dtype not in FLOAT_DTYPES:  # the query's and the bf16 cache's dtype: what attention computes in
             allowed = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
             raise TypeError(f"dtype must be one of ({allowed}), got {str(self.dtype).replace('torch.', '')}")
-        if not isinstance(self.device, (str, torch.device)):
-            raise TypeError(f"device must be a torch.device or a str, got {type(self.device).__name__}")
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, ValueError) as e:
-            raise ValueError(f"device must name a torch device, got {self.device!r} ({e})") from None
+        dev = check_device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device must be one this machine has: {self.device!r}, but CUDA is not available")
         if dev.type == "cuda" and dev.index is None:  # "cuda" means the current device: pin it (tensors say cuda:N)
             dev = torch.device("cuda", torch.cuda.current_device())
         object.__setattr__(self, "device", dev)
-        _check_choice(self.layout, "layout", LAYOUTS)
-        _check_choice(self.exchange, "exchange", EXCHANGES)
-        _check_choice(self.order, "order", ORDERS)
-        _check_choice(self.combine, "combine", COMBINES)
+        check_choice(self.layout, "layout", LAYOUTS)
+        check_choice(self.exchange, "exchange", EXCHANGES)
+        check_choice(self.order, "order", ORDERS)
+        check_choice(self.combine, "combine", COMBINES)
         if self.order == "rank_local" and self.exchange != "owner":
             raise ValueError(
                 "order='rank_local' needs exchange='owner' (ids do not travel, so only owners can map them)"

@@ -76,10 +76,11 @@ check_lists() {  # every gpu-marked file in exactly one list, every listed file 
 
 # The carry: a device call takes the tracked tree plus one bundle, 64 MiB in all; the CuTeDSL bundle (61.5 MB) leaves
 # ~5 MB for the tree. When a call is refused as larger than that, `slim` moves what no device call reads (the chapters,
-# the CPU-only contract probe) under .gpu/offcarry (git-ignored, never carried) and `unslim` puts it back: run
+# the CPU-only contract probe, the scoring plan sweep) under .gpu/offcarry (git-ignored, never carried) and `unslim`
+# puts it back: run
 # `tools/gpu_check.sh slim` before the calls and `tools/gpu_check.sh unslim` after (until then git status shows those
 # files deleted; CI and lint need them back).
-SLIM_PATHS="notebooks tools/probe_contracts.py"
+SLIM_PATHS="notebooks tools/probe_contracts.py benchmarks/results/scoring_sweep.json"
 if [ "$what" = slim ] || [ "$what" = unslim ]; then
   for p in $SLIM_PATHS; do
     if [ "$what" = slim ] && [ -e "$p" ]; then
