@@ -66,13 +66,13 @@ def now_utc() -> str:
 
 def copy_bandwidth(device: torch.device | str = "cuda") -> float:
     """Bytes per second of a 1 GiB device-to-device copy (read + write), measured in this run: the bandwidth every
-    benchmark's memory floor divides by, measured one way for all of them (``triton.testing.do_bench``, eager; on
+    benchmark's memory floor divides by, measured one way for all of them (``_timing.eager``, L2 flushed; on
     the H200 about 4.2 TB/s, where the CUDA-graph replay of the same copy ``bench_attention.py`` used to time read
     2.76 TB/s — 2026-12-02 — and so overstated its floors by half)."""
-    import triton.testing
+    import _timing  # this folder
 
     n = 1 << 28  # 1 GiB of int32: far beyond the 60 MB L2
     src = torch.randint(0, 1 << 30, (n,), dtype=torch.int32, device=device)
     dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    return 2 * n * 4 / (ms * 1e-3)
+    us = _timing.eager(lambda: dst.copy_(src), flush_l2=True).median_us
+    return 2 * n * 4 / (us * 1e-6)

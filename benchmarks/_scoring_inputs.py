@@ -1,4 +1,5 @@
-"""Inputs and timing shared by ``bench_scoring.py`` and ``peer_deepgemm_logits.py`` (the same seed, the same bytes).
+"""Inputs shared by ``bench_scoring.py`` and ``peer_deepgemm_logits.py`` (the same seed, the same bytes; timing:
+``_timing.py``).
 
 Both scripts run as scripts (``python3 benchmarks/x.py``), so this folder is on ``sys.path``. This module
 imports torch and the project's plain-PyTorch reference only — never cutlass, flashinfer or deep_gemm —
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the project, when it is not installed (the DeepGEMM peer's process)
     sys.path.insert(0, ROOT)
 
-from _graphs import capture  # noqa: E402  (this folder is on sys.path: the benchmarks run as scripts)
 
 #: ``(T, L)`` at ``next_n = 1`` (``B = T``).
 SHAPES = [(t, n) for t in (1, 32, 128) for n in (4096, 32768, 131072)]
@@ -133,50 +132,6 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     if not bool(torch.isfinite(g[fin]).all()):
         return float("inf")
     return float((g[fin] - r[fin]).abs().max() / r[fin].abs().max().clamp_min(1e-30))
-
-
-# ---- timing ----------------------------------------------------------------------------------------
-def do_bench_us(fn: Callable[[], Any]) -> dict[str, float]:
-    import triton.testing
-
-    q = triton.testing.do_bench(fn, warmup=10, rep=60, quantiles=[0.5, 0.2, 0.8])
-    return {"median_us": q[0] * 1e3, "p20_us": q[1] * 1e3, "p80_us": q[2] * 1e3}
-
-
-def reps_for(fn: Callable[[], Any]) -> int:
-    """About 2 ms of work per graph replay, 1..20 calls."""
-    import triton.testing
-
-    t_us = triton.testing.do_bench(fn, warmup=2, rep=10) * 1e3
-    return max(1, min(20, int(2000 / max(t_us, 1e-3))))
-
-
-def graph_time(fn: Callable[[], Any], reps: int | None = None) -> dict[str, Any]:
-    """Device time per call: a CUDA graph of ``reps`` calls replayed under do_bench, / reps. A call that
-    cannot be captured is timed eagerly with CUDA events (``timing: "events"``), with the reason."""
-    reps = reps or reps_for(fn)
-    try:
-        g = capture(fn, calls=reps)
-        r = do_bench_us(g.replay)
-        del g
-        return {k: v / reps for k, v in r.items()} | {"reps": reps, "timing": "graph"}
-    except Exception as e:  # noqa: BLE001 - recorded, then timed another way
-        torch.cuda.synchronize()
-        return do_bench_us(fn) | {"timing": "events", "capture_error": f"{type(e).__name__}: {e}"[:300]}
-
-
-def sweep_time(fn: Callable[[], Any], reps: int) -> dict[str, Any]:
-    """The sweep's cheaper timer: a CUDA graph of ``reps`` calls replayed under ``do_bench`` (warm-up 5 ms,
-    25 ms of replays, median / p20 / p80), / reps. No events fallback: a call that cannot be captured raises."""
-    import triton.testing
-
-    g = capture(fn, calls=reps)
-    try:
-        q = triton.testing.do_bench(g.replay, warmup=5, rep=25, quantiles=[0.5, 0.2, 0.8])
-    finally:
-        del g
-    return {"median_us": q[0] * 1e3 / reps, "p20_us": q[1] * 1e3 / reps, "p80_us": q[2] * 1e3 / reps,
-            "reps": reps, "timing": "graph, do_bench rep=25 ms"}  # fmt: skip
 
 
 def device_info() -> dict[str, Any]:

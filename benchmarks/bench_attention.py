@@ -16,8 +16,9 @@ L2), DeepSeek's geometry (Dqk = 576, Dv = 512, sm_scale = 192**-0.5):
   (masked layout; at W = 1 the same slots), H = 128.
 
 Rows of ``summary``: ``{"impl", "T", "K", "H", "cache", "graph_us", "floor_us", "rel_err", "ctas", "sm_busy"}``.
-``graph_us``: median per call of a CUDA graph of 20 back-to-back calls, replayed 5 x after warm-up (no L2
-flush). ``floor_us``: ``max(bytes / copy bandwidth measured in this run, FLOPs / 989 TFLOPS)`` with bytes =
+``graph_us``: median per call of a CUDA graph of 20 back-to-back calls (``_timing.graph``: its warm-up and
+median of replays; no L2 flush). ``floor_us``: ``max(bytes / copy bandwidth measured in this run,
+FLOPs / 989 TFLOPS)`` with bytes =
 ``T*K*bytes_per_row + q + out`` and FLOPs = ``2*T*H*K*(576 + 512)``. ``rel_err``: ``||out - ref|| / ||ref||``
 against the float64 reference (:mod:`dcp_ref.attention`, :func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8`
 for FP8) on the inputs timed (T <= 32; outputs poisoned with NaN first). ``ctas``: phase-1 programs of the
@@ -53,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import _meta  # noqa: E402
-from _graphs import capture, replay_us  # noqa: E402  (the benchmarks' folder is on sys.path)
+import _timing  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 from dcp_ref.attention import sparse_mla_attention  # noqa: E402
 from dcp_ref.fp8_cache import FP8_DS_MLA, quantize_kv_fp8, sparse_mla_attention_fp8  # noqa: E402
@@ -67,16 +68,6 @@ CACHE_ROWS = 131072
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 FLASHMLA_SWEEP_SPLITS = (1, 2, 4, 8, 16)  # K = 2048: a split is at least the kernel's 128-slot width multiple
 FLASHMLA_SWEEP_T = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def graph_us(fn: Callable[[], object], calls: int = 20, reps: int = 5) -> float:
-    """Median µs per call of ``calls`` back-to-back calls of ``fn`` captured in one CUDA graph."""
-    graph = capture(fn, calls=calls, warmup=2)
-    graph.replay()
-    torch.cuda.synchronize()
-    us = replay_us(graph, calls, reps)
-    del graph
-    return us
 
 
 def floor_us(T: int, H: int, K: int, row_bytes: int, bw: float) -> tuple[float, float, float]:
@@ -132,7 +123,7 @@ def measure(
             entry["rel_err"] = rel_err(inp.out, ref_o)
             fin = torch.isfinite(ref_l)
             entry["lse_max_abs_err"] = (inp.lse[fin].double() - ref_l[fin]).abs().max().item()
-        entry["graph_us"] = graph_us(run)
+        entry["graph_us"] = _timing.graph(run, calls=20).median_us
     except Exception as e:
         entry["error"] = f"{type(e).__name__}: {e}"[:400]
         traceback.print_exc()
@@ -315,7 +306,7 @@ def sweep(data: dict, shapes, gen, sms: int, result: dict, save, configs, splits
                 torch.cuda.synchronize()
                 if not bool(torch.isfinite(inp.out).all()):
                     raise RuntimeError("non-finite output on finite data")
-                entry["graph_us"] = graph_us(run, calls=10, reps=3)
+                entry["graph_us"] = _timing.graph(run, calls=10, rule=_timing.SWEEP).median_us
             except Exception as e:
                 entry["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(entry)
@@ -422,8 +413,10 @@ def main() -> None:
             "sm_count": sms,
             "copy_bandwidth_TBps": bw / 1e12,
             "peak_bf16_TFLOPS": PEAK_BF16_FLOPS / 1e12,
-            "timing": "CUDA graph of 20 back-to-back calls, median of 5 replays (sweep: 10 calls, 3 replays), "
-            "no L2 flush",
+            "timing": _timing.describe("graph", 20)
+            + "; no L2 flush (sweep: "
+            + _timing.describe("graph", 10, _timing.SWEEP)
+            + ")",
             "slots": "K distinct random rows per token (all valid, counts = K), the same for every implementation",
         },
         "summary": [],

@@ -20,14 +20,12 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
+import _timing  # the benchmarks' folder is on sys.path (run as a script)
 import torch
 import torch.distributed as dist
-from _graphs import capture, replay_us  # the benchmarks' folder is on sys.path (run as a script)
 
 H, DQK, DV, TOPK = 128, 576, 512, 2048
 
@@ -44,16 +42,12 @@ def _shapes(T: int, W: int) -> dict[str, tuple[str, tuple[int, ...], torch.dtype
     }
 
 
-def _time(fn: Any, cpu: bool, calls: int, reps: int = 20) -> float:
-    """Median µs per call: graph replays of ``calls`` back-to-back calls (eager wall time on the CPU)."""
+def _time(fn: Any, cpu: bool, calls: int) -> float:
+    """Median µs per call (``_timing``): graph replays of ``calls`` back-to-back calls (eager wall time on the CPU).
+    The rule's fixed counts keep every rank's collectives in step."""
     if cpu:
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(ts)
-    return replay_us(capture(fn, calls=calls), calls, reps)
+        return _timing.host(fn, device="cpu").median_us
+    return _timing.graph(fn, calls=calls).median_us
 
 
 def bench(group: Any, transport: str, T: int, dev: torch.device, cpu: bool, calls: int) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ on uniqueness) with 2 % set to -1. Timed on this rank (rank 0).
 Methods: the three Triton strategies of ``dcp_ref.kernels.deinterleave_triton`` over a few tile
 sizes, the conversion alone (no compaction: a floor), and a plain-PyTorch implementation (mask +
 stable argsort + gather). Every configuration's output is checked against the reference on the
-first call (outputs poisoned first). Time = ``triton.testing.do_bench`` median (µs) with
+first call (outputs poisoned first). Time = ``_timing.eager`` median (µs, L2 flushed before each call) with
 quantiles; effective bandwidth counts the ids read and the slots written (8 bytes per entry)
 plus the counts, against the device copy bandwidth measured in the same run.
 """
@@ -35,7 +35,7 @@ BLOCK_SIZE = 64
 CONTEXT = 65536
 
 import _meta  # noqa: E402
-from _graphs import capture  # noqa: E402
+import _timing  # noqa: E402
 from _progress import progress  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 from dcp_ref.geometry import DcpGeometry  # noqa: E402
@@ -79,11 +79,6 @@ def torch_baseline(ids, req, bt, bs, w, r, i):
     return torch.gather(slots, 1, order).to(torch.int32), valid.sum(1, dtype=torch.int32)
 
 
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    """Capture ``fn`` (already warmed up / compiled) in a CUDA graph."""
-    return capture(fn)
-
-
 def check(method, o, c, ids, req, bt, w, r, i):
     from dcp_ref.deinterleave import canonicalize, deinterleave_and_compact
 
@@ -101,8 +96,6 @@ def check(method, o, c, ids, req, bt, w, r, i):
 
 
 def run(args) -> dict:
-    import triton
-    import triton.testing
 
     from dcp_ref.kernels import deinterleave_triton as dk
 
@@ -127,10 +120,12 @@ def run(args) -> dict:
             "rank": 0,
             "invalid_fraction": 0.02,
         },
-        "timing": "time_us: triton.testing.do_bench median, warmup 10 ms, rep 100 ms (L2 flushed before each "
-        "call, Python launch cost included when it exceeds the flush), quantiles [0.2, 0.8]; graph_us: "
-        "triton.testing.do_bench_cudagraph median (CUDA-graph replays, no launch cost, no L2 flush); "
-        "graph_cold_us: do_bench median of graph.replay (L2 flushed, launch cost hidden by the flush)",
+        "timing": "time_us: " + _timing.describe("eager", flush_l2=True) + " (Python launch cost included "
+        "when it exceeds the flush), quantiles [0.2, 0.8]; graph_us: "
+        + _timing.describe("graph", 20)
+        + " (no launch cost, no L2 flush); graph_cold_us: "
+        + _timing.describe("graph", 1, flush_l2=True)
+        + " (launch cost hidden by the flush)",
         "bytes_model": "8 bytes per (row, k) entry (int32 id read + int32 slot written) + 4 per row (count)",
     }
     bw = _meta.copy_bandwidth(dev) if not args.sanitize else float("nan")
@@ -188,16 +183,15 @@ def run(args) -> dict:
                     if args.sanitize:
                         t_us = q20 = q80 = None
                     else:
-                        med, q20, q80 = triton.testing.do_bench(fn, warmup=10, rep=100, quantiles=[0.5, 0.2, 0.8])
-                        t_us, q20, q80 = med * 1e3, q20 * 1e3, q80 * 1e3
+                        e = _timing.eager(fn, flush_l2=True)
+                        t_us, q20, q80 = e.median_us, e.p20_us, e.p80_us
                         graph_us = graph_cold_us = None
                         if method != "torch":
                             # What a server under CUDA graphs pays: replays, no Python launch cost.
-                            graph_us = 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
-                            # The same graph timed by do_bench: L2 flushed before each replay, and
-                            # the replay's few-µs launch hides behind the flush — cold-cache GPU time.
-                            g = graph_of(fn)
-                            graph_cold_us = 1e3 * triton.testing.do_bench(g.replay, warmup=10, rep=100)
+                            graph_us = _timing.graph(fn, calls=20).median_us
+                            # One call per graph, L2 flushed before each replay: the replay's few-µs
+                            # launch hides behind the flush — cold-cache GPU time.
+                            graph_cold_us = _timing.graph(fn, flush_l2=True).median_us
                     e: dict[str, Any] = {
                         "rows": rows,
                         "W": w,
@@ -231,8 +225,8 @@ def summarize(res: dict) -> str:
         f"Device: {res['device']['name']}; torch {res['versions']['torch']}, triton {res['versions']['triton']}; "
         f"copy bandwidth {res['copy_bandwidth_TBps']:.2f} TB/s; {res['date_utc']}",
         "",
-        "Times in µs: do_bench median (eager Python call) / graph replay with L2 flush (do_bench of graph.replay) / "
-        "graph replay hot (do_bench_cudagraph); per method the tile config with the best cold-graph median. "
+        "Times in µs: eager median (Python call, L2 flushed) / graph replay with L2 flush / "
+        "graph replay hot (20 calls per graph); per method the tile config with the best cold-graph median. "
         "'% copy BW' = 8 bytes per entry over the best method's cold-graph time.",
         "",
         "| rows | W | I | atomic (unordered) | rowscan (ordered) | twopass (ordered) | convert only | torch "
@@ -245,7 +239,7 @@ def summarize(res: dict) -> str:
             continue
         key = (e["rows"], e["W"], e["I"])
         cur = by.setdefault(key, {}).get(e["method"])
-        # Rank configs by graph replay (stable); do_bench includes launch-cost noise.
+        # Rank configs by graph replay (stable); the eager time includes launch-cost noise.
         rank = lambda x: x.get("graph_cold_us") or x.get("graph_us") or x["time_us"]  # noqa: E731
         if cur is None or rank(e) < rank(cur):
             by[key][e["method"]] = e

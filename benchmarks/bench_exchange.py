@@ -30,7 +30,7 @@ combine's merge, :func:`dcp_ref.kernels.lse_merge_triton.lse_merge` over the rec
 
 Every summary row also carries the bytes on the wire per token of both exchanges (:func:`exchange_bytes`,
 :func:`combine_bytes`). Times: device time per call from replaying a CUDA graph of ``REPS`` back-to-back calls
-(``triton.testing.do_bench`` median of the replays / ``REPS``), as ``bench_topk.py``.
+(L2 flushed before each replay; ``_timing.py``: median of the replays / ``REPS``), as ``bench_topk.py``.
 
 ``--sweep``: the kernel's tunings (:data:`SWEEP`: CTA shape, first digit, vector width, variant, split) at rows
 1, 32, 128 and 1024, W = 8, both orders — each correct-checked and timed — so that one device run picks the
@@ -50,8 +50,8 @@ import tempfile
 from typing import Any
 
 import _meta
+import _timing
 import torch
-from _graphs import capture
 from _progress import progress
 
 ROWS = (1, 32, 128, 1024)
@@ -106,12 +106,9 @@ def combine_bytes(world: int, heads: int) -> dict[str, int]:
 
 
 # ---- metadata, timing ------------------------------------------------------------------------------
-def graph_us(fn, reps: int = REPS) -> float:
-    """Device time per call: a CUDA graph of ``reps`` calls, replayed under do_bench (median), / ``reps``."""
-    import triton.testing
-
-    g = capture(fn, calls=reps)
-    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3 / reps
+def graph_us(fn) -> float:
+    """Device time per call: ``_timing.graph`` of ``REPS`` calls, L2 flushed before each replay (median)."""
+    return _timing.graph(fn, calls=REPS, flush_l2=True).median_us
 
 
 def load_peers(folder: str | None) -> dict[str, Any]:
@@ -435,7 +432,7 @@ def main() -> int:
         "versions": _meta.versions(),
         "peers": sorted(peers),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": f"CUDA graph of {REPS} back-to-back calls, triton.testing.do_bench median of replays / {REPS}",
+        "method": _timing.describe("graph", REPS, flush_l2=True),
         "inputs": f"K = k = {K}, block size {BLOCK_SIZE}, context {CONTEXT} per row, randn scores, rank 0",
         "argv": sys.argv[1:],
     }

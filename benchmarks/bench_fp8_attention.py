@@ -18,8 +18,8 @@ share under W = 2 (each key is local with probability 1/2, so about K/2 valid en
 * ``flashinfer_fa3`` — :class:`dcp_ref.kernels.flashinfer_mla.FlashInferSparseMLA` (bf16,
   compact CSR). ``plan()`` (a host sync, 0.6–1.1 ms) runs before capture and is *not* timed.
 
-``graph_us``: median time per call of a CUDA-graph replay of the call (100 replays back to back,
-5 repetitions; no L2 flush; the caches hold 131072 rows: 86 MB FP8, 151 MB bf16, above the
+``graph_us``: median time per call of a CUDA-graph replay of the call (``_timing.graph``: replays back to back;
+no L2 flush; the caches hold 131072 rows: 86 MB FP8, 151 MB bf16, above the
 50 MB L2). ``rel_err``: ``||out - ref||_F / ||ref||_F`` against the float64 reference over the
 cache the kernel reads (FP8: :func:`dcp_ref.fp8_cache.sparse_mla_attention_fp8`, which
 dequantizes as the kernel does; bf16: :func:`dcp_ref.attention.sparse_mla_attention`). Each
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -49,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import _meta  # noqa: E402
-from _graphs import capture  # noqa: E402  (the benchmarks' folder is on sys.path)
+import _timing  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 from dcp_ref.attention import sparse_mla_attention  # noqa: E402
 from dcp_ref.fp8_cache import FP8_DS_MLA, quantize_kv_fp8, sparse_mla_attention_fp8  # noqa: E402
@@ -57,30 +56,6 @@ from dcp_ref.geometry import DcpGeometry  # noqa: E402
 
 H, DQK, DV = 128, 576, 512
 SM_SCALE = 192**-0.5  # DeepSeek V3.2: 1 / sqrt(128 + 64)
-
-
-def graph_us(fn: Callable[[], object], replays: int = 100, reps: int = 5) -> float:
-    """Median µs per call of ``fn`` captured in a CUDA graph and replayed back to back."""
-    graph = capture(fn, warmup=3)
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    return statistics.median(times)
-
-
-def eager_us(fn: Callable[[], object]) -> float:
-    import triton.testing as tt
-
-    return tt.do_bench(fn, warmup=25, rep=200) * 1e3
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -108,7 +83,8 @@ def bench_config(T: int, K: int, W: int, data: dict, gen: torch.Generator, quick
     q = torch.randn(T, H, DQK, generator=gen, device=dev).bfloat16()
     kv, fp8 = data["kv"], data["fp8"]
     summary, det = [], {"T": T, "K": K, "W": W, "valid_per_row_mean": rows["counts"].float().mean().item()}
-    timer = graph_us if not quick else (lambda fn: graph_us(fn, replays=10, reps=2))
+    rule = _timing.SWEEP if quick else _timing.STANDARD
+    timer = lambda fn: _timing.graph(fn, rule=rule).median_us  # noqa: E731
 
     def record(
         impl: str, run: Callable[[], tuple[torch.Tensor, torch.Tensor]], ref: tuple, out: torch.Tensor, extra=None
@@ -128,7 +104,7 @@ def bench_config(T: int, K: int, W: int, data: dict, gen: torch.Generator, quick
                 entry["graph_us"] = timer(run)
             except Exception as e:  # a library call that cannot be captured: time it eagerly instead
                 det[f"{impl}_graph_error"] = f"{type(e).__name__}: {e}"[:300]
-                entry["eager_us"] = eager_us(run)
+                entry["eager_us"] = _timing.eager(run, flush_l2=True).median_us
         except Exception as e:
             entry["error"] = f"{type(e).__name__}: {e}"[:300]
             traceback.print_exc()
@@ -290,7 +266,9 @@ def main() -> None:
             "cache_rows": S,
             "fp8_bytes_per_token": FP8_DS_MLA.bytes_per_token,
             "bf16_bytes_per_token": FP8_DS_MLA.bf16_bytes_per_token,
-            "timing": "CUDA graph replay, median of 5 x 100 back-to-back replays, no L2 flush",
+            "timing": _timing.describe("graph", 1)
+            + ", no L2 flush (--quick: the SWEEP rule); eager_us: "
+            + _timing.describe("eager", flush_l2=True),
             "rel_err": "||out - ref||_F / ||ref||_F, float64 reference over the cache the kernel reads",
             "W=2": "one rank's share: each chosen key local with probability 1/2, -1 elsewhere (masked) "
             "or compacted with per-row counts (compact)",

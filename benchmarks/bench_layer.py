@@ -20,7 +20,7 @@ filled once, before timing, with perturbed copies of this rank's, so that select
 candidates). The collectives' time is added from the cost model's line fitted to the NCCL collectives
 measured on two H200s (``collectives_us``, ``collectives_source``) — a prediction for W > 2, labelled so.
 
-Rows: ``{"layout", "W", "T", "ctx", "cache", "graph_us", "collectives_us", "source", "stages_us", ...}``
+Rows: ``{"layout", "W", "T", "ctx", "cache", "options", "graph_us", "collectives_us", "source", "stages_us", ...}``
 with ``source = "measured (one H200, collectives excluded)"``; ``eager_us``, host syncs and launches per
 step (torch.profiler), allocations per run at steady state, and each stage's isolated graph time.
 """
@@ -37,8 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import _meta
+import _timing
 import torch
 from bench_step import _eager_time_us, _graph_time_us, _profile_counts  # benchmarks/ is on sys.path
+
+from dcp_ref.options import PLANNED, LayerOptions
 
 H, DQK, DV, TOPK, BLOCK = 128, 576, 512, 2048, 64
 INDEX_HEADS, INDEX_DIM = 64, 128
@@ -149,35 +152,37 @@ def _stage_times(step, q, shard, meta, index_q, weights) -> dict[str, float]:
     cg, k = s.cache_geometry, s.topk
     trace: dict = {}
     step.run(q, shard, meta, index_q=index_q, index_weights=weights, trace=trace)
-    b = step._views(q.shape[0])
+    T = q.shape[0]
+    parts = step.parts
+    qv, iv, xv, av = (part.views(T) for part in (parts.query, parts.indexing, parts.exchange, parts.attention))
+    cv = parts.combine.views(T)  # None for no combine
     times: dict[str, float] = {}
     bt, req, bounds = shard.block_table, meta.req_of_token, meta.local_bounds
     n_cols = s.scoring.max_keys
     times["scoring"] = _graph_time_us(lambda: st.scoring(
-        index_q, weights, shard.index_cache, bt, req, bounds, cg, out=b.scores))  # fmt: skip
-    kw = dict(order="rank_local", out_ids=b.own_ids) if s.order == "rank_local" else {}
-    times["indexer"] = _graph_time_us(lambda: st.indexer(b.scores, bounds, cg, k, out=b.packed, **kw))
-    gathered = b.gathered if b.gathered is not None else b.packed.unsqueeze(0)
+        index_q, weights, shard.index_cache, bt, req, bounds, cg, out=iv.scores))  # fmt: skip
+    kw = dict(order="rank_local", out_ids=iv.own_ids) if s.order == "rank_local" else {}
+    times["indexer"] = _graph_time_us(lambda: st.indexer(iv.scores, bounds, cg, k, out=iv.packed, **kw))
+    gathered = xv.gathered if xv.gathered is not None else iv.packed.unsqueeze(0)
     times["select_to_slots"] = _graph_time_us(lambda: st.select_to_slots(
-        gathered, b.own_ids, req, bt, cg, k, order=s.order, out_slots=b.slots, out_counts=b.counts))  # fmt: skip
-    q_full = b.q_full if b.q_full is not None else (b.q_gathered.view(q.shape[0], s.num_heads, DQK)
-                                                    if b.q_gathered is not None else q)  # fmt: skip
+        gathered, iv.own_ids, req, bt, cg, k, order=s.order, out_slots=xv.slots, out_counts=xv.counts))  # fmt: skip
+    q_full = qv.full if qv.full is not None else (qv.gathered.view(T, s.num_heads, DQK)
+                                                  if qv.gathered is not None else q)  # fmt: skip
     slots, counts = trace["slots"], trace["counts"]
     times["attention"] = _graph_time_us(lambda: st.attention(
-        q_full, shard.kv_cache, slots, counts, SCALE, DV, out=b.partial, out_lse=b.lse))  # fmt: skip
+        q_full, shard.kv_cache, slots, counts, SCALE, DV, out=av.partial, out_lse=av.lse))  # fmt: skip
     scored_rows = step._scored_rows(shard, index_q, weights)  # the scoring rows the step's guard also checks
-    times["guard"] = _graph_time_us(lambda: st.guard(b.partial, b.lse, bounds, req, bt, cg, n_cols, **scored_rows))
-    if b.recv_out is not None:
-        times["combine"] = _graph_time_us(lambda: st.combine(b.recv_out, b.recv_lse, out=b.out, out_lse=b.out_lse))
-        W, T, Hs = s.geometry.world_size, q.shape[0], s.heads_per_rank
+    times["guard"] = _graph_time_us(lambda: st.guard(av.partial, av.lse, bounds, req, bt, cg, n_cols, **scored_rows))
+    if cv is not None and hasattr(cv, "recv_out"):  # the all-to-all combine
+        times["combine"] = _graph_time_us(lambda: st.combine(cv.recv_out, cv.recv_lse, out=cv.out, out_lse=cv.out_lse))
+        W, Hs = s.geometry.world_size, s.heads_per_rank
         times["pack_for_alltoall"] = _graph_time_us(lambda: (
-            b.send_out.copy_(b.partial.view(T, W, Hs, DV).transpose(0, 1)),
-            b.send_lse.copy_(b.lse.view(T, W, Hs).transpose(0, 1))))  # fmt: skip
-    if b.q_full is not None:
-        W, T, Hs = s.geometry.world_size, q.shape[0], s.heads_per_rank
-        times["query_transpose"] = _graph_time_us(
-            lambda: b.q_full.view(T, W, Hs, DQK).copy_(b.q_gathered.transpose(0, 1))
-        )
+            cv.send_out.copy_(av.partial.view(T, W, Hs, DV).transpose(0, 1)),
+            cv.send_lse.copy_(av.lse.view(T, W, Hs).transpose(0, 1))))  # fmt: skip
+    if qv.full is not None:
+        W, Hs = s.geometry.world_size, s.heads_per_rank
+        full, gathered = qv.full, qv.gathered
+        times["query_transpose"] = _graph_time_us(lambda: full.view(T, W, Hs, DQK).copy_(gathered.transpose(0, 1)))
     return times
 
 
@@ -187,6 +192,17 @@ def check_kernels_ran(impls: dict[str, str], notes: dict[str, str]) -> None:
     fell = {stage: notes.get(stage, "") for stage, impl in impls.items() if impl in ("torch", "reference")}
     if fell:
         raise RuntimeError(f"stages fell back to the reference, not timed: {fell}")
+
+
+def row_options(layout: str, W: int) -> LayerOptions:
+    """The layer options a row ``layout:W:T:ctx:cache`` times: the planned layer (:data:`dcp_ref.options.PLANNED`:
+    owner exchange, one all-to-all combine, the query gathered over heads) in ``layout``, the candidates' order
+    ``rank_local`` only where there is an exchange (dcp over W > 1; else ``global_id``), and the query replicated at
+    W = 1 (nothing to gather). The row records it as ``"options"`` (:attr:`LayerOptions.label`)."""
+    options = PLANNED.replace(layout=layout)
+    if layout == "tp" or W == 1:
+        options = options.replace(order="global_id")
+    return options.replace(q_replicate=True) if W == 1 else options
 
 
 def bench_row(
@@ -202,14 +218,14 @@ def bench_row(
     rank = group.rank if group is not None else 0
     q, shard, meta, index_q, weights, _, local = make_layer_inputs(layout, W, T, ctx, cache, device, rank=rank)
     kv_format = "fp8_ds_mla" if cache == "fp8" else "native"
-    heads = H if layout == "dcp" else H // W
-    stages = kernel_stages(device, torch.bfloat16, DQK, DV, num_heads=heads, topk=TOPK, kv_format=kv_format)
     from dcp_ref.geometry import DcpGeometry
 
-    order = "rank_local" if layout == "dcp" and W > 1 else "global_id"
-    spec = StepSpec(DcpGeometry(W, 0, 1, BLOCK), max_tokens=T, topk=TOPK, num_heads=H, head_dim=DQK, v_dim=DV,
-                    sm_scale=SCALE, dtype=torch.bfloat16, device=device, layout=layout, exchange="owner", order=order,
-                    combine="alltoall", q_replicate=W == 1, scoring=ScoringSpec(local))  # fmt: skip
+    options = row_options(layout, W)
+    order = options.order
+    spec = StepSpec.for_options(DcpGeometry(W, 0, 1, BLOCK), options, max_tokens=T, topk=TOPK, num_heads=H,
+                                head_dim=DQK, v_dim=DV, sm_scale=SCALE, dtype=torch.bfloat16, device=device,
+                                scoring=ScoringSpec(local), kv_format=kv_format)  # fmt: skip
+    stages = kernel_stages(spec)  # the attention runs spec.attention_heads: H (dcp) or H / W (tp)
     real = group is not None
     if real and rank != 0:
         spec = dataclasses.replace(spec, geometry=DcpGeometry(W, rank, 1, BLOCK))
@@ -235,22 +251,13 @@ def bench_row(
     allocs = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) - mem0
     row: dict[str, Any] = {
         "layout": layout, "W": W, "T": T, "ctx": ctx, "cache": cache, "local_keys": local,
-        "scoring": "unfused", "order": order, "impl": step.impls,
+        "scoring": "unfused", "order": order, "options": options.label, "impl": step.impls,
         "notes": dict(step.stages.notes), "plan_ms": plan_ms, "allocations_per_run": allocs,
     }  # fmt: skip
     row["eager_us"] = _eager_time_us(run)
     row.update(_profile_counts(run))
     graph = step.capture(q, shard, meta, index_q=index_q, index_weights=weights)
-    for _ in range(10):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(100):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    row["graph_us"] = a.elapsed_time(b) * 1000 / 100
+    row["graph_us"] = _timing.replay(graph).median_us
     row["stages_us"] = _stage_times(step, q, shard, meta, index_q, weights)
     row["stages_sum_us"] = sum(row["stages_us"].values())
     if real:

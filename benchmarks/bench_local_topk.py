@@ -8,7 +8,7 @@ Shapes: T in {1, 32, 128, 1024} x L in {4096, 8192, 32768, 131072}, k = 2048, pl
 (16 distinct values: long ties at the threshold). Scores are standard normal float32 ``[T, L]``, every
 local key valid (``lengths = L``), geometry W = 2, rank 0, I = 1 (the geometry only changes the id
 arithmetic). Per shape, each timed as the device time per call of a CUDA graph of back-to-back calls
-(``triton.testing.do_bench`` median of the replays, divided by the calls):
+(L2 flushed before each replay; ``_timing.py``: median of the replays, divided by the calls):
 
 * ``fused`` — ours: ``indexer_topk_pack(..., out=, workspace=, validate=False)`` with the default launch
   plan; tie rule: *stable* (score descending, then lower index: exact). Its output is poisoned first and
@@ -47,8 +47,8 @@ import sys
 import time
 
 import _meta
+import _timing  # the benchmarks' folder is on sys.path
 import torch
-from _graphs import capture  # the benchmarks' folder is on sys.path
 
 from dcp_ref.geometry import DcpGeometry
 
@@ -113,28 +113,10 @@ def cute_sweep() -> list[tuple[int, int, dict]]:
     return out
 
 
-def bench(fn) -> dict:
-    import triton.testing
-
-    q = triton.testing.do_bench(fn, warmup=10, rep=50, quantiles=[0.5, 0.2, 0.8])
-    return {"median_us": q[0] * 1e3, "p20_us": q[1] * 1e3, "p80_us": q[2] * 1e3}
-
-
-def graph_time(fn, reps: int | None = None) -> dict:
-    """Device time per call: a CUDA graph of ``reps`` calls (about 2 ms of work), replayed under do_bench."""
-    reps = reps or reps_for(fn)
-    g = capture(fn, calls=reps)
-    r = bench(g.replay)
-    del g
-    return {k: v / reps for k, v in r.items()} | {"reps": reps}
-
-
-def reps_for(fn) -> int:
-    """About 2 ms of work per graph replay, 1..20 calls."""
-    import triton.testing
-
-    t_us = triton.testing.do_bench(fn, warmup=2, rep=10) * 1e3
-    return max(1, min(20, int(2000 / max(t_us, 1e-3))))
+def graph_time(fn, calls: int | None = None) -> dict:
+    """Device time per call (``_timing.graph_row``: a CUDA graph of ``reps`` calls, about 2 ms of work unless
+    given, L2 flushed before each replay): ``{"median_us", "p20_us", "p80_us", "reps"}``."""
+    return _timing.graph_row(fn, calls=calls, flush_l2=True)
 
 
 def launch_floor() -> dict:
@@ -149,7 +131,7 @@ def launch_floor() -> dict:
             tl.store(x_ptr, pid)
 
     x = torch.empty(1, dtype=torch.int32, device=DEV)
-    return graph_time(lambda: _empty[(1,)](x), reps=20)
+    return graph_time(lambda: _empty[(1,)](x), calls=20)
 
 
 def same_rows(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -423,7 +405,7 @@ def validation_cost(shapes: list[tuple[int, int]]) -> list[dict]:
                 scores, lengths, K, DcpGeometry(W, RANK, I, I), out=out, validate=v, workspace=ws
             )
             fn()
-            times["validated" if v else "unvalidated"] = bench(fn)["median_us"]
+            times["validated" if v else "unvalidated"] = _timing.eager(fn, flush_l2=True).median_us
         lim = 1.5 * times["unvalidated"] + 10
         res.append({"T": t, "L": n, **{f"{a}_eager_us": b for a, b in times.items()}, "limit_us": lim,
                     "met": times["validated"] <= lim})  # fmt: skip
@@ -645,8 +627,7 @@ def main() -> int:
         "launch_floor_us": floor,
         "peers": peers.note,
         "tie_rules": TIE_RULES,
-        "timing": "device time per call: CUDA graph of `reps` calls replayed under triton.testing.do_bench "
-        "(median, p20/p80), / reps",
+        "timing": _timing.describe("graph", "`reps`", flush_l2=True),
         "inputs": {
             "k": K,
             "world_size": W,

@@ -16,8 +16,8 @@ Measured (all bf16 outputs, fp32 LSEs, H = 128, D = 512):
   per row, H = 128: ``run()`` alone, ``plan()`` alone, and ``plan() + run()``.
 
 Every kernel is checked against the float64 reference (outputs poisoned with NaN first) before
-it is timed, on random (non-zero) data. Times are ``triton.testing.do_bench`` medians (L2
-flushed before every call) with 20/80 % quantiles.
+it is timed, on random (non-zero) data. Times are ``_timing.eager`` medians (L2 flushed before every
+call) with 20/80 % quantiles.
 """
 
 from __future__ import annotations
@@ -39,15 +39,18 @@ H, D = 128, 512
 ISSUE_COPY_TBPS = 4.23
 
 import _meta  # noqa: E402
-from _graphs import capture  # noqa: E402
+import _timing  # noqa: E402
 from _progress import progress  # noqa: E402  (the benchmarks' folder is on sys.path)
 
 
 def bench(fn) -> dict:
-    import triton.testing as tt
+    """``{"median_us", "p20_us", "p80_us"}`` of the eager call, L2 flushed before each sample (``_timing``)."""
+    return _timing.eager(fn, flush_l2=True).as_dict()
 
-    med, lo, hi = tt.do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8])
-    return {"median_us": med * 1e3, "p20_us": lo * 1e3, "p80_us": hi * 1e3}
+
+def host_us(fn) -> float:
+    """Host wall µs per call of 10 back-to-back calls, the device synchronised around them (``_timing.host``)."""
+    return _timing.host(fn, calls=10, device="cuda").median_us
 
 
 def torch_merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
@@ -180,14 +183,7 @@ def bench_flashinfer() -> dict:
 
         both_t = bench(plan_run)
         # Host wall time of plan() (what the CPU loses per layer), measured with the GPU idle.
-        import time
-
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            attn.plan(slots, counts)
-        torch.cuda.synchronize()
-        plan_host_us = (time.perf_counter() - t0) / 50 * 1e6
+        plan_host_us = host_us(lambda: attn.plan(slots, counts))
         bytes_kv = T * K * 576 * 2
         rows.append(
             {
@@ -219,32 +215,20 @@ def bench_flashinfer() -> dict:
     return {"rows": rows}
 
 
-def graph_time_us(make_call, n: int = 20, reps: int = 20) -> float:
+def graph_time_us(make_call, n: int = 20) -> float:
     """Per-call time of ``n`` back-to-back launches replayed from one CUDA graph (no launch gaps).
 
     ``make_call(i)`` returns the i-th call; each should touch its own buffers so that the ``n``
     calls together exceed the 50 MB L2 (the data comes from HBM, as after attention).
     """
     calls = [make_call(i) for i in range(n)]
-    g = capture(lambda: [c() for c in calls])  # each call warmed up (compiled) once, then captured once
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
-    times.sort()
-    return times[len(times) // 2]
+    # one graph call runs all n (each warmed up before the capture); the median replay over n
+    return _timing.graph(lambda: [c() for c in calls]).median_us / n
 
 
 def floor() -> dict:
     """What bounds the T = 32 case: launch floor, a plain copy of the same bytes, graph replay;
     and where plan()'s host time goes."""
-    import time
 
     import triton
     import triton.language as tl
@@ -304,14 +288,6 @@ def floor() -> dict:
     counts = torch.full((T,), K, dtype=torch.int32, device="cuda")
     attn = FlashInferSparseMLA(H, 192**-0.5, device="cuda")
     attn.plan(slots, counts)
-
-    def host_us(fn, n=50):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n * 1e6
 
     csr = build_compact_csr(slots, counts)
     total = int(csr.kv_indptr[-1])
@@ -391,7 +367,11 @@ def main() -> int:
         **meta,
         "copy_TBps_measured": copy_tbps,
         "copy_TBps_issue": ISSUE_COPY_TBPS,
-        "timing": "triton.testing.do_bench median, L2 flushed before each call, warmup 25 ms, rep 200 ms",
+        "timing": _timing.describe("eager", flush_l2=True)
+        + "; *_graph_us: "
+        + _timing.describe("graph", "n")
+        + "; host_us: "
+        + _timing.describe("host", 10),
     }
     res_merge = {
         **common,

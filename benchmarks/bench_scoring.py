@@ -46,14 +46,15 @@ x local ``L`` in {4096, 32768, 131072}; 64 index heads x 128, block size 64, ran
 ``--no-chain`` skips the chain and vLLM columns. FlashInfer 0.7's ``fp8_paged_mqa_logits`` is an
 SM100-only CuTeDSL kernel: it is not a peer on the H200.
 
-Times: device time per call from replaying a CUDA graph of back-to-back calls (``do_bench`` median / calls), as
-``bench_local_topk.py``. The sweep (default on; ``--no-sweep``): the scoring kernel's launch configurations
+Times: device time per call from replaying a CUDA graph of back-to-back calls, L2 flushed before each replay
+(``_timing.py``: median of its samples / calls), as ``bench_local_topk.py``. The sweep (default on;
+``--no-sweep``): the scoring kernel's launch configurations
 :data:`SWEEP_SPACE` and :data:`SWEEP_EXTRA` (after the plan's own, ``config: {}``; a config the plan resolves to one
 already timed at that shape, or with more tiles than the row has, is skipped) at every shape of both ``next_n``,
 configurations in the outer loop (a seeded shuffle) and shapes inner, so that a cut by ``--sweep-budget`` seconds
 leaves every shape with the same configurations; each checked (``max_rel_err`` against the oracle rows,
 ``vs_default_rel_err`` against the default plan's whole output) and timed with a cheaper timer
-(``_scoring_inputs.sweep_time``: a CUDA graph of ``reps`` calls, ``do_bench`` rep = 25 ms). :func:`best_plans`
+(:func:`sweep_row`: a CUDA graph of ``reps`` calls under ``_timing.SWEEP``, fewer samples). :func:`best_plans`
 picks, per ``(next_n, T, L)``, the fastest configuration within 1e-3; ``--print-plans scoring.json`` prints them as
 the ``PLANS`` literal of ``kernels/scoring_triton.py`` (no GPU needed). ``--ncu-json FILE``
 (repeatable): summaries written by ``profile_scoring.py --summarize``, kept under ``ncu`` and tabulated.
@@ -84,6 +85,7 @@ from typing import Any
 
 import _meta
 import _scoring_inputs as si
+import _timing
 import torch
 
 RANK, W, I = 0, 1, 1  # the id arithmetic only (one rank's keys); scoring does not depend on it
@@ -143,6 +145,17 @@ def tolerant_selection_ok(cand: torch.Tensor, scores: torch.Tensor, k: int, rel:
     return not bool(beats.any())
 
 
+def graph_row(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Device time per call (``_timing``: a CUDA graph of ``reps`` calls, L2 flushed before each replay; eager
+    CUDA events when the call cannot be captured)."""
+    return _timing.graph_row(fn, flush_l2=True, fallback=True)
+
+
+def sweep_row(fn: Callable[[], Any], reps: int) -> dict[str, Any]:
+    """The sweep's cheaper timer: :func:`graph_row` under ``_timing.SWEEP``; a call that cannot be captured raises."""
+    return _timing.graph_row(fn, calls=reps, flush_l2=True, rule=_timing.SWEEP) | {"timing": "graph, SWEEP rule"}
+
+
 def nn_kw(next_n: int) -> dict[str, int]:
     """The ``next_n=`` keyword, only where it is not 1 (so that a kernel without it still runs the next_n = 1 rows)."""
     return {} if next_n == 1 else {"next_n": next_n}
@@ -182,7 +195,7 @@ def run_shape(t: int, n: int, nn: int, bw: float, peers: dict[str, Any], chain_c
     rec["ours_all_finite"] = bool(torch.isfinite(scores[inside]).all())  # each token's own columns
     rec["ours_neginf_past_bounds"] = bool((scores[~inside] == float("-inf")).all())
     del inside
-    rec["ours"] = si.graph_time(ours)
+    rec["ours"] = graph_row(ours)
     if not chain_cols:
         return rec
     from dcp_ref.kernels.indexer_triton import indexer_topk_pack, workspace_for
@@ -194,7 +207,7 @@ def run_shape(t: int, n: int, nn: int, bw: float, peers: dict[str, Any], chain_c
                                                workspace=ws))  # fmt: skip
     chain()
     torch.cuda.synchronize()
-    rec["ours_chain"] = si.graph_time(chain)
+    rec["ours_chain"] = graph_row(chain)
     # ---- vLLM's top-K + pack on our scores
     if "topk_decode" in peers:
         try:
@@ -205,15 +218,15 @@ def run_shape(t: int, n: int, nn: int, bw: float, peers: dict[str, Any], chain_c
             vt = lambda: peers["topk_decode"].top_k_per_row_decode(scores, seq, k, out=v_idx, aux=aux)  # noqa: E731
             vt()
             torch.cuda.synchronize()
-            rec["vllm_topk"] = si.graph_time(vt)
+            rec["vllm_topk"] = graph_row(vt)
             if "vllm_dcp_topk" in peers:
                 packed = torch.empty((t, k, 2), device=DEV)
                 vp = lambda: peers["vllm_dcp_topk"].pack_dcp_topk_candidates(scores, v_idx, packed, RANK, W, I)  # noqa: E731
                 vboth = lambda: (vt(), vp())  # noqa: E731
                 vboth()
                 torch.cuda.synchronize()
-                rec["vllm_pack"] = si.graph_time(vp)
-                rec["vllm_topk_pack"] = si.graph_time(vboth)
+                rec["vllm_pack"] = graph_row(vp)
+                rec["vllm_topk_pack"] = graph_row(vboth)
                 # informative: vLLM's top-K is not stable at ties
                 rec["vllm_tolerant_ok"] = tolerant_selection_ok(packed, scores, k)
         except Exception as e:  # noqa: BLE001 - recorded, the shape goes on
@@ -315,11 +328,11 @@ def sweep_scoring(budget: float, shapes: list[tuple[int, int, int]], configs: li
             rec["max_rel_err"] = si.rel_error(o, st["ref"])
             if st["base"] is None:  # the default plan's output: every later config is compared with all of it
                 st["base"] = o.clone()
-                st["reps"] = si.reps_for(fn)
+                st["reps"] = _timing.reps_for(fn)
             else:
                 rec["vs_default_rel_err"] = si.rel_error(o, st["base"])
                 rec["mask_same_as_default"] = bool(torch.equal(torch.isfinite(o), torch.isfinite(st["base"])))
-            rec["graph"] = si.sweep_time(fn, st["reps"])
+            rec["graph"] = sweep_row(fn, st["reps"])
         except Exception as e:  # noqa: BLE001 - a config that fails to compile or run is recorded
             rec["error"] = f"{type(e).__name__}: {e}"[:400]
             if "OutOfResources" in rec["error"] or "out of resource" in rec["error"].lower():
@@ -612,9 +625,9 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else argv,
         "copy_bandwidth_TBps": bw / 1e12,
         "fp8_peak_TFLOPs": si.FP8_PEAK_FLOPS / 1e12,
-        "timing": "device time per call: CUDA graph of `reps` calls replayed under triton.testing.do_bench "
-        "(median, p20/p80) / reps; 'events' when a call could not be captured; the sweep: the same with do_bench "
-        "rep = 25 ms",
+        "timing": _timing.describe("graph", "`reps`", flush_l2=True)
+        + "; 'events' when a call could not be captured; the sweep: the same under the SWEEP rule "
+        + _timing.describe("graph", "`reps`", _timing.SWEEP, flush_l2=True),
         "target": f"target_us = {TARGET_FACTOR} * read_floor_us + {TARGET_SLACK_US}",
         "peers": sorted(peers),
         "peer_errors": peer_errors,

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import _meta
+import _timing  # the benchmarks' folder is on sys.path
 import torch
-from _graphs import capture  # the benchmarks' folder is on sys.path
 from _progress import progress
+
+from dcp_ref.options import DEFAULT
 
 H, DQK, DV, TOPK, BLOCK = 128, 576, 512, 2048, 64
 SCALE = 192**-0.5
@@ -152,29 +154,15 @@ def _cprofile(step, q, shard, meta, path: Path, iters: int = 200) -> None:
     path.write_text(f"cProfile of {iters} eager runs\n" + buf.getvalue())
 
 
-def _graph_time_us(fn, iters: int = 200) -> float:
-    g = capture(fn)
-    for _ in range(10):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+def _graph_time_us(fn) -> float:
+    """One stage alone: ``fn`` captured in a CUDA graph, median µs per replay (``_timing.graph``, no L2 flush)."""
+    return _timing.graph(fn).median_us
 
 
-def _eager_time_us(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / iters
+def _eager_time_us(fn) -> float:
+    """A whole eager step: wall µs per call of 10 back-to-back calls, the device synchronised around them
+    (``_timing.host``: launches, host work and device work together)."""
+    return _timing.host(fn, calls=10, device="cuda").median_us
 
 
 def _stage_times(step, q, shard, meta) -> dict[str, float]:
@@ -224,6 +212,11 @@ def _stage_times(step, q, shard, meta) -> dict[str, float]:
     return times
 
 
+#: The layer options the step benchmark times: the defaults (all-gather exchange of (score, id) pairs, LSE
+#: all-gather + reduce-scatter, the query replicated); each row records them as ``"options"`` (their label).
+STEP_OPTIONS = DEFAULT
+
+
 def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.device) -> dict[str, Any]:
     from dcp_ref.kernels.stages import _attention_flashinfer, kernel_stages
     from dcp_ref.stages import StepSpec
@@ -231,9 +224,9 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
 
     q, shard, meta, g = make_inputs(world, rank, T, ctx, device, fp8=FP8)
     kv_format = "fp8_ds_mla" if FP8 else "native"
-    stages = kernel_stages(device, torch.bfloat16, DQK, DV, num_heads=H, topk=TOPK, kv_format=kv_format)
-    spec = StepSpec(
+    spec = StepSpec.for_options(
         g,
+        STEP_OPTIONS,
         max_tokens=T,
         topk=TOPK,
         num_heads=H,
@@ -242,7 +235,9 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
         sm_scale=SCALE,
         dtype=torch.bfloat16,
         device=device,
+        kv_format=kv_format,
     )
+    stages = kernel_stages(spec)
     t_plan = time.perf_counter()
     step = PlannedStep(group, spec, stages)
     plan_ms = (time.perf_counter() - t_plan) * 1e3
@@ -253,6 +248,7 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
         "ctx": ctx,
         "attention": step.impls["attention"],
         "kv_format": kv_format,
+        "options": STEP_OPTIONS.label,
         "impl": step.impls,
         "plan_ms": plan_ms,
     }
@@ -277,16 +273,7 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = step.capture(q, shard, meta)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(200):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    row["graph_us"] = start.elapsed_time(end) * 1000 / 200
+    row["graph_us"] = _timing.replay(graph).median_us
     stage_us = _stage_times(step, q, shard, meta)
     row["stages_us"] = stage_us
     row["stages_sum_us"] = sum(stage_us.values())
@@ -298,7 +285,7 @@ def bench_config(group, world: int, rank: int, T: int, ctx: int, device: torch.d
             raise RuntimeError("skipped (--no-flashinfer, or an FP8 cache, which FlashInfer's MLA cannot read)")
         fi = PlannedStep(group, spec, stages.with_(attention=_attention_flashinfer, name="kernels+flashinfer"))
         fi_run = lambda: fi.run(q, shard, meta)  # noqa: E731
-        row["flashinfer_eager_us"] = _eager_time_us(fi_run, iters=20)
+        row["flashinfer_eager_us"] = _eager_time_us(fi_run)
         row["flashinfer_counts"] = _profile_counts(fi_run)
     except Exception as e:  # noqa: BLE001 - recorded, not fatal (flashinfer may be missing)
         fi_ok = False

@@ -8,7 +8,7 @@ the local top-K's size, as in DSA decode). For each shape:
 
 * ``cutedsl_graph_us`` — our kernel, device time per call measured by replaying a CUDA graph of
   20 back-to-back launches (how decode runs in a server: no Python in the loop);
-* ``cutedsl_eager_us`` — the same launched from Python through ``from_dlpack`` (``do_bench``;
+* ``cutedsl_eager_us`` — the same launched from Python through ``from_dlpack`` (``_timing.eager``;
   includes host overhead);
 * ``cutedsl_sorted_graph_us`` — ``sorted=True``;
 * ``cutedsl_tvmffi_eager_us`` — launched through the TVM-FFI call path (torch tensors, env stream);
@@ -19,8 +19,8 @@ the local top-K's size, as in DSA decode). For each shape:
   ``[rows, 65536]``).
 
 Inputs are random normal scores with distinct random ids (never zeros); outputs are poisoned and
-checked against the reference before timing. Medians (and 20/80 % quantiles) of
-``triton.testing.do_bench``.
+checked against the reference before timing. Medians (and 20/80 % quantiles) of ``_timing.py``'s samples
+(L2 flushed before each).
 
     python benchmarks/bench_topk.py --variants --rows 128,1024 --worlds 2,4,8 --K 2048 --out v.json
 
@@ -39,10 +39,9 @@ import json
 import platform
 import sys
 
+import _timing
 import torch
 import triton
-import triton.testing
-from _graphs import capture
 from _progress import progress
 
 from dcp_ref.geometry import DcpGeometry
@@ -83,16 +82,18 @@ def torch_stable(gathered: torch.Tensor, k: int) -> torch.Tensor:
     return torch.gather(c[..., 1], 1, pos).to(torch.int32)
 
 
-def bench(fn, **kw) -> dict:
-    q = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8], **kw)
-    return {"median_us": q[0] * 1e3, "p20_us": q[1] * 1e3, "p80_us": q[2] * 1e3}
+#: How this benchmark's times are measured (recorded in its JSON).
+METHOD = _timing.describe("eager", flush_l2=True) + "; graph = " + _timing.describe("graph", 20, flush_l2=True)
+
+
+def bench(fn) -> dict:
+    """Eager device time per call, L2 flushed before each sample (``_timing.eager``): median, p20, p80."""
+    return _timing.eager(fn, flush_l2=True).as_dict()
 
 
 def graph_time(fn, reps: int = 20) -> dict:
-    """Per-call device time: a CUDA graph of ``reps`` launches, replayed under do_bench."""
-    g = capture(fn, calls=reps)
-    r = bench(g.replay)
-    return {k: v / reps for k, v in r.items()}
+    """Per-call device time: a CUDA graph of ``reps`` launches, L2 flushed before each replay (``_timing.graph``)."""
+    return _timing.graph(fn, calls=reps, flush_l2=True).as_dict()
 
 
 # (variant, (threads, min_ctas) or None = the variant's own choice); extra lean CTA shapes at N.
@@ -203,7 +204,7 @@ def main() -> None:
             "cutlass_dsl": getattr(cutlass, "__version__", "4.8.1"),
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "method": "triton.testing.do_bench medians; graph = CUDA graph of 20 launches / 20; k = K",
+            "method": METHOD + "; k = K",
             "argv": sys.argv[1:],
         }
         variants_main(args, meta)
@@ -288,7 +289,7 @@ def main() -> None:
         "flashinfer": fi,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": "triton.testing.do_bench medians; graph = CUDA graph of 20 launches / 20",
+        "method": METHOD,
         "argv": sys.argv[1:],
     }
     with open(args.out, "w") as fh:

@@ -49,9 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import _meta  # noqa: E402  (the benchmarks' folder is on sys.path)
+import _timing  # noqa: E402
 
 from dcp_ref.geometry import DcpGeometry  # noqa: E402
 
@@ -108,9 +107,7 @@ def sync(dev: torch.device) -> None:
 
 
 def _stats(times: list[float]) -> dict:
-    times = sorted(times)
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
-    return {"median_us": statistics.median(times), "p20_us": q[1], "p80_us": q[7]}
+    return _timing.summarize(times).as_dict()
 
 
 def eager_us(fn: Callable[[], object], su: Setup) -> dict:
@@ -126,13 +123,9 @@ def _warm(fns: list[Callable[[], object]], su: Setup) -> None:
 
 
 def _time_n(fn: Callable[[], object], su: Setup) -> float:
-    """µs per call of ``n`` back-to-back calls, the device idle before and drained after."""
-    sync(su.dev)
-    t0 = time.perf_counter()
-    for _ in range(su.n):
-        fn()
-    sync(su.dev)
-    return (time.perf_counter() - t0) / su.n * 1e6
+    """µs per call of ``n`` back-to-back calls, the device idle before and drained after (one ``_timing.host``
+    sample; this benchmark interleaves the samples of its calls itself, the module docstring says why)."""
+    return _timing.host_sample_us(fn, su.n, su.dev)
 
 
 def _rotated(items: list, r: int) -> list:
@@ -517,7 +510,7 @@ def select_inputs(T: int, su: Setup, seed: int = 5) -> dict[str, torch.Tensor]:
 
 
 def select_unsupported(dev: torch.device) -> str:
-    from dcp_ref._checks import has_module
+    from dcp_ref.contracts import has_module
 
     if not has_module("cutlass"):
         return "CuTeDSL (nvidia-cutlass-dsl) is not installed"

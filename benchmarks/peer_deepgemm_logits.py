@@ -41,9 +41,9 @@ The output, float32 ``[B * next_n, max_context_len]`` with its row stride rounde
 two references on the same inputs: the float64 oracle (``dcp_ref.scoring.index_scores``) on the first
 ``REF_ROWS`` rows — ``max_rel_err``, the same measure as ``bench_scoring.py``'s for ours — and DeepGEMM's own
 test's ``sum_h w * relu(q . (k * scale))`` in float32 on every row, over each token's own length, computed from
-the DeepGEMM-layout tensors (``max_rel_err_fp32_all_rows``). Timing: ``_scoring_inputs.graph_time``, as
-``bench_scoring.py`` times ours (a CUDA graph of back-to-back calls replayed under ``triton.testing.do_bench``,
-median / calls; CUDA events when the call does not capture); the logits call allocates its output each call
+the DeepGEMM-layout tensors (``max_rel_err_fp32_all_rows``). Timing: ``_timing.graph_row``, as
+``bench_scoring.py`` times ours (a CUDA graph of back-to-back calls, L2 flushed before each replay, median /
+calls; CUDA events when the call does not capture); the logits call allocates its output each call
 (inside the graph: from its pool). ``kv_read_TBps``: the keys once per request over the logits time.
 
 Crash isolation: the shapes run in a child process (``--child``), which names its shape and step in a progress
@@ -88,6 +88,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # this folder
 import _scoring_inputs as si  # this folder; it also puts the project on sys.path
+import _timing  # this folder
 
 ROW_ALIGN = 256  # DeepGEMM's output rows: a multiple of split_kv = 256 columns and of 1024 bytes
 #: the child's steps that run under CUDA-graph capture or replay: a crash there is retried with events only
@@ -205,14 +206,9 @@ def jit_cache_entries() -> int | None:
     return len(os.listdir(folder)) if os.environ.get("DG_JIT_CACHE_DIR") and os.path.isdir(folder) else None
 
 
-def host_time(fn: Callable[[], Any], calls: int = 5) -> dict[str, Any]:
-    """Host wall-clock median (the CPU plumbing check only)."""
-    ts = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e6)
-    return {"median_us": sorted(ts)[len(ts) // 2], "timing": "host"}
+def host_time(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Host wall-clock median (the CPU plumbing check only: ``_timing.host`` under the SMOKE rule)."""
+    return {"median_us": _timing.host(fn, rule=_timing.SMOKE).median_us, "timing": "host"}
 
 
 Timer = Callable[[Callable[[], Any]], dict[str, Any]]
@@ -298,9 +294,11 @@ def run_shape(shape: Shape, dg: Any, device: str, nograph: bool, step: Callable[
     if not cuda:
         timer: Timer = host_time
     elif nograph:  # this shape killed a child in a CUDA-graph step: events only
-        timer = lambda fn: si.do_bench_us(fn) | {"timing": "events", "why": "crashed in a graph step"}  # noqa: E731
+        timer = lambda fn: (  # noqa: E731
+            _timing.eager(fn, flush_l2=True).as_dict() | {"timing": "events", "why": "crashed in a graph step"}
+        )
     else:
-        timer = si.graph_time
+        timer = lambda fn: _timing.graph_row(fn, flush_l2=True, fallback=True)  # noqa: E731
     try:
         measure(rec, dg, device, timer, sync, step)
     except Exception as e:  # noqa: BLE001 - recorded per shape: the next shape still runs
@@ -444,9 +442,8 @@ def parent(args: argparse.Namespace, shapes: list[Shape]) -> int:
         "peer": "DeepGEMM fp8_paged_mqa_logits (built from source: .gpu/dgsrc)",
         "date_utc": _meta.now_utc(),
         "argv": sys.argv[1:],
-        "timing": "device time per call: CUDA graph of `reps` calls replayed under triton.testing.do_bench "
-        "(median, p20/p80) / reps (_scoring_inputs.graph_time, as bench_scoring.py); 'events' when a call could "
-        "not be captured or its shape crashed in a graph step",
+        "timing": _timing.describe("graph", "`reps`", flush_l2=True) + " (as bench_scoring.py); 'events' when a "
+        "call could not be captured or its shape crashed in a graph step",
         "inputs": {"heads": si.HEADS, "dim": si.DIM, "block_size": si.BLOCK, "B": "T / next_n",
                    "next_n": "per row (1, or 2 = MTP)", "context_lens": "local_bounds.view(B, next_n): token i of "
                    "a request sees L - next_n + 1 + i keys", "ref_rows": si.REF_ROWS,

@@ -34,7 +34,7 @@ import math
 import numpy as np
 import torch
 
-from ._checks import (
+from .contracts import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_bool,

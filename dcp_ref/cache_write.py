@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import (
+from .contracts import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_bool,

@@ -79,7 +79,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._checks import check_bool, check_choice, check_int_scalar
+import numpy as np
+
+from .contracts import check_bool, check_choice, check_int_scalar
+from .options import DEFAULT, PLANNED, LayerOptions
 
 __all__ = [
     "KV_BYTES_PER_TOKEN",
@@ -717,15 +720,11 @@ def _attention_s(t: int, heads: int, keys: float, g: MlaGeometry, k: CostConstan
     return "splitkv", k.attention_splitkv.time_s(f), f
 
 
-def _check_layer_options(exchange: str, combine: str, order: str) -> None:
-    for name, value in (("exchange", exchange), ("combine", combine), ("order", order)):
-        if not isinstance(value, str):  # the cost model's own wording (its callers match it); check_choice for names
-            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    check_choice(exchange, "exchange", ("allgather", "owner"))
-    check_choice(combine, "combine", ("reduce_scatter", "alltoall"))
-    check_choice(order, "order", ("global_id", "rank_local"))
-    if order == "rank_local" and exchange != "owner":
-        raise ValueError("order='rank_local' needs exchange='owner'")
+def _check_options(options: object) -> LayerOptions:
+    """``options`` as the layer's :class:`~dcp_ref.options.LayerOptions` (its axes are checked by that class)."""
+    if not isinstance(options, LayerOptions):
+        raise TypeError(f"options must be a dcp_ref.options.LayerOptions, got {type(options).__name__}")
+    return options
 
 
 def dcp_step_cost(
@@ -738,36 +737,35 @@ def dcp_step_cost(
     *,
     scope: str = "layer",
     graph: bool = True,
-    exchange: str = "allgather",
-    combine: str = "reduce_scatter",
-    order: str = "global_id",
-    q_replicate: bool = False,
+    options: LayerOptions = DEFAULT,
 ) -> StepCost:
     """Per-layer, per-rank cost of a DCP decode step over ``world_size`` ranks.
 
     Args:
         world_size: ``W >= 1``, dividing ``num_heads``. ``W = 1`` is a single rank: no collective,
             no pack, select or merge (the local top-K is the global one) — exactly :func:`tp_step_cost` at ``W = 1``
-            with the same ``exchange`` and ``order`` (``combine`` and ``q_replicate`` change nothing there).
+            with the same ``options`` (``combine`` and ``q_replicate`` change nothing there).
         tokens: query tokens ``T`` per step (one per request), all seen by every rank.
         context: tokens ``c`` of each request (every query token's own request).
         scope: ``"step"``: the planned step as benchmarked (``STEP_STAGES``); ``"layer"`` adds the
             query all-gather and the indexer's scoring (``LAYER_ONLY_STAGES``).
         graph: ``False`` adds each collective's eager host latency.
-        exchange, combine, order, q_replicate: the planned step's options (:class:`dcp_ref.stages.StepSpec`):
+        options: the layer's options, one :class:`~dcp_ref.options.LayerOptions` (what
+            :class:`dcp_ref.spec.StepSpec` plans for; its ``layout`` is not read: this function prices dcp):
             ``exchange="owner"`` runs the owner-local select-to-slots instead of select + deinterleave,
             ``order="rank_local"`` moves 4 bytes per candidate instead of 8, ``combine="alltoall"`` one all-to-all
             of partials + LSEs and a merge of ``W`` partials over ``H/W`` heads instead of the LSE all-gather, the
-            correction and the reduce-scatter; ``q_replicate=True`` drops the query all-gather. The defaults are
-            the step as first measured (``step.json``). The attention is the kernel the step plans for ``T``
-            (:func:`_attention_s`).
+            correction and the reduce-scatter; ``q_replicate=True`` (the default, as ``StepSpec``'s) drops the
+            query all-gather (``scope="layer"``). The step as first measured (``step.json``) is
+            ``LayerOptions(q_replicate=False)``; the recommended layer :data:`~dcp_ref.options.PLANNED`. The
+            attention is the kernel the step plans for ``T`` (:func:`_attention_s`).
 
     Each rank attends ``min(k, c) / W`` keys per token on average (the global top-k spread over the
     ranks), with all ``H`` heads; its KV share is the busiest rank's.
     """
     w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
-    _check_layer_options(exchange, combine, order)
-    q_replicate = check_bool(q_replicate, "q_replicate")
+    opt = _check_options(options)
+    exchange, combine, order, q_replicate = opt.exchange, opt.combine, opt.order, opt.q_replicate
     graph = check_bool(graph, "graph")
     g, k = geometry, constants
     c_loc = tokens_on_busiest_rank(c, w, g.interleave)
@@ -833,21 +831,22 @@ def tp_step_cost(
     *,
     scope: str = "layer",
     graph: bool = True,
-    exchange: str = "allgather",
-    order: str = "global_id",
+    options: LayerOptions = DEFAULT,
 ) -> StepCost:
     """Per-layer, per-rank cost of the same step under TP over ``world_size`` ranks.
 
     Every rank holds the whole KV cache and its ``H/W`` heads: the indexer scores and selects over all ``c``
     keys, the attention reads ``min(k, c)`` keys per token (FlashMLA pads the heads up to
     ``min_kernel_heads``; the split-KV kernel runs any head count: :func:`_attention_s`), and nothing is
-    communicated inside attention. ``exchange="owner"``: the selection maps straight to slots (one stage, as the
-    planned tp layout runs it), reading 8 bytes per candidate, or 4 with ``order="rank_local"`` (scores only, as
-    :class:`dcp_ref.stages.StepSpec` allows for the tp layout too). ``graph`` is accepted for symmetry (no
-    collective to launch).
+    communicated inside attention. ``options`` (a :class:`~dcp_ref.options.LayerOptions`; only its ``exchange``
+    and ``order`` change a tp layer, its ``layout`` is not read): ``exchange="owner"``: the selection maps straight
+    to slots (one stage, as the planned tp layout runs it), reading 8 bytes per candidate, or 4 with
+    ``order="rank_local"`` (scores only, as :class:`dcp_ref.spec.StepSpec` allows for the tp layout too).
+    ``graph`` is accepted for symmetry (no collective to launch).
     """
     w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
-    _check_layer_options(exchange, "reduce_scatter", order)
+    opt = _check_options(options)
+    exchange, order = opt.exchange, opt.order
     check_bool(graph, "graph")
     g, k = geometry, constants
     stages: dict[str, float] = {}
@@ -897,7 +896,7 @@ def throughput_ratio(
     kv_budget_bytes: float = 40e9,
     batch_cap: int = 256,
     other_layer_s: float = 0.0,
-    layer: Mapping[str, Any] | None = None,
+    options: LayerOptions = DEFAULT,
 ) -> float:
     """DCP's decode throughput over TP's, each at the largest batch its KV budget allows (see the module doc).
 
@@ -906,37 +905,32 @@ def throughput_ratio(
     kept the same for every W). ``batch_cap``: the scheduler's most concurrent requests (vLLM's
     default ``max_num_seqs`` = 256). ``other_layer_s``: the rest of the layer's time per step (MoE,
     projections), equal in both layouts; 0 counts the attention path only (conservative for DCP).
-    ``layer``: the step's options (:data:`PLANNED_LAYER`, or ``None`` for the step as first measured), passed to
-    :func:`dcp_step_cost` (and its ``exchange`` to :func:`tp_step_cost`).
+    ``options``: the layer's :class:`~dcp_ref.options.LayerOptions` (:data:`~dcp_ref.options.PLANNED`, or
+    ``LayerOptions(q_replicate=False)`` for the step as first measured), passed to :func:`dcp_step_cost` (and,
+    through :func:`_tp_options`, to :func:`tp_step_cost`).
     Returns ``nan`` when TP cannot hold even one request (and ``inf`` if only DCP can).
     """
     other = _real(other_layer_s, "other_layer_s")
-    dkw, tkw = _layer_kwargs(layer)
+    opt = _check_options(options)
     b_tp = max_batch(context, world_size, "tp", kv_budget_bytes, geometry, batch_cap)
     b_dcp = max_batch(context, world_size, "dcp", kv_budget_bytes, geometry, batch_cap)
     if b_tp == 0:
         return math.inf if b_dcp > 0 else math.nan
-    t_tp = tp_step_cost(world_size, b_tp, context, geometry, hardware, constants, **tkw).total_s + other
-    t_dcp = dcp_step_cost(world_size, b_dcp, context, geometry, hardware, constants, **dkw).total_s + other
+    t_tp = tp_step_cost(world_size, b_tp, context, geometry, hardware, constants, options=_tp_options(opt)).total_s
+    t_dcp = dcp_step_cost(world_size, b_dcp, context, geometry, hardware, constants, options=opt).total_s
+    t_tp, t_dcp = t_tp + other, t_dcp + other
     return (b_dcp / t_dcp) / (b_tp / t_tp)
 
 
-#: The layer as the planned step now runs it (``dcp_ref.stages.StepSpec``): the query gathered over heads, the
-#: owner-local exchange of scores only, one all-to-all combine. Pass it as ``layer=`` to the crossovers.
-PLANNED_LAYER: Mapping[str, Any] = {"exchange": "owner", "order": "rank_local", "combine": "alltoall",
-                                    "q_replicate": False}  # fmt: skip
+#: The layer as the planned step now runs it: :data:`dcp_ref.options.PLANNED` (the query gathered over heads, the
+#: owner-local exchange of scores only, one all-to-all combine), kept under this name. Pass it as ``options=``.
+PLANNED_LAYER: LayerOptions = PLANNED
 
 
-def _layer_kwargs(layer: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    if layer is None:
-        return {}, {}
-    if not isinstance(layer, Mapping):
-        raise TypeError(f"layer must be a mapping of step options (see PLANNED_LAYER), got {type(layer).__name__}")
-    unknown = set(layer) - {"exchange", "order", "combine", "q_replicate"}
-    if unknown:
-        raise ValueError(f"layer has unknown options {sorted(unknown)}; known: exchange, order, combine, q_replicate")
-    dkw = dict(layer)
-    return dkw, {"exchange": dkw["exchange"]} if "exchange" in dkw else {}
+def _tp_options(options: LayerOptions) -> LayerOptions:
+    """The options the crossovers price TP with: ``options``' exchange, the default order (``"global_id"``: TP's
+    selection is priced reading (score, id) pairs, as the crossovers always have), the rest unread by TP."""
+    return options.replace(layout="tp", order=DEFAULT.order)
 
 
 def _first_crossing(f: Callable[[int], float], lo: int, hi: int) -> float:
@@ -971,7 +965,7 @@ def crossover_context(
     other_layer_s: float = 0.0,
     min_context: int = 256,
     max_context: int = 1 << 21,
-    layer: Mapping[str, Any] | None = None,
+    options: LayerOptions = DEFAULT,
 ) -> float:
     """The context (tokens per request) where DCP's memory saving outweighs its communication.
 
@@ -979,12 +973,14 @@ def crossover_context(
     :func:`throughput_ratio` ``>= 1``, i.e. DCP ``W`` at the batch its ``W``-times-smaller KV share
     allows serves at least as many tokens per second as TP ``W`` at its own memory-limited batch
     (both capped at ``batch_cap``). ``inf`` if DCP never catches up in that range; ``0.0`` for
-    ``W = 1`` (DCP over one rank *is* TP). Contexts where TP holds no request count as DCP wins.
+    ``W = 1`` (DCP over one rank *is* TP). Contexts where TP holds no request count as DCP wins. ``options``:
+    the layer's :class:`~dcp_ref.options.LayerOptions`, as in :func:`throughput_ratio`.
     """
     w = _pos_int(world_size, "world_size")
     lo, hi = _pos_int(min_context, "min_context"), _pos_int(max_context, "max_context")
     if hi < lo:
         raise ValueError(f"max_context must be >= min_context={lo}, got {hi}")
+    _check_options(options)
     if w == 1:
         return 0.0
 
@@ -998,7 +994,7 @@ def crossover_context(
             kv_budget_bytes=kv_budget_bytes,
             batch_cap=batch_cap,
             other_layer_s=other_layer_s,
-            layer=layer,
+            options=options,
         )
         return 1.0 if math.isnan(r) or math.isinf(r) else r - 1.0
 
@@ -1014,23 +1010,25 @@ def time_crossover_context(
     *,
     min_context: int = 256,
     max_context: int = 1 << 21,
-    layer: Mapping[str, Any] | None = None,
+    options: LayerOptions = DEFAULT,
 ) -> float:
     """Smallest context at which DCP's per-layer step is no slower than TP's at the same ``tokens``
     (the context-proportional stages, index scoring and top-K, shrink by ``W``; the collectives do not).
-    ``inf`` if never in range; ``0.0`` for ``W = 1``."""
+    ``inf`` if never in range; ``0.0`` for ``W = 1``. ``options``: the layer's
+    :class:`~dcp_ref.options.LayerOptions`, as in :func:`throughput_ratio`."""
     w = _pos_int(world_size, "world_size")
     t = _pos_int(tokens, "tokens")
     lo, hi = _pos_int(min_context, "min_context"), _pos_int(max_context, "max_context")
     if hi < lo:
         raise ValueError(f"max_context must be >= min_context={lo}, got {hi}")
+    opt = _check_options(options)
     if w == 1:
         return 0.0
-    dkw, tkw = _layer_kwargs(layer)
+    tp_opt = _tp_options(opt)
     return _first_crossing(
         lambda c: (
-            tp_step_cost(w, t, c, geometry, hardware, constants, **tkw).total_s
-            - dcp_step_cost(w, t, c, geometry, hardware, constants, **dkw).total_s
+            tp_step_cost(w, t, c, geometry, hardware, constants, options=tp_opt).total_s
+            - dcp_step_cost(w, t, c, geometry, hardware, constants, options=opt).total_s
         ),
         lo,
         hi,
@@ -1226,46 +1224,34 @@ def step_points_from_json(path: str | Path) -> list[StepPoint]:
 
 
 # ---- fitting -------------------------------------------------------------------------------------
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; ``None`` if singular."""
-    n = len(b)
-    m = [[*row, b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-12:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                for c2 in range(col, n + 1):
-                    m[r][c2] -= f * m[col][c2]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
 def _nnls(rows: Sequence[Sequence[float]], y: Sequence[float], weights: Sequence[float]) -> list[float]:
-    """Weighted least squares with every coefficient ``>= 0``, exact for the few unknowns used here:
-    every subset of free coefficients is solved (columns scaled to unit norm) and the best feasible kept."""
-    n = len(rows[0])
-    scale = [math.sqrt(sum((wt * r[j]) ** 2 for r, wt in zip(rows, weights))) or 1.0 for j in range(n)]
-    best, best_err = [0.0] * n, sum((wt * yi) ** 2 for yi, wt in zip(y, weights))
+    """Weighted least squares with every coefficient ``>= 0`` (numpy only; no scipy).
+
+    The fits here have at most three unknowns, so the non-negative problem is solved exactly by its active
+    sets: every subset of free coefficients is an unconstrained :func:`numpy.linalg.lstsq` on the weighted
+    rows (columns scaled to unit norm, for conditioning), the others held at 0, and the best feasible one is
+    kept (the all-zero solution when none is: the constrained optimum is one of these subsets).
+    """
+    a = np.asarray(rows, dtype=np.float64) * np.asarray(weights, dtype=np.float64)[:, None]
+    b = np.asarray(y, dtype=np.float64) * np.asarray(weights, dtype=np.float64)
+    n = a.shape[1]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    best, best_err = np.zeros(n), float(b @ b)
     for size in range(1, n + 1):
         for free in itertools.combinations(range(n), size):
-            a = [
-                [sum(wt * wt * r[i] * r[j] / (scale[i] * scale[j]) for r, wt in zip(rows, weights)) for j in free]
-                for i in free
-            ]
-            b = [sum(wt * wt * r[i] * yi / scale[i] for r, yi, wt in zip(rows, y, weights)) for i in free]
-            sol = _solve(a, b)
-            if sol is None or any(s < 0 for s in sol):
+            sub = a[:, free]
+            sol, _res, rank, _sv = np.linalg.lstsq(sub, b, rcond=None)
+            if rank < size or (sol < 0).any():  # singular (a column repeats another) or infeasible
                 continue
-            coef = [0.0] * n
-            for i, s in zip(free, sol):
-                coef[i] = s / scale[i]
-            err = sum((wt * (sum(c * v for c, v in zip(coef, r)) - yi)) ** 2 for r, yi, wt in zip(rows, y, weights))
+            r = sub @ sol - b
+            err = float(r @ r)
             if err < best_err * (1 - 1e-12):
-                best, best_err = coef, err
-    return best
+                best = np.zeros(n)
+                best[list(free)] = sol
+                best_err = err
+    return [float(c) for c in best / scale]
 
 
 def fit_lines(observations: Iterable[Observation]) -> tuple[dict[str, LineCost], list[Residual]]:
@@ -1482,19 +1468,21 @@ def scaling_table(
     hardware: Hardware = Hardware(),
     measured: Sequence[StepPoint] = (),
     scope: str = "layer",
+    options: LayerOptions = DEFAULT,
 ) -> list[dict[str, Any]]:
     """Per-layer DCP and TP step times (µs) and KV bytes per rank at every (W, T, context).
 
     A row is ``predicted`` unless a measured step exists at its (W, T, ctx); ``spans_hosts`` when
-    ``W > gpus_per_host`` (the collectives then run over InfiniBand, never measured here).
+    ``W > gpus_per_host`` (the collectives then run over InfiniBand, never measured here). ``options``: the
+    layer's :class:`~dcp_ref.options.LayerOptions`, given to both :func:`dcp_step_cost` and :func:`tp_step_cost`.
     """
     seen = {(p.world_size, p.tokens, p.context) for p in measured}
     rows = []
     for w in world_sizes:
         for t in tokens:
             for c in contexts:
-                d = dcp_step_cost(w, t, c, geometry, hardware, constants, scope=scope)
-                tp = tp_step_cost(w, t, c, geometry, hardware, constants, scope=scope)
+                d = dcp_step_cost(w, t, c, geometry, hardware, constants, scope=scope, options=options)
+                tp = tp_step_cost(w, t, c, geometry, hardware, constants, scope=scope, options=options)
                 rows.append(
                     {
                         "W": w,

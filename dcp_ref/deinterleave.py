@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INT_DTYPES, check_bool, check_int_scalar, check_tensor, check_values_readable
+from .contracts import INT_DTYPES, check_bool, check_int_scalar, check_tensor, check_values_readable
 from .geometry import DcpGeometry, check_geometry
 
 __all__ = [

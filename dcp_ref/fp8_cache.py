@@ -70,7 +70,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import (
+from .attention import check_attention_slots, sparse_mla_attention
+from .contracts import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_bool,
@@ -81,7 +82,6 @@ from ._checks import (
     check_values_readable,
     host_values,
 )
-from .attention import check_attention_slots, sparse_mla_attention
 
 __all__ = [
     "Fp8CacheLayout",

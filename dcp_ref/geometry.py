@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import INT_DTYPES, check_int_scalar, check_tensor, check_world
+from .contracts import INT_DTYPES, check_int_scalar, check_tensor, check_world
 
 __all__ = ["DcpGeometry", "check_geometry", "local_count"]
 

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ._checks import check_int_scalar, check_no_alias, check_tensor
+from .contracts import check_int_scalar, check_no_alias, check_tensor
 
 __all__ = ["Group", "SingleGroup", "SimulatedWorld", "SimulatedGroup", "TorchDistributedGroup", "SymmetricMemoryGroup"]
 

@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_no_aliases, check_tensor
+from .contracts import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_no_aliases, check_tensor
 from .geometry import DcpGeometry
 
 __all__ = ["check_guard_inputs", "metadata_row_ok", "reference_guard"]

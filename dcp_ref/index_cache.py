@@ -70,7 +70,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import (
+from .cache_write import UNWRITTEN_FP8_BYTE, token_slots
+from .contracts import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_bool,
@@ -78,7 +79,6 @@ from ._checks import (
     check_tensor,
     check_values_readable,
 )
-from .cache_write import UNWRITTEN_FP8_BYTE, token_slots
 from .geometry import DcpGeometry
 
 __all__ = [
@@ -370,7 +370,9 @@ def as_deepgemm_kv_cache(
     return blocks.view(blocks.shape[0], block_size, 1, layout.bytes_per_token)
 
 
-def _fields(blocks: torch.Tensor, block_size: int, layout: IndexKeyLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def index_key_fields(
+    blocks: torch.Tensor, block_size: int, layout: IndexKeyLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values uint8 [num_blocks, block_size, head_dim], scales float32 [num_blocks, block_size])`` views."""
     nb, d = blocks.shape[0], layout.head_dim
     values = blocks[:, : block_size * d].view(nb, block_size, d)
@@ -406,7 +408,7 @@ def read_index_keys(
     bs = check_int_scalar(block_size, "block_size", min_value=1)
     blocks = index_cache_blocks(index_cache, bs, layout=layout)
     _check_slots(slots, "slots", blocks.shape[0] * bs, allow_skip=False, device=blocks.device)
-    values, scales = _fields(blocks, bs, layout)
+    values, scales = index_key_fields(blocks, bs, layout)
     s = slots.long()
     b, o = torch.div(s, bs, rounding_mode="floor"), s % bs
     return values[b, o], scales[b, o]
@@ -448,7 +450,7 @@ def write_index_keys(
     if not rows.numel():
         return
     values, scales = quantize_index_keys(keys[keep], layout=layout, validate=validate)
-    v_view, s_view = _fields(blocks, bs, layout)
+    v_view, s_view = index_key_fields(blocks, bs, layout)
     b, o = torch.div(rows, bs, rounding_mode="floor"), rows % bs
     v_view[b, o] = values
     s_view[b, o] = scales

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import (
+from .contracts import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_bool,

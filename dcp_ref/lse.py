@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_bool, check_int_scalar, check_lse_base, check_same_device, check_tensor
+from .contracts import FLOAT_DTYPES, check_bool, check_int_scalar, check_lse_base, check_same_device, check_tensor
 from .group import Group
 
 __all__ = [

@@ -42,7 +42,7 @@ from typing import overload
 import numpy as np
 import torch
 
-from ._checks import as_int_tensor, check_bool, check_int_scalar, check_non_negative, check_world
+from .contracts import as_int_tensor, check_bool, check_int_scalar, check_non_negative, check_world
 
 IntLike = int | torch.Tensor
 

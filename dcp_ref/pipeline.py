@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_int_scalar, check_tensor, check_world
+from .contracts import check_int_scalar, check_tensor, check_world
 from .geometry import DcpGeometry
 from .group import Group, SimulatedWorld
 from .ownership import expand_decode_bounds, global_to_local, owner_rank
@@ -287,7 +287,7 @@ def dcp_decode_step(
         ``(out, lse)`` for this rank's head shard: ``[T, H/W, v_dim]`` and ``[T, H/W]`` (base e).
     """
     check_tensor(q, "q", ndim=3)
-    geometry = _shard_geometry(shard, group)
+    geometry = shard_geometry(shard, group)
     meta = decode_metadata(seq_lens, next_n, geometry, device=q.device)
     return run_step(group, q, shard, meta, topk, sm_scale, v_dim=v_dim, trace=trace, stages=stages, validate=validate)
 
@@ -311,7 +311,7 @@ def run_step(
     return out.clone(), lse.clone()
 
 
-def _shard_geometry(shard: RankShard, group: Group) -> DcpGeometry:
+def shard_geometry(shard: RankShard, group: Group) -> DcpGeometry:
     if not isinstance(shard, RankShard):
         raise TypeError(f"shard must be a RankShard, got {type(shard).__name__}")
     if shard.geometry is None:

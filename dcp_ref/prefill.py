@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_non_negative, check_tensor
+from .contracts import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_non_negative, check_tensor
 from .group import Group
 from .ownership import PrefillChunkMetadata, localize_prefill_chunk
 from .stages import Stages
@@ -107,9 +107,9 @@ def dcp_prefill_step(
     Returns:
         ``(out [T, H/W, v_dim], lse [T, H/W])`` of this rank's head shard (base e).
     """
-    from .pipeline import _shard_geometry, run_step
+    from .pipeline import run_step, shard_geometry
 
-    g = _shard_geometry(shard, group)
+    g = shard_geometry(shard, group)
     topk = check_int_scalar(topk, "topk", min_value=1)
     check_tensor(q, "q", dtypes=FLOAT_DTYPES, ndim=3)
     chunk = localize_prefill_chunk(context_lens, query_lens, g.world_size, g.rank, g.interleave)

@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import (
+from .contracts import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,
@@ -66,7 +66,7 @@ from ._checks import (
     check_values_readable,
 )
 from .geometry import DcpGeometry
-from .index_cache import INDEX_K_FP8, IndexKeyLayout, _fields, index_cache_blocks, index_cache_slots
+from .index_cache import INDEX_K_FP8, IndexKeyLayout, index_cache_blocks, index_cache_slots, index_key_fields
 
 __all__ = [
     "SCORING_Q_DTYPES",
@@ -378,7 +378,7 @@ def index_scores(
     if T == 0 or L == 0:
         return result
     bad, rows, n, s, _ = _row_state(a, block_table, req_of_token, local_bounds, row_starts, L, a.next_n)
-    values, scales = _fields(a.blocks, bs, layout)
+    values, scales = index_key_fields(a.blocks, bs, layout)
     qf = index_q.to(torch.float64)  # e4m3 -> float64 is exact
     wf = weights.to(torch.float64).unsqueeze(2)  # [T, H, 1]
     D = layout.head_dim

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import (
+from .contracts import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,

@@ -48,11 +48,13 @@ from typing import Any
 
 import torch
 
-from ._checks import FLOAT_DTYPES, INT_DTYPES, check_device, check_tensor
+from .axes import Candidates, Dtypes, Selection, plan_parts, stage_names
+from .contracts import FLOAT_DTYPES, INT_DTYPES, check_device, check_tensor
 from .fp8_cache import FP8_DS_MLA
 from .geometry import DcpGeometry
 from .group import Group
 from .ownership import localize_decode_bounds, localize_prefill_chunk
+from .protocols import GUARD_SCORED_KEYWORDS, RANK_LOCAL_INDEXER_KEYWORDS, STAGE_KEYWORDS
 from .stages import REFERENCE_STAGES, Stages, StepSpec, impl_name, kv_format_of, resolve_stages
 
 __all__ = [
@@ -220,61 +222,6 @@ class HostSyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
-    """A contiguous ``shape`` view of the first elements of a flat buffer (no allocation)."""
-    n = 1
-    for s in shape:
-        n *= s
-    return flat[:n].view(*shape)
-
-
-def _align16(nbytes: int) -> int:
-    return (nbytes + 15) // 16 * 16
-
-
-@dataclass(frozen=True)
-class _RunViews:
-    """One run's views of a :class:`PlannedStep`'s flat buffers, for one token count (``None``: not planned)."""
-
-    q_gathered: torch.Tensor | None  # [W, T, H/W, D]   query gather
-    q_full: torch.Tensor | None  # [T, H, D]           query gather, T > 1 (the transpose)
-    scores: torch.Tensor | None  # [T, L]              scoring
-    packed: torch.Tensor  # [T, k, 2] (global_id) or [T, k] scores (rank_local)
-    own_ids: torch.Tensor | None  # [T, k]             rank_local
-    gathered: torch.Tensor | None  # [W, T, k, (2)]    W > 1
-    ids: torch.Tensor | None  # [T, k]                 exchange "allgather"
-    slots: torch.Tensor
-    counts: torch.Tensor
-    partial: torch.Tensor  # [T, Ha, v]
-    lse: torch.Tensor  # [T, Ha]
-    all_lse: torch.Tensor | None  # [W, T, H]          reduce_scatter
-    corrected: torch.Tensor | None  # [T, H, v]        reduce_scatter
-    merged_lse: torch.Tensor | None  # [T, H]          reduce_scatter
-    send: torch.Tensor | None  # [W, T, H/W, v]        reduce_scatter (the head-major copy)
-    send_bytes: torch.Tensor | None  # uint8 [W, chunk] alltoall
-    recv_bytes: torch.Tensor | None  # uint8 [W, chunk] alltoall
-    send_out: torch.Tensor | None  # [W, T, H/W, v]    views into send_bytes
-    send_lse: torch.Tensor | None  # [W, T, H/W]
-    recv_out: torch.Tensor | None  # [W, T, H/W, v]    views into recv_bytes
-    recv_lse: torch.Tensor | None  # [W, T, H/W]
-    out: torch.Tensor | None  # [T, H/W, v]
-    out_lse: torch.Tensor | None  # [T, H/W]           alltoall
-
-
-def _all_gather_into(group: Group, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    try:
-        return group.all_gather(x, out=out)
-    except TypeError:  # a user Group without out=
-        return out.copy_(group.all_gather(x))
-
-
-def _reduce_scatter_into(group: Group, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    try:
-        return group.reduce_scatter(x, 0, out=out)
-    except TypeError:
-        return out.copy_(group.reduce_scatter(x, 0))
-
-
 def _check_group(group: object, needs_all_to_all: bool) -> None:
     """A group must look like :class:`~dcp_ref.group.Group` (checked once, at plan time)."""
     for attr in ("rank", "world_size"):
@@ -287,24 +234,6 @@ def _check_group(group: object, needs_all_to_all: bool) -> None:
             raise TypeError(f"group must be a dcp_ref.group.Group with a callable {name}(), got {type(group).__name__}")
 
 
-#: Keywords the step passes to each stage (a custom stage without them is refused at plan time, by name).
-_STAGE_KEYWORDS: dict[str, tuple[str, ...]] = {
-    "scoring": ("row_starts", "out", "next_n"),
-    "indexer": ("row_starts", "out"),
-    "select": ("out",),
-    "deinterleave": ("compact", "out_slots", "out_counts"),
-    "select_to_slots": ("order", "out_slots", "out_counts"),
-    "attention": ("out", "out_lse"),
-    "guard": ("row_starts",),
-    "merge": ("out", "out_lse"),
-    "combine": ("out", "out_lse"),
-}
-
-
-#: What a scoring step also passes its guard (the scoring stage's row rule: :mod:`dcp_ref.guard`).
-_GUARD_SCORED_KEYWORDS = ("num_blocks", "next_n", "index_q", "index_weights")
-
-
 def _check_stage_keywords(stage: str, fn: Any, extra: tuple[str, ...] = ()) -> None:
     try:
         params = inspect.signature(fn).parameters
@@ -312,34 +241,12 @@ def _check_stage_keywords(stage: str, fn: Any, extra: tuple[str, ...] = ()) -> N
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    missing = [kw for kw in _STAGE_KEYWORDS[stage] + extra if kw not in params]
+    missing = [kw for kw in STAGE_KEYWORDS[stage] + extra if kw not in params]
     if missing:
         raise TypeError(
             f"stage {stage!r} ({impl_name(fn)}) must accept the keyword argument(s) {missing}: the planned step "
             "passes its buffers and options by keyword (see its Protocol in dcp_ref.stages)"
         )
-
-
-def _result(stage: str, fn: Any, got: object, like: torch.Tensor, name: str = "") -> torch.Tensor:
-    """What a stage returned, checked against its buffer's shape and dtype (cheap: no values read)."""
-    if got is like:
-        return like
-    if not isinstance(got, torch.Tensor):
-        raise TypeError(f"stage {stage!r} ({impl_name(fn)}) returned {type(got).__name__}{name}, expected a tensor")
-    if got.shape != like.shape or got.dtype != like.dtype:
-        raise ValueError(
-            f"stage {stage!r} ({impl_name(fn)}) returned{name} shape {tuple(got.shape)} / {got.dtype}, "
-            f"expected {tuple(like.shape)} / {like.dtype}"
-        )
-    return got
-
-
-def _pair(
-    stage: str, fn: Any, got: object, like: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(got, tuple) or len(got) != 2:
-        raise TypeError(f"stage {stage!r} ({impl_name(fn)}) must return a pair of tensors, got {type(got).__name__}")
-    return _result(stage, fn, got[0], like[0], " [0]"), _result(stage, fn, got[1], like[1], " [1]")
 
 
 def _num_slots(cache: torch.Tensor) -> int:
@@ -355,7 +262,8 @@ class PlannedStep:
             (``layout="tp"``: the TP group; the step calls no collective).
         spec: what to plan for (geometry, largest ``T``, top-k, heads, dims, dtype, device, layout,
             exchange, combine, query input, scoring).
-        stages: the implementation of each stage (default: the reference).
+        stages: the implementation of each stage (default: the reference), or a provider's name
+            (``"reference"``, ``"kernels"``: :func:`~dcp_ref.stages.resolve_stages` builds them for ``spec``).
         validate: check tensor *values* on every run (host reads: not capturable). Shapes, dtypes,
             devices and the shard's geometry are always checked (host-side, no sync).
 
@@ -365,17 +273,19 @@ class PlannedStep:
     """
 
     def __init__(
-        self, group: Group, spec: StepSpec, stages: Stages = REFERENCE_STAGES, *, validate: bool = False
+        self, group: Group, spec: StepSpec, stages: Stages | str = REFERENCE_STAGES, *, validate: bool = False
     ) -> None:
         if not isinstance(spec, StepSpec):
             raise TypeError(f"spec must be a StepSpec, got {type(spec).__name__}")
+        if isinstance(stages, str):  # a name: the provider builds the stages for this spec (resolve_stages)
+            stages = resolve_stages(stages, spec)
         if not isinstance(stages, Stages):
-            raise TypeError(f"stages must be a dcp_ref.stages.Stages, got {type(stages).__name__}")
+            raise TypeError(f"stages must be a dcp_ref.stages.Stages or a provider's name, got {type(stages).__name__}")
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
         g, cg = spec.geometry, spec.cache_geometry
-        W, Wc = g.world_size, cg.world_size  # the group's ranks; the ranks the cache is split over
-        _check_group(group, needs_all_to_all=spec.combine == "alltoall" and Wc > 1)
+        # The all-to-all is needed only when the cache is split over more than one rank.
+        _check_group(group, needs_all_to_all=spec.combine == "alltoall" and cg.world_size > 1)
         if (group.world_size, group.rank) != (g.world_size, g.rank):
             raise ValueError(
                 f"group (world_size={group.world_size}, rank={group.rank}) does not match spec.geometry "
@@ -384,135 +294,32 @@ class PlannedStep:
         self.group, self.spec, self.validate = group, spec, validate
         with PLAN_LOCK:
             if stages.prepare is not None:
-                chosen = stages.prepare(spec)
+                chosen = stages.prepare(spec, stages)
                 if chosen is not None:
                     if not isinstance(chosen, Stages):
                         raise TypeError(f"stages.prepare must return a Stages or None, got {type(chosen).__name__}")
                     stages = chosen
         self.stages = stages
-        self._used = self._stages_used()
+        self._used = stage_names(spec)
         for stage in self._used:
-            extra: tuple[str, ...] = ("order", "out_ids") if self._rank_local_indexer(stage) else ()
+            extra: tuple[str, ...] = RANK_LOCAL_INDEXER_KEYWORDS if self._rank_local_indexer(stage) else ()
             if stage == "guard" and spec.scoring is not None:
-                extra = _GUARD_SCORED_KEYWORDS
+                extra = GUARD_SCORED_KEYWORDS
             _check_stage_keywords(stage, getattr(stages, stage), extra)
-        T, k, H, v, dev = spec.max_tokens, spec.topk, spec.num_heads, spec.v_dim, spec.device
-        Hs, Ha, D = spec.heads_per_rank, spec.attention_heads, spec.head_dim
         pdt = stages.partial_dtype(spec.dtype)
-        f32, i32 = torch.float32, torch.int32
         # LSEs in float32 (what kernels write), float64 when the partials are (the reference oracle path).
-        self._lse_dtype = ldt = torch.float64 if pdt == torch.float64 else f32
-        self._partial_dtype = pdt
-
-        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(n, dtype=dtype, device=dev)
-
-        gather_q = spec.layout == "dcp" and not spec.q_replicate and W > 1
-        rank_local = spec.order == "rank_local"
-        sc = spec.scoring
-        # Flat buffers, viewed per run as [T, ...] with T <= max_tokens (contiguous either way). Only what this
-        # spec's stages use is allocated; at Wc = 1 the all-gathers are the identity (views, no buffer).
-        self._q_gathered = buf(W * T * Hs * D, spec.dtype) if gather_q else None
-        # At T = 1 the gathered [W, 1, H/W, D] already is [1, H, D] in memory: no transpose buffer.
-        self._q_full = buf(T * H * D, spec.dtype) if gather_q and T > 1 else None
-        self._scores = buf(T * sc.max_keys, f32) if sc is not None else None
-        self._packed = buf(T * k * (1 if rank_local else 2), f32)
-        self._own_ids = buf(T * k, i32) if rank_local else None
-        self._gathered = buf(Wc * T * k * (1 if rank_local else 2), f32) if Wc > 1 else None
-        self._ids = buf(T * k, i32) if spec.exchange == "allgather" else None
-        self._slots = buf(T * k, i32)
-        self._counts = buf(T, i32)
-        self._partial = buf(T * Ha * v, pdt)
-        self._lse = buf(T * Ha, ldt)
-        rs = Wc > 1 and spec.combine == "reduce_scatter"
-        a2a = Wc > 1 and spec.combine == "alltoall"
-        self._all_lse = buf(W * T * H, ldt) if rs else None
-        self._corrected = buf(T * H * v, pdt) if rs else None
-        self._merged_lse = buf(T * H, ldt) if rs else None
-        self._send = buf(T * H * v, pdt) if rs else None
-        self._out = buf(T * Hs * v, pdt) if Wc > 1 else None
-        self._out_lse = buf(T * Hs, ldt) if a2a else None
-        # The all-to-all moves one byte buffer: per destination rank, its heads' partial outputs then their
-        # LSEs (one collective instead of two; each part 16-byte aligned so that any dtype views it).
-        self._send_bytes = buf(W * self._chunk_bytes(T), torch.uint8) if a2a else None
-        self._recv_bytes = buf(W * self._chunk_bytes(T), torch.uint8) if a2a else None
+        self._partial_dtype, self._lse_dtype = pdt, torch.float64 if pdt == torch.float64 else torch.float32
+        self.parts = plan_parts(spec, stages, group, Dtypes(pdt, self._lse_dtype))
         self.impls = stages.impls(self._used)
-        self._views_by_t: dict[int, _RunViews] = {}
 
     # ------------------------------------------------------------------------------------------
     def _rank_local_indexer(self, stage: str) -> bool:
         return stage == "indexer" and self.spec.order == "rank_local"
 
-    def _stages_used(self) -> tuple[str, ...]:
-        """The stages a run of this spec calls, in the order it calls them."""
-        s = self.spec
-        used: list[str] = []
-        if s.scoring is not None:
-            used.append("scoring")
-        used.append("indexer")
-        used += ["select_to_slots"] if s.exchange == "owner" else ["select", "deinterleave"]
-        used += ["attention", "guard"]
-        if s.cache_geometry.world_size > 1:
-            used.append("merge" if s.combine == "reduce_scatter" else "combine")
-        return tuple(used)
-
-    def _chunk_bytes(self, T: int) -> int:
-        s = self.spec
-        Hs, v = s.heads_per_rank, s.v_dim
-        return _align16(T * Hs * v * self._partial_dtype.itemsize) + _align16(T * Hs * self._lse_dtype.itemsize)
-
-    def _views(self, T: int) -> _RunViews:
-        """The ``[T, ...]`` views of the flat buffers, made once per ``T`` (a view costs host time every run)."""
-        got = self._views_by_t.get(T)
-        if got is not None:
-            return got
-        s, g = self.spec, self.spec.geometry
-        W, Wc, k, H, v, D = g.world_size, s.cache_geometry.world_size, s.topk, s.num_heads, s.v_dim, s.head_dim
-        Hs, Ha = s.heads_per_rank, s.attention_heads
-        rank_local = s.order == "rank_local"
-        pair = () if rank_local else (2,)
-
-        def opt(flat: torch.Tensor | None, *shape: int) -> torch.Tensor | None:
-            return None if flat is None else _view(flat, *shape)
-
-        send_out = send_lse = recv_out = recv_lse = send_bytes = recv_bytes = None
-        if self._send_bytes is not None and self._recv_bytes is not None:
-            chunk = self._chunk_bytes(T)
-            ob = T * Hs * v * self._partial_dtype.itemsize
-            lo = _align16(ob)
-            lb = T * Hs * self._lse_dtype.itemsize
-            send_bytes = _view(self._send_bytes, W, chunk)
-            recv_bytes = _view(self._recv_bytes, W, chunk)
-            send_out = send_bytes[:, :ob].view(self._partial_dtype).view(W, T, Hs, v)
-            recv_out = recv_bytes[:, :ob].view(self._partial_dtype).view(W, T, Hs, v)
-            send_lse = send_bytes[:, lo : lo + lb].view(self._lse_dtype).view(W, T, Hs)
-            recv_lse = recv_bytes[:, lo : lo + lb].view(self._lse_dtype).view(W, T, Hs)
-        got = self._views_by_t[T] = _RunViews(
-            q_gathered=opt(self._q_gathered, W, T, Hs, D),
-            q_full=opt(self._q_full, T, H, D),
-            scores=opt(self._scores, T, s.scoring.max_keys) if s.scoring is not None else None,
-            packed=_view(self._packed, T, k, *pair),
-            own_ids=opt(self._own_ids, T, k),
-            gathered=opt(self._gathered, Wc, T, k, *pair),
-            ids=opt(self._ids, T, k),
-            slots=_view(self._slots, T, k),
-            counts=_view(self._counts, T),
-            partial=_view(self._partial, T, Ha, v),
-            lse=_view(self._lse, T, Ha),
-            all_lse=opt(self._all_lse, W, T, H),
-            corrected=opt(self._corrected, T, H, v),
-            merged_lse=opt(self._merged_lse, T, H),
-            send=opt(self._send, W, T, Hs, v),
-            send_bytes=send_bytes,
-            recv_bytes=recv_bytes,
-            send_out=send_out,
-            send_lse=send_lse,
-            recv_out=recv_out,
-            recv_lse=recv_lse,
-            out=opt(self._out, T, Hs, v),
-            out_lse=opt(self._out_lse, T, Hs),
-        )
-        return got
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """The collectives a run calls, in order (:data:`dcp_ref.axes.COLLECTIVE_NAMES`), as the parts chose them."""
+        return self.parts.collectives
 
     # ------------------------------------------------------------------------------------------
     def _n_cols(self, shard: Any) -> int:
@@ -686,113 +493,38 @@ class PlannedStep:
             until the next run. ``T = 0`` gives empty results (no stage runs, no collective).
         """
         T = self._check_run(q, shard, meta, index_q, index_weights)
-        # Stages are called through their protocols' keywords; their results are checked by _result / _pair.
-        s, st = self.spec, self.stages
-        fn: Any
-        g, cg = s.geometry, s.cache_geometry
-        W, Wc, k, H, v, D = g.world_size, cg.world_size, s.topk, s.num_heads, s.v_dim, s.head_dim
-        Hs = s.heads_per_rank
         if T == 0:
-            empty = torch.empty((0, Hs, v), dtype=self._partial_dtype, device=s.device)
-            return empty, torch.empty((0, Hs), dtype=self._lse_dtype, device=s.device)
-        b = self._views(T)
-        bt, req, bounds, starts = shard.block_table, meta.req_of_token, meta.local_bounds, meta.row_starts
-        n_cols = self._n_cols(shard)
-        # ---- query gather: [T, H/W, D] -> [T, H, D] (dcp with q_replicate=False) ----
-        q_full = q
-        if b.q_gathered is not None:
-            qg = _all_gather_into(self.group, q, b.q_gathered)  # [W, T, H/W, D], rank-major
-            if T == 1:  # [W, 1, H/W, D] is [1, H, D] in memory: no copy
-                q_full = qg.view(1, H, D)
-            else:
-                assert b.q_full is not None
-                b.q_full.view(T, W, Hs, D).copy_(qg.transpose(0, 1))
-                q_full = b.q_full
-        # ---- scoring + indexer ----
-        own_ids = None
-        scores = shard.index_scores
-        if s.scoring is not None:
-            assert b.scores is not None
-            fn = st.scoring
-            scores = _result("scoring", fn, fn(
-                index_q, index_weights, shard.index_cache, bt, req, bounds, cg, row_starts=starts, out=b.scores,
-                next_n=s.scoring.next_n,
-            ), b.scores)  # fmt: skip
-        if s.order == "rank_local":
-            assert b.own_ids is not None
-            fn = st.indexer
-            packed, own_ids = _pair("indexer", fn, fn(
-                scores, bounds, cg, k, row_starts=starts, out=b.packed, order="rank_local", out_ids=b.own_ids
-            ), (b.packed, b.own_ids))  # fmt: skip
-        else:
-            packed = _result("indexer", st.indexer, st.indexer(scores, bounds, cg, k, row_starts=starts,
-                                                               out=b.packed), b.packed)  # fmt: skip
-        # ---- exchange ----
-        # Wc = 1 (tp, or dcp over one rank): the all-gather is the identity, a view of what the indexer returned.
-        gathered = _all_gather_into(self.group, packed, b.gathered) if b.gathered is not None else packed.unsqueeze(0)
-        ids = None
-        if s.exchange == "owner":
-            fn = st.select_to_slots
-            slots, counts = _pair("select_to_slots", fn, fn(
-                gathered, own_ids, req, bt, cg, k, order=s.order, out_slots=b.slots, out_counts=b.counts
-            ), (b.slots, b.counts))  # fmt: skip
-        else:
-            assert b.ids is not None
-            ids = _result("select", st.select, st.select(gathered, k, out=b.ids), b.ids)
-            fn = st.deinterleave
-            slots, counts = _pair("deinterleave", fn, fn(
-                ids, req, bt, cg, compact=st.attention_layout == "compact", out_slots=b.slots, out_counts=b.counts
-            ), (b.slots, b.counts))  # fmt: skip
-        # ---- attention + guard ----
-        fn = st.attention
-        partial, lse = _pair("attention", fn, fn(
-            q_full, shard.kv_cache, slots, counts, s.sm_scale, v, out=b.partial, out_lse=b.lse
-        ), (b.partial, b.lse))  # fmt: skip
-        scored_rows = self._scored_rows(shard, index_q, index_weights)
-        st.guard(partial, lse, bounds, req, bt, cg, n_cols, row_starts=starts, **scored_rows)
-        # ---- combine ----
-        if Wc == 1:
-            # The rank holds all of its heads' keys (tp, or dcp over one rank): nothing to combine.
-            out, lse_shard = partial.view(T, Hs, v), lse.view(T, Hs)
-        elif s.combine == "reduce_scatter":
-            assert b.all_lse is not None and b.send is not None and b.out is not None
-            all_lse = _all_gather_into(self.group, lse, b.all_lse)
-            fn = st.merge
-            corrected, merged = _pair("merge", fn, fn(partial, all_lse, g.rank, out=b.corrected, out_lse=b.merged_lse),
-                                      (b.corrected, b.merged_lse))  # type: ignore[arg-type]  # fmt: skip
-            # Heads of rank w must be contiguous for the reduce-scatter: [T, H, v] -> [W, T, H/W, v] (one copy).
-            b.send.copy_(corrected.view(T, W, Hs, v).transpose(0, 1))
-            out = _reduce_scatter_into(self.group, b.send.view(W * T, Hs, v), b.out)
-            lse_shard = merged[:, g.rank * Hs : (g.rank + 1) * Hs]
-        else:
-            assert b.send_out is not None and b.send_lse is not None and b.send_bytes is not None
-            assert b.recv_bytes is not None and b.recv_out is not None and b.recv_lse is not None
-            # Rank j's heads, with their LSEs, into the chunk for rank j; one all-to-all moves them all.
-            b.send_out.copy_(partial.view(T, W, Hs, v).transpose(0, 1))
-            b.send_lse.copy_(lse.view(T, W, Hs).transpose(0, 1))
-            self.group.all_to_all(b.send_bytes, out=b.recv_bytes)
-            fn = st.combine
-            out, lse_shard = _pair("combine", fn, fn(b.recv_out, b.recv_lse, out=b.out, out_lse=b.out_lse),
-                                   (b.out, b.out_lse))  # type: ignore[arg-type]  # fmt: skip
+            return self._empty()
+        p = self.parts
+        q_full = p.query.run(q)
+        cand = p.indexing.run(shard, meta, index_q, index_weights)
+        sel = p.exchange.run(cand, shard, meta)
+        partial, lse = p.attention.run(q_full, shard, meta, sel, self._n_cols(shard),
+                                       self._scored_rows(shard, index_q, index_weights))  # fmt: skip
+        out, lse_shard = p.combine.run(partial, lse)
         if trace is not None:
-            trace.update(
-                local_bounds=bounds.clone(),
-                packed=packed.clone(),
-                slots=slots.clone(),
-                counts=counts.clone(),
-                partial_out=partial.clone(),
-                partial_lse=lse.clone(),
-                impl=dict(self.impls),
-            )
-            if ids is not None:
-                trace["global_ids"] = ids.clone()
-            if own_ids is not None:
-                trace["own_ids"] = own_ids.clone()
-            if s.scoring is not None and scores is not None:
-                trace["scores"] = scores.clone()
-            if q_full is not q:
-                trace["q_full"] = q_full.clone()
+            self._trace(trace, q, q_full, meta, cand, sel, partial, lse)
         return out, lse_shard
+
+    def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        empty = torch.empty((0, s.heads_per_rank, s.v_dim), dtype=self._partial_dtype, device=s.device)
+        return empty, torch.empty((0, s.heads_per_rank), dtype=self._lse_dtype, device=s.device)
+
+    def _trace(self, trace: dict, q: torch.Tensor, q_full: torch.Tensor, meta: StepMetadata, cand: Candidates,
+               sel: Selection, partial: torch.Tensor, lse: torch.Tensor) -> None:  # fmt: skip
+        """A copy of every intermediate of the run just made, and ``impl`` (stage -> implementation)."""
+        trace.update(local_bounds=meta.local_bounds.clone(), packed=cand.packed.clone(), slots=sel.slots.clone(),
+                     counts=sel.counts.clone(), partial_out=partial.clone(), partial_lse=lse.clone(),
+                     impl=dict(self.impls))  # fmt: skip
+        if sel.ids is not None:
+            trace["global_ids"] = sel.ids.clone()
+        if cand.own_ids is not None:
+            trace["own_ids"] = cand.own_ids.clone()
+        if self.spec.scoring is not None:
+            trace["scores"] = cand.scores.clone()
+        if q_full is not q:
+            trace["q_full"] = q_full.clone()
 
     def capture(
         self,
@@ -880,6 +612,6 @@ def plan_for(
         sm_scale=sm_scale,
         dtype=q.dtype,
         device=q.device,
+        kv_format=kv_format,
     )
-    st = resolve_stages(stages, q.device, q.dtype, D, v, num_heads=H, topk=topk, kv_format=kv_format)
-    return PlannedStep(group, spec, st, validate=validate)
+    return PlannedStep(group, spec, stages, validate=validate)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import (
+from .contracts import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_bool,
@@ -103,7 +103,7 @@ def pack_candidates(
             (``cols`` local keys) with ``validate=False``; wrong shapes / devices / geometry.
         TypeError: wrong dtypes, a non-tensor ``row_starts``.
     """
-    g = _check_pack(logits, local_topk, geometry, row_starts, validate)
+    g = check_pack_inputs(logits, local_topk, geometry, row_starts, validate)
     w, r, i = g.world_size, g.rank, g.interleave
     rows, cols = logits.shape
     starts = torch.zeros(rows, dtype=torch.int64, device=logits.device) if row_starts is None else row_starts.long()
@@ -124,7 +124,7 @@ def pack_candidates(
     return out
 
 
-def _check_pack(
+def check_pack_inputs(
     logits: object,
     local_topk: object,
     geometry: object,

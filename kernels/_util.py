@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +14,6 @@ __all__ = [
     "cdiv",
     "next_pow2",
     "sm_count",
-    "per_thread",
     "check_flag",
     "raw_stream",
     "raise_if_flagged",
@@ -87,23 +85,6 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def per_thread(store: threading.local, key: Any, make: Callable[[], Any]) -> Any:
-    """The object ``make()`` built for ``key`` in the calling thread, built on its first request.
-
-    The ranks of a :class:`~dcp_ref.group.SimulatedWorld` are threads: stateful helpers (FlashInfer's
-    plan, FlashMLA's schedules, planned scratch buffers a CUDA graph keeps reading) need one per rank.
-    """
-    cache = getattr(store, "by_key", None)
-    if cache is None:
-        cache = store.by_key = {}
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
-
-
-_CHECK_FLAGS: dict[tuple[int, object, int], torch.Tensor] = {}
-
-
 def raw_stream(dev: torch.device) -> int:
     """The current CUDA stream of ``dev`` as its raw handle (``cudaStream_t``; 0 off CUDA). One C call, as
     Triton's launcher asks it: ``torch.cuda.current_stream(dev).cuda_stream`` builds a ``Stream`` object and
@@ -123,29 +104,23 @@ def _stream_key(dev: torch.device) -> tuple[object, int]:
 
 
 def check_flag(dev: torch.device) -> torch.Tensor:
-    """A zeroed int64 flag for a validated call's in-kernel checks, one per thread, device and stream,
-    made once: a good call leaves it at 0, a call that finds it raised clears it before raising.
+    """A fresh zeroed int64 flag for one validated call's in-kernel checks on ``dev``: a good call leaves it at 0.
 
     Shared by the wrappers that check inside their kernel (the pack, the indexer, the deinterleave, the scoring,
-    the attentions, select-to-slots' check): each reads it once with :func:`raise_if_flagged`, which clears a
-    raised flag before raising, so calls on one stream never see each other's flag. Every validated call asks
-    for it, so its lookup is one C call for the stream and one dict probe with a key of plain values.
+    the attentions, select-to-slots' check): each reads it once with :func:`raise_if_flagged`. Made per call (one
+    small allocation, on a call that reads the host anyway), never cached in the module: a validated call is not
+    the capturable hot path, and a flag per call cannot be seen by another thread's or stream's call.
     """
-    where, stream = _stream_key(dev)
-    key = (threading.get_ident(), where, stream)
-    flag = _CHECK_FLAGS.get(key)
-    if flag is None:
-        import torch
+    import torch
 
-        flag = _CHECK_FLAGS[key] = torch.zeros(1, dtype=torch.int64, device=dev)
-    return flag
+    return torch.zeros(1, dtype=torch.int64, device=dev)
 
 
 def raise_if_flagged(
     chk: torch.Tensor | None, reference_check: Callable[[], object], what: str, *, false_alarms: bool = False
 ) -> None:
     """The one host read of a validated call whose kernel raised :func:`check_flag` for a row the reference
-    refuses. A raised flag is cleared first (the calls of this stream share it), then ``reference_check()`` raises
+    refuses. A raised flag is cleared first (a caller may reuse its flag), then ``reference_check()`` raises
     the reference's exact message. If it returns, the kernel flagged a row the reference accepts: a kernel bug
     (``AssertionError`` naming ``what``), unless the kernel's check may over-approximate (``false_alarms``)."""
     if chk is None or not int(chk.item()):

@@ -62,14 +62,14 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import (
+from dcp_ref.attention import check_sm_scale
+from dcp_ref.contracts import (
     INT_DTYPES,
     check_bool,
     check_device,
@@ -81,9 +81,8 @@ from dcp_ref._checks import (
     check_values_readable,
     triton_interpreting,
 )
-from dcp_ref.attention import check_sm_scale
 
-from ._util import cdiv, check_flag, next_pow2, per_thread, raise_if_flagged, sm_count
+from ._util import cdiv, check_flag, next_pow2, raise_if_flagged, sm_count
 
 __all__ = [
     "SPLITKV_DTYPES",
@@ -641,7 +640,7 @@ def sparse_mla_splitkv(
         workspace: float32 ``[plan.workspace_numel]`` from :func:`workspace_for` (allocated per call when the
             plan splits and none is given).
         validate: check ``counts`` and the used ``slots`` as the reference does (its messages): phase 1 raises
-            a flag (the shared :func:`~dcp_ref.kernels._util.check_flag`) for a row the reference refuses, and
+            a flag (this call's :func:`~dcp_ref.kernels._util.check_flag`) for a row the reference refuses, and
             the call reads it once, after both launches (no extra launch; only a failing call reads more, to
             name the culprit; ``out`` then holds the poisoned rows). ``False``: nothing is read on the host;
             counts are clamped to ``[0, K]`` on the device and a row whose used slots leave ``[0, S)`` reads
@@ -755,9 +754,6 @@ def sparse_mla_splitkv(
 
 
 # ---- the attention stage --------------------------------------------------------------------------------
-_WORKSPACES = threading.local()  # per thread (a SimulatedWorld rank is a thread): workspaces by device and plan
-
-
 def splitkv_unsupported(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int, v_dim: int) -> str:
     """Why :func:`splitkv_attention` cannot run this attention (``""`` when it can)."""
     if device.type != "cuda" and not triton_interpreting():
@@ -782,16 +778,15 @@ def splitkv_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention stage (:class:`dcp_ref.stages.AttentionStage`, compact layout) on the split-KV kernel.
 
-    The hot path: ``validate=False`` (no host read; device-side clamping and poisoning), the default plan of
-    the shape, and its workspace made once per thread, device and plan (the first call, outside any CUDA
-    graph) and reused by every later call, so a captured graph keeps reading the same addresses.
+    ``validate=False`` (no host read; device-side clamping and poisoning) and the default plan of the shape. Called
+    directly, it makes this call's workspace; the stage a :class:`~dcp_ref.step.PlannedStep` planned
+    (``dcp_ref.kernels.stages``) owns one workspace per plan instead, made on its first call and reused, so a
+    captured graph keeps reading the same addresses.
     """
     T, H, dqk = q.shape
     plan = splitkv_plan(T, H, slots.shape[1], q.device, head_dim=dqk, v_dim=v_dim)
-    ws = per_thread(_WORKSPACES, (q.device, plan), lambda: workspace_for(plan, q.device))
-    return sparse_mla_splitkv(
-        q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse, workspace=ws, validate=False, plan=plan
-    )
+    return sparse_mla_splitkv(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse, validate=False,
+                              plan=plan)  # fmt: skip
 
 
 splitkv_attention.impl_name = "triton-splitkv"  # type: ignore[attr-defined]  # how the step's trace names it

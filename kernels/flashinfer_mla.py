@@ -170,8 +170,8 @@ class FlashInferSparseMLA:
         workspace_bytes: int = 128 * 1024 * 1024,
         backend: str = "fa3",
     ) -> None:
-        from dcp_ref._checks import check_int_scalar
         from dcp_ref.attention import check_sm_scale
+        from dcp_ref.contracts import check_int_scalar
 
         num_heads = check_int_scalar(num_heads, "num_heads", min_value=1)
         sm_scale = check_sm_scale(sm_scale)  # the reference's check and messages
@@ -203,7 +203,7 @@ class FlashInferSparseMLA:
         ``False``: counts are clamped to ``[0, K]``, and :meth:`run` clamps the slots and poisons
         a row whose used slots leave the cache with NaN (no read out of bounds).
         """
-        from dcp_ref._checks import check_bool
+        from dcp_ref.contracts import check_bool
 
         validate = check_bool(validate, "validate")
         T, K = _check_slots_counts(slots, counts)
@@ -256,7 +256,7 @@ class FlashInferSparseMLA:
         gives 0 / ``-inf``; a non-empty row never gives ``-inf`` (NaN instead), so the merge
         never mistakes corrupt data for an empty rank.
         """
-        from dcp_ref._checks import check_bool
+        from dcp_ref.contracts import check_bool
 
         validate = check_bool(validate, "validate")
         if self._planned_T is None:
@@ -302,7 +302,7 @@ class FlashInferSparseMLA:
             lse = torch.empty((T, H), dtype=torch.float32, device=self.device)
         elif tuple(lse.shape) != (T, H) or lse.dtype != torch.float32 or lse.device != self.device:
             raise ValueError(f"lse must be a float32 tensor of shape {(T, H)} on {self.device}")
-        from dcp_ref._checks import check_no_alias
+        from dcp_ref.contracts import check_no_alias
 
         check_no_alias(out, "out", q=q, kv_cache=kv_cache)
         check_no_alias(lse, "lse", q=q, kv_cache=kv_cache, out=out)

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import (
+from dcp_ref.contracts import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,

@@ -28,14 +28,14 @@ Measured on the H200 (``benchmarks/results/attention_flashmla_splits.json``): at
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import (
+from dcp_ref.attention import check_attention_slots, check_sm_scale
+from dcp_ref.contracts import (
     INT_DTYPES,
     check_bool,
     check_int_scalar,
@@ -45,14 +45,14 @@ from dcp_ref._checks import (
     check_values_readable,
     triton_interpreting,
 )
-from dcp_ref.attention import check_attention_slots, check_sm_scale
 
-from ._util import cdiv, check_flag, next_pow2, per_thread, raise_if_flagged
+from ._util import cdiv, check_flag, next_pow2, raise_if_flagged
 
 __all__ = [
     "FLASHMLA_LSE_BASE",
     "FLASHMLA_HEADS",
     "FLASHMLA_SPLITS",
+    "FlashMLAScratch",
     "flashmla_splits",
     "flashmla_unsupported",
     "sparse_mla_flashmla",
@@ -109,7 +109,7 @@ def flashmla_unsupported(
     device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int, v_dim: int, topk: int
 ) -> str:
     """Why FlashMLA cannot run this attention (``""`` when it can)."""
-    from dcp_ref._checks import has_module
+    from dcp_ref.contracts import has_module
 
     if device.type != "cuda":
         return f"tensors are on {device}, not CUDA"
@@ -229,33 +229,45 @@ def _epilogue_kernel(
     tl.store(out_lse_ptr + t * olse_st + h * olse_sh, tl.where(poisoned, float("nan"), lse))
 
 
-_SCRATCH = threading.local()  # per thread (a SimulatedWorld rank is a thread): the prologue's buffers by shape
+class FlashMLAScratch:
+    """The buffers of :func:`sparse_mla_flashmla`'s prologue (and its split queries), by shape, owned by whoever
+    holds this object: the attention stage a :class:`~dcp_ref.step.PlannedStep` planned (one per step, so one per
+    rank of a SimulatedWorld), or nobody (a direct call without ``workspace=`` makes a fresh one: nothing cached).
 
+    Each buffer is made on the first call of its shape and reused by every later call: the hot path allocates
+    none of them, and a CUDA graph that captured a call keeps reading the same addresses for as long as the
+    object lives. Calls through one object are ordered on one stream, so a call rewrites them only after the
+    previous kernel has read them.
+    """
 
-def _scratch(device: torch.device, T: int, KP: int, splits: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The prologue's ``(indices int32 [T, KP], counts int32 [T * splits], poisoned int32 [T])``, made once per thread,
-    device and shape and reused by every later call: the hot path allocates none of them, and a CUDA graph
-    that captured a call keeps reading the same addresses. Calls of one thread are ordered on its stream,
-    so a call rewrites them only after the previous kernel has read them."""
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, Any] = {}
 
-    def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        i32 = torch.int32
-        return (
-            torch.empty((T, KP), dtype=i32, device=device),
-            torch.empty((T * splits,), dtype=i32, device=device),
-            torch.empty((T,), dtype=i32, device=device),
-        )
+    def prologue(
+        self, device: torch.device, T: int, KP: int, splits: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(indices int32 [T, KP], counts int32 [T * splits], poisoned int32 [T])``."""
+        key = ("prologue", device, T, KP, splits)
+        bufs = self._bufs.get(key)
+        if bufs is None:
+            i32 = torch.int32
+            bufs = self._bufs[key] = (
+                torch.empty((T, KP), dtype=i32, device=device),
+                torch.empty((T * splits,), dtype=i32, device=device),
+                torch.empty((T,), dtype=i32, device=device),
+            )
+        return bufs
 
-    return per_thread(_SCRATCH, (device, T, KP, splits), make)
-
-
-def _split_queries(q: torch.Tensor, splits: int) -> torch.Tensor:
-    """``q [T, H, D]`` repeated per split, ``[T * splits, H, D]`` (row ``t * splits + s`` = ``q[t]``), in a
-    per-thread buffer of that shape (one copy kernel; a captured graph keeps reading the same address)."""
-    T, H, D = q.shape
-    buf = per_thread(_SCRATCH, ("q", q.device, q.dtype, T, H, D, splits), lambda: q.new_empty((T * splits, H, D)))
-    buf.view(T, splits, H, D).copy_(q.unsqueeze(1).expand(T, splits, H, D))
-    return buf
+    def split_queries(self, q: torch.Tensor, splits: int) -> torch.Tensor:
+        """``q [T, H, D]`` repeated per split, ``[T * splits, H, D]`` (row ``t * splits + s`` = ``q[t]``), in this
+        object's buffer of that shape (one copy kernel)."""
+        T, H, D = q.shape
+        key = ("q", q.device, q.dtype, T, H, D, splits)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = q.new_empty((T * splits, H, D))
+        buf.view(T, splits, H, D).copy_(q.unsqueeze(1).expand(T, splits, H, D))
+        return buf
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -315,6 +327,7 @@ def sparse_mla_flashmla(
     out_lse: torch.Tensor | None = None,
     validate: bool = False,
     splits: int = 1,
+    workspace: FlashMLAScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over compacted slots on FlashMLA (the attention stage's contract, :mod:`dcp_ref.stages`).
 
@@ -340,6 +353,8 @@ def sparse_mla_flashmla(
         splits: a power of two: each token's used slots dealt out evenly to this many rows of the kernel, merged
             by LSE afterwards (the module's **Splits**; a planned step takes :func:`flashmla_splits`). Each row is
             at least the kernel's width multiple (128) wide, so ``K`` is padded to ``128 * splits``.
+        workspace: a :class:`FlashMLAScratch` whose buffers the call uses (the planned attention stage's: made
+            once per shape, so a captured graph keeps reading them); ``None``: this call's own.
     Returns:
         ``(out [T, H, 512] bf16, lse [T, H] float32)``: LSE in base e, ``-inf`` where ``counts == 0``.
     """
@@ -375,12 +390,16 @@ def sparse_mla_flashmla(
         check_out(out_lse, "out_lse", (T, H), torch.float32, q.device)
     check_no_alias(out, "out", q=q, kv_cache=kv_cache, slots=slots, counts=counts)
     check_no_alias(out_lse, "out_lse", q=q, kv_cache=kv_cache, slots=slots, counts=counts, out=out)
+    if workspace is None:
+        workspace = FlashMLAScratch()  # this call's buffers only
+    elif not isinstance(workspace, FlashMLAScratch):
+        raise TypeError(f"workspace must be a FlashMLAScratch or None, got {type(workspace).__name__}")
     check = validate and T > 0
     if check:
         check_values_readable(counts, "counts")
         check_values_readable(slots, "slots")
     if fused:
-        safe, cnt, poisoned = _scratch(q.device, T, KP, splits)
+        safe, cnt, poisoned = workspace.prologue(q.device, T, KP, splits)
         chk = check_flag(q.device) if check else None
         if T:
             _prologue_kernel[(T,)](
@@ -395,7 +414,7 @@ def sparse_mla_flashmla(
     raise_if_flagged(chk, lambda: check_attention_slots(slots, counts, S), "the FlashMLA prologue")
     # one kernel row per (token, split): the same int32 buffer read as [T * splits, KP / splits]
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
-        q if splits == 1 else _split_queries(q, splits),
+        q if splits == 1 else workspace.split_queries(q, splits),
         kv_cache.reshape(-1, 1, _DQK),
         safe.view(T * splits, 1, KP // splits),
         sm_scale,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import triton_interpreting
+from dcp_ref.contracts import triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.guard import check_guard_inputs
 

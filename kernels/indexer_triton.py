@@ -72,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import (
+from dcp_ref.contracts import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_bool,

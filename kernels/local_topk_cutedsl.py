@@ -52,17 +52,18 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32, Uint64, const_expr
 
-from dcp_ref._checks import check_int_scalar, check_tensor
+from dcp_ref.contracts import check_int_scalar, check_tensor
 
-from ._util import cdiv, check_flag, compiled_artifacts, nearest_shapes
-from .select_to_slots_cutedsl import _SMS, SelectToSlotsKernel, cluster_sync, dsmem_load
+from ._launch import KERNEL_LOCK
+from ._util import cdiv, compiled_artifacts, nearest_shapes
+from .select_to_slots_cutedsl import H200_SMS, SelectToSlotsKernel, cluster_sync, dsmem_load
 from .topk_cutedsl import (
     FIRST_BITS,
     MASK32,
     State,
-    _use_tvm_ffi,
     digit_schedule,
     launch_per_row,
+    use_tvm_ffi,
     warp_inclusive_scan,
 )
 
@@ -618,8 +619,6 @@ def _fake_args(cfg: LocalTopKConfig) -> tuple[Any, ...]:
 @functools.lru_cache(maxsize=128)
 def compile_local_topk(cfg: LocalTopKConfig) -> Any:
     """The compiled kernel of one configuration (cached; CuTeDSL compiles are serialised). Works without a GPU."""
-    from .stages import KERNEL_LOCK
-
     with KERNEL_LOCK:
         stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=cfg.tvm_ffi)
         kern = LocalTopKKernel(cfg)
@@ -632,8 +631,6 @@ def compile_artifacts(cfg: LocalTopKConfig, dump_dir: str) -> tuple[str, bytes]:
     """Compile one configuration (uncached) and return ``(PTX text, cubin bytes)`` — the CPU CI check.
 
     Needs ``CUTE_DSL_ARCH=sm_90a`` (no GPU needed); ``dump_dir`` must exist."""
-    from .stages import KERNEL_LOCK
-
     with KERNEL_LOCK:
         kern = LocalTopKKernel(cfg)
         stream = cutlass.runtime.make_fake_stream()
@@ -720,7 +717,7 @@ def plan_for(
             return None
         # Few rows leave SMs idle: spread a long row over more CTAs while the grid stays within half the SMs
         # and every CTA keeps >= SPREAD_MIN_KEYS keys.
-        while c < CLUSTERS[-1] and rows * 2 * c <= _SMS // 2 and cdiv(cols, 2 * c) >= SPREAD_MIN_KEYS:
+        while c < CLUSTERS[-1] and rows * 2 * c <= H200_SMS // 2 and cdiv(cols, 2 * c) >= SPREAD_MIN_KEYS:
             c *= 2
     else:
         c = cluster
@@ -764,7 +761,7 @@ def local_topk_pack_cutedsl(
     int32 ``[T, k]``), contiguous. ``flag``: the validated call's check flag (int64 ``[1]``) or ``None``."""
     rows, cols = scores.shape
     cluster, threads, cpt, first_bits = plan
-    ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
+    ffi = use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
 
     def bits(t: torch.Tensor | None) -> int:
         return 0 if t is None else (64 if t.dtype == torch.int64 else 32)
@@ -783,7 +780,12 @@ def local_topk_pack_cutedsl(
     lens = lengths.contiguous() if lengths is not None else dummy32
     starts = row_starts.contiguous() if row_starts is not None else dummy32
     if order == "rank_local":
-        out64 = flag if flag is not None else check_flag(dev)  # never written: a cached int64 word
+        # never written nor read (rank-local writes out32 / outid): any int64 word, the flag when there is one
+        # (no allocation on the hot path: the front of the scores' out buffer, read as one int64 word, when it can)
+        front = out.view(-1)
+        spare = front[:2].view(torch.int64) if front.numel() >= 2 and front.data_ptr() % 8 == 0 else None
+        out64 = flag if flag is not None else (spare if spare is not None else torch.empty((1,), dtype=torch.int64,
+                                                                                          device=dev))  # fmt: skip
         out32 = out.view(-1).view(torch.int32)
         outid = out_ids.view(-1) if out_ids is not None else dummy32
     else:

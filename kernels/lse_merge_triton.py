@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import (
+from dcp_ref.contracts import (
     check_bool,
     check_int_scalar,
     check_lse_base,

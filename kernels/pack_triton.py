@@ -4,7 +4,7 @@ The GPU twin of :func:`dcp_ref.topk.pack_candidates`. One program handles ``BLOC
 one row; every access is masked, so any ``K`` works and an out-of-range local index can never read
 outside ``logits`` (it is packed as invalid — and rejected when ``validate=True``); a row start
 outside ``[0, cols]`` is clamped on the device. The checks are the reference's own
-(:func:`dcp_ref.topk._check_pack`): both accept and reject the same inputs with the same message.
+(:func:`dcp_ref.topk.check_pack_inputs`): both accept and reject the same inputs with the same message.
 
 ``validate=True`` costs one host read, after the launch: the kernel itself checks the values it reads
 (a row start outside ``[0, cols]``, an entry below ``-1``, an entry past its row) and raises a flag —
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import (
+from dcp_ref.contracts import (
     check_bool,
     check_no_alias,
     check_out,
@@ -29,7 +29,7 @@ from dcp_ref._checks import (
     max_global_id_bound,
 )
 from dcp_ref.geometry import DcpGeometry, check_geometry
-from dcp_ref.topk import MAX_EXACT_ID, _check_pack
+from dcp_ref.topk import MAX_EXACT_ID, check_pack_inputs
 
 from ._util import cdiv, check_flag
 
@@ -112,7 +112,7 @@ def pack_candidates_triton(
     g0 = check_geometry(geometry)
     cols = logits.shape[1] if isinstance(logits, torch.Tensor) and logits.ndim == 2 else 0
     host_values = validate and max_global_id_bound(cols, g0.world_size, g0.interleave) > MAX_EXACT_ID
-    g = _check_pack(logits, local_topk, geometry, row_starts, host_values)
+    g = check_pack_inputs(logits, local_topk, geometry, row_starts, host_values)
     rows, K = local_topk.shape
     fused = validate and not host_values and local_topk.numel() > 0
     if fused:  # what the reference's value checks would refuse before reading anything
@@ -139,6 +139,6 @@ def pack_candidates_triton(
     )  # fmt: skip
     if chk is not None and int(chk.item()):  # the one host read of a validated call
         chk.zero_()
-        _check_pack(logits, local_topk, geometry, row_starts, True)  # raises the reference's error
+        check_pack_inputs(logits, local_topk, geometry, row_starts, True)  # raises the reference's error
         raise ValueError("local_topk / row_starts hold values the reference rejects")  # unreachable: the host agrees
     return out

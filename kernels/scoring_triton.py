@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dcp_ref._checks import check_bool, check_int_scalar, check_values_readable, triton_interpreting
+from dcp_ref.contracts import check_bool, check_int_scalar, check_values_readable, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.index_cache import INDEX_K_FP8
 from dcp_ref.scoring import ScoringArgs, check_scoring_inputs

@@ -50,7 +50,7 @@ histogram merges cost more than the 1/C of the work saves). A warp-vote form of 
 (:func:`select_to_slots_cutedsl`) refuses exactly what the reference refuses, with its messages (the shared
 :func:`dcp_ref.select_to_slots.check_select_to_slots_inputs`), then with ``out_slots`` / ``out_counts`` given
 and ``validate=False`` allocates nothing and reads nothing on the host (CUDA-graph capturable). Compilation
-runs under :data:`dcp_ref.kernels.stages.KERNEL_LOCK` (CuTeDSL compiles are not thread-safe).
+runs under :data:`dcp_ref.kernels._launch.KERNEL_LOCK` (CuTeDSL compiles are not thread-safe).
 
 **Validated call** (``validate=True``): the shape checks, then the values **inside the select kernel itself**
 (``check=True``, one CTA per row): each id ``-1``, NaN or an integer in ``[0, 2**24)`` and no id twice in the
@@ -84,28 +84,30 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from dcp_ref._checks import check_bool, check_values_readable, triton_interpreting
+from dcp_ref.contracts import check_bool, check_values_readable, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.select_to_slots import ORDERS, SENTINEL_SLOT, SelectToSlotsInputs, check_select_to_slots_inputs
 from dcp_ref.topk import MAX_EXACT_ID
 
-from ._util import cdiv, check_flag, compiled_artifacts, next_pow2, raise_if_flagged, raw_stream
+from ._launch import KERNEL_LOCK
+from ._util import cdiv, check_flag, compiled_artifacts, next_pow2, raise_if_flagged
 from .topk_cutedsl import (
     FIRST_BITS,
     MASK32,
     MAX_CANDIDATES,
     StableTopKKernel,
     State,
-    _use_tvm_ffi,
     default_variant,
     digit_schedule,
     launch_per_row,
     lean_config,
     threads_for,
+    use_tvm_ffi,
 )
 
 __all__ = [
     "SPLITS",
+    "H200_SMS",
     "split_threads",
     "default_split",
     "dsmem_load",
@@ -132,7 +134,7 @@ HASH_NEEDED = 11
 #: CTAs per row of the split form (a thread-block cluster; 8 is the portable maximum).
 SPLITS = (1, 2, 4, 8)
 #: Streaming multiprocessors of the H200 (the split default fills them when rows are few).
-_SMS = 132
+H200_SMS = 132
 
 
 def split_threads(n: int, split: int, vec: int) -> int:
@@ -157,7 +159,7 @@ def default_split(rows: int, n: int, vec: int, order: str = "rank_local") -> int
     if order == "rank_local" and rows > 16:
         return 1
     for c in (8, 4, 2):
-        if chunks // c >= 512 and rows * c <= _SMS // 2 and chunks % c == 0:
+        if chunks // c >= 512 and rows * c <= H200_SMS // 2 and chunks % c == 0:
             return c
     return 1
 
@@ -1189,12 +1191,10 @@ _COMPILED: dict[SelectToSlotsConfig, Any] = {}
 
 def compile_select_to_slots(cfg: SelectToSlotsConfig) -> Any:
     """The compiled kernel of one configuration, compiled once (under
-    :data:`dcp_ref.kernels.stages.KERNEL_LOCK`: CuTeDSL compiles are not thread-safe). Works without a GPU."""
+    :data:`dcp_ref.kernels._launch.KERNEL_LOCK`: CuTeDSL compiles are not thread-safe). Works without a GPU."""
     fn = _COMPILED.get(cfg)
     if fn is not None:
         return fn
-    from .stages import KERNEL_LOCK
-
     with KERNEL_LOCK:
         fn = _COMPILED.get(cfg)
         if fn is None:
@@ -1213,8 +1213,6 @@ def compile_artifacts(cfg: SelectToSlotsConfig, dump_dir: str) -> tuple[str, byt
 
     Needs ``CUTE_DSL_ARCH=sm_90a`` (no GPU needed); ``dump_dir`` must exist. See :func:`cubin_resources`.
     """
-    from .stages import KERNEL_LOCK
-
     with KERNEL_LOCK:
         kern = SelectToSlotsKernel(cfg)
         stream = cutlass.runtime.make_fake_stream()
@@ -1365,7 +1363,6 @@ _MAX_PROBES = 32
 #: A hash entry is ``stamp << 24 | id`` (ids are below ``2**24``); stamps stay below ``_STAMP_LIMIT``, then the
 #: table is zeroed and they start again at 1.
 _STAMP_LIMIT = 1 << 31
-_HASH_TABLES: dict[tuple[int, Any, int], list[Any]] = {}
 
 
 @triton.jit
@@ -1488,15 +1485,9 @@ def select_check_kernel(
 
 
 def _hash_table(dev: torch.device, entries: int) -> list[Any]:
-    """``[table, next stamp]``: the int64 hash table of :func:`select_check_kernel` (at least ``entries``), one per
-    thread, device and stream (as :func:`~dcp_ref.kernels._util.check_flag`), zeroed once and grown when needed."""
-    import threading
-
-    key = (threading.get_ident(), dev, raw_stream(dev))
-    state = _HASH_TABLES.get(key)
-    if state is None or state[0].numel() < entries:
-        state = _HASH_TABLES[key] = [torch.zeros(entries, dtype=torch.int64, device=dev), 1]
-    return state
+    """``[table, next stamp]``: a zeroed int64 hash table of :func:`select_check_kernel` (``entries``) for one
+    validated call, made per call (no module cache: the stamps let one call reuse it over its groups of rows)."""
+    return [torch.zeros(entries, dtype=torch.int64, device=dev), 1]
 
 
 def check_select_to_slots_values(
@@ -1509,7 +1500,7 @@ def check_select_to_slots_values(
     own_ids: torch.Tensor | None,
 ) -> torch.Tensor:
     """Launch :func:`select_check_kernel` over every row (inputs shape-checked; ``gathered`` contiguous, on CUDA
-    or under the interpreter): the shared check flag, 0 when every value is in contract, 1 when the reference's
+    or under the interpreter): this call's check flag, 0 when every value is in contract, 1 when the reference's
     value check may refuse them (read it once; when raised, clear it and run the reference's check). No host
     read; ``global_id`` with more than ``_HASH_MAX / 4`` candidates runs one launch per group of rows."""
     w, rows, kloc = gathered.shape[0], gathered.shape[1], gathered.shape[2]
@@ -1789,7 +1780,7 @@ def _select(
     bt_flat = _span(bt_t)
     own_flat = _span(own_t)
     small = max(gathered.numel(), rows * k, req_flat.numel(), bt_flat.numel(), own_flat.numel()) < 2**31
-    ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
+    ffi = use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
 
     def config_for(check: bool) -> SelectToSlotsConfig:
         return make_config(

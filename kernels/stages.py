@@ -34,16 +34,14 @@ caller asks for ``stages="kernels"``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-import threading
 from typing import Any
 
 import torch
 
-from dcp_ref._checks import check_tensor, has_module, triton_interpreting
+from dcp_ref.contracts import check_tensor, has_module, triton_interpreting
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.stages import (
     STAGE_NAMES,
@@ -63,20 +61,11 @@ from dcp_ref.stages import (
     reference_select_to_slots,
 )
 
-from ._util import per_thread
+from ._launch import KERNEL_LOCK, launch
 
 __all__ = ["kernel_stages", "kernel_stage_impls", "KERNEL_LOCK"]
 
 logger = logging.getLogger("dcp_ref.kernels.stages")
-
-#: Triton's CPU interpreter patches its language module while a kernel runs, and CuTeDSL compiles
-#: are not thread-safe: the ranks of a SimulatedWorld (threads) take this lock around such calls.
-#: Collectives stay outside it, so ranks cannot deadlock on it.
-KERNEL_LOCK = threading.RLock()
-
-
-def _launch(device: torch.device) -> contextlib.AbstractContextManager:
-    return KERNEL_LOCK if device.type != "cuda" and triton_interpreting() else contextlib.nullcontext()
 
 
 @functools.cache
@@ -96,7 +85,7 @@ def _pack_triton(
 ) -> torch.Tensor:
     from .pack_triton import pack_candidates_triton
 
-    with _launch(scores.device):
+    with launch(scores.device):
         return pack_candidates_triton(scores, ids, geometry, row_starts, out=out, validate=False)
 
 
@@ -109,32 +98,52 @@ def _local_topk_torch(
     return local_topk(scores, k, lengths, row_starts, validate=False)
 
 
-_INDEXER_WORKSPACES = threading.local()  # split-row workspaces of the fused indexer, per thread (rank) and shape
+class _FusedIndexer:
+    """The fused indexer stage (local top-K + pack, one launch; :func:`~.indexer_triton.indexer_topk_pack`).
+
+    Long rows are split over programs through a workspace. Bound to a planned step (:meth:`bound`, from
+    ``prepare``), the stage owns one workspace per shape it runs, made on its first (warm-up) call of that shape
+    and reused, so later runs — and a captured graph — allocate nothing and read the same addresses for as long
+    as the step lives. Unbound (``kernel_stages(spec).indexer`` called directly), each call makes its own.
+    """
+
+    impl_name = "fused"
+
+    def __init__(self, workspaces: dict[tuple, torch.Tensor | None] | None = None) -> None:
+        self._workspaces = workspaces
+
+    def bound(self) -> _FusedIndexer:
+        """This stage with workspaces of its own (one planned step's)."""
+        return _FusedIndexer({})
+
+    def __call__(
+        self,
+        scores: torch.Tensor,
+        lengths: torch.Tensor,
+        geometry: DcpGeometry,
+        k: int,
+        *,
+        row_starts: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        order: str = "global_id",
+        out_ids: torch.Tensor | None = None,
+    ) -> Any:
+        from .indexer_triton import indexer_topk_pack, workspace_for
+
+        ws = None
+        if self._workspaces is not None:
+            key = (tuple(scores.shape), k, scores.device)
+            if key not in self._workspaces:
+                self._workspaces[key] = workspace_for(scores, k)
+            ws = self._workspaces[key]
+        with launch(scores.device):
+            return indexer_topk_pack(  # type: ignore[call-overload]  # order is a str here, not a Literal
+                scores, lengths, k, geometry, row_starts, out=out, validate=False, workspace=ws, order=order,
+                out_ids=out_ids,
+            )  # fmt: skip
 
 
-@named_impl("fused")
-def _indexer_fused(
-    scores: torch.Tensor,
-    lengths: torch.Tensor,
-    geometry: DcpGeometry,
-    k: int,
-    *,
-    row_starts: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    order: str = "global_id",
-    out_ids: torch.Tensor | None = None,
-) -> Any:
-    from .indexer_triton import indexer_topk_pack, workspace_for
-
-    # Long rows are split over programs through a workspace: made once per thread (rank) and shape, on the first
-    # (warm-up) run, so that later runs — and a captured graph — allocate nothing.
-    key = (tuple(scores.shape), k, scores.device)
-    ws = per_thread(_INDEXER_WORKSPACES, key, lambda: workspace_for(scores, k))
-    with _launch(scores.device):
-        return indexer_topk_pack(  # type: ignore[call-overload]  # order is a str here, not a Literal
-            scores, lengths, k, geometry, row_starts, out=out, validate=False, workspace=ws, order=order,
-            out_ids=out_ids,
-        )  # fmt: skip
+_indexer_fused = _FusedIndexer()
 
 
 def _select_too_big(world_size: int, kloc: int) -> str:
@@ -186,16 +195,32 @@ def _deinterleave_triton(
     req = req_of_token if req_of_token.dtype == torch.int32 else req_of_token.to(torch.int32)
     # compact: the ordered row scan; masked: the same scan with compaction off (slots and counts, one launch)
     fn = functools.partial(deinterleave_compact, ordered=True) if compact else deinterleave_masked_triton
-    with _launch(global_ids.device):
+    with launch(global_ids.device):
         return fn(global_ids, req, block_table, geometry, out=out_slots, counts=out_counts, validate=False)
 
 
-def _attention_flashmla_for(splits: int) -> Any:
-    """FlashMLA's bf16 attention stage with each token's slots cut into ``splits`` kernel rows (chosen at plan time
-    for the planned tokens: :func:`~.flashmla_sparse.flashmla_splits`)."""
+class _FlashMLAAttention:
+    """FlashMLA's bf16 attention stage (:func:`~.flashmla_sparse.sparse_mla_flashmla`) with each token's slots cut
+    into ``splits`` kernel rows (chosen at plan time for the planned tokens: :func:`~.flashmla_sparse.flashmla_splits`).
 
-    @named_impl("flashmla")
-    def stage(
+    Bound to a planned step (:meth:`bound`), it owns the prologue's buffers (a
+    :class:`~.flashmla_sparse.FlashMLAScratch`: one per shape, reused, so a captured graph keeps reading them);
+    unbound, each call makes its own."""
+
+    impl_name = "flashmla"
+
+    def __init__(self, splits: int = 1, scratch: Any = None) -> None:
+        self.splits = splits
+        self.scratch = scratch
+
+    def bound(self, splits: int) -> _FlashMLAAttention:
+        """The stage of one planned step: ``splits`` per token and buffers of its own."""
+        from .flashmla_sparse import FlashMLAScratch
+
+        return _FlashMLAAttention(splits, FlashMLAScratch())
+
+    def __call__(
+        self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         slots: torch.Tensor,
@@ -209,34 +234,50 @@ def _attention_flashmla_for(splits: int) -> Any:
         from .flashmla_sparse import sparse_mla_flashmla
 
         return sparse_mla_flashmla(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse,
-                                   splits=splits)  # fmt: skip
-
-    stage.splits = splits  # type: ignore[attr-defined]
-    return stage
+                                   splits=self.splits, workspace=self.scratch)  # fmt: skip
 
 
-_attention_flashmla = _attention_flashmla_for(1)
+_attention_flashmla = _FlashMLAAttention(1)
 
 
-_FP8_DECODERS = threading.local()  # one FlashMLA FP8 decoder per thread (rank): it keeps a schedule per shape
+class _FlashMLAFp8Attention:
+    """FlashMLA's FP8 decode as the attention stage (:class:`~.flashmla_fp8.FlashMLAFp8Decode`, masked layout).
+
+    Bound to a planned step (:meth:`bound`), it owns one decoder (which keeps FlashMLA's schedule and an index
+    buffer per shape: a captured graph keeps reading them); unbound, each call makes its own decoder."""
+
+    impl_name = "flashmla-fp8"
+
+    def __init__(self, decoder: Any = None) -> None:
+        self.decoder = decoder
+
+    def bound(self, device: torch.device) -> _FlashMLAFp8Attention:
+        """The stage of one planned step on ``device``, with a decoder of its own."""
+        from .flashmla_fp8 import FlashMLAFp8Decode
+
+        return _FlashMLAFp8Attention(FlashMLAFp8Decode(device, validate=False))
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor,
+        sm_scale: float,
+        v_dim: int,
+        *,
+        out: torch.Tensor | None = None,
+        out_lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dec = self.decoder
+        if dec is None:
+            from .flashmla_fp8 import FlashMLAFp8Decode
+
+            dec = FlashMLAFp8Decode(q.device, validate=False)  # this call's own
+        return dec.attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
 
 
-@named_impl("flashmla-fp8")
-def _attention_flashmla_fp8(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
-    sm_scale: float,
-    v_dim: int,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from .flashmla_fp8 import FlashMLAFp8Decode
-
-    dec = per_thread(_FP8_DECODERS, q.device, lambda: FlashMLAFp8Decode(q.device, validate=False))
-    return dec.attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
+_attention_flashmla_fp8 = _FlashMLAFp8Attention()
 
 
 def _choose_fp8_attention(device: torch.device, q_dtype: torch.dtype, num_heads: int | None) -> tuple[str, str]:
@@ -251,33 +292,48 @@ def _choose_fp8_attention(device: torch.device, q_dtype: torch.dtype, num_heads:
     return "flashmla-fp8", ""
 
 
-_FI_WRAPPERS = threading.local()  # one FlashInfer wrapper per thread (rank) and shape: plan() is stateful
+class _FlashInferAttention:
+    """FlashInfer's fa3 MLA as the attention stage (:class:`~.flashinfer_mla.FlashInferSparseMLA`; plans on the host).
+
+    Its ``plan()`` is stateful: bound to a planned step (:meth:`bound`), the stage owns one wrapper per
+    ``(heads, sm_scale, device, dtype)``; unbound, each call makes its own."""
+
+    impl_name = "flashinfer"
+
+    def __init__(self, wrappers: dict[tuple, Any] | None = None) -> None:
+        self._wrappers = wrappers
+
+    def bound(self) -> _FlashInferAttention:
+        """This stage with wrappers of its own (one planned step's)."""
+        return _FlashInferAttention({})
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor,
+        sm_scale: float,
+        v_dim: int,
+        *,
+        out: torch.Tensor | None = None,
+        out_lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from .flashinfer_mla import FlashInferSparseMLA
+
+        key = (q.shape[1], float(sm_scale), q.device, q.dtype)
+        attn = None if self._wrappers is None else self._wrappers.get(key)
+        if attn is None:
+            attn = FlashInferSparseMLA(
+                q.shape[1], sm_scale, device=q.device, dtype=q.dtype, head_dim_kpe=q.shape[2] - 512
+            )
+            if self._wrappers is not None:
+                self._wrappers[key] = attn
+        attn.plan(slots, counts)  # host sync: FlashInfer builds its schedule from the lengths
+        return attn.run(q, kv_cache, out=out, lse=out_lse, lse_base="e")
 
 
-@named_impl("flashinfer")
-def _attention_flashinfer(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
-    sm_scale: float,
-    v_dim: int,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from .flashinfer_mla import FlashInferSparseMLA
-
-    key = (q.shape[1], float(sm_scale), q.device, q.dtype)
-    attn = per_thread(
-        _FI_WRAPPERS,
-        key,
-        lambda: FlashInferSparseMLA(
-            q.shape[1], sm_scale, device=q.device, dtype=q.dtype, head_dim_kpe=q.shape[2] - 512
-        ),
-    )
-    attn.plan(slots, counts)  # host sync: FlashInfer builds its schedule from the lengths
-    return attn.run(q, kv_cache, out=out, lse=out_lse, lse_base="e")
+_attention_flashinfer = _FlashInferAttention()
 
 
 @named_impl("triton")
@@ -293,7 +349,7 @@ def _merge_triton(
 
     if out_lse is None:
         out_lse = torch.empty(partial.shape[:2], dtype=torch.float32, device=partial.device)
-    with _launch(partial.device):
+    with launch(partial.device):
         corrected, merged = lse_correct(partial, all_lse, rank, base="e", corrected=out, merged_lse=out_lse)
     assert merged is not None
     return corrected, merged
@@ -317,7 +373,7 @@ def _guard_triton(
 ) -> None:
     from .guard_triton import guard_triton
 
-    with _launch(partial.device):
+    with launch(partial.device):
         guard_triton(partial, lse, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts=row_starts,
                      num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights)  # fmt: skip
 
@@ -334,7 +390,7 @@ def _combine_triton(
 
     if out_lse is None:
         out_lse = torch.empty(outs.shape[1:3], dtype=torch.float32, device=outs.device)
-    with _launch(outs.device):
+    with launch(outs.device):
         merged, merged_lse = lse_merge(outs, lses, base="e", merged=out, merged_lse=out_lse)
     assert merged_lse is not None
     return merged, merged_lse
@@ -356,7 +412,7 @@ def _scoring_triton(
 ) -> torch.Tensor:
     from .scoring_triton import index_scores_triton
 
-    with _launch(index_q.device):
+    with launch(index_q.device):
         return index_scores_triton(index_q, weights, index_cache, block_table, req_of_token, local_bounds, geometry,
                                    row_starts=row_starts, out=out, validate=False, next_n=next_n)  # fmt: skip
 
@@ -393,22 +449,65 @@ def _select_to_slots_cutedsl_for(split: int | None) -> Any:
 _select_to_slots_cutedsl = _select_to_slots_cutedsl_for(None)
 
 
-@named_impl("triton-splitkv")
-def _attention_splitkv(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
-    sm_scale: float,
-    v_dim: int,
-    *,
-    out: torch.Tensor | None = None,
-    out_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from .attention_splitkv_triton import splitkv_attention
+class _SplitKVAttention:
+    """The split-KV Triton attention stage (:func:`~.attention_splitkv_triton.sparse_mla_splitkv`, the default plan
+    of each call's shape, ``validate=False``).
 
-    with _launch(q.device):
-        return splitkv_attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
+    Bound to a planned step (:meth:`bound`), it owns one workspace per plan (the planned ``max_tokens``' made at
+    plan time, any other run's on its first call) and reuses it, so a captured graph keeps reading the same
+    addresses; unbound, each call makes its own."""
+
+    impl_name = "triton-splitkv"
+
+    def __init__(self, workspaces: dict[tuple, torch.Tensor] | None = None) -> None:
+        self._workspaces = workspaces
+
+    def bound(self, spec: StepSpec | None = None) -> _SplitKVAttention:
+        """This stage with workspaces of its own (one planned step's); ``spec``: make the planned shape's now."""
+        stage = _SplitKVAttention({})
+        if spec is not None:
+            from .attention_splitkv_triton import splitkv_plan
+
+            dev = torch.device(spec.device)
+            plan = splitkv_plan(spec.max_tokens, spec.attention_heads, spec.topk, dev, head_dim=spec.head_dim,
+                                v_dim=spec.v_dim)  # fmt: skip
+            stage._workspace(plan, dev)
+        return stage
+
+    def _workspace(self, plan: Any, device: torch.device) -> torch.Tensor | None:
+        if self._workspaces is None:
+            return None  # unbound: sparse_mla_splitkv makes this call's (when the plan splits)
+        key = (device, plan)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            from .attention_splitkv_triton import workspace_for
+
+            ws = self._workspaces[key] = workspace_for(plan, device)
+        return ws
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        counts: torch.Tensor,
+        sm_scale: float,
+        v_dim: int,
+        *,
+        out: torch.Tensor | None = None,
+        out_lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from .attention_splitkv_triton import sparse_mla_splitkv, splitkv_plan
+
+        T, H, dqk = q.shape
+        plan = splitkv_plan(T, H, slots.shape[1], q.device, head_dim=dqk, v_dim=v_dim)
+        ws = self._workspace(plan, q.device)
+        with launch(q.device):
+            return sparse_mla_splitkv(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse,
+                                      workspace=ws, validate=False, plan=plan)  # fmt: skip
+
+
+_attention_splitkv = _SplitKVAttention()
 
 
 #: Up to this many query tokens per planned step the split-KV kernel is the faster bf16 attention, beyond it
@@ -423,12 +522,21 @@ SPLITKV_MAX_TOKENS = 2
 SPLITKV_MAX_TOKENS_UNSPLIT = 8
 
 
-def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives: dict[str, Any]) -> Stages | None:
+def _prepare(
+    spec: StepSpec, stages: Stages, *, template: Stages, impl: dict[str, str], alternatives: dict[str, Any]
+) -> Stages | None:
     """Plan-time work, under the step's lock: compile and warm what compiles (the CuTeDSL kernels) for the planned
-    shape, and pick the faster bf16 attention for it where two can run (:data:`SPLITKV_MAX_TOKENS`)."""
+    shape, and pick the faster bf16 attention for it where two can run (:data:`SPLITKV_MAX_TOKENS`).
+
+    ``stages`` is the value being planned (``kernel_stages(spec)``, or a ``with_`` copy of it): a stage a caller
+    replaced (not ``template``'s) is kept as given — only the provider's own stages are chosen and bound here."""
     W, T, k = spec.cache_geometry.world_size, spec.max_tokens, spec.topk
     chosen = stages
-    if impl["select"] == "cutedsl" and spec.exchange == "allgather":
+
+    def own(name: str) -> bool:
+        return getattr(stages, name) is getattr(template, name)
+
+    if impl["select"] == "cutedsl" and spec.exchange == "allgather" and own("select"):
         from .topk_cutedsl import stable_topk_cutedsl
 
         too_big = _select_too_big(W, k)
@@ -441,7 +549,7 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
             gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
             with KERNEL_LOCK:
                 stable_topk_cutedsl(gathered, k, validate=False)
-    if impl["select_to_slots"] == "cutedsl" and spec.exchange == "owner":
+    if impl["select_to_slots"] == "cutedsl" and spec.exchange == "owner" and own("select_to_slots"):
         from .select_to_slots_cutedsl import make_config
 
         # One split (CTAs per row) for the planned rows, whatever a run's token count: one compiled kernel.
@@ -453,7 +561,7 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
     keys = spec.topk if spec.layout == "tp" or W == 1 else spec.topk // W
     splits = flashmla_splits(T, spec.attention_heads, keys)  # how FlashMLA would run here
     attention, why = chosen.attention, ""
-    if len(alternatives) >= 2:  # the crossover against FlashMLA as it would run: split, or not
+    if len(alternatives) >= 2 and own("attention"):  # the crossover against FlashMLA as it would run: split, or not
         most = SPLITKV_MAX_TOKENS if splits > 1 else SPLITKV_MAX_TOKENS_UNSPLIT
         best = "triton-splitkv" if T <= most else "flashmla"
         attention = alternatives[best]
@@ -461,16 +569,37 @@ def _prepare(spec: StepSpec, stages: Stages, impl: dict[str, str], alternatives:
             f"planned for T <= {T} query tokens of ~{keys} slots: the split-KV kernel is faster up to {most}, "
             "FlashMLA beyond (measured on the H200, benchmarks/results/attention_flashmla_splits.json)"
         )
-    if attention is _attention_flashmla and splits > 1:
-        attention = _attention_flashmla_for(splits)
+    if isinstance(attention, _FlashMLAAttention) and splits > 1:
         why = (why + "; " if why else "") + (
             f"FlashMLA with {splits} splits of each token's slots at H = {spec.attention_heads} "
             "(FLASHMLA_SPLITS, measured on the H200)"
         )
-    if not why:
+    # The plan owns every buffer and stateful object its stages keep (workspaces, scratch, decoders, wrappers):
+    # each stateful stage is bound here, once per planned step, and lives as long as the step.
+    attention = _bind_attention(attention, spec, splits) if own("attention") else attention
+    bound: dict[str, Any] = {}
+    if isinstance(chosen.indexer, _FusedIndexer):
+        bound["indexer"] = chosen.indexer.bound()
+    if attention is not chosen.attention:
+        bound["attention"] = attention
+    if why:
+        bound["notes"] = tuple(sorted((*(n for n in chosen.notes if n[0] != "attention"), ("attention", why))))
+    if not bound:
         return chosen if chosen is not stages else None
-    notes = tuple(sorted((*(n for n in chosen.notes if n[0] != "attention"), ("attention", why))))
-    return dataclasses.replace(chosen, attention=attention, notes=notes)
+    return dataclasses.replace(chosen, **bound)
+
+
+def _bind_attention(attention: Any, spec: StepSpec, splits: int) -> Any:
+    """``attention`` bound to one planned step (its own buffers / decoder / wrappers), or as is when it keeps none."""
+    if isinstance(attention, _FlashMLAAttention):
+        return attention.bound(splits)
+    if isinstance(attention, _SplitKVAttention):
+        return attention.bound(spec)
+    if isinstance(attention, _FlashInferAttention):
+        return attention.bound()
+    if isinstance(attention, _FlashMLAFp8Attention):
+        return attention.bound(torch.device(spec.device))
+    return attention
 
 
 # ---- selection -------------------------------------------------------------------------------------------
@@ -487,7 +616,7 @@ def kernel_stage_impls(
     ``"torch+triton"``, ``"cutedsl"``, ``"flashmla"``, ``"triton-splitkv"``, ``"flashinfer"``, ``"flashmla-fp8"``,
     ``"torch"``, ``"torch-fp8"``), in step order (each fallback is logged once). Where two attention kernels can run,
     the one named is FlashMLA; a planned step picks by its token count (:data:`SPLITKV_MAX_TOKENS`)."""
-    return kernel_stages(device, q_dtype, head_dim, v_dim, num_heads=num_heads, topk=topk, kv_format=kv_format).impls()
+    return _kernel_stages(device, q_dtype, head_dim, v_dim, num_heads, topk, kv_format).impls()
 
 
 def _has(module: str) -> bool:
@@ -564,26 +693,39 @@ def _choose_attention(
     return "flashinfer", ""
 
 
-def kernel_stages(
+def kernel_stages(spec: StepSpec) -> Stages:
+    """The ``"kernels"`` :class:`~dcp_ref.stages.Stages` for a step planned as ``spec``.
+
+    What it reads of ``spec``: ``device``, ``dtype``, ``head_dim``, ``v_dim``, ``attention_heads`` (the heads the
+    *attention* runs: ``H`` for dcp, ``H/W`` for tp), ``topk`` and ``kv_format``. They let the attention choice check
+    the kernels' constraints (FlashMLA: H in {64, 128}; the split-KV kernel: any H). Where FlashMLA and the split-KV
+    kernel both fit, the planned step runs the one measured faster for its token count (``prepare``,
+    :data:`SPLITKV_MAX_TOKENS`). ``kv_format="fp8_ds_mla"``: an FP8 cache; the attention is FlashMLA's FP8 sparse
+    decode (:mod:`.flashmla_fp8`) on CUDA, the FP8 reference elsewhere, both in the masked layout.
+
+    ``prepare(spec)`` (run once by each :class:`~dcp_ref.step.PlannedStep`) returns these stages bound to that
+    step: the stateful stages (the fused indexer's workspaces, the attentions' scratch, decoder or wrappers) own
+    their buffers there, for as long as the step lives. Called directly, the unbound stages allocate per call.
+    """
+    if not isinstance(spec, StepSpec):
+        raise TypeError(f"spec must be a dcp_ref.stages.StepSpec, got {type(spec).__name__}")
+    return _kernel_stages(
+        torch.device(spec.device), spec.dtype, spec.head_dim, spec.v_dim, spec.attention_heads, spec.topk,
+        spec.kv_format,
+    )  # fmt: skip
+
+
+def _kernel_stages(
     device: torch.device | str,
     dtype: torch.dtype,
     head_dim: int,
     v_dim: int,
-    *,
-    num_heads: int | None = None,
-    topk: int | None = None,
-    kv_format: str = "native",
+    num_heads: int | None,
+    topk: int | None,
+    kv_format: str,
 ) -> Stages:
-    """The ``"kernels"`` :class:`~dcp_ref.stages.Stages` for tensors of ``dtype`` on ``device``.
-
-    ``num_heads`` (the heads the *attention* runs: ``H`` for dcp, ``H/W`` for tp) / ``topk``: when known, let
-    the attention choice check the kernels' constraints (FlashMLA: H in {64, 128}; the split-KV kernel: any H);
-    unknown, FlashMLA is assumed to fit and its own checks raise at run time. Where FlashMLA and the split-KV
-    kernel both fit, the planned step runs the one measured faster for its token count (``prepare``,
-    :data:`SPLITKV_MAX_TOKENS`).
-    ``kv_format="fp8_ds_mla"``: an FP8 cache; the attention is FlashMLA's FP8 sparse decode (:mod:`.flashmla_fp8`)
-    on CUDA, the FP8 reference elsewhere, both in the masked layout.
-    """
+    """:func:`kernel_stages` from loose values (``num_heads`` / ``topk`` may be unknown: ``None``, FlashMLA is then
+    assumed to fit and its own checks raise at run time)."""
     dev = torch.device(device)
     impl, reasons = _choose(dev, dtype, head_dim, v_dim, num_heads, topk)
     layout = "compact"
@@ -639,5 +781,5 @@ def kernel_stages(
         notes=tuple(sorted(reasons.items())),
     )
     return dataclasses.replace(
-        stages, prepare=functools.partial(_prepare, stages=stages, impl=impl, alternatives=alternatives)
+        stages, prepare=functools.partial(_prepare, template=stages, impl=impl, alternatives=alternatives)
     )

@@ -79,6 +79,7 @@ from dcp_ref.kernels._util import cdiv, next_pow2
 
 __all__ = [
     "StableTopKKernel",
+    "use_tvm_ffi",
     "TopKConfig",
     "State",
     "threads_for",
@@ -855,7 +856,7 @@ def stable_topk_cutedsl(
     Returns:
         int32 ``[rows, k]`` (``out`` when given).
     """
-    from dcp_ref._checks import check_bool, check_int_scalar, check_out, check_tensor
+    from dcp_ref.contracts import check_bool, check_int_scalar, check_out, check_tensor
 
     check_tensor(gathered, "gathered", dtypes=(torch.float32,), ndim=(3, 4))
     k = check_int_scalar(k, "k", min_value=1)
@@ -894,7 +895,7 @@ def stable_topk_cutedsl(
     if gathered.data_ptr() % 8:
         raise ValueError("gathered must be 8-byte aligned")
     small = world * rows * kloc < 2**31 and rows * k < 2**31
-    ffi = _use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
+    ffi = use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
     first_bits = 8 if first_bits is None else first_bits  # StableTopKKernel validates it
     fn = compile_stable_topk(world, kloc, k, sorted, ffi, small, variant, config, first_bits)
     words = gathered.view(torch.int64).reshape(-1)
@@ -911,7 +912,7 @@ def stable_topk_cutedsl(
 
 
 @functools.lru_cache(maxsize=1)
-def _use_tvm_ffi() -> bool:
+def use_tvm_ffi() -> bool:
     """TVM-FFI call path: on when apache-tvm-ffi is importable, unless ``DCP_TOPK_TVM_FFI=0``."""
     if os.environ.get("DCP_TOPK_TVM_FFI", "1") in ("", "0"):
         return False

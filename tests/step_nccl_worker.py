@@ -6,6 +6,7 @@ shard for: the kernels eager, the kernels replayed from a CUDA graph (NCCL captu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -42,9 +43,7 @@ def main(out_dir: str) -> None:
             dtype=torch.bfloat16,
             device=f"cuda:{rank}",
         )
-        step = PlannedStep(
-            group, spec, kernel_stages(f"cuda:{rank}", torch.bfloat16, 576, 512, num_heads=128, topk=2048)
-        )
+        step = PlannedStep(group, spec, kernel_stages(spec))
         out, lse = step.run(p.q, shard, meta)
         torch.save({"out": out.cpu(), "lse": lse.cpu()}, Path(out_dir) / f"rank{rank}_kernels_eager.pt")
         graph = step.capture(p.q, shard, meta)
@@ -59,11 +58,8 @@ def main(out_dir: str) -> None:
         from dcp_ref.fp8_cache import quantize_kv_fp8
 
         fp8_shard = RankShard(quantize_kv_fp8(shard.kv_cache), shard.block_table, shard.index_scores, shard.geometry)
-        fp8 = PlannedStep(
-            group,
-            spec,
-            kernel_stages(f"cuda:{rank}", torch.bfloat16, 576, 512, num_heads=128, topk=2048, kv_format="fp8_ds_mla"),
-        )
+        fp8_spec = dataclasses.replace(spec, kv_format="fp8_ds_mla")
+        fp8 = PlannedStep(group, fp8_spec, kernel_stages(fp8_spec))
         out, lse = fp8.run(p.q, fp8_shard, meta)
         torch.save({"out": out.cpu(), "lse": lse.cpu(), "impl": fp8.impls}, Path(out_dir) / f"rank{rank}_fp8.pt")
         torch.cuda.synchronize()

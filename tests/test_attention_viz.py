@@ -1,4 +1,4 @@
-"""dcp_ref.attention_viz: the plotted CTA counts and SMs are the committed ones, and what they should be.
+"""dcp_ref.viz.attention: the plotted CTA counts and SMs are the committed ones, and what they should be.
 
 Expected values are read from ``benchmarks/results/attention.json`` here, and FlashMLA's CTA count is also
 recomputed from its rule (one CTA per token and 64 heads), independently of the plotting code.
@@ -15,8 +15,8 @@ matplotlib.use("Agg")
 
 import pytest
 
-from dcp_ref import attention_viz as av
-from dcp_ref.perf_plots import plotted_series
+from dcp_ref.viz import attention as av
+from dcp_ref.viz.perf import plotted_series
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 

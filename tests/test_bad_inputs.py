@@ -1551,7 +1551,7 @@ def test_class2_k_larger_than_the_row_and_w1_brute_force(kernel_device) -> None:
 
 # ---- class 3: out= aliasing is refused everywhere, exact in-place where documented ---------------
 def test_class3_check_no_alias_is_exact_about_memory() -> None:
-    from dcp_ref._checks import check_no_alias
+    from dcp_ref.contracts import check_no_alias
 
     base = torch.zeros(4, 2)
     check_no_alias(base[:, 0], "out", x=base[:, 1])  # interleaved columns share no byte

@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcp_ref._checks import check_no_aliases, check_not_self_overlapping, check_out
+from dcp_ref.contracts import check_no_aliases, check_not_self_overlapping, check_out
 from dcp_ref.geometry import DcpGeometry
 
 I64_MAX = 2**63 - 1
@@ -410,7 +410,8 @@ for fn in ("decode_metadata", "splitkv_plan"):
 bad("q_replication_bytes", "world_size=3", ValueError, "^world_size must divide num_heads", world_size=3)
 for fn in ("dcp_step_cost", "tp_step_cost"):
     bad(fn, "scope=None", TypeError, "^scope must be", scope=None)
-    bad(fn, "exchange=None", TypeError, "^exchange must be a str", exchange=None)
+    bad(fn, "options=None", TypeError, "^options must be a dcp_ref.options.LayerOptions", options=None)
+    bad(fn, "exchange= (no loose options)", TypeError, "unexpected keyword argument 'exchange'", exchange="owner")
 
 # 10. / 11. ownership
 bad("local_to_global", "local=4 at W=2**62, I=4 (overflows int64)", ValueError, "^local must be <=", local=4)
@@ -466,7 +467,7 @@ def test_every_base_call_is_valid(base: str, kernel_device: torch.device) -> Non
 
 # ---------------------------------------------------------------------------------------------- self-overlap
 def test_self_overlap_check_on_views() -> None:
-    """:func:`~dcp_ref._checks.check_not_self_overlapping` (the shared check behind ``check_no_aliases`` and
+    """:func:`~dcp_ref.contracts.check_not_self_overlapping` (the shared check behind ``check_no_aliases`` and
     ``check_out``): views whose elements are distinct locations pass, stride-0 / overlapping layouts do not."""
     base = torch.empty(6, 8)
     flat = torch.empty(64)

@@ -34,9 +34,13 @@ def test_the_kernel_stages_planned_without_their_kernels_are_refused(bench_layer
     a device run without the bundle's environment made."""
     import torch
 
+    from dcp_ref.geometry import DcpGeometry
     from dcp_ref.kernels.stages import kernel_stages
+    from dcp_ref.stages import StepSpec
 
-    st = kernel_stages("cpu", torch.bfloat16, 576, 512, num_heads=128, topk=2048)
+    spec = StepSpec(DcpGeometry(1, 0, 1, 64), max_tokens=1, topk=2048, num_heads=128, head_dim=576, v_dim=512,
+                    sm_scale=0.1, dtype=torch.bfloat16, device="cpu")  # fmt: skip
+    st = kernel_stages(spec)
     impls = st.impls()
     assert "torch" in impls.values(), impls
     with pytest.raises(RuntimeError, match="fell back to the reference"):

@@ -276,9 +276,9 @@ def test_sweep_and_shapes_interpreted(bs, si, monkeypatch):
 
     monkeypatch.setattr(bs, "DEV", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(si, "reps_for", lambda fn: 1)
-    monkeypatch.setattr(si, "sweep_time", host)
-    monkeypatch.setattr(si, "graph_time", lambda fn, reps=None: host(fn))
+    monkeypatch.setattr(bs._timing, "reps_for", lambda fn: 1)
+    monkeypatch.setattr(bs, "sweep_row", host)
+    monkeypatch.setattr(bs, "graph_row", lambda fn: host(fn))
     cfgs = [dict(block_n=64, tiles=2, num_warps=4, num_stages=2), dict(block_n=64, tiles=8, num_warps=4, num_stages=2)]
     sw = bs.sweep_scoring(300, [(2, 128, 1), (4, 128, 2)], cfgs)
     assert not sw["cut"] and sw["run"] == sw["scheduled"] == 4  # tiles=8 > the 2 tiles of a row: dropped

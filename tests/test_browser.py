@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_ref.ownership_viz import ownership_grid
+from dcp_ref.viz.ownership import ownership_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "01_ownership.ipynb"

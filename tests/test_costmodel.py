@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dcp_ref import costmodel as cm
+from dcp_ref.options import DEFAULT, PLANNED, LayerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -93,13 +94,14 @@ def test_world_size_one_has_no_communication(fitted: cm.Fit) -> None:
     for exchange, order in (("allgather", "global_id"), ("owner", "global_id"), ("owner", "rank_local")):
         for combine in ("reduce_scatter", "alltoall"):
             for q_rep, scope, graph in itertools.product((False, True), ("step", "layer"), (False, True)):
-                kw = dict(constants=fitted.constants, scope=scope, graph=graph, exchange=exchange, order=order)
-                dcp = cm.dcp_step_cost(1, 16, 5000, combine=combine, q_replicate=q_rep, **kw)
-                tp = cm.tp_step_cost(1, 16, 5000, **kw)
+                kw = dict(constants=fitted.constants, scope=scope, graph=graph)
+                opt = LayerOptions(exchange=exchange, order=order, combine=combine, q_replicate=q_rep)
+                dcp = cm.dcp_step_cost(1, 16, 5000, options=opt, **kw)
+                tp = cm.tp_step_cost(1, 16, 5000, options=LayerOptions(exchange=exchange, order=order), **kw)
                 assert dcp.stages_s == tp.stages_s and dcp.total_s == tp.total_s, (exchange, order, combine, q_rep)
     # rank_local reads 4 bytes per candidate in either layout (scores only), global_id 8
     own = {
-        o: cm.tp_step_cost(2, 16, 5000, exchange="owner", order=o).stages_s["select_to_slots"]
+        o: cm.tp_step_cost(2, 16, 5000, options=LayerOptions(exchange="owner", order=o)).stages_s["select_to_slots"]
         for o in ("global_id", "rank_local")
     }
     t = cm.DEFAULT_CONSTANTS.select_to_slots
@@ -367,14 +369,18 @@ def test_scaling_table_flags_predictions() -> None:
         (lambda: cm.fit_lines([("select", 1.0, 1.0)]), TypeError, "observations"),
         (lambda: cm.fit_step([(2, 32, 100)], cm.DEFAULT_CONSTANTS), TypeError, "points"),
         # the layer options: typed like StepSpec's (a string or None is no bool)
-        (lambda: cm.dcp_step_cost(2, 32, 100, q_replicate="no"), TypeError, "q_replicate"),
-        (lambda: cm.dcp_step_cost(2, 32, 100, q_replicate=None), TypeError, "q_replicate"),
-        (lambda: cm.dcp_step_cost(2, 32, 100, q_replicate=1), TypeError, "q_replicate"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, options=LayerOptions(q_replicate="no")), TypeError, "q_replicate"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, options=LayerOptions(q_replicate=None)), TypeError, "q_replicate"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, options=LayerOptions(q_replicate=1)), TypeError, "q_replicate"),
         (lambda: cm.dcp_step_cost(2, 32, 100, graph="yes"), TypeError, "graph"),
         (lambda: cm.tp_step_cost(2, 32, 100, graph=None), TypeError, "graph"),
-        (lambda: cm.tp_step_cost(2, 32, 100, order="by_rank"), ValueError, "order"),
-        (lambda: cm.tp_step_cost(2, 32, 100, order="rank_local"), ValueError, "rank_local"),  # needs owner
-        (lambda: cm.throughput_ratio(2, 1000, layer={"q_replicate": "no"}), TypeError, "q_replicate"),
+        (lambda: cm.tp_step_cost(2, 32, 100, options=LayerOptions(order="by_rank")), ValueError, "order"),
+        (lambda: cm.tp_step_cost(2, 32, 100, options=LayerOptions(order="rank_local")), ValueError, "rank_local"),
+        (lambda: cm.throughput_ratio(2, 1000, options={"q_replicate": False}), TypeError, "options"),
+        (lambda: cm.dcp_step_cost(2, 32, 100, options=PLANNED.as_dict()), TypeError, "options"),
+        (lambda: cm.tp_step_cost(2, 32, 100, options="owner"), TypeError, "options"),
+        (lambda: cm.crossover_context(2, options=None), TypeError, "options"),
+        (lambda: cm.time_crossover_context(2, 32, options=None), TypeError, "options"),
         (lambda: cm.QueryProjection(q_lora_rank=-1536), ValueError, "q_lora_rank"),
         (lambda: cm.QueryProjection(kv_lora_rank=512.0), TypeError, "kv_lora_rank"),
         (lambda: cm.QueryProjection(q_b_bytes_per_param=0), ValueError, "q_b_bytes_per_param"),
@@ -435,7 +441,8 @@ def test_auto_attention_follows_the_measured_step() -> None:
 # ---- the planned layer's options (owner exchange, scores-only candidates, all-to-all combine) ---------------------
 def test_planned_layer_bytes_on_the_wire_by_hand() -> None:
     T, W, K, H, v = 32, 8, 2048, 128, 512
-    d = cm.dcp_step_cost(W, T, 65536, **cm.PLANNED_LAYER)
+    assert cm.PLANNED_LAYER is PLANNED  # the old name, kept
+    d = cm.dcp_step_cost(W, T, 65536, options=PLANNED)
     # rank-local candidates: 4 bytes each (scores only), so the gathered buffer is 4*W*K per token, not 8*W*K
     assert d.comm["candidates_allgather"].received == T * 4 * W * K
     assert cm.dcp_step_cost(W, T, 65536).comm["candidates_allgather"].received == T * 8 * W * K
@@ -444,30 +451,37 @@ def test_planned_layer_bytes_on_the_wire_by_hand() -> None:
     assert "lse_allgather" not in d.comm and "output_reduce_scatter" not in d.comm
     assert set(d.stages_s) >= {"query_allgather", "select_to_slots", "combine_alltoall", "combine"}
     assert "select" not in d.stages_s and "deinterleave" not in d.stages_s and "merge" not in d.stages_s
-    replicated = cm.dcp_step_cost(W, T, 65536, **{**cm.PLANNED_LAYER, "q_replicate": True})
+    replicated = cm.dcp_step_cost(W, T, 65536, options=PLANNED.replace(q_replicate=True))
     assert "query_allgather" not in replicated.stages_s and "query_allgather" not in replicated.comm
+    # the default is StepSpec's: the query replicated (no all-gather); the step as first measured gathers it
+    assert "query_allgather" not in cm.dcp_step_cost(W, T, 65536).stages_s
+    gathered = cm.dcp_step_cost(W, T, 65536, options=LayerOptions(q_replicate=False))
+    assert gathered.comm["query_allgather"].sent == T * (H // W) * 576 * 2
 
 
 def test_layer_options_are_checked() -> None:
+    # the checks are LayerOptions' own (dcp_ref.options), the cost model takes only such a value
     with pytest.raises(ValueError, match="exchange must be"):
-        cm.dcp_step_cost(2, 1, 100, exchange="ring")
+        cm.dcp_step_cost(2, 1, 100, options=LayerOptions(exchange="ring"))
     with pytest.raises(ValueError, match="order='rank_local' needs exchange='owner'"):
-        cm.dcp_step_cost(2, 1, 100, order="rank_local")
-    with pytest.raises(ValueError, match="layer has unknown options"):
-        cm.time_crossover_context(2, 1, layer={"exchange": "owner", "speed": 2})
-    with pytest.raises(TypeError, match="layer must be a mapping"):
-        cm.throughput_ratio(2, 1000, layer=[("exchange", "owner")])  # type: ignore[arg-type]
+        cm.dcp_step_cost(2, 1, 100, options=DEFAULT.replace(order="rank_local"))
+    with pytest.raises(TypeError, match=r"options must be a dcp_ref\.options\.LayerOptions"):
+        cm.time_crossover_context(2, 1, options={"exchange": "owner"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cm.dcp_step_cost(2, 1, 100, exchange="owner")  # type: ignore[call-arg]
 
 
 def test_the_planned_layer_crossover_is_where_the_times_cross(fitted: cm.Fit) -> None:
     c = fitted.constants
-    x = cm.time_crossover_context(8, 32, constants=c, layer=cm.PLANNED_LAYER)
+    x = cm.time_crossover_context(8, 32, constants=c, options=PLANNED)
     assert math.isfinite(x)
-    tp = cm.tp_step_cost(8, 32, int(x), constants=c, exchange="owner").total_s
-    dcp = cm.dcp_step_cost(8, 32, int(x), constants=c, **cm.PLANNED_LAYER).total_s
+    # TP is priced with the planned exchange and (score, id) pairs: the default order
+    tp_opt = LayerOptions(layout="tp", exchange="owner")
+    tp = cm.tp_step_cost(8, 32, int(x), constants=c, options=tp_opt).total_s
+    dcp = cm.dcp_step_cost(8, 32, int(x), constants=c, options=PLANNED).total_s
     assert dcp <= tp
-    tp1 = cm.tp_step_cost(8, 32, int(x) - 1, constants=c, exchange="owner").total_s
-    assert cm.dcp_step_cost(8, 32, int(x) - 1, constants=c, **cm.PLANNED_LAYER).total_s > tp1
+    tp1 = cm.tp_step_cost(8, 32, int(x) - 1, constants=c, options=tp_opt).total_s
+    assert cm.dcp_step_cost(8, 32, int(x) - 1, constants=c, options=PLANNED).total_s > tp1
 
 
 def test_query_replication_memory_by_hand() -> None:

@@ -1,4 +1,4 @@
-"""dcp_ref.dataflow_viz: chapter 00's picture of one layer's decode across ranks, shapes and bytes.
+"""dcp_ref.viz.dataflow: chapter 00's picture of one layer's decode across ranks, shapes and bytes.
 
 Byte counts are checked against the arithmetic written out here (float32 (score, id) pairs,
 float32 LSEs, bf16 queries and outputs), not against the cost model the module uses.
@@ -10,7 +10,8 @@ import matplotlib
 import pytest
 
 from dcp_ref.costmodel import MlaGeometry
-from dcp_ref.dataflow_viz import (
+from dcp_ref.options import PLANNED, LayerOptions
+from dcp_ref.viz.dataflow import (
     COLLECTIVE_NAMES,
     CountingGroup,
     dataflow_table,
@@ -145,16 +146,18 @@ def test_step_collectives_are_the_ones_a_run_calls(W, layout, exchange, combine,
 
     def body(group, _):
         g = DcpGeometry(W, group.rank, 1, 2)
-        spec = StepSpec(g, max_tokens=2, topk=3, num_heads=2 * W, head_dim=8, v_dim=8, sm_scale=0.3,
-                        dtype=torch.float64, device="cpu", layout=layout, exchange=exchange, combine=combine,
-                        q_replicate=q_replicate)  # fmt: skip
+        options = LayerOptions(layout=layout, exchange=exchange, combine=combine, q_replicate=q_replicate)
+        spec = StepSpec.for_options(g, options, max_tokens=2, topk=3, num_heads=2 * W, head_dim=8, v_dim=8,
+                                    sm_scale=0.3, dtype=torch.float64, device="cpu")  # fmt: skip
         counting = CountingGroup(group)
         step = PlannedStep(counting, spec)
         r = group.rank if layout == "dcp" else 0
         Hs = spec.heads_per_rank
         q = p.q if spec.query_heads == spec.num_heads else p.q[:, group.rank * Hs : (group.rank + 1) * Hs].contiguous()
         step.run(q, p.shards[r], p.metadata(r))
-        return [op for op, _, _ in counting.calls], step_collectives(spec)
+        named = step_collectives(spec)
+        assert named == step_collectives(options, W)  # the options alone name them
+        return [op for op, _, _ in counting.calls], named
 
     for calls, named in world.run(body, [None] * W):
         assert set(named) <= set(COLLECTIVE_NAMES)
@@ -170,6 +173,10 @@ def test_step_collectives_are_the_ones_a_run_calls(W, layout, exchange, combine,
 def test_step_collectives_refuses_what_is_not_a_spec() -> None:
     with pytest.raises(TypeError, match="spec must be"):
         step_collectives({"layout": "dcp"})
+    with pytest.raises(ValueError, match="world_size must be given"):
+        step_collectives(PLANNED)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        step_collectives(PLANNED, 0)
 
 
 def test_the_correction_is_labelled_in_base_e() -> None:

@@ -696,18 +696,18 @@ def test_gpu_masked_benchmark_shape_and_graph(cuda_device):
 
 
 # ----------------------------------------------------------------------------------------------
-# Notebook helpers (dcp_ref.deinterleave_viz)
+# Notebook helpers (dcp_ref.viz.deinterleave)
 # ----------------------------------------------------------------------------------------------
 
 
 def test_mapping_table_matches_brute_force():
-    from dcp_ref.deinterleave_viz import mapping_table
+    from dcp_ref.viz.deinterleave import mapping_table
 
     gen = torch.Generator().manual_seed(9)
     ids, _, bt = make_case(gen, 1, 60, 4, 2, 4, 1, 5)
     bt[0, 1] = -1
     table = mapping_table(ids[0].tolist(), bt[0].tolist(), DcpGeometry(4, 2, 2, 4))
-    # The picture (dcp_ref.deinterleave_viz) still draws a poisoned entry (an owned id without a block)
+    # The picture (dcp_ref.viz.deinterleave) still draws a poisoned entry (an owned id without a block)
     # as -1: compare it with the stage's rule up to that.
     want = [-1 if v == POISON else v for v in brute_slots(ids, None, bt, 4, 4, 2, 2)[0]]
     assert [e["slot"] for e in table] == want
@@ -720,7 +720,7 @@ def test_mapping_table_matches_brute_force():
 @settings(max_examples=40, deadline=None)
 @given(slots=st.lists(st.integers(-1, 50), min_size=0, max_size=40), block=st.integers(1, 9), seed=st.integers(0, 1000))
 def test_simulate_tile_race_is_a_valid_compaction(slots, block, seed):
-    from dcp_ref.deinterleave_viz import simulate_tile_race
+    from dcp_ref.viz.deinterleave import simulate_tile_race
 
     res = simulate_tile_race(slots, block, seed=seed)
     valid = [s for s in slots if s >= 0]
@@ -736,7 +736,7 @@ def test_simulate_tile_race_is_a_valid_compaction(slots, block, seed):
 
 def test_simulate_tile_race_program_order_equals_interpreter_kernel(kernel_device):
     # The interpreter runs programs in order, so the kernel must equal arrival order 0, 1, 2, ...
-    from dcp_ref.deinterleave_viz import simulate_tile_race
+    from dcp_ref.viz.deinterleave import simulate_tile_race
 
     if kernel_device.type != "cpu":
         pytest.skip("program order is only guaranteed by the interpreter")
@@ -751,7 +751,7 @@ def test_simulate_tile_race_program_order_equals_interpreter_kernel(kernel_devic
 
 
 def test_simulate_tile_race_orders_differ_and_bad_arrival():
-    from dcp_ref.deinterleave_viz import simulate_tile_race
+    from dcp_ref.viz.deinterleave import simulate_tile_race
 
     slots = [5, -1, 7, 1, -1, 3, 9, -1, 2]
     a = simulate_tile_race(slots, 3, arrival=[0, 1, 2])["out"]
@@ -767,7 +767,7 @@ def test_drawing_functions_return_small_figures():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dcp_ref.deinterleave_viz import draw_id_to_slot_map, draw_tile_race
+    from dcp_ref.viz.deinterleave import draw_id_to_slot_map, draw_tile_race
 
     fig = draw_id_to_slot_map([13, 2, 6, -1, 26], [7, 3, 9], DcpGeometry(2, 1, 2, 4))
     texts = {t.get_text() for t in fig.axes[0].texts}

@@ -223,30 +223,33 @@ def test_why_flashmla_cannot_run() -> None:
     assert "not CUDA" in fm.flashmla_unsupported(cpu, torch.bfloat16, 128, 576, 512, 2048)
 
 
-def test_prologue_buffers_are_planned_per_thread_and_shape(fake: list) -> None:
-    """The hot path allocates no scratch: a second call of the same shape reuses the first call's index
-    buffers (what a captured graph reads), and another thread (another simulated rank) gets its own."""
-    import threading
-
+def test_prologue_buffers_are_owned_by_the_given_scratch(fake: list) -> None:
+    """With a :class:`FlashMLAScratch` (the planned stage's) the hot path allocates no scratch: a second call of the
+    same shape reuses the first call's index buffers (what a captured graph reads); another scratch (another planned
+    step) has its own; a call without one makes its own (nothing cached in the module)."""
     if not fm._use_triton(torch.device("cpu")):
         pytest.skip("the torch prologue (a CPU without the interpreter) makes its tensors per call")
     q, kv, slots, counts = _inputs()
-    want = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.1)
-    first = fm._scratch(torch.device("cpu"), 4, 128)
+    scratch = fm.FlashMLAScratch()
+    want = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.1, workspace=scratch)
+    first = scratch.prologue(torch.device("cpu"), 4, 128)
     assert first[1].tolist() == counts.tolist()  # the call's prologue wrote these very buffers
     assert fake[-1]["indices"][:, 0, :64].tolist() == first[0][:, :64].tolist()
     first[1].fill_(-5)  # stale contents must not matter: every call rewrites them
-    again = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.1)
-    assert all(a is b for a, b in zip(fm._scratch(torch.device("cpu"), 4, 128), first))
+    again = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.1, workspace=scratch)
+    assert all(a is b for a, b in zip(scratch.prologue(torch.device("cpu"), 4, 128), first))
     assert first[1].tolist() == counts.tolist()
     torch.testing.assert_close(again[0], want[0], equal_nan=True)
     torch.testing.assert_close(again[1], want[1], equal_nan=True)
-    other: list = []
-    t = threading.Thread(target=lambda: other.append(fm._scratch(torch.device("cpu"), 4, 128)))
-    t.start()
-    t.join()
-    assert all(a is not b for a, b in zip(other[0], first))
-    assert fm._scratch(torch.device("cpu"), 3, 128)[0].shape == (3, 128)  # another shape, other buffers
+    other = fm.FlashMLAScratch().prologue(torch.device("cpu"), 4, 128)
+    assert all(a is not b for a, b in zip(other, first))
+    assert scratch.prologue(torch.device("cpu"), 3, 128)[0].shape == (3, 128)  # another shape, other buffers
+    first[1].fill_(-5)
+    unowned = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.1)  # its own buffers: the scratch's are untouched
+    assert first[1].tolist() == [-5] * 4
+    torch.testing.assert_close(unowned[0], want[0], equal_nan=True)
+    with pytest.raises(TypeError, match="workspace must be a FlashMLAScratch"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.1, workspace=torch.empty(1))
 
 
 # ---- the validated call: the prologue's flag, one host read, no extra launch ----------------------------
@@ -268,15 +271,17 @@ def _wrapper_ops(monkeypatch: pytest.MonkeyPatch, fn) -> list[str]:  # noqa: ANN
 
 def test_a_validated_call_adds_one_host_read_and_no_launch(fake: list, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused path: the validated call is the unvalidated call's launches (prologue, FlashMLA, epilogue) plus
-    exactly one host read — of the flag the prologue raised — between the prologue and the kernel. (Before the
-    fold it added seven small device ops: max, min, max, three casts and a stack, then a read.)"""
+    exactly one host read — of the flag the prologue raised — between the prologue and the kernel, and the flag
+    itself (made per call). (Before the fold it added seven small device ops: max, min, max, three casts and a
+    stack, then a read.) With the planned stage's scratch, neither call allocates anything else."""
     q, kv, slots, counts = _inputs(T=2)
     out, lse = torch.empty(2, 64, 512, dtype=torch.bfloat16), torch.empty(2, 64)
+    scratch = fm.FlashMLAScratch()
 
     def call(v: bool) -> None:
-        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=out, out_lse=lse, validate=v)
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=out, out_lse=lse, validate=v, workspace=scratch)
 
-    call(False), call(True)  # warm: the scratch buffers and the flag exist from now on
+    call(False), call(True)  # warm: the scratch buffers exist from now on
     plain = _wrapper_ops(monkeypatch, lambda: call(False))
     checked = _wrapper_ops(monkeypatch, lambda: call(True))
     reads = [op for op in checked if op in HOST_READS]
@@ -284,7 +289,7 @@ def test_a_validated_call_adds_one_host_read_and_no_launch(fake: list, monkeypat
     assert not any(op in HOST_READS for op in plain), plain
     if fm._use_triton(q.device):
         assert plain == ["triton:prologue", "flash_mla", "triton:epilogue"], plain
-        assert checked == ["triton:prologue", reads[0], "flash_mla", "triton:epilogue"], checked
+        assert checked == ["aten::zeros", "triton:prologue", reads[0], "flash_mla", "triton:epilogue"], checked
     else:  # the torch fallback (a CPU without the interpreter): the read still comes before the kernel
         assert checked.index(reads[0]) < checked.index("flash_mla")
 

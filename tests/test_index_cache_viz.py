@@ -1,4 +1,4 @@
-"""dcp_ref.index_cache_viz draws one FP8 index-key block as the byte map the cache really has.
+"""dcp_ref.viz.index_cache draws one FP8 index-key block as the byte map the cache really has.
 
 The expected picture is built here by hand from the layout's definition (values of token ``o`` at byte ``128*o``,
 then the float32 scales at ``block_size*128 + 4*o``), not from ``IndexKeyLayout.segments``; a second check reads
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dcp_ref.index_cache import INDEX_K_FP8, IndexKeyLayout, make_index_cache, write_index_keys
-from dcp_ref.index_cache_viz import block_layout_text
+from dcp_ref.viz.index_cache import block_layout_text
 
 
 @pytest.mark.parametrize("bs", [1, 2, 4, 7, 16])

@@ -1,4 +1,4 @@
-"""dcp_ref.interleave_viz: per-rank load and the two slot schemes, against brute force (dealing the tokens)."""
+"""dcp_ref.viz.interleave: per-rank load and the two slot schemes, against brute force (dealing the tokens)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 
 import pytest
 
-from dcp_ref.interleave_viz import deal_slot, draw_per_rank_load, load_imbalance, per_rank_load, shared_table_slot
+from dcp_ref.viz.interleave import deal_slot, draw_per_rank_load, load_imbalance, per_rank_load, shared_table_slot
 
 
 def _deal(n: int, W: int, I: int) -> list[tuple[int, int]]:

@@ -69,11 +69,20 @@ def test_prepare_plans_the_attention_by_token_count(T, expected) -> None:
     spec = StepSpec(DcpGeometry(1, 0), max_tokens=T, topk=2048, num_heads=128, head_dim=576, v_dim=512,
                     sm_scale=0.1, dtype=torch.bfloat16, device="cpu")  # fmt: skip
     impl = {"select": "torch", "select_to_slots": "torch"}
-    chosen = ks._prepare(spec, REFERENCE_STAGES, impl, {"flashmla": mla, "triton-splitkv": split})
+    chosen = ks._prepare(
+        spec,
+        REFERENCE_STAGES,
+        template=REFERENCE_STAGES,
+        impl=impl,
+        alternatives={"flashmla": mla, "triton-splitkv": split},
+    )
     assert chosen is not None
     assert chosen.attention is (split if expected == "split" else mla)
     assert "attention" in dict(chosen.notes) and str(ks.SPLITKV_MAX_TOKENS) in dict(chosen.notes)["attention"]
-    assert ks._prepare(spec, REFERENCE_STAGES, impl, {"flashmla": mla}) is None  # one candidate: nothing to pick
+    assert (
+        ks._prepare(spec, REFERENCE_STAGES, template=REFERENCE_STAGES, impl=impl, alternatives={"flashmla": mla})
+        is None
+    )  # one candidate: nothing to pick
 
 
 @pytest.mark.parametrize(
@@ -91,13 +100,15 @@ def test_prepare_plans_flashmla_splits_for_all_k_slots_only(layout, W, T, splits
                     sm_scale=0.1, dtype=torch.bfloat16, device="cpu", layout=layout)  # fmt: skip
     impl = {"select": "torch", "select_to_slots": "torch"}
     alternatives = {"flashmla": ks._attention_flashmla, "triton-splitkv": ks._attention_splitkv}
-    chosen = ks._prepare(spec, REFERENCE_STAGES, impl, alternatives)
+    chosen = ks._prepare(spec, REFERENCE_STAGES, template=REFERENCE_STAGES, impl=impl, alternatives=alternatives)
     assert chosen is not None
+    # the planned step's own stage object, bound to buffers of its own (never the provider's unbound one)
+    assert chosen.attention is not ks._attention_splitkv and chosen.attention is not ks._attention_flashmla
     if splits is None:
-        assert chosen.attention is ks._attention_splitkv
+        assert isinstance(chosen.attention, ks._SplitKVAttention)
         return
-    assert chosen.attention.splits == splits
-    assert (chosen.attention is ks._attention_flashmla) == (splits == 1)
+    assert isinstance(chosen.attention, ks._FlashMLAAttention) and chosen.attention.splits == splits
+    assert isinstance(chosen.attention.scratch, fm.FlashMLAScratch)
     heads = spec.attention_heads
     assert splits == fm.flashmla_splits(T, heads, 2048 if layout == "tp" or W == 1 else 2048 // W)
 
@@ -118,7 +129,7 @@ def test_prepare_runs_the_reference_select_past_the_cutedsl_limit(caplog) -> Non
     stages = REFERENCE_STAGES.with_(select=ks._select_cutedsl)
     impl = {"select": "cutedsl", "select_to_slots": "torch"}
     with caplog.at_level(logging.WARNING, logger="dcp_ref.kernels.stages"):
-        chosen = ks._prepare(spec, stages, impl, {})
+        chosen = ks._prepare(spec, stages, template=stages, impl=impl, alternatives={})
     assert chosen is not None and chosen.select is REFERENCE_STAGES.select
     assert f"{2 * k} gathered candidates per row > {MAX_CANDIDATES}" in dict(chosen.notes)["select"]
     assert any("'select' runs the torch reference" in r.getMessage() for r in caplog.records)
@@ -127,7 +138,55 @@ def test_prepare_runs_the_reference_select_past_the_cutedsl_limit(caplog) -> Non
 def test_interpreted_kernels_cover_the_new_stages(kernel_device) -> None:
     if kernel_device.type != "cpu":
         pytest.skip("the interpreter's choice")
-    impls = ks.kernel_stages("cpu", torch.float32, 8, 8).impls()
+    spec = StepSpec(DcpGeometry(1, 0, 1, 64), max_tokens=1, topk=8, num_heads=1, head_dim=8, v_dim=8, sm_scale=0.1,
+                    dtype=torch.float32, device="cpu")  # fmt: skip
+    impls = ks.kernel_stages(spec).impls()
     assert impls["scoring"] == "triton" and "scored_indexer" not in impls
     assert impls["guard"] == "triton" and impls["combine"] == "triton" and impls["indexer"] == "fused"
     assert impls["select"] == impls["select_to_slots"] == impls["attention"] == "torch"  # CUDA only
+
+
+def test_prepare_binds_the_stateful_stages_to_each_planned_step(kernel_device) -> None:
+    """The plan owns what a stage keeps: ``prepare(spec)`` gives every planned step its own fused indexer (its own
+    workspaces, made per shape and reused), never the provider's unbound one (which keeps nothing: per call)."""
+    if kernel_device.type != "cpu":
+        pytest.skip("the interpreter's choice")
+    spec = StepSpec(DcpGeometry(1, 0, 1, 64), max_tokens=2, topk=4, num_heads=1, head_dim=8, v_dim=8, sm_scale=0.1,
+                    dtype=torch.float32, device="cpu")  # fmt: skip
+    st = ks.kernel_stages(spec)
+    assert st.indexer is ks._indexer_fused and st.indexer._workspaces is None
+    a, b = st.prepare(spec, st), st.prepare(spec, st)
+    assert a is not None and b is not None
+    assert isinstance(a.indexer, ks._FusedIndexer) and a.indexer is not b.indexer is not st.indexer
+    assert a.impls() == st.impls() and a.indexer._workspaces == {}
+    scores = torch.randn(2, 40, generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([40, 7], dtype=torch.int32)
+    want = st.indexer(scores, lengths, spec.geometry, 4)
+    got = a.indexer(scores, lengths, spec.geometry, 4)
+    assert torch.equal(got, want)
+    (key,) = a.indexer._workspaces
+    first = a.indexer._workspaces[key]
+    a.indexer(scores, lengths, spec.geometry, 4)
+    assert a.indexer._workspaces[key] is first and b.indexer._workspaces == {}
+    with pytest.raises(TypeError, match=r"spec must be a dcp_ref\.stages\.StepSpec"):
+        ks.kernel_stages("cpu")  # type: ignore[arg-type]
+
+
+def test_prepare_keeps_a_stage_the_caller_replaced() -> None:
+    """``kernel_stages(spec).with_(attention=mine)`` plans with ``mine``: the provider's hook binds and chooses
+    only its own stages (before, it rebuilt them from the provider's template and dropped the replacement)."""
+    from dcp_ref.group import SingleGroup
+    from dcp_ref.stages import reference_attention, reference_indexer
+    from dcp_ref.step import PlannedStep
+
+    spec = StepSpec(DcpGeometry(1, 0, 1, 64), max_tokens=2, topk=4, num_heads=1, head_dim=8, v_dim=8, sm_scale=0.1,
+                    dtype=torch.float32, device="cpu")  # fmt: skip
+
+    def my_attention(q, kv_cache, slots, counts, sm_scale, v_dim, *, out=None, out_lse=None):
+        return reference_attention(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse)
+
+    mine = ks.kernel_stages(spec).with_(attention=my_attention, indexer=reference_indexer)
+    step = PlannedStep(SingleGroup(), spec, mine)
+    assert step.stages.attention is my_attention and step.stages.indexer is reference_indexer
+    plain = PlannedStep(SingleGroup(), spec, ks.kernel_stages(spec))
+    assert plain.stages.indexer is not reference_indexer  # the provider's own stage, bound to this step

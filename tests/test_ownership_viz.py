@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 
 import pytest
 
-from dcp_ref.ownership_viz import (
+from dcp_ref.viz.ownership import (
     ownership_figure,
     ownership_grid,
     ownership_widget,

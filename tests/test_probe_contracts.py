@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from dcp_ref._checks import check_int_scalar, check_tensor
+from dcp_ref.contracts import check_int_scalar, check_tensor
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "probe_contracts.py"
 
@@ -40,7 +40,7 @@ def outcome(case: object) -> str:
 
 
 def _named_check(x: object) -> int:
-    return check_int_scalar(x, "x", min_value=1)  # raises from dcp_ref/_checks.py: an argument check
+    return check_int_scalar(x, "x", min_value=1)  # raises from dcp_ref/contracts.py: an argument check
 
 
 def _index_error() -> object:

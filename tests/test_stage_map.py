@@ -111,16 +111,16 @@ def test_every_stage_has_a_reference_a_protocol_and_a_kit_check(stage) -> None:
     import inspect
 
     import dcp_ref.testing as kit
+    from dcp_ref.protocols import GUARD_SCORED_KEYWORDS, RANK_LOCAL_INDEXER_KEYWORDS, STAGE_KEYWORDS
     from dcp_ref.stages import REFERENCE_STAGES
-    from dcp_ref.step import _GUARD_SCORED_KEYWORDS, _STAGE_KEYWORDS
 
     assert callable(getattr(REFERENCE_STAGES, stage)), stage
     proto = _protocol(stage)
     params = inspect.signature(proto.__call__).parameters
-    always = set(_STAGE_KEYWORDS[stage]) | (set(_GUARD_SCORED_KEYWORDS) if stage == "guard" else set())
+    always = set(STAGE_KEYWORDS[stage]) | (set(GUARD_SCORED_KEYWORDS) if stage == "guard" else set())
+    if stage == "indexer":  # passed only with order="rank_local", and declared in the protocol's signature too
+        always |= set(RANK_LOCAL_INDEXER_KEYWORDS)
     assert always <= set(params), (stage, sorted(always - set(params)))
-    if stage == "indexer":  # passed only with order="rank_local": named in the protocol's contract
-        assert {"order", "out_ids"} <= set(re.findall(r"``(\w+)", proto.__call__.__doc__ or ""))
     check = f"check_{stage}"
     assert check in kit.__all__ and callable(getattr(kit, check)), check
     # the reference itself takes every keyword the step passes

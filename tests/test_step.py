@@ -62,9 +62,7 @@ def _run_planned(steps: list[PlannedStep], problem, traces=None) -> tuple[torch.
 def _plan(problem, max_tokens: int, topk: int, scale: float, stages: Stages | str = "reference") -> list[PlannedStep]:
     W = problem.world_size
     world = SimulatedWorld(W)
-    _, _, D = problem.q.shape
-    st = resolve_stages(stages, "cpu", problem.q.dtype, D, D)
-    return [PlannedStep(world.groups[r], _spec(problem, r, max_tokens, topk, scale), st) for r in range(W)]
+    return [PlannedStep(world.groups[r], _spec(problem, r, max_tokens, topk, scale), stages) for r in range(W)]
 
 
 @pytest.mark.parametrize("stages", ["reference", "kernels"])
@@ -134,7 +132,9 @@ def test_one_rank_runs_no_collective_and_copies_nothing() -> None:
         ref_out, ref_lse, _ = single_device_decode(p, 4, 0.3)
         torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-10)
-        assert step._gathered is None and step._all_lse is None and step._out is None  # no buffer for an identity
+        # No buffer for an identity: nothing to gather, no combine, no collective.
+        assert step.parts.exchange.gathered_buf is None and type(step.parts.combine).__name__ == "NoCombine"
+        assert step.collectives == ()
 
 
 @pytest.mark.parametrize("stages", ["reference", "kernels"])
@@ -309,18 +309,24 @@ def test_a_plugged_in_stage_runs_and_is_named_in_the_trace() -> None:
 
 
 def test_stage_resolution_and_registration() -> None:
+    spec = StepSpec(DcpGeometry(1, 0, 1, 4), max_tokens=1, topk=4, num_heads=2, head_dim=8, v_dim=8, sm_scale=0.3,
+                    dtype=torch.float32, device="cpu")  # fmt: skip
     with pytest.raises(ValueError, match="stages must be 'reference'"):
-        resolve_stages("fastest", "cpu", torch.float32, 8, 8)
+        resolve_stages("fastest", spec)
     with pytest.raises(TypeError, match="stages must be a Stages value or a name"):
-        resolve_stages(3, "cpu", torch.float32, 8, 8)  # type: ignore[arg-type]
+        resolve_stages(3, spec)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="spec must be a dcp_ref"):
+        resolve_stages("reference", "cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown stage"):
         REFERENCE_STAGES.with_(selct=reference_select)
     with pytest.raises(TypeError, match="select must be callable"):
         Stages(select=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="attention_layout must be one of"):
         Stages(attention_layout="sparse")
-    register_stages("mine", lambda device, dtype, head_dim, v_dim, **hints: REFERENCE_STAGES.with_(name="mine"))
-    assert resolve_stages("mine", "cpu", torch.float32, 8, 8).name == "mine"
+    seen = []
+    register_stages("mine", lambda spec: seen.append(spec) or REFERENCE_STAGES.with_(name="mine"))
+    assert resolve_stages("mine", spec).name == "mine" and seen == [spec]  # the factory gets the spec itself
+    assert PlannedStep(SingleGroup(), spec, "mine").stages.name == "mine"  # a name, resolved for the spec
     with pytest.raises(ValueError, match="reserved"):
         register_stages("reference", lambda *a, **k: REFERENCE_STAGES)
 
@@ -366,7 +372,6 @@ def _gpu_problem(world_size: int, interleave: int, seed: int, num_heads: int = 1
 def _gpu_plan(gpu_problem, world, rank: int, max_tokens: int, topk: int) -> PlannedStep:
     from dcp_ref.kernels.stages import kernel_stages
 
-    st = kernel_stages("cuda", torch.bfloat16, 576, 512, num_heads=gpu_problem.q.shape[1], topk=topk)
     spec = StepSpec(
         gpu_problem.geometry(rank),
         max_tokens=max_tokens,
@@ -378,6 +383,7 @@ def _gpu_plan(gpu_problem, world, rank: int, max_tokens: int, topk: int) -> Plan
         dtype=torch.bfloat16,
         device="cuda",
     )
+    st = kernel_stages(spec)
     return PlannedStep(world.groups[rank] if world is not None else SingleGroup(), spec, st)
 
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dcp_ref.fp8_cache import dequantize_kv_fp8, quantize_kv_fp8
+from dcp_ref.geometry import DcpGeometry
 from dcp_ref.pipeline import RankShard, make_dcp_problem, run_dcp_decode, single_device_decode
-from dcp_ref.stages import FP8_REFERENCE_STAGES, kv_format_of, resolve_stages
+from dcp_ref.stages import FP8_REFERENCE_STAGES, StepSpec, kv_format_of, resolve_stages
 
 
 def fp8_problem(world_size: int, interleave: int, seed: int, num_heads: int, seq_lens=(37, 5, 64), next_n=2):
@@ -59,10 +60,12 @@ def test_kv_format_detection_and_stage_choice() -> None:
     assert kv_format_of(fp.shards[0].kv_cache) == "fp8_ds_mla"
     assert kv_format_of(fp.shards[0].kv_cache.view(torch.float8_e4m3fn)) == "fp8_ds_mla"
     assert kv_format_of(torch.zeros(4, 576, dtype=torch.bfloat16)) == "native"
-    st = resolve_stages("reference", "cpu", torch.float64, 576, 512, kv_format="fp8_ds_mla")
+    spec = StepSpec(DcpGeometry(1, 0, 1, 64), max_tokens=1, topk=4, num_heads=2, head_dim=576, v_dim=512,
+                    sm_scale=0.1, dtype=torch.float64, device="cpu", kv_format="fp8_ds_mla")  # fmt: skip
+    st = resolve_stages("reference", spec)
     assert st is FP8_REFERENCE_STAGES and st.attention_layout == "masked"
     with pytest.raises(ValueError, match="kv_format must be one of"):
-        resolve_stages("reference", "cpu", torch.float64, 576, 512, kv_format="fp4")
+        dataclasses.replace(spec, kv_format="fp4")
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import torch
 from dcp_ref.geometry import DcpGeometry
 from dcp_ref.group import SimulatedWorld, SingleGroup
 from dcp_ref.pipeline import make_dcp_problem, single_device_decode
-from dcp_ref.stages import REFERENCE_STAGES, StepSpec, resolve_stages
+from dcp_ref.stages import REFERENCE_STAGES, StepSpec
 from dcp_ref.step import HostSyncCounter, PlannedStep, RankShard, StepMetadata
 
 TOPK, SCALE = 5, 0.3
@@ -44,7 +44,7 @@ def _q_for(p, rank: int, spec: StepSpec) -> torch.Tensor:
 def _run_dcp(p, stages="reference", **kw):
     W = p.world_size
     world = SimulatedWorld(W)
-    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    st = stages  # a name: PlannedStep resolves it for its spec
 
     def body(group, shard):
         spec = _spec(p, group.rank, **kw)
@@ -91,7 +91,7 @@ def test_query_gather_at_one_token_is_a_view_not_a_copy() -> None:
         step = PlannedStep(group, spec)
         trace: dict = {}
         step.run(_q_for(p, group.rank, spec), shard, p.metadata(group.rank), trace=trace)
-        return trace["q_full"], step._q_gathered, step._q_full
+        return trace["q_full"], step.parts.query.gathered_buf, step.parts.query.full_buf
 
     for q_full, gathered, full_buffer in world.run(body, p.shards):
         assert torch.equal(q_full, p.q)
@@ -106,7 +106,7 @@ def test_tp_layout_is_the_oracle_for_its_heads(stages, W, I) -> None:
     p = make_dcp_problem(1, I, seq_lens=[30, 9, 17, 4], next_n=2, num_heads=2 * W, head_dim=8, block_size=4,
                          seed=7)  # fmt: skip
     ref_out, ref_lse, ref_ids = single_device_decode(p, TOPK, SCALE)
-    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    st = stages  # a name: PlannedStep resolves it for its spec
     Hs = 2
     for r in range(W):
         spec = StepSpec(DcpGeometry(W, r, I, 4), max_tokens=8, topk=TOPK, num_heads=2 * W, head_dim=8, v_dim=8,
@@ -150,7 +150,7 @@ def test_tp_refuses_a_sharded_cache() -> None:
 @pytest.mark.parametrize("combine", ["reduce_scatter", "alltoall"])
 def test_run_reads_no_tensor_value_on_the_host(stages, combine) -> None:
     p = _problem(2, 2, seed=5)
-    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    st = stages  # a name: PlannedStep resolves it for its spec
 
     def body(group, shard):
         spec = _spec(p, group.rank, combine=combine, q_replicate=False)
@@ -206,7 +206,7 @@ def test_out_of_contract_tokens_are_poisoned_not_answered(stages, combine) -> No
     tokens still equal the oracle."""
     p = _problem(2, 1, seed=9)
     ref_out, ref_lse, _ = single_device_decode(p, TOPK, SCALE)
-    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    st = stages  # a name: PlannedStep resolves it for its spec
     B = p.seq_lens.numel()
     for what in _bad_metadata_cases(p.metadata(0), B):
 
@@ -305,7 +305,7 @@ def _run_layer(p, stages="reference", **kw):
     from dcp_ref.stages import ScoringSpec
 
     W = p.world_size
-    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    st = stages  # a name: PlannedStep resolves it for its spec
     max_keys = max(int(m.local_bounds.max()) for m in (p.metadata(r) for r in range(W)))
 
     next_n = kw.pop("next_n", 1)
@@ -418,7 +418,7 @@ def _layer_run(p, shards, index_q, index_weights, stages, validate=False):
     from dcp_ref.stages import ScoringSpec
 
     W = p.world_size
-    st = resolve_stages(stages, "cpu", torch.float64, 8, 8)
+    st = stages  # a name: PlannedStep resolves it for its spec
     max_keys = max(int(p.metadata(r).local_bounds.max()) for r in range(W))
 
     def body(group, shard):

@@ -535,8 +535,10 @@ def test_triton_guard_conforms(interp: torch.device) -> None:
 def test_kernel_stages_conform_on_the_cpu(interp: torch.device) -> None:
     """The "kernels" Stages of the CPU (Triton interpreted where it runs) — stage by stage and stepped."""
     from dcp_ref.kernels.stages import kernel_stages
+    from dcp_ref.stages import StepSpec
 
-    ks = kernel_stages(interp, torch.float32, 8, 8)
+    ks = kernel_stages(StepSpec(DcpGeometry(1, 0, 1, 64), max_tokens=1, topk=8, num_heads=1, head_dim=8, v_dim=8,
+                                sm_scale=0.1, dtype=torch.float32, device=interp))  # fmt: skip
     check_indexer(ks.indexer, device=interp, max_examples=FAST)  # strided lengths included (the kit found that bug)
     check_deinterleave(ks.deinterleave, device=interp, max_examples=FAST)
     check_merge(ks.merge, device=interp, max_examples=FAST)
@@ -649,7 +651,8 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
     from dcp_ref.stages import StepSpec
     from dcp_ref.step import PlannedStep
 
-    ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
+    ks = kernel_stages(StepSpec(DcpGeometry(2, 0), max_tokens=1, topk=64, num_heads=128, head_dim=576, v_dim=512,
+                                sm_scale=0.5, dtype=torch.bfloat16, device=cuda_device))  # fmt: skip
 
     def planned(max_tokens: int):  # the Stages a step plans from ks (its prepare hook picks the attention by T)
         spec = StepSpec(
@@ -715,7 +718,8 @@ def test_kernel_step_options_on_gpu(cuda_device: torch.device) -> None:
     from dcp_ref.stages import StepSpec
     from dcp_ref.step import PlannedStep
 
-    ks = kernel_stages(cuda_device, torch.bfloat16, 576, 512, num_heads=128, topk=64)
+    ks = kernel_stages(StepSpec(DcpGeometry(2, 0), max_tokens=1, topk=64, num_heads=128, head_dim=576, v_dim=512,
+                                sm_scale=0.5, dtype=torch.bfloat16, device=cuda_device))  # fmt: skip
     # As test_kernel_stages_conform_on_gpu: the Stages a step plans for T = 1 and T = 4 (its prepare hook picks
     # the attention by T; the trace must name the planned one).
     for T in (1, 4):

@@ -349,6 +349,14 @@ def test_union_of_local_topk_is_wrong_counterexample():
 # ---------------------------------------------------------------------------------------------
 
 
+def _cpu_spec(device):
+    """A one-rank spec for the kernels' stage provider on ``device`` (float32, DeepSeek's widths)."""
+    from dcp_ref.stages import StepSpec
+
+    return StepSpec(DcpGeometry(1, 0, 1, 64), max_tokens=1, topk=64, num_heads=1, head_dim=576, v_dim=512,
+                    sm_scale=0.1, dtype=torch.float32, device=device)  # fmt: skip
+
+
 def test_kernel_select_stage_falls_back_on_cpu_and_logs(caplog):
     """On the CPU the kernels' select stage is the reference, the reason logged once and kept in the notes."""
     from dcp_ref.kernels import stages as ks
@@ -356,7 +364,7 @@ def test_kernel_select_stage_falls_back_on_cpu_and_logs(caplog):
     ks._log_fallback.cache_clear()
     g = random_candidates(random.Random(1), 2, 9, ties=True, p_invalid=0.2)
     with caplog.at_level(logging.WARNING, logger="dcp_ref.kernels.stages"):
-        st_ = ks.kernel_stages(g.device, torch.float32, 576, 512)
+        st_ = ks.kernel_stages(_cpu_spec(g.device))
     assert st_.impls()["select"] == "torch" and "cpu" in dict(st_.notes)["select"]
     assert any("'select' runs the torch reference" in r.getMessage() for r in caplog.records)
     got = st_.select(g, 4)  # the stage protocol: the winners in any order
@@ -389,7 +397,7 @@ def test_kernel_indexer_and_select_stages_give_the_global_topk_on_cpu():
     pytest.importorskip("triton")
     from dcp_ref.kernels.stages import kernel_stages
 
-    st_ = kernel_stages("cpu", torch.float32, 576, 512)
+    st_ = kernel_stages(_cpu_spec("cpu"))
     scores = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
     logits_r, _ = local_topk_by_owner(scores, 5, 3, 2)
 
@@ -647,7 +655,7 @@ def test_radix_pass_text_and_figure():
     import matplotlib
 
     matplotlib.use("Agg")
-    from dcp_ref.topk_viz import draw_radix_passes, radix_pass_text
+    from dcp_ref.viz.topk import draw_radix_passes, radix_pass_text
 
     g = torch.tensor([[[1.0, 0.0], [0.5, 1.0], [0.5, 2.0], [-2.0, 3.0], [0.25, 4.0]]])
     keys = unsigned_key(stable_key(g[0, :, 0], g[0, :, 1]))

@@ -1,4 +1,4 @@
-"""dcp_ref.topk_viz labels each radix pass with the key bits its digit covers, for any digit width."""
+"""dcp_ref.viz.topk labels each radix pass with the key bits its digit covers, for any digit width."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import matplotlib
 import pytest
 
 from dcp_ref.topk import radix_select_trace
-from dcp_ref.topk_viz import digit_bits, draw_radix_passes, radix_pass_text
+from dcp_ref.viz.topk import digit_bits, draw_radix_passes, radix_pass_text
 
 matplotlib.use("Agg")  # before draw_radix_passes imports pyplot
 

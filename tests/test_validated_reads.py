@@ -52,6 +52,16 @@ def _counted(monkeypatch, module: Any, kernels: tuple[str, ...], fn: Callable[[]
     return counter.ops, result
 
 
+#: The one device op a validated call adds before its launches: its own zeroed check flag (made per call, no cache).
+FLAG_OP = "aten::zeros"
+
+
+def _with_flag(ops: list[str]) -> list[str]:
+    """``ops`` with the validated call's flag made just before the first launch."""
+    at = next(i for i, op in enumerate(ops) if op.startswith("triton:"))
+    return [*ops[:at], FLAG_OP, *ops[at:]]
+
+
 def _flag(dev: torch.device) -> torch.Tensor:
     from dcp_ref.kernels._util import check_flag
 
@@ -135,7 +145,7 @@ def test_deinterleave_validated_is_the_unvalidated_launches_plus_one_read(kernel
     assert _reads(plain) == [], plain
     # the same ops, each launch with its CHECK switch on (twopass: the pass that writes the slots), then one read
     on = [op.replace("[-]", "[CHECK]") if "count_kernel" not in op else op for op in plain]
-    assert checked == [*on, "aten::_local_scalar_dense"], (plain, checked)
+    assert checked == [*_with_flag(on), "aten::_local_scalar_dense"], (plain, checked)
     assert int(_flag(kernel_device).item()) == 0
     w, g = (want, got) if isinstance(want, tuple) else ((want,), (got,))
     for a, b in zip(w, g):
@@ -214,7 +224,7 @@ def test_fp8_prepare_indices_validated_is_one_launch_plus_one_read(kernel_device
     plain, _ = _counted(monkeypatch, fm8, FM_KERNELS, lambda: call(False))
     checked, _ = _counted(monkeypatch, fm8, FM_KERNELS, lambda: call(True))
     assert plain == ["triton:prepare_indices_kernel[-]"], plain  # no torch op at all: the launch
-    assert checked == ["triton:prepare_indices_kernel[CHECK]", "aten::_local_scalar_dense"], checked
+    assert checked == [FLAG_OP, "triton:prepare_indices_kernel[CHECK]", "aten::_local_scalar_dense"], checked
     assert int(_flag(kernel_device).item()) == 0
     assert state.cpu().tolist() == [fm8.ROW_READ, fm8.ROW_READ, fm8.ROW_EMPTY]
 
@@ -295,7 +305,7 @@ def test_fp8_decode_validated_call_folds_into_its_prologue(kernel_device, monkey
         "triton:finish_outputs_kernel[-]",
     ], plain
     at = plain.index("triton:prepare_indices_kernel[-]")
-    want = [*plain[:at], "triton:prepare_indices_kernel[CHECK]", *plain[at + 1 :], "aten::_local_scalar_dense"]
+    want = [*plain[:at], FLAG_OP, "triton:prepare_indices_kernel[CHECK]", *plain[at + 1 :], "aten::_local_scalar_dense"]
     assert checked == want, (plain, checked)
     for bad, row in (([[1, 40, 7], [2, 3, -1]], 0), ([[1, -1, 7], [-2, 3, -1]], 1)):
         reached.clear()

@@ -190,13 +190,29 @@ case "$what" in
       timeout "$limit" python3 "$@" > "$work/bench_$name.txt" 2>&1
       echo "== $name: exit $? ($(tail -1 "$work/bench_$name.txt" | cut -c1-150))"
     }
+    # BEFORE=<dir>: also time the layer and step rows on an older tree (its dcp_ref/ with the kernels copied in as
+    # dcp_ref/kernels, and its benchmarks/: see CONTRIBUTING) in the same call, right after this tree's, into
+    # $work/before — the before/after of a refactor measured on one machine in one session.
+    before() {  # before NAME TIMEOUT SCRIPT ARGS...: one benchmark of the older tree (its dcp_ref first on the path)
+      [ -n "${BEFORE:-}" ] && [ -d "$BEFORE/dcp_ref/kernels" ] || return 0
+      local name=$1 limit=$2
+      shift 2
+      mkdir -p "$work/before"
+      (cd "$BEFORE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout "$limit" python3 "$@") > "$work/before/bench_$name.txt" 2>&1
+      echo "== before $name: exit $? ($(tail -1 "$work/before/bench_$name.txt" | cut -c1-150))"
+    }
     for bname in ${BENCH:-local_topk layer step validation scoring}; do
       case "$bname" in
         local_topk) b local_topk 200 benchmarks/bench_local_topk.py --out "$work" --peers .gpu/ix_peers/vllm --no-sweep ;;
-        layer) b layer 170 benchmarks/bench_layer.py --out "$work" --budget-s 140 --configs "${LAYER_ROWS:-$LAYER_DEFAULT}" ;;
+        layer)
+          b layer 170 benchmarks/bench_layer.py --out "$work" --budget-s 140 --configs "${LAYER_ROWS:-$LAYER_DEFAULT}"
+          before layer 170 benchmarks/bench_layer.py --out "$work/before" --budget-s 140 \
+            --configs "${LAYER_ROWS:-$LAYER_DEFAULT}" ;;
         step)  # W = 1 on both caches (W = 2 needs two GPUs: its rows stay from their run, marked so)
-          b step 200 benchmarks/bench_step.py --out "$work/step_raw"
-          b step_fp8 150 benchmarks/bench_step.py --fp8 --out "$work/step_raw"
+          b step 200 benchmarks/bench_step.py --out "$work/step_raw" ${STEP_ARGS:-}
+          b step_fp8 150 benchmarks/bench_step.py --fp8 --out "$work/step_raw" ${STEP_ARGS:-}
+          before step 200 benchmarks/bench_step.py --out "$work/before/step_raw" ${STEP_ARGS:-}
+          before step_fp8 150 benchmarks/bench_step.py --fp8 --out "$work/before/step_raw" ${STEP_ARGS:-}
           python3 benchmarks/bench_step.py --merge "$work/step_raw" --out "$work" --keep benchmarks/results/step.json \
             --note "tools/gpu_check.sh bench: W = 1, one H200, the two caches one after the other." > /dev/null ;;
         validation) b validation 150 benchmarks/bench_validation.py --out "$work" ;;

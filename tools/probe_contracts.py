@@ -5643,7 +5643,7 @@ def step_cases() -> list[Case]:
     if _kernel("stages") is not None:
 
         def kstages() -> Any:
-            return resolve_stages("kernels", "cpu", torch.float32, P.D, P.V, num_heads=P.H, topk=P.k)
+            return resolve_stages("kernels", P.spec(0))
 
         mk(
             out,
@@ -5967,11 +5967,20 @@ def step_cases() -> list[Case]:
     mk(
         out,
         "PlannedStep",
-        "stages the string 'reference'",
+        "valid: stages named 'reference' (resolved for the spec)",
         lambda: PlannedStep(SingleGroup(), P1.spec(0), "reference"),
+        "valid",
+        check=lambda step: None if step.stages is REFERENCE_STAGES else f"planned {step.stages.name}",
+    )
+    mk(
+        out,
+        "PlannedStep",
+        "stages an unknown provider 'fastest'",
+        lambda: PlannedStep(SingleGroup(), P1.spec(0), "fastest"),
         "raise",
         "stages",
-    )  # type: ignore[arg-type]
+    )
+    mk(out, "PlannedStep", "stages=3", lambda: PlannedStep(SingleGroup(), P1.spec(0), 3), "raise", "stages")  # type: ignore[arg-type]
     mk(
         out,
         "PlannedStep",
@@ -5992,7 +6001,7 @@ def step_cases() -> list[Case]:
         out,
         "PlannedStep",
         "stages.prepare returns a dict",
-        lambda: PlannedStep(SingleGroup(), P1.spec(0), REFERENCE_STAGES.with_(prepare=lambda s: {})),
+        lambda: PlannedStep(SingleGroup(), P1.spec(0), REFERENCE_STAGES.with_(prepare=lambda s, st: {})),
         "raise",
         "prepare",
     )
@@ -6034,7 +6043,7 @@ def step_cases() -> list[Case]:
         out,
         "resolve_stages",
         "unknown provider",
-        lambda: resolve_stages("nope", "cpu", torch.float32, 8, 4),
+        lambda: resolve_stages("nope", P.spec(0)),
         "raise",
         "stages",
     )
@@ -6042,11 +6051,12 @@ def step_cases() -> list[Case]:
         out,
         "resolve_stages",
         "kv_format='fp4'",
-        lambda: resolve_stages("reference", "cpu", torch.float32, 8, 4, kv_format="fp4"),
+        lambda: P.spec(0, kv_format="fp4"),
         "raise",
         "kv_format",
     )
-    mk(out, "resolve_stages", "stages=3", lambda: resolve_stages(3, "cpu", torch.float32, 8, 4), "raise", "stages")  # type: ignore[arg-type]
+    mk(out, "resolve_stages", "stages=3", lambda: resolve_stages(3, P.spec(0)), "raise", "stages")  # type: ignore[arg-type]
+    mk(out, "resolve_stages", "spec='cpu'", lambda: resolve_stages("reference", "cpu"), "raise", "spec")  # type: ignore[arg-type]
 
     # ---- StepSpec / ScoringSpec: a spec the step cannot run is refused at construction, naming the field
     geo = DcpGeometry(2, 0, 1, 4)
@@ -6184,8 +6194,13 @@ def costmodel_cases() -> list[Case]:
         q_replication_bytes,
         tp_step_cost,
     )
+    from dcp_ref.options import LayerOptions
 
     out: list[Case] = []
+
+    def opts(**axes: Any) -> From:
+        """``options=`` built when the case runs (a bad axis raises there, in LayerOptions, as a caller sees it)."""
+        return From(lambda _kw: LayerOptions(**axes))
 
     def b_dcp() -> dict[str, Any]:
         return dict(world_size=4, tokens=8, context=4096)
@@ -6203,12 +6218,16 @@ def costmodel_cases() -> list[Case]:
             ("scope=None", dict(scope=None), "scope"),
             ("graph='yes'", dict(graph="yes"), "graph"),
             ("graph=1", dict(graph=1), "graph"),
-            ("exchange='p2p'", dict(exchange="p2p"), "exchange"),
-            ("exchange=None", dict(exchange=None), "exchange"),
-            ("exchange=['owner'] (a list)", dict(exchange=["owner"]), "exchange"),
-            ("order='score'", dict(order="score"), "order"),
-            ("order='rank_local' with exchange='allgather'", dict(order="rank_local"), ("order", "exchange")),
-        ):
+            ("options exchange='p2p'", dict(options=opts(exchange="p2p")), "exchange"),
+            ("options exchange=None", dict(options=opts(exchange=None)), "exchange"),
+            ("options exchange=['owner'] (a list)", dict(options=opts(exchange=["owner"])), "exchange"),
+            ("options order='score'", dict(options=opts(order="score")), "order"),
+            ("options order='rank_local' with exchange='allgather'", dict(options=opts(order="rank_local")),
+             ("order", "exchange")),
+            ("options None", dict(options=None), "options"),
+            ("options a dict", dict(options={"exchange": "owner"}), "options"),
+            ("exchange= (a loose option, no longer taken)", dict(exchange="owner"), ("exchange", "unexpected")),
+        ):  # fmt: skip
             mk(
                 out,
                 name,
@@ -6219,29 +6238,13 @@ def costmodel_cases() -> list[Case]:
                 exc=TypeError if "list" in label or "None" in label or "a dict" in label or "'fit'" in label else None,
             )
     for label, kw, nm in (
-        ("combine='allreduce'", dict(combine="allreduce"), "combine"),
-        ("combine=None", dict(combine=None), "combine"),
-        ("q_replicate='no'", dict(q_replicate="no"), "q_replicate"),
-        ("q_replicate=1", dict(q_replicate=1), "q_replicate"),
-        ("q_replicate=None", dict(q_replicate=None), "q_replicate"),
+        ("options combine='allreduce'", dict(options=opts(combine="allreduce")), "combine"),
+        ("options combine=None", dict(options=opts(combine=None)), "combine"),
+        ("options q_replicate='no'", dict(options=opts(q_replicate="no")), "q_replicate"),
+        ("options q_replicate=1", dict(options=opts(q_replicate=1)), "q_replicate"),
+        ("options q_replicate=None", dict(options=opts(q_replicate=None)), "q_replicate"),
     ):
         mk(out, "dcp_step_cost", label, call_with(dcp_step_cost, b_dcp, **kw), "raise", nm)
-    mk(
-        out,
-        "tp_step_cost",
-        "combine= is not a tp option",
-        call_with(tp_step_cost, b_dcp, combine="alltoall"),
-        "raise",
-        ("combine", "unexpected"),
-    )
-    mk(
-        out,
-        "tp_step_cost",
-        "q_replicate= is not a tp option",
-        call_with(tp_step_cost, b_dcp, q_replicate=True),
-        "raise",
-        ("q_replicate", "unexpected"),
-    )
 
     # valid: the documented relations
     for ex, order in (("allgather", "global_id"), ("owner", "global_id"), ("owner", "rank_local")):
@@ -6250,8 +6253,10 @@ def costmodel_cases() -> list[Case]:
             "dcp_step_cost",
             f"valid: W=1 equals tp_step_cost at W=1 (exchange={ex}, order={order})",
             lambda ex=ex, order=order: (
-                dcp_step_cost(1, 8, 4096, exchange=ex, order=order, combine="alltoall", q_replicate=True).total_s,
-                tp_step_cost(1, 8, 4096, exchange=ex, order=order).total_s,
+                dcp_step_cost(
+                    1, 8, 4096, options=LayerOptions(exchange=ex, order=order, combine="alltoall", q_replicate=True)
+                ).total_s,
+                tp_step_cost(1, 8, 4096, options=LayerOptions(layout="tp", exchange=ex, order=order)).total_s,
             ),
             "valid",
             check=lambda r: diff(r[0], r[1], rtol=1e-12),
@@ -6260,7 +6265,7 @@ def costmodel_cases() -> list[Case]:
         out,
         "dcp_step_cost",
         "valid: q_replicate=True drops the query all-gather",
-        lambda: dcp_step_cost(4, 8, 4096, q_replicate=True),
+        lambda: dcp_step_cost(4, 8, 4096, options=LayerOptions(q_replicate=True)),
         "valid",
         check=lambda c: (
             None
@@ -6273,8 +6278,10 @@ def costmodel_cases() -> list[Case]:
         "dcp_step_cost",
         "valid: rank_local moves 4 bytes per candidate (half of global_id)",
         lambda: (
-            dcp_step_cost(4, 8, 4096, exchange="owner", order="rank_local").comm["candidates_allgather"].sent,
-            dcp_step_cost(4, 8, 4096, exchange="owner").comm["candidates_allgather"].sent,
+            dcp_step_cost(4, 8, 4096, options=LayerOptions(exchange="owner", order="rank_local"))
+            .comm["candidates_allgather"]
+            .sent,
+            dcp_step_cost(4, 8, 4096, options=LayerOptions(exchange="owner")).comm["candidates_allgather"].sent,
         ),
         "valid",
         check=lambda r: None if r[0] * 2 == r[1] == 8 * 2048 * 8 else f"bytes {r}",
@@ -6283,7 +6290,7 @@ def costmodel_cases() -> list[Case]:
         out,
         "dcp_step_cost",
         "valid: combine='alltoall' replaces the LSE all-gather and reduce-scatter",
-        lambda: dcp_step_cost(4, 8, 4096, combine="alltoall"),
+        lambda: dcp_step_cost(4, 8, 4096, options=LayerOptions(combine="alltoall")),
         "valid",
         check=lambda c: (
             None
@@ -6547,6 +6554,7 @@ def stage_protocol_cases() -> list[Case]:
     from dcp_ref.guard import reference_guard
     from dcp_ref.ownership import global_to_local, local_to_global
     from dcp_ref.stages import (
+        StepSpec,
         reference_attention,
         reference_combine,
         reference_deinterleave,
@@ -6569,7 +6577,9 @@ def stage_protocol_cases() -> list[Case]:
     sc = torch.randn(3, 10, generator=g)
     stage_sets: list[tuple[str, Any]] = [("reference", None)]
     if _kernel("stages") is not None:
-        stage_sets.append(("kernels(cpu)", resolve_stages("kernels", "cpu", torch.float32, 8, 4, num_heads=2, topk=4)))
+        spec = StepSpec(DcpGeometry(1, 0, 1, 4), max_tokens=3, topk=4, num_heads=2, head_dim=8, v_dim=4, sm_scale=0.3,
+                        dtype=torch.float32, device="cpu")  # fmt: skip
+        stage_sets.append(("kernels(cpu)", resolve_stages("kernels", spec)))
     for label, st in stage_sets:
         sel = reference_select if st is None else st.select
         de = reference_deinterleave if st is None else st.deinterleave

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._checks import check_int_scalar, check_world
-from .ownership import global_to_local, local_seq_lens, owner_rank
+from ..contracts import check_int_scalar, check_world
+from ..ownership import global_to_local, local_seq_lens, owner_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checks import check_int_scalar, check_world
-from .ownership import global_to_local, localize_prefill_chunk, owner_rank
+from ..contracts import check_int_scalar, check_world
+from ..ownership import global_to_local, localize_prefill_chunk, owner_rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure

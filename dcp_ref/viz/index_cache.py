@@ -8,8 +8,8 @@ then all its float32 scales (token ``o`` at byte ``block_size * 128 + 4 * o``). 
 
 from __future__ import annotations
 
-from ._checks import check_int_scalar
-from .index_cache import INDEX_K_FP8, IndexKeyLayout
+from ..contracts import check_int_scalar
+from ..index_cache import INDEX_K_FP8, IndexKeyLayout
 
 __all__ = ["block_layout_text"]
 

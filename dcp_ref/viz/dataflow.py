@@ -24,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._checks import check_int_scalar
-from .costmodel import (
+from ..axes import COLLECTIVE_NAMES as _AXES_COLLECTIVES
+from ..contracts import check_int_scalar
+from ..costmodel import (
     MlaGeometry,
     candidate_bytes,
     kv_bytes_per_rank,
@@ -52,13 +53,7 @@ __all__ = [
 
 #: The collectives a planned step can call, named as in :func:`layer_dataflow` (``"partials all-to-all"``: the
 #: one exchange of ``combine="alltoall"``, which replaces the LSE all-gather and the output reduce-scatter).
-COLLECTIVE_NAMES = (
-    "query all-gather over heads",
-    "candidates all-gather",
-    "LSE all-gather",
-    "output reduce-scatter over heads",
-    "partials all-to-all",
-)
+COLLECTIVE_NAMES = _AXES_COLLECTIVES  # one list: the step's parts (dcp_ref.axes) name what they call
 
 
 @dataclass(frozen=True)
@@ -296,32 +291,47 @@ def draw_layer_dataflow(
     return fig
 
 
-def step_collectives(spec: Any) -> list[str]:
+def step_collectives(spec: Any, world_size: int | None = None) -> list[str]:
     """The collectives one run of a :class:`~dcp_ref.step.PlannedStep` planned for ``spec`` calls, in order.
 
-    Read off the spec, as the step decides them (``dcp_ref.step``): the query all-gather over heads when the
-    layout is ``"dcp"``, the query is not replicated and ``W > 1``; when the cache is split over more than one
-    rank (``spec.cache_geometry.world_size > 1``: ``"dcp"`` with ``W > 1``) the candidates' all-gather, then
-    either the LSE all-gather and the output reduce-scatter (``combine="reduce_scatter"``) or one all-to-all of
-    partial outputs and LSEs (``combine="alltoall"``). ``layout="tp"`` calls none. So a DCP layer calls 2 to 4.
+    As the step's parts decide them (:func:`dcp_ref.axes.layer_collectives`: one source, no copy of the rule):
+    the query all-gather over heads when the layout is ``"dcp"``, the query is
+    not replicated and ``W > 1``; when the cache is split over more than one rank (``"dcp"`` with ``W > 1``) the
+    candidates' all-gather, then either the LSE all-gather and the output reduce-scatter
+    (``combine="reduce_scatter"``) or one all-to-all of partial outputs and LSEs (``combine="alltoall"``).
+    ``layout="tp"`` calls none. So a DCP layer calls 2 to 4.
 
     Args:
-        spec: a :class:`dcp_ref.stages.StepSpec`.
+        spec: a :class:`dcp_ref.spec.StepSpec` (its options and its ``W``), or a
+            :class:`~dcp_ref.options.LayerOptions` with ``world_size``.
+        world_size: ``W``, with a ``LayerOptions`` only (a spec carries its own).
     Returns:
         names from :data:`COLLECTIVE_NAMES`, in the order a run calls them.
     """
-    from .stages import StepSpec
+    from ..options import LayerOptions
+    from ..stages import StepSpec
 
-    if not isinstance(spec, StepSpec):
-        raise TypeError(f"spec must be a dcp_ref.stages.StepSpec, got {type(spec).__name__}")
-    w, wc = spec.geometry.world_size, spec.cache_geometry.world_size
-    out = []
-    if spec.layout == "dcp" and not spec.q_replicate and w > 1:
-        out.append(COLLECTIVE_NAMES[0])
-    if wc > 1:
-        out.append(COLLECTIVE_NAMES[1])
-        out += list(COLLECTIVE_NAMES[2:4]) if spec.combine == "reduce_scatter" else [COLLECTIVE_NAMES[4]]
-    return out
+    if isinstance(spec, StepSpec):
+        if world_size is not None:
+            raise ValueError("world_size must be None with a StepSpec (the spec's geometry gives W)")
+        options, w = spec.options, spec.geometry.world_size
+    elif isinstance(spec, LayerOptions):
+        if world_size is None:
+            raise ValueError("world_size must be given with a LayerOptions (a spec carries its own)")
+        options, w = spec, check_int_scalar(world_size, "world_size", min_value=1)
+    else:
+        raise TypeError(
+            f"spec must be a dcp_ref.stages.StepSpec or a dcp_ref.options.LayerOptions, got {type(spec).__name__}"
+        )
+    import torch
+
+    from ..axes import layer_collectives
+    from ..geometry import DcpGeometry
+
+    if not isinstance(spec, StepSpec):  # the smallest spec of these options over W ranks: the parts decide
+        spec = StepSpec.for_options(DcpGeometry(w, 0, 1, 1), options, max_tokens=1, topk=1, num_heads=w, head_dim=1,
+                                    v_dim=1, sm_scale=1.0, dtype=torch.float32, device="cpu")  # fmt: skip
+    return layer_collectives(spec)
 
 
 @dataclass

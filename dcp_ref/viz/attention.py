@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ._checks import check_int_scalar
+from ..contracts import check_int_scalar
 
 __all__ = ["KERNEL_LABELS", "sm_count", "sm_busy_rows", "plot_sm_busy"]
 

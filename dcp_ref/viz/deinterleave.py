@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from ._checks import check_int_scalar
-from .geometry import DcpGeometry, check_geometry
-from .ownership import global_to_local, owner_rank
+from ..contracts import check_int_scalar
+from ..geometry import DcpGeometry, check_geometry
+from ..ownership import global_to_local, owner_rank
 
 __all__ = ["mapping_table", "draw_id_to_slot_map", "simulate_tile_race", "draw_tile_race"]
 

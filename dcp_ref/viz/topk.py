@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .topk import RadixPass
+from ..topk import RadixPass
 
 __all__ = ["radix_pass_text", "draw_radix_passes", "digit_bits"]
 

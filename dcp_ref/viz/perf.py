@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import costmodel as cm
+from .. import costmodel as cm
+from ..options import PLANNED, LayerOptions
 
 __all__ = [
     "results_dir",
@@ -51,6 +52,9 @@ __all__ = [
 DPI = 70
 # Default model parameters (module-level values, not calls in argument defaults).
 _GEOMETRY = cm.MlaGeometry()
+#: The layer the scaling and crossover plots price: the step as first measured (``step.json``; the query
+#: gathered over heads, the rest :data:`dcp_ref.options.DEFAULT`), as chapter 10 draws them.
+AS_MEASURED = LayerOptions(q_replicate=False)
 _HARDWARE = cm.Hardware()
 _COMPACTING = ("atomic", "rowscan", "twopass")
 
@@ -622,10 +626,12 @@ def plot_scaling(
     geometry: cm.MlaGeometry = _GEOMETRY,
     hardware: cm.Hardware = _HARDWARE,
     dpi: int = DPI,
+    options: LayerOptions = AS_MEASURED,
 ) -> Any:
     """Measured points and the model's curves against W on one plot (``T`` tokens, ``context``): the DCP and TP
     layer, the planned step, and the W-dependent stages (select, merge, candidates all-gather) with the
-    measurements they were fitted to; right of W = gpus_per_host (shaded) everything is a prediction."""
+    measurements they were fitted to; right of W = gpus_per_host (shaded) everything is a prediction. ``options``:
+    the layer the model curves price (:data:`AS_MEASURED` by default)."""
     c = fit.constants
     fig, axes = _figure(
         1,
@@ -645,21 +651,23 @@ def plot_scaling(
     K = geometry.local_topk
     ax.plot(
         ws,
-        curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c).total_s),
+        curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c, options=options).total_s),
         "-",
         color="C0",
         label="model: DCP layer",
     )
     ax.plot(
         ws,
-        curve(lambda w: cm.tp_step_cost(w, tokens, context, geometry, hardware, c).total_s),
+        curve(lambda w: cm.tp_step_cost(w, tokens, context, geometry, hardware, c, options=options).total_s),
         "-",
         color="C1",
         label="model: TP layer",
     )
     ax.plot(
         ws,
-        curve(lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c, scope="step").total_s),
+        curve(
+            lambda w: cm.dcp_step_cost(w, tokens, context, geometry, hardware, c, scope="step", options=options).total_s
+        ),
         "--",
         color="C2",
         label="model: DCP planned step",
@@ -734,9 +742,12 @@ def plot_crossover(
     kv_budget_bytes: float = 40e9,
     batch_cap: int = 256,
     dpi: int = DPI,
+    options: LayerOptions = AS_MEASURED,
 ) -> Any:
     """DCP's decode throughput over TP's (each at the batch its KV budget holds) against context, one line per
-    W; above 1 DCP wins, and the marker is the crossover (:func:`dcp_ref.costmodel.crossover_context`)."""
+    W; above 1 DCP wins, and the marker is the crossover (:func:`dcp_ref.costmodel.crossover_context`).
+    ``options``: the layer priced (:data:`AS_MEASURED` by default)."""
+    kw: dict[str, Any] = {"kv_budget_bytes": kv_budget_bytes, "batch_cap": batch_cap, "options": options}
     ctxs = list(contexts) if contexts is not None else [int(1024 * 2 ** (i / 4)) for i in range(0, 41)]
     fig, axes = _figure(
         1,
@@ -748,22 +759,13 @@ def plot_crossover(
     )
     ax = axes[0]
     for i, w in enumerate(world_sizes):
-        ratio = [
-            cm.throughput_ratio(
-                w, c, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes, batch_cap=batch_cap
-            )
-            for c in ctxs
-        ]
+        ratio = [cm.throughput_ratio(w, c, geometry, hardware, constants, **kw) for c in ctxs]
         ax.plot(ctxs, ratio, "-" if w <= hardware.gpus_per_host else "--", color=f"C{i}", label=f"W = {w}")
-        x = cm.crossover_context(w, geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes, batch_cap=batch_cap)
+        x = cm.crossover_context(w, geometry, hardware, constants, **kw)
         if math.isfinite(x) and ctxs[0] <= x <= ctxs[-1]:
             ax.plot(
                 [x],
-                [
-                    cm.throughput_ratio(
-                        w, int(x), geometry, hardware, constants, kv_budget_bytes=kv_budget_bytes, batch_cap=batch_cap
-                    )
-                ],
+                [cm.throughput_ratio(w, int(x), geometry, hardware, constants, **kw)],
                 "o",
                 color=f"C{i}",
                 label="_crossover",
@@ -842,21 +844,24 @@ def plot_layer_per_rank(
     world_sizes: Sequence[int] = (2, 4, 8),
     tokens: int = 32,
     contexts: Sequence[int] = (8192, 16384, 32768, 65536, 131072),
-    layer: Mapping[str, Any] | None = cm.PLANNED_LAYER,
+    options: LayerOptions = PLANNED,
     geometry: cm.MlaGeometry = _GEOMETRY,
     hardware: cm.Hardware = _HARDWARE,
     dpi: int = DPI,
 ) -> Any:
     """One rank's modelled time per layer, stage by stage, for DCP-W (left bar of each pair) and TP-W (right bar,
-    hatched) against context, one panel per W (a prediction: the model's lines, ``layer`` the step's options).
+    hatched) against context, one panel per W (a prediction: the model's lines, ``options`` the layer's
+    :class:`~dcp_ref.options.LayerOptions`; TP is priced with its exchange and the default order, as the
+    crossovers price it).
 
     Bar series are labelled ``"DCP: <stage>"`` / ``"TP: <stage>"`` with their own heights in µs; the legend names
     each stage with :func:`stage_basis`."""
     if not isinstance(fit, cm.Fit):
         raise TypeError(f"fit must be a costmodel.Fit, got {type(fit).__name__}")
+    if not isinstance(options, LayerOptions):
+        raise TypeError(f"options must be a dcp_ref.options.LayerOptions, got {type(options).__name__}")
     c = fit.constants
-    dkw = dict(layer or {})
-    tkw = {"exchange": dkw["exchange"]} if "exchange" in dkw else {}
+    tp_options = cm._tp_options(options)
     ctxs = list(contexts)
     fig, axes = _figure(
         len(world_sizes),
@@ -870,8 +875,8 @@ def plot_layer_per_rank(
     colors: dict[str, Any] = {}
     for ax, w in zip(axes, world_sizes):
         costs = {
-            "DCP": [cm.dcp_step_cost(w, tokens, x, geometry, hardware, c, **dkw) for x in ctxs],
-            "TP": [cm.tp_step_cost(w, tokens, x, geometry, hardware, c, **tkw) for x in ctxs],
+            "DCP": [cm.dcp_step_cost(w, tokens, x, geometry, hardware, c, options=options) for x in ctxs],
+            "TP": [cm.tp_step_cost(w, tokens, x, geometry, hardware, c, options=tp_options) for x in ctxs],
         }
         for mode, shift, hatch in (("DCP", -0.2, None), ("TP", 0.2, "///")):
             bottom = [0.0] * len(ctxs)

@@ -1,0 +1,252 @@
+"""How every benchmark times a call, written once: CUDA-graph capture and the three timers.
+
+The benchmarks run as scripts (``python3 benchmarks/bench_x.py``), so their folder is on ``sys.path`` and they
+import this module as ``import _timing``.
+
+**The rule** (one for every benchmark): a timed callable runs :data:`WARMUP` untimed *samples* (compilation,
+lazily allocated buffers and plans, clocks), then :data:`SAMPLES` timed ones; the result is the **median** of the
+timed samples (their 20 % and 80 % quantiles beside it), in **µs per call**. A sample is one call, or ``calls``
+back-to-back calls divided by ``calls``. The counts are fixed (not a time budget), so every rank of a
+multi-GPU run replays its collectives the same number of times. A sweep that only ranks configurations uses
+:data:`SWEEP` (fewer samples), and says so.
+
+**The modes** (what a sample is):
+
+* :func:`graph` / :func:`replay`: ``calls`` back-to-back calls captured in one CUDA graph (:func:`capture`); a
+  sample is one replay, timed with CUDA events, divided by ``calls``. No Python launch cost: what a server that
+  replays graphs pays. ``flush_l2=True`` zeroes a 256 MiB buffer before each sample (outside the timed events),
+  so the call reads its inputs from HBM (as ``triton.testing.do_bench`` does).
+* :func:`eager`: the Python call itself, timed with CUDA events (device time from the first to the last kernel,
+  launch gaps included); ``flush_l2`` as above.
+* :func:`host`: wall-clock time (``time.perf_counter``) of ``calls`` back-to-back calls, the device synchronised
+  before and after: host work, launches and device work together. It is the only mode that runs without CUDA.
+
+Event samples are all recorded, then read after one synchronisation, so back-to-back samples queue on the
+device as the calls of a real run do.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Rule", "STANDARD", "SWEEP", "SMOKE", "WARMUP", "SAMPLES", "Timing", "capture", "graph", "replay", "eager",
+           "host", "host_sample_us", "graph_row", "reps_for", "summarize", "describe"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``warmup`` untimed samples, then ``samples`` timed ones; the median of the timed ones is reported."""
+
+    warmup: int
+    samples: int
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.samples < 1:
+            raise ValueError(f"a rule needs warmup >= 0 and samples >= 1, got {self.warmup}, {self.samples}")
+
+
+#: The rule every benchmark's numbers are measured with.
+STANDARD = Rule(warmup=5, samples=50)
+#: The cheaper rule of sweeps that only rank configurations (their winners are timed again under STANDARD).
+SWEEP = Rule(warmup=2, samples=12)
+#: The CPU plumbing checks' rule (interpreted kernels, host clock): a few samples, no timing claim.
+SMOKE = Rule(warmup=0, samples=5)
+WARMUP, SAMPLES = STANDARD.warmup, STANDARD.samples
+
+#: Bytes zeroed before a flushed sample: several times the H200's 50 MiB L2 (triton.testing.do_bench's size).
+FLUSH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The samples of one timed callable, in µs per call: median, 20 % and 80 % quantiles."""
+
+    median_us: float
+    p20_us: float
+    p80_us: float
+    samples: int
+    calls: int
+    mode: str
+
+    def as_dict(self) -> dict[str, float]:
+        """``{"median_us", "p20_us", "p80_us"}``: the fields the benchmarks' JSON rows carry."""
+        return {"median_us": self.median_us, "p20_us": self.p20_us, "p80_us": self.p80_us}
+
+
+def summarize(samples_us: list[float], calls: int = 1, mode: str = "host") -> Timing:
+    """:class:`Timing` of samples already divided by their calls (µs per call)."""
+    if not samples_us:
+        raise ValueError("summarize needs at least one sample")
+    xs = sorted(float(x) for x in samples_us)
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) >= 2 else [xs[0]] * 9
+    return Timing(statistics.median(xs), q[1], q[7], len(xs), calls, mode)
+
+
+def describe(mode: str, calls: int | str = 1, rule: Rule = STANDARD, flush_l2: bool = False) -> str:
+    """The one-line method text a result file records for numbers timed by ``mode`` (``"graph"``, ...)."""
+    what = {
+        "graph": f"CUDA graph of {calls} back-to-back call(s), each replay timed with CUDA events / {calls}",
+        "eager": "eager Python call timed with CUDA events",
+        "host": f"wall clock of {calls} back-to-back call(s), device synchronised before and after, / {calls}",
+    }[mode]
+    flush = ", L2 flushed before each sample" if flush_l2 else ""
+    return f"{what}{flush}; {rule.warmup} warm-up samples, median (p20/p80) of {rule.samples} (benchmarks/_timing.py)"
+
+
+def _check(calls: int, rule: Rule) -> None:
+    if not isinstance(calls, int) or isinstance(calls, bool) or calls < 1:
+        raise ValueError(f"calls must be an int >= 1, got {calls!r}")
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be a Rule, got {type(rule).__name__}")
+
+
+_flush_buffer: torch.Tensor | None = None
+
+
+def _flush() -> None:
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    _flush_buffer.zero_()
+
+
+def _events(launch: Callable[[], object], calls: int, rule: Rule, flush_l2: bool, mode: str) -> Timing:
+    """``launch`` (one sample) run ``rule.warmup`` times, then ``rule.samples`` times between CUDA events."""
+    for _ in range(rule.warmup):
+        launch()
+    torch.cuda.synchronize()
+    pairs = []
+    for _ in range(rule.samples):
+        if flush_l2:
+            _flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return summarize([a.elapsed_time(b) * 1e3 / calls for a, b in pairs], calls, mode)
+
+
+def capture(fn: Callable[[], object], *, calls: int = 1, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph.
+
+    ``fn`` first runs ``warmup`` times on a side stream, as torch recommends before a capture: kernels compile
+    and lazily allocated buffers appear outside the graph. The device is idle on return.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def replay(g: Any, *, calls: int = 1, flush_l2: bool = False, rule: Rule = STANDARD) -> Timing:
+    """The rule applied to replays of an already captured graph ``g`` holding ``calls`` calls (µs per call)."""
+    _check(calls, rule)
+    return _events(g.replay, calls, rule, flush_l2, "graph")
+
+
+def graph(fn: Callable[[], object], *, calls: int | None = 1, flush_l2: bool = False, rule: Rule = STANDARD) -> Timing:
+    """``calls`` back-to-back calls of ``fn`` captured in one CUDA graph, timed by :func:`replay`.
+
+    ``calls=None``: :func:`reps_for` chooses (about 2 ms of work per replay, 1 to 20 calls).
+    """
+    n = reps_for(fn) if calls is None else calls
+    _check(n, rule)
+    g = capture(fn, calls=n)
+    try:
+        return replay(g, calls=n, flush_l2=flush_l2, rule=rule)
+    finally:
+        del g
+
+
+def eager(fn: Callable[[], object], *, flush_l2: bool = False, rule: Rule = STANDARD) -> Timing:
+    """``fn`` called from Python, each sample timed with CUDA events (µs per call)."""
+    _check(1, rule)
+    return _events(fn, 1, rule, flush_l2, "eager")
+
+
+def _sync(device: torch.device | str | None) -> None:
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host(
+    fn: Callable[[], object],
+    *,
+    calls: int = 1,
+    rule: Rule = STANDARD,
+    device: torch.device | str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
+    """Wall-clock µs per call of ``calls`` back-to-back calls of ``fn``, the device synchronised before and after
+    each sample (``device``: the one to synchronise; ``None``: the current CUDA device if CUDA is in use, none on
+    the CPU). ``clock`` is the timer (seconds), replaceable in tests."""
+    _check(calls, rule)
+    out = [host_sample_us(fn, calls, device, clock) for _ in range(rule.warmup + rule.samples)]
+    return summarize(out[rule.warmup :], calls, "host")
+
+
+def host_sample_us(
+    fn: Callable[[], object],
+    calls: int = 1,
+    device: torch.device | str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """One :func:`host` sample: wall µs per call of ``calls`` back-to-back calls, the device idle before and
+    drained after (for a benchmark that interleaves the samples of several calls itself)."""
+    _sync(device)
+    t0 = clock()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return (clock() - t0) * 1e6 / calls
+
+
+def graph_row(
+    fn: Callable[[], object],
+    *,
+    calls: int | None = None,
+    flush_l2: bool = False,
+    rule: Rule = STANDARD,
+    fallback: bool = False,
+) -> dict[str, Any]:
+    """:func:`graph` as a result row: ``{"median_us", "p20_us", "p80_us", "reps"}`` (``reps``: the calls per graph).
+
+    ``fallback=True``: the row also says ``"timing": "graph"``, and a call that cannot be captured is timed by
+    :func:`eager` instead (``"timing": "events"``, with ``"capture_error"``).
+    """
+    n = reps_for(fn) if calls is None else calls
+    try:
+        row: dict[str, Any] = graph(fn, calls=n, flush_l2=flush_l2, rule=rule).as_dict() | {"reps": n}
+    except Exception as e:  # noqa: BLE001 - recorded, then timed another way
+        if not fallback:
+            raise
+        torch.cuda.synchronize()
+        err = f"{type(e).__name__}: {e}"[:300]
+        return eager(fn, flush_l2=flush_l2, rule=rule).as_dict() | {"timing": "events", "capture_error": err}
+    return row | {"timing": "graph"} if fallback else row
+
+
+def reps_for(fn: Callable[[], object], target_us: float = 2000.0, most: int = 20) -> int:
+    """Calls per graph for about ``target_us`` of work per replay (1 to ``most``), from one eager estimate."""
+    est = eager(fn, rule=Rule(warmup=1, samples=3)).median_us
+    return max(1, min(most, int(target_us / max(est, 1e-3))))
