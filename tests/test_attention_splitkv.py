@@ -674,15 +674,18 @@ def test_gpu_every_sweep_config_compiles_and_matches(cuda_device) -> None:
 
 @pytest.mark.gpu
 def test_gpu_graph_capture_replay_no_alloc_no_sync(cuda_device) -> None:
-    """The stage in a CUDA graph: replayed after new inputs are copied in place; the planned path
-    allocates nothing and makes no host sync."""
+    """The kernel in a CUDA graph: replayed after new inputs are copied in place; the planned path (a plan and the
+    workspace it owns, made once, as the step's bound stage holds them) allocates nothing and makes no host sync."""
     T, H, K, S, scale = 8, 128, 2048, 65536, 192**-0.5
     q, kv, slots, counts = _gpu_case(T, H, K, S, 1, cuda_device)
     out = torch.empty(T, H, 512, dtype=torch.bfloat16, device=cuda_device)
     lse = torch.empty(T, H, device=cuda_device)
+    plan = sk.splitkv_plan(T, H, K, cuda_device)
+    ws = sk.workspace_for(plan, cuda_device)
 
     def call():
-        return sk.splitkv_attention(q, kv, slots, counts, scale, 512, out=out, out_lse=lse)
+        return sk.sparse_mla_splitkv(q, kv, slots, counts, scale, 512, out=out, out_lse=lse, validate=False,
+                                     plan=plan, workspace=ws)  # fmt: skip
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -889,7 +889,9 @@ def test_cutedsl_validated_call_is_one_check_launch_and_one_read_at_step_shapes(
             chk = mod.check_select_to_slots_values(gathered, req, table, g, order=order, own_ids=o)
             assert int(chk.item()) == 0, (W, rows, order)  # no false alarm
             plain, checked = ops(lambda: call(False)), ops(lambda: call(True))
-            assert checked == [*plain, "aten::_local_scalar_dense"], (W, rows, order, checked, plain)
+            # A direct call makes its check flag (no module cache: the step's bound stage owns one per plan), then
+            # the unvalidated launch sequence, then the one read.
+            assert checked == ["aten::zeros", *plain, "aten::_local_scalar_dense"], (W, rows, order, checked, plain)
             assert _same(call(True), want, K)
             if order == "global_id":
                 bad = gathered.clone()
