@@ -155,10 +155,21 @@ def capture(fn: Callable[[], object], *, calls: int = 1, warmup: int = 3) -> tor
     return g
 
 
-def replay(g: Any, *, calls: int = 1, flush_l2: bool = False, rule: Rule = STANDARD) -> Timing:
-    """The rule applied to replays of an already captured graph ``g`` holding ``calls`` calls (µs per call)."""
+def replay(g: Any, *, calls: int = 1, replays: int = 1, flush_l2: bool = False, rule: Rule = STANDARD) -> Timing:
+    """The rule applied to replays of an already captured graph ``g`` holding ``calls`` calls (µs per call).
+
+    ``replays``: back-to-back replays per sample (one event pair around them): a layer's graph is replayed once per
+    layer, back to back, so its throughput time hides each replay's launch behind the one before; ``replays=1``
+    times one replay alone (its launch latency included)."""
     _check(calls, rule)
-    return _events(g.replay, calls, rule, flush_l2, "graph")
+    if not isinstance(replays, int) or replays < 1:
+        raise ValueError(f"replays must be an int >= 1, got {replays!r}")
+
+    def launch() -> None:
+        for _ in range(replays):
+            g.replay()
+
+    return _events(launch, calls * replays, rule, flush_l2, "graph")
 
 
 def graph(fn: Callable[[], object], *, calls: int | None = 1, flush_l2: bool = False, rule: Rule = STANDARD) -> Timing:
