@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 __all__ = ["Rule", "STANDARD", "SWEEP", "SMOKE", "WARMUP", "SAMPLES", "Timing", "capture", "graph", "replay", "eager",
-           "host", "host_sample_us", "graph_row", "reps_for", "summarize", "describe"]  # fmt: skip
+           "host", "host_sample_us", "graph_row", "reps_for", "summarize", "describe", "STAGE_CALLS", "stage",
+           "kernel_breakdown"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -261,3 +262,45 @@ def reps_for(fn: Callable[[], object], target_us: float = 2000.0, most: int = 20
     """Calls per graph for about ``target_us`` of work per replay (1 to ``most``), from one eager estimate."""
     est = eager(fn, rule=Rule(warmup=1, samples=3)).median_us
     return max(1, min(most, int(target_us / max(est, 1e-3))))
+
+
+#: Back-to-back calls per graph when one stage is timed alone (:func:`stage`).
+STAGE_CALLS = 20
+
+
+def stage(fn: Callable[[], object], rule: Rule = STANDARD) -> Timing:
+    """One stage of a layer alone, as it costs *inside* the layer's graph: :data:`STAGE_CALLS` back-to-back calls
+    captured in one graph, µs per call. A graph of one call, replayed alone, adds the replay's launch latency
+    (about 8 µs on the H200, the same for every kernel) that a layer's graph pays once, not once per stage."""
+    return graph(fn, calls=STAGE_CALLS, rule=rule)
+
+
+def kernel_breakdown(g: Any, *, replays: int = 10) -> list[dict[str, Any]]:
+    """The kernels one replay of the captured graph ``g`` runs, in launch order, from a ``torch.profiler`` trace of
+    ``replays`` back-to-back replays: ``{"name", "us"}`` per kernel (mean device time per replay), plus a last row
+    ``{"name": "(span)", "us"}``: first kernel start to last kernel end of one replay, gaps included (mean)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )  # fmt: skip
+    if not kernels or len(kernels) % replays:  # the trace lost some: the totals by name instead
+        avg = prof.key_averages()
+        rows = [{"name": a.key[:120], "us": a.device_time_total / replays, "count": a.count / replays}
+                for a in avg if a.device_time_total > 0]  # fmt: skip
+        return [*rows, {"name": "(trace unordered)", "us": float("nan")}]
+    per = len(kernels) // replays
+    rows = []
+    for i in range(per):
+        ks = kernels[i::per]
+        rows.append({"name": ks[0].name[:120], "us": sum(e.time_range.elapsed_us() for e in ks) / replays})
+    spans = [kernels[j * per + per - 1].time_range.end - kernels[j * per].time_range.start for j in range(replays)]
+    rows.append({"name": "(span)", "us": sum(spans) / replays})
+    return rows

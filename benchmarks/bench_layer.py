@@ -166,19 +166,32 @@ def _stage_times(step, q, shard, meta, index_q, weights) -> dict[str, float]:
     gathered = xv.gathered if xv.gathered is not None else iv.packed.unsqueeze(0)
     times["select_to_slots"] = _graph_time_us(lambda: st.select_to_slots(
         gathered, iv.own_ids, req, bt, cg, k, order=s.order, out_slots=xv.slots, out_counts=xv.counts))  # fmt: skip
-    q_full = qv.full if qv.full is not None else (qv.gathered.view(T, s.num_heads, DQK)
-                                                  if qv.gathered is not None else q)  # fmt: skip
+    if qv.full is not None or qv.gathered is None:
+        q_full = qv.full if qv.full is not None else q
+    elif T == 1:
+        q_full = qv.gathered.view(T, s.num_heads, DQK)
+    else:  # the attention reads the gathered query with its heads in groups
+        q_full = qv.gathered.transpose(0, 1)
     slots, counts = trace["slots"], trace["counts"]
-    times["attention"] = _graph_time_us(lambda: st.attention(
-        q_full, shard.kv_cache, slots, counts, SCALE, DV, out=av.partial, out_lse=av.lse))  # fmt: skip
     scored_rows = step._scored_rows(shard, index_q, weights)  # the scoring rows the step's guard also checks
-    times["guard"] = _graph_time_us(lambda: st.guard(av.partial, av.lse, bounds, req, bt, cg, n_cols, **scored_rows))
+    if parts.attention.guard_fused:  # the guard runs inside the attention call: timed with it, not alone
+        from dcp_ref.guard import GuardRows
+
+        rows = GuardRows(bounds, req, bt, cg, n_cols, **scored_rows)
+        times["attention"] = _graph_time_us(lambda: st.attention(
+            q_full, shard.kv_cache, slots, counts, SCALE, DV, out=av.partial, out_lse=av.lse, guard=rows))  # fmt: skip
+    else:
+        times["attention"] = _graph_time_us(lambda: st.attention(
+            q_full, shard.kv_cache, slots, counts, SCALE, DV, out=av.partial, out_lse=av.lse))  # fmt: skip
+        times["guard"] = _graph_time_us(lambda: st.guard(av.partial, av.lse, bounds, req, bt, cg, n_cols,
+                                                         **scored_rows))  # fmt: skip
     if cv is not None and hasattr(cv, "recv_out"):  # the all-to-all combine
         times["combine"] = _graph_time_us(lambda: st.combine(cv.recv_out, cv.recv_lse, out=cv.out, out_lse=cv.out_lse))
         W, Hs = s.geometry.world_size, s.heads_per_rank
-        times["pack_for_alltoall"] = _graph_time_us(lambda: (
-            cv.send_out.copy_(av.partial.view(T, W, Hs, DV).transpose(0, 1)),
-            cv.send_lse.copy_(av.lse.view(T, W, Hs).transpose(0, 1))))  # fmt: skip
+        if not parts.combine.packed_by_attention:  # else the attention wrote the send buffer itself
+            times["pack_for_alltoall"] = _graph_time_us(lambda: (
+                cv.send_out.copy_(av.partial.view(T, W, Hs, DV).transpose(0, 1)),
+                cv.send_lse.copy_(av.lse.view(T, W, Hs).transpose(0, 1))))  # fmt: skip
     if qv.full is not None:
         W, Hs = s.geometry.world_size, s.heads_per_rank
         full, gathered = qv.full, qv.gathered
@@ -258,6 +271,7 @@ def bench_row(
     row.update(_profile_counts(run))
     graph = step.capture(q, shard, meta, index_q=index_q, index_weights=weights)
     row["graph_us"] = _timing.replay(graph, replays=20).median_us  # back to back, as layers replay
+    row["kernels_us"] = _timing.kernel_breakdown(graph)  # each kernel of one replay, in launch order
     row["stages_us"] = _stage_times(step, q, shard, meta, index_q, weights)
     row["stages_sum_us"] = sum(row["stages_us"].values())
     if real:

@@ -155,8 +155,9 @@ def _cprofile(step, q, shard, meta, path: Path, iters: int = 200) -> None:
 
 
 def _graph_time_us(fn) -> float:
-    """One stage alone: ``fn`` captured in a CUDA graph, median µs per replay (``_timing.graph``, no L2 flush)."""
-    return _timing.graph(fn).median_us
+    """One stage alone, as it costs inside a layer's graph: median µs per call of ``_timing.STAGE_CALLS``
+    back-to-back calls captured in one CUDA graph (``_timing.stage``, no L2 flush)."""
+    return _timing.stage(fn).median_us
 
 
 def _eager_time_us(fn) -> float:

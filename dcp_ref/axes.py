@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .group import Group
+from .guard import GuardRows
 from .stages import Stages, StepSpec, impl_name
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
     "stage_names",
     "layer_collectives",
     "bind_collective",
+    "takes_guard",
+    "takes_grouped_heads",
     "checked",
     "checked_pair",
 ]
@@ -199,8 +202,11 @@ class QueryPath(Part):
         W, T = spec.geometry.world_size, spec.max_tokens
         Hs, H, D = spec.heads_per_rank, spec.num_heads, spec.head_dim
         self.gathered_buf = self._buf(W * T * Hs * D, spec.dtype) if self.gathers else None
+        #: The attention stage reads the query with its heads in groups (``[T, W, H/W, D]``, the gathered buffer
+        #: transposed, a view): no transpose here (:func:`takes_grouped_heads`).
+        self.grouped = takes_grouped_heads(impls)
         # At T = 1 the gathered [W, 1, H/W, D] already is [1, H, D] in memory: no transpose buffer.
-        self.full_buf = self._buf(T * H * D, spec.dtype) if self.gathers and T > 1 else None
+        self.full_buf = self._buf(T * H * D, spec.dtype) if self.gathers and T > 1 and not self.grouped else None
 
     @classmethod
     def collectives_for(cls, spec: StepSpec) -> tuple[str, ...]:
@@ -220,8 +226,10 @@ class QueryPath(Part):
         T = q.shape[0]
         b = self.views(T)
         qg = self._all_gather(q, b.gathered)  # [W, T, H/W, D], rank-major
-        if b.full is None:  # T = 1: [W, 1, H/W, D] is [1, H, D] in memory, no copy
+        if T == 1:  # [W, 1, H/W, D] is [1, H, D] in memory, no copy
             return qg.view(1, self.spec.num_heads, self.spec.head_dim)
+        if b.full is None:  # the attention reads [T, W, H/W, D] as it is
+            return qg.transpose(0, 1)
         W, Hs, D = self.spec.geometry.world_size, self.spec.heads_per_rank, self.spec.head_dim
         b.full.view(T, W, Hs, D).copy_(qg.transpose(0, 1))
         return b.full
@@ -368,17 +376,34 @@ class AttentionViews:
 
 class Attention(Part):
     """Sparse MLA over this rank's selected slots (partial output + LSE, base e), then the guard: tokens whose
-    metadata is out of contract come out NaN (:mod:`dcp_ref.guard`)."""
+    metadata is out of contract come out NaN (:mod:`dcp_ref.guard`).
+
+    Two plan-time fusions, each where the attention stage offers it (:func:`takes_guard`,
+    :func:`takes_grouped_heads`): the guard taken into the attention call (its rule decided in the kernel's
+    prologue, written by the epilogue: no guard launch), and the partial written straight into the buffer the
+    combine sends (:meth:`write_into`: no copy into it)."""
 
     stages = ("attention", "guard")
 
     def __init__(self, spec: StepSpec, impls: Stages, group: Group, dtypes: Dtypes) -> None:
         super().__init__(spec, impls, group, dtypes)
         T, Ha, v = spec.max_tokens, spec.attention_heads, spec.v_dim
+        #: The guard runs inside the attention call (no stage call of its own).
+        self.guard_fused = takes_guard(impls)
         self.partial_buf = self._buf(T * Ha * v, dtypes.partial)
         self.lse_buf = self._buf(T * Ha, dtypes.lse)
+        self._target: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def write_into(self, target: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write the partial and its LSE where ``target(T)`` says (``[T, G, H/G, v]`` / ``[T, G, H/G]`` views of
+        another part's buffer) instead of this part's own buffers (which are then freed)."""
+        self._target = target
+        self.partial_buf = self.lse_buf = None  # type: ignore[assignment]
+        self._views_by_t.clear()
 
     def _make_views(self, T: int) -> AttentionViews:
+        if self._target is not None:
+            return AttentionViews(*self._target(T))
         Ha, v = self.spec.attention_heads, self.spec.v_dim
         return AttentionViews(_view(self.partial_buf, T, Ha, v), _view(self.lse_buf, T, Ha))
 
@@ -388,12 +413,33 @@ class Attention(Part):
         s, st = self.spec, self.impl
         b = self.views(q.shape[0])
         fn: Any = st.attention
+        cg, bounds, req, bt, starts = s.cache_geometry, meta.local_bounds, meta.req_of_token, shard.block_table, \
+            meta.row_starts  # fmt: skip
+        if self.guard_fused:
+            rows = GuardRows(bounds, req, bt, cg, n_cols, starts, **scored_rows)
+            return checked_pair("attention", fn, fn(
+                q, shard.kv_cache, sel.slots, sel.counts, s.sm_scale, s.v_dim, out=b.partial, out_lse=b.lse, guard=rows
+            ), (b.partial, b.lse))  # fmt: skip
         partial, lse = checked_pair("attention", fn, fn(
             q, shard.kv_cache, sel.slots, sel.counts, s.sm_scale, s.v_dim, out=b.partial, out_lse=b.lse
         ), (b.partial, b.lse))  # fmt: skip
-        st.guard(partial, lse, meta.local_bounds, meta.req_of_token, shard.block_table, s.cache_geometry, n_cols,
-                 row_starts=meta.row_starts, **scored_rows)  # fmt: skip
+        st.guard(partial, lse, bounds, req, bt, cg, n_cols, row_starts=starts, **scored_rows)
         return partial, lse
+
+
+def takes_guard(impls: Stages) -> bool:
+    """Whether the plan folds the guard into the attention call: the attention stage takes one (``takes_guard``)
+    and the guard stage is one of the project's (``standard_guard``: the rule of :mod:`dcp_ref.guard`, which the
+    attention kernel then applies). A guard of the caller's own is always called as its own stage."""
+    return bool(getattr(impls.attention, "takes_guard", False) and getattr(impls.guard, "standard_guard", False))
+
+
+def takes_grouped_heads(impls: Stages) -> bool:
+    """Whether the attention stage reads ``q`` and writes ``out`` / ``out_lse`` with their heads in groups
+    (``[T, G, H/G, ...]`` views, any strides: ``grouped_heads``), so the query's transpose after its all-gather and
+    the partial's copy into the all-to-all's send buffer are the kernel's own reads and writes. Only with the
+    guard taken in as well (a separate guard poisons ``[T, H, v]`` buffers)."""
+    return bool(getattr(impls.attention, "grouped_heads", False)) and takes_guard(impls)
 
 
 # ---- combine ------------------------------------------------------------------------------------------
@@ -488,6 +534,14 @@ class AllToAllCombine(Combine):
         self.recv_bytes_buf = self._buf(W * self.chunk_bytes(T), torch.uint8)
         self.out_buf = self._buf(T * Hs * v, dtypes.partial)
         self.out_lse_buf = self._buf(T * Hs, dtypes.lse)
+        #: The attention writes its partial straight into the send buffer (:meth:`send_target`): no copy here.
+        self.packed_by_attention = False
+
+    def send_target(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The send buffer as the attention's ``out`` / ``out_lse``: ``[T, W, H/W, v]`` / ``[T, W, H/W]`` views
+        (destination rank ``w`` gets heads ``[w H/W, (w + 1) H/W)``)."""
+        b = self.views(T)
+        return b.send_out.transpose(0, 1), b.send_lse.transpose(0, 1)
 
     def chunk_bytes(self, T: int) -> int:
         """Bytes per destination rank: its heads' partial outputs, then their LSEs (each 16-byte aligned)."""
@@ -511,8 +565,9 @@ class AllToAllCombine(Combine):
         s = self.spec
         T, W, Hs, v = partial.shape[0], s.geometry.world_size, s.heads_per_rank, s.v_dim
         b = self.views(T)
-        b.send_out.copy_(partial.view(T, W, Hs, v).transpose(0, 1))
-        b.send_lse.copy_(lse.view(T, W, Hs).transpose(0, 1))
+        if not self.packed_by_attention:
+            b.send_out.copy_(partial.view(T, W, Hs, v).transpose(0, 1))
+            b.send_lse.copy_(lse.view(T, W, Hs).transpose(0, 1))
         self._all_to_all(b.send_bytes, b.recv_bytes)
         fn: Any = self.impl.combine
         return checked_pair("combine", fn, fn(b.recv_out, b.recv_lse, out=b.out, out_lse=b.out_lse),
@@ -556,8 +611,13 @@ def part_types(spec: StepSpec) -> tuple[type[Part], ...]:
 
 
 def plan_parts(spec: StepSpec, impls: Stages, group: Group, dtypes: Dtypes) -> Parts:
-    """The parts a spec chooses, each planned (its buffers allocated, its collectives bound)."""
-    return Parts(*(cls(spec, impls, group, dtypes) for cls in part_types(spec)))  # type: ignore[arg-type]
+    """The parts a spec chooses, each planned (its buffers allocated, its collectives bound). Where the attention
+    stage writes grouped heads (:func:`takes_grouped_heads`), it writes straight into the all-to-all's send buffer."""
+    parts = Parts(*(cls(spec, impls, group, dtypes) for cls in part_types(spec)))  # type: ignore[arg-type]
+    if isinstance(parts.combine, AllToAllCombine) and takes_grouped_heads(impls):
+        parts.attention.write_into(parts.combine.send_target)
+        parts.combine.packed_by_attention = True
+    return parts
 
 
 def stage_names(spec: StepSpec) -> tuple[str, ...]:

@@ -38,13 +38,56 @@ any stage runs (:meth:`dcp_ref.step.PlannedStep._check_values`), with a message 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .contracts import FLOAT_DTYPES, INT_DTYPES, check_int_scalar, check_no_aliases, check_tensor
 from .geometry import DcpGeometry
 
-__all__ = ["check_guard_inputs", "metadata_row_ok", "reference_guard"]
+__all__ = ["GuardRows", "check_guard_inputs", "check_guard_rows", "metadata_row_ok", "reference_guard"]
+
+
+@dataclass(frozen=True)
+class GuardRows:
+    """The guard's inputs other than the partial it poisons, as one value: what an attention kernel that takes the
+    guard in (poisoning in its own epilogue instead of a guard launch after it) is handed. Fields as
+    :func:`reference_guard`'s arguments of the same names."""
+
+    local_bounds: torch.Tensor
+    req_of_token: torch.Tensor
+    block_table: torch.Tensor
+    geometry: DcpGeometry
+    n_cols: int
+    row_starts: torch.Tensor | None = None
+    num_blocks: int | None = None
+    next_n: int = 1
+    index_q: torch.Tensor | None = None
+    index_weights: torch.Tensor | None = None
+
+    def check(self, T: int, device: torch.device, outs: dict[str, object]) -> int:
+        """:func:`check_guard_rows` of these rows for ``T`` tokens on ``device`` (the guard's messages), and no
+        tensor of ``outs`` (name -> the buffers the kernel that takes the guard in writes) sharing memory with
+        them. Returns ``n_cols``."""
+        n = check_guard_rows(
+            T, device, self.local_bounds, self.req_of_token, self.block_table, self.geometry, self.n_cols,
+            self.row_starts, num_blocks=self.num_blocks, next_n=self.next_n, index_q=self.index_q,
+            index_weights=self.index_weights,
+        )  # fmt: skip
+        check_no_aliases(outs, self.tensors())
+        return n
+
+    def tensors(self) -> dict[str, object]:
+        """The rows' tensors by name."""
+        return dict(local_bounds=self.local_bounds, req_of_token=self.req_of_token, block_table=self.block_table,
+                    row_starts=self.row_starts, index_q=self.index_q, index_weights=self.index_weights)  # fmt: skip
+
+    def row_ok(self) -> torch.Tensor:
+        """:func:`metadata_row_ok` of these rows: bool ``[T]``, device ops only."""
+        return metadata_row_ok(
+            self.local_bounds, self.req_of_token, self.block_table, self.geometry, self.n_cols, self.row_starts,
+            num_blocks=self.num_blocks, next_n=self.next_n, index_q=self.index_q, index_weights=self.index_weights,
+        )  # fmt: skip
 
 
 def check_guard_inputs(
@@ -72,9 +115,6 @@ def check_guard_inputs(
     expanded table included: every view is read through its own strides). The scoring rows (module docstring):
     ``num_blocks`` an int ``>= 0`` or ``None``; ``next_n`` an int ``>= 1`` dividing ``T``; ``index_q``
     ``[T, Hi, D]`` (FP8 or floating) and ``index_weights`` floating ``[T, Hi]``, both or neither."""
-    if not isinstance(geometry, DcpGeometry):
-        raise TypeError(f"geometry must be a DcpGeometry, got {type(geometry).__name__}")
-    n = check_int_scalar(n_cols, "n_cols", min_value=0)
     check_tensor(partial, "partial", dtypes=FLOAT_DTYPES, ndim=3)
     assert isinstance(partial, torch.Tensor)
     dev = partial.device
@@ -83,6 +123,42 @@ def check_guard_inputs(
     assert isinstance(lse, torch.Tensor)
     if tuple(lse.shape) != (T, H):
         raise ValueError(f"lse must be [T={T}, H={H}], got {tuple(lse.shape)}")
+    n = check_guard_rows(
+        T, dev, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts,
+        num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights,
+    )  # fmt: skip
+    for name, out in (("partial", partial), ("lse", lse)):  # written in place: one element, one location
+        if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
+            raise ValueError(f"{name} must not be an expanded (stride-0) view: it is poisoned in place, row by row")
+    check_no_aliases(
+        {"partial": partial, "lse": lse},
+        dict(local_bounds=local_bounds, req_of_token=req_of_token, block_table=block_table, row_starts=row_starts,
+             index_q=index_q, index_weights=index_weights),
+    )  # fmt: skip
+    return n
+
+
+def check_guard_rows(
+    T: int,
+    device: torch.device,
+    local_bounds: object,
+    req_of_token: object,
+    block_table: object,
+    geometry: object,
+    n_cols: object,
+    row_starts: object = None,
+    *,
+    num_blocks: object = None,
+    next_n: object = 1,
+    index_q: object = None,
+    index_weights: object = None,
+) -> int:
+    """The checks of :func:`check_guard_inputs` that do not involve the partial: the guard's rows for ``T`` tokens
+    on ``device`` (what an attention kernel that takes the guard in checks, beside its own). Returns ``n_cols``."""
+    if not isinstance(geometry, DcpGeometry):
+        raise TypeError(f"geometry must be a DcpGeometry, got {type(geometry).__name__}")
+    n = check_int_scalar(n_cols, "n_cols", min_value=0)
+    dev = device
     for name, x in (("local_bounds", local_bounds), ("req_of_token", req_of_token), ("row_starts", row_starts)):
         if x is None and name == "row_starts":
             continue
@@ -108,14 +184,6 @@ def check_guard_inputs(
                 f"index_weights must be [T={T}, Hi={index_q.shape[1]}] beside index_q [T={T}, Hi, D], got index_q "
                 f"{tuple(index_q.shape)} and index_weights {tuple(index_weights.shape)}"
             )
-    for name, out in (("partial", partial), ("lse", lse)):  # written in place: one element, one location
-        if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
-            raise ValueError(f"{name} must not be an expanded (stride-0) view: it is poisoned in place, row by row")
-    check_no_aliases(
-        {"partial": partial, "lse": lse},
-        dict(local_bounds=local_bounds, req_of_token=req_of_token, block_table=block_table, row_starts=row_starts,
-             index_q=index_q, index_weights=index_weights),
-    )  # fmt: skip
     return n
 
 

@@ -303,6 +303,11 @@ def reference_guard(
        num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights)  # fmt: skip
 
 
+#: This guard applies the rule of :mod:`dcp_ref.guard` (an attention stage that takes the guard in may apply it
+#: instead: :func:`dcp_ref.axes.takes_guard`).
+reference_guard.standard_guard = True  # type: ignore[attr-defined]
+
+
 @named_impl("torch")
 def reference_combine(
     outs: torch.Tensor,

@@ -311,6 +311,8 @@ class PlannedStep:
         self._partial_dtype, self._lse_dtype = pdt, torch.float64 if pdt == torch.float64 else torch.float32
         self.parts = plan_parts(spec, stages, group, Dtypes(pdt, self._lse_dtype))
         self.impls = stages.impls(self._used)
+        if self.parts.attention.guard_fused:  # the guard's rule runs inside the attention call
+            self.impls["guard"] = f"in attention ({self.impls['attention']})"
 
     # ------------------------------------------------------------------------------------------
     def _rank_local_indexer(self, stage: str) -> bool:
@@ -514,17 +516,18 @@ class PlannedStep:
     def _trace(self, trace: dict, q: torch.Tensor, q_full: torch.Tensor, meta: StepMetadata, cand: Candidates,
                sel: Selection, partial: torch.Tensor, lse: torch.Tensor) -> None:  # fmt: skip
         """A copy of every intermediate of the run just made, and ``impl`` (stage -> implementation)."""
+        T = partial.shape[0]  # a partial written with its heads in groups (the all-to-all's send buffer) as [T, H, v]
         trace.update(local_bounds=meta.local_bounds.clone(), packed=cand.packed.clone(), slots=sel.slots.clone(),
-                     counts=sel.counts.clone(), partial_out=partial.clone(), partial_lse=lse.clone(),
-                     impl=dict(self.impls))  # fmt: skip
+                     counts=sel.counts.clone(), partial_out=partial.reshape(T, -1, partial.shape[-1]).clone(),
+                     partial_lse=lse.reshape(T, -1).clone(), impl=dict(self.impls))  # fmt: skip
         if sel.ids is not None:
             trace["global_ids"] = sel.ids.clone()
         if cand.own_ids is not None:
             trace["own_ids"] = cand.own_ids.clone()
         if self.spec.scoring is not None:
             trace["scores"] = cand.scores.clone()
-        if q_full is not q:
-            trace["q_full"] = q_full.clone()
+        if q_full is not q:  # a query read with its heads in groups ([T, W, H/W, D]) as [T, H, D]
+            trace["q_full"] = q_full.reshape(q_full.shape[0], -1, q_full.shape[-1]).clone()
 
     def capture(
         self,

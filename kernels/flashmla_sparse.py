@@ -45,8 +45,10 @@ from dcp_ref.contracts import (
     check_values_readable,
     triton_interpreting,
 )
+from dcp_ref.guard import GuardRows
 
 from ._util import cdiv, check_flag, next_pow2, raise_if_flagged
+from .guard_triton import token_verdict, verdict_args
 
 __all__ = [
     "FLASHMLA_LSE_BASE",
@@ -134,6 +136,12 @@ INDEX_WIDTH_MULTIPLE = 128
 def _prologue_kernel(
     slots_ptr, counts_ptr, safe_ptr, cnt_ptr, poison_ptr, K, KP, S, stride_t, stride_k, BLOCK: tl.constexpr,
     chk_ptr=None, CHECK: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+    g_bounds=None, g_req=None, g_starts=None, g_bt=None, g_q=None, g_w=None,
+    gB=0, gM=0, g_ncols=0, g_nb=0, g_nn=1, gHi=0, gD=0,
+    gs_bound=0, gs_req=0, gs_start=0, gs_bt_r=0, gs_bt_c=0, gs_qt=0, gs_qh=0, gs_qd=0, gs_wt=0, gs_wh=0,
+    GUARD: tl.constexpr = False, G_BS: tl.constexpr = 1, G_HAS_STARTS: tl.constexpr = False,
+    G_HAS_Q: tl.constexpr = False, G_Q_FP8: tl.constexpr = False, G_BLOCK_M: tl.constexpr = 1,
+    G_BLOCK_D: tl.constexpr = 1, G_BLOCK_HI: tl.constexpr = 1,
 ):  # fmt: skip
     """Row ``t``: ``cnt = clamp(counts[t], 0, K)``; ``safe[t, :K] = slots[t]`` as int32, except that a used
     entry (``j < cnt``) outside ``[0, S)`` becomes slot 0 and marks the row poisoned; ``safe[t, K:KP] = -1``
@@ -144,9 +152,14 @@ def _prologue_kernel(
     ``[s chunk, (s + 1) chunk)`` and its count is ``clamp(cnt - s chunk, 0, chunk)`` (:func:`split_layout`), so a
     row of few used slots in a wide buffer (a DCP rank's share) still splits its work; the rest is ``-1``.
 
+    ``GUARD``: the guard stage taken in (``g_*``: :func:`~.guard_triton.verdict_args`): a token out of the step's
+    contract (:func:`~.guard_triton.token_verdict`) is poisoned too, by the epilogue that poisons anyway — the
+    guard's rule without its launch.
+
     ``CHECK`` (``validate=True``): a row that :func:`dcp_ref.attention.check_attention_slots` would refuse
     (``counts[t]`` outside ``[0, K]``, or a poisoned row) sets ``chk[0]`` to 1 with an atomic max; a good
-    row writes nothing, so the validated call's value checks are this launch plus one read of ``chk``."""
+    row writes nothing, so the validated call's value checks are this launch plus one read of ``chk``. (The
+    guard's verdict never raises: out-of-contract metadata is the step's to refuse, before any stage runs.)"""
     t = tl.program_id(0).to(tl.int64)
     raw = tl.load(counts_ptr + t).to(tl.int64)
     c = tl.minimum(tl.maximum(raw, 0), K)
@@ -161,10 +174,15 @@ def _prologue_kernel(
         bad = bad | outside.to(tl.int32)
         tl.store(safe_ptr + t * KP + d, tl.where(outside, 0, s).to(tl.int32), mask=d < KP)
     poisoned = tl.max(bad, 0)
-    tl.store(poison_ptr + t, poisoned)
     if CHECK:
         if (poisoned != 0) | (raw < 0) | (raw > K):
             tl.atomic_max(chk_ptr, 1)
+    if GUARD:
+        ok = token_verdict(t, g_bounds, g_req, g_starts, g_bt, g_q, g_w, gB, gM, g_ncols, g_nb, g_nn, gHi, gD,
+                           gs_bound, gs_req, gs_start, gs_bt_r, gs_bt_c, gs_qt, gs_qh, gs_qd, gs_wt, gs_wh,
+                           G_BS, G_HAS_STARTS, G_HAS_Q, G_Q_FP8, G_BLOCK_M, G_BLOCK_D, G_BLOCK_HI)  # fmt: skip
+        poisoned = poisoned | (1 - ok.to(tl.int32))
+    tl.store(poison_ptr + t, poisoned)
 
 
 @triton.jit
@@ -211,22 +229,39 @@ def merge_splits(o_ptr, lse_ptr, cnt_ptr, t, h, v, V, o_st, o_sh, o_sv, lse_st, 
 @triton.jit
 def _epilogue_kernel(
     o_ptr, lse_ptr, cnt_ptr, poison_ptr, out_ptr, out_lse_ptr,
-    V,
+    V, HG, LHG,
     o_st, o_sh, o_sv, lse_st, lse_sh,  # FlashMLA's o, lse
-    out_st, out_sh, out_sv, olse_st, olse_sh,  # the stage's out, out_lse
+    out_st, out_sg, out_sh, out_sv, olse_st, olse_sg, olse_sh,  # out (heads in groups of HG), out_lse (of LHG)
     BLOCK_V: tl.constexpr, SPLITS: tl.constexpr = 1,
 ):  # fmt: skip
     """Head ``h`` of token ``t``: ``out`` and ``out_lse`` from its kernel rows (:func:`merge_splits`), ``-inf``
     where the token has no keys (FlashMLA says ``+inf``; emptiness is the count, never the LSE's value), both NaN
-    when poisoned."""
+    when poisoned. Head ``h`` is written at group ``h // HG``, head ``h % HG`` of it (one group: ``HG = H``; the LSE
+    likewise by ``LHG``), so the output can land straight in a layout a collective sends (``[W, T, H/W, v]``)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     poisoned = tl.load(poison_ptr + t) != 0
     v = tl.arange(0, BLOCK_V)
     x, lse = merge_splits(o_ptr, lse_ptr, cnt_ptr, t, h, v, V, o_st, o_sh, o_sv, lse_st, lse_sh, SPLITS)
     x = tl.where(poisoned, float("nan"), x)
-    tl.store(out_ptr + t * out_st + h * out_sh + v * out_sv, x.to(out_ptr.dtype.element_ty), mask=v < V)
-    tl.store(out_lse_ptr + t * olse_st + h * olse_sh, tl.where(poisoned, float("nan"), lse))
+    tl.store(out_ptr + t * out_st + (h // HG) * out_sg + (h % HG) * out_sh + v * out_sv,
+             x.to(out_ptr.dtype.element_ty), mask=v < V)  # fmt: skip
+    tl.store(out_lse_ptr + t * olse_st + (h // LHG) * olse_sg + (h % LHG) * olse_sh,
+             tl.where(poisoned, float("nan"), lse))  # fmt: skip
+
+
+@triton.jit
+def _queries_kernel(src_ptr, dst_ptr, D, HG, s_t, s_g, s_h, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program ``(t, h)``: head ``h`` of query ``t`` (group ``h // HG``, head ``h % HG`` of it, through the source's
+    strides) into the kernel's rows ``t SPLITS + s`` for every split ``s`` (``[T SPLITS, H, D]``, contiguous): the
+    query's one copy, its heads regrouped and repeated per split in the same pass."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    H = tl.num_programs(1).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(src_ptr + t * s_t + (h // HG) * s_g + (h % HG) * s_h + d, mask=d < D)
+    for s in tl.static_range(SPLITS):
+        tl.store(dst_ptr + ((t * SPLITS + s) * H + h) * D + d, x, mask=d < D)
 
 
 class FlashMLAScratch:
@@ -258,15 +293,25 @@ class FlashMLAScratch:
             )
         return bufs
 
-    def split_queries(self, q: torch.Tensor, splits: int) -> torch.Tensor:
-        """``q [T, H, D]`` repeated per split, ``[T * splits, H, D]`` (row ``t * splits + s`` = ``q[t]``), in this
-        object's buffer of that shape (one copy kernel)."""
-        T, H, D = q.shape
+    def kernel_queries(self, q: torch.Tensor, splits: int) -> torch.Tensor:
+        """The query as the kernel reads it, ``[T * splits, H, D]`` contiguous (row ``t * splits + s`` = query
+        ``t``), from ``q [T, H, D]`` or ``[T, G, H/G, D]`` (heads in groups, any strides, ``D`` contiguous), in this
+        object's buffer of that shape: one copy (:func:`_queries_kernel`; torch ops off the Triton path)."""
+        T, D = q.shape[0], q.shape[-1]
+        H = q.shape[1] * (q.shape[2] if q.dim() == 4 else 1)
         key = ("q", q.device, q.dtype, T, H, D, splits)
         buf = self._bufs.get(key)
         if buf is None:
             buf = self._bufs[key] = q.new_empty((T * splits, H, D))
-        buf.view(T, splits, H, D).copy_(q.unsqueeze(1).expand(T, splits, H, D))
+        if not _use_triton(q.device):
+            buf.view(T, splits, H, D).copy_(q.reshape(T, 1, H, D).expand(T, splits, H, D))
+            return buf
+        g4 = q if q.dim() == 4 else q.unsqueeze(1)  # one group of H heads
+        if T:
+            _queries_kernel[(T, H)](
+                g4, buf, D, g4.shape[2], g4.stride(0), g4.stride(1), g4.stride(2), SPLITS=splits,
+                BLOCK_D=next_pow2(D), num_warps=2,
+            )  # fmt: skip
         return buf
 
 
@@ -328,18 +373,23 @@ def sparse_mla_flashmla(
     validate: bool = False,
     splits: int = 1,
     workspace: FlashMLAScratch | None = None,
+    guard: GuardRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over compacted slots on FlashMLA (the attention stage's contract, :mod:`dcp_ref.stages`).
 
     Args:
-        q: bf16 CUDA ``[T, H, 576]``, ``H`` in :data:`FLASHMLA_HEADS`.
+        q: bf16 CUDA ``[T, H, 576]``, ``H`` in :data:`FLASHMLA_HEADS`; or ``[T, G, H/G, 576]``, its heads in ``G``
+            groups (head ``h`` at ``[t, h // (H/G), h % (H/G)]``, any strides with the last dimension contiguous:
+            the query all-gathered over heads, ``[W, T, H/W, D]`` transposed, read without a copy of its own).
         kv_cache: bf16 ``[S, 576]`` (or ``[S, 1, 576]``).
         slots: int32/int64 ``[T, K]``, any ``K >= 1`` (padded to a multiple of 128 for the kernel): row ``t``
             attends to ``slots[t, :counts[t]]`` (the rest is ignored).
         counts: int32 ``[T]``, ``0 <= counts[t] <= K``.
         sm_scale: softmax scale.  v_dim: must be 512.
-        out: optional bf16 ``[T, H, 512]``.  out_lse: optional float32 ``[T, H]``. Neither may share
-            memory with an input or with the other (``ValueError``).
+        out: optional bf16 ``[T, H, 512]``, or ``[T, G, H/G, 512]`` (heads in groups, as ``q``: e.g. the
+            all-to-all's send buffer ``[W, T, H/W, v]`` transposed, written in place of a copy into it).
+            out_lse: optional float32 ``[T, H]`` or ``[T, G, H/G]``. Neither may share memory with an input or
+            with the other (``ValueError``).
         validate: ``True``: the reference's value checks (:func:`dcp_ref.attention.check_attention_slots`,
             same messages), decided by the prologue the call runs anyway: it raises a flag (the shared
             :func:`~dcp_ref.kernels._util.check_flag`) for a row the reference refuses, so a validated
@@ -355,15 +405,22 @@ def sparse_mla_flashmla(
             at least the kernel's width multiple (128) wide, so ``K`` is padded to ``128 * splits``.
         workspace: a :class:`FlashMLAScratch` whose buffers the call uses (the planned attention stage's: made
             once per shape, so a captured graph keeps reading them); ``None``: this call's own.
+        guard: the guard stage taken in (:class:`dcp_ref.guard.GuardRows`): tokens out of the step's contract come
+            out NaN as :func:`dcp_ref.guard.reference_guard` would make them, decided in the prologue and written by
+            the epilogue this call runs anyway (no launch of its own). Checked as the guard checks its inputs.
     Returns:
-        ``(out [T, H, 512] bf16, lse [T, H] float32)``: LSE in base e, ``-inf`` where ``counts == 0``.
+        ``(out, lse)``: ``out`` bf16 ``[T, H, 512]`` (or the given ``out``, in its layout), ``lse`` float32
+        ``[T, H]`` (or the given ``out_lse``): LSE in base e, ``-inf`` where ``counts == 0``.
     """
     validate = check_bool(validate, "validate")
-    check_tensor(q, "q", dtypes=(torch.bfloat16,), ndim=3)
+    check_tensor(q, "q", dtypes=(torch.bfloat16,), ndim=(3, 4))
     check_tensor(kv_cache, "kv_cache", dtypes=(torch.bfloat16,), ndim=(2, 3), device=q.device)
     check_tensor(slots, "slots", dtypes=INT_DTYPES, ndim=2, device=q.device)
     check_tensor(counts, "counts", dtypes=INT_DTYPES, ndim=1, device=q.device)
-    T, H, D = q.shape
+    T, D = q.shape[0], q.shape[-1]
+    H = q.shape[1] * (q.shape[2] if q.dim() == 4 else 1)
+    if q.stride(-1) != 1:
+        raise ValueError(f"q must be contiguous in its last dimension, got strides {q.stride()}")
     v_dim = check_int_scalar(v_dim, "v_dim", min_value=1)
     splits = check_int_scalar(splits, "splits", min_value=1)
     if splits & (splits - 1):
@@ -385,15 +442,26 @@ def sparse_mla_flashmla(
     KP = max(cdiv(K, INDEX_WIDTH_MULTIPLE * splits), 1) * INDEX_WIDTH_MULTIPLE * splits
     fused = _use_triton(q.device)
     if out is not None:
-        check_out(out, "out", (T, H, _DV), q.dtype, q.device)
+        check_out(out, "out", (T, H, _DV) if out.dim() != 4 else (T, out.shape[1], H // out.shape[1], _DV), q.dtype,
+                  q.device)  # fmt: skip
+        if out.dim() == 4 and out.shape[1] * out.shape[2] != H:
+            raise ValueError(f"out's head groups must hold the H={H} heads, got {tuple(out.shape)}")
     if out_lse is not None:
-        check_out(out_lse, "out_lse", (T, H), torch.float32, q.device)
+        grouped = out_lse.dim() == 3
+        check_out(out_lse, "out_lse", (T, out_lse.shape[1], H // max(out_lse.shape[1], 1)) if grouped else (T, H),
+                  torch.float32, q.device)  # fmt: skip
+        if grouped and out_lse.shape[1] * out_lse.shape[2] != H:
+            raise ValueError(f"out_lse's head groups must hold the H={H} heads, got {tuple(out_lse.shape)}")
     check_no_alias(out, "out", q=q, kv_cache=kv_cache, slots=slots, counts=counts)
     check_no_alias(out_lse, "out_lse", q=q, kv_cache=kv_cache, slots=slots, counts=counts, out=out)
     if workspace is None:
         workspace = FlashMLAScratch()  # this call's buffers only
     elif not isinstance(workspace, FlashMLAScratch):
         raise TypeError(f"workspace must be a FlashMLAScratch or None, got {type(workspace).__name__}")
+    if guard is not None:
+        if not isinstance(guard, GuardRows):
+            raise TypeError(f"guard must be a GuardRows or None, got {type(guard).__name__}")
+        guard.check(T, q.device, {"out": out, "out_lse": out_lse})  # the guard's checks and messages
     check = validate and T > 0
     if check:
         check_values_readable(counts, "counts")
@@ -405,6 +473,7 @@ def sparse_mla_flashmla(
             _prologue_kernel[(T,)](
                 slots, counts, safe, cnt, poisoned, K, KP, S, slots.stride(0), slots.stride(1),
                 BLOCK=min(max(next_pow2(KP), 16), 1024), chk_ptr=chk, CHECK=chk is not None, SPLITS=splits,
+                **_guard_launch_args(guard),
             )  # fmt: skip
     else:
         safe, cnt, poisoned = _prologue_torch(slots, counts, S, KP, splits)
@@ -414,7 +483,7 @@ def sparse_mla_flashmla(
     raise_if_flagged(chk, lambda: check_attention_slots(slots, counts, S), "the FlashMLA prologue")
     # one kernel row per (token, split): the same int32 buffer read as [T * splits, KP / splits]
     o, _max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
-        q if splits == 1 else workspace.split_queries(q, splits),
+        q if splits == 1 and q.dim() == 3 and q.is_contiguous() else workspace.kernel_queries(q, splits),
         kv_cache.reshape(-1, 1, _DQK),
         safe.view(T * splits, 1, KP // splits),
         sm_scale,
@@ -428,21 +497,41 @@ def sparse_mla_flashmla(
     if out is None:  # one split: the epilogue rewrites FlashMLA's own output in place
         out = o if splits == 1 else torch.empty((T, H, _DV), dtype=q.dtype, device=q.device)
     out_lse = torch.empty((T, H), dtype=torch.float32, device=q.device) if out_lse is None else out_lse
+    out4 = out if out.dim() == 4 else out.unsqueeze(1)  # [T, G, H/G, v]: one group of H heads
+    lse3 = out_lse if out_lse.dim() == 3 else out_lse.unsqueeze(1)
     if fused:
         if T:
             _epilogue_kernel[(T, H)](
-                o, lse, cnt, poisoned, out, out_lse, _DV,
+                o, lse, cnt, poisoned, out4, lse3, _DV, out4.shape[2], lse3.shape[2],
                 o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-                out.stride(0), out.stride(1), out.stride(2), out_lse.stride(0), out_lse.stride(1),
+                out4.stride(0), out4.stride(1), out4.stride(2), out4.stride(3),
+                lse3.stride(0), lse3.stride(1), lse3.stride(2),
                 BLOCK_V=next_pow2(_DV), SPLITS=splits,
             )  # fmt: skip
         return out, out_lse
     # Emptiness is a count of zero (FlashMLA says +inf there); never inferred from the LSE's value.
     merged, merged_lse = _merge_torch(o, lse, cnt, T, splits)
-    if out is not o:
-        out.copy_(merged)
-    out_lse.copy_(merged_lse)
     bad = poisoned.bool()
-    out_lse.masked_fill_(bad.unsqueeze(1), math.nan)
-    out.masked_fill_(bad.view(T, 1, 1), math.nan)
+    if guard is not None:
+        bad = bad | ~guard.row_ok()
+    merged = merged.masked_fill(bad.view(T, 1, 1), math.nan)
+    merged_lse = merged_lse.masked_fill(bad.unsqueeze(1), math.nan)
+    if out is not o:
+        out.copy_(merged.view(out.shape) if out.dim() == 3 else merged.view(T, out.shape[1], out.shape[2], _DV))
+    else:
+        out.copy_(merged)
+    out_lse.copy_(merged_lse.view(out_lse.shape) if out_lse.dim() == 2 else
+                  merged_lse.view(T, out_lse.shape[1], out_lse.shape[2]))  # fmt: skip
     return out, out_lse
+
+
+def _guard_launch_args(guard: GuardRows | None) -> dict[str, Any]:
+    """The prologue's ``g_*`` keyword arguments for the guard taken in (none: ``GUARD`` off)."""
+    if guard is None:
+        return {}
+    va = verdict_args(guard)
+    names = ("g_bounds", "g_req", "g_starts", "g_bt", "g_q", "g_w")
+    scalars = ("gB", "gM", "g_ncols", "g_nb", "g_nn", "gHi", "gD", "gs_bound", "gs_req", "gs_start", "gs_bt_r",
+               "gs_bt_c", "gs_qt", "gs_qh", "gs_qd", "gs_wt", "gs_wh")  # fmt: skip
+    return (dict(zip(names, va.tensors, strict=True)) | dict(zip(scalars, va.scalars, strict=True))
+            | {"GUARD": True} | {"G_" + k: v for k, v in va.constexprs.items()})  # fmt: skip

@@ -10,17 +10,29 @@ one read of its metadata and of its request's needed block-table entries.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
 from dcp_ref.contracts import triton_interpreting
 from dcp_ref.geometry import DcpGeometry
-from dcp_ref.guard import check_guard_inputs
+from dcp_ref.guard import GuardRows, check_guard_inputs
 
 from ._util import next_pow2
 
-__all__ = ["token_in_contract", "query_finite", "poison_row", "guard_kernel", "guard_triton"]
+__all__ = [
+    "token_in_contract",
+    "query_finite",
+    "token_verdict",
+    "poison_row",
+    "guard_kernel",
+    "guard_triton",
+    "VerdictArgs",
+    "verdict_args",
+]
 
 _NO_LIMIT = 2**62  # num_blocks=None: no block id is past the cache
 
@@ -104,6 +116,24 @@ def poison_row(
 
 
 @triton.jit
+def token_verdict(
+    t, bounds_ptr, req_ptr, starts_ptr, bt_ptr, q_ptr, w_ptr,
+    B, M, n_cols, num_blocks, next_n, Hi, D,
+    s_bound, s_req, s_start, s_bt_r, s_bt_c, s_qt, s_qh, s_qd, s_wt, s_wh,
+    BS: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_Q: tl.constexpr, Q_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_HI: tl.constexpr,
+):  # fmt: skip
+    """Whether token ``t`` is inside the contract: its metadata (:func:`token_in_contract`) and, ``HAS_Q``, its
+    index query (:func:`query_finite`). The guard's whole rule for one token, for any kernel that runs one program
+    per token (the guard's own, or an attention prologue that takes the guard in)."""
+    ok = token_in_contract(bounds_ptr, req_ptr, starts_ptr, bt_ptr, t, B, M, n_cols, num_blocks, next_n, s_bound,
+                           s_req, s_start, s_bt_r, s_bt_c, BS, HAS_STARTS, BLOCK_M)  # fmt: skip
+    if HAS_Q:
+        ok = ok & query_finite(q_ptr, w_ptr, t, Hi, D, s_qt, s_qh, s_qd, s_wt, s_wh, Q_FP8, BLOCK_D, BLOCK_HI)
+    return ok
+
+
+@triton.jit
 def guard_kernel(
     partial_ptr, lse_ptr, bounds_ptr, req_ptr, starts_ptr, bt_ptr, q_ptr, w_ptr,
     B, M, n_cols, num_blocks, next_n, H, V, Hi, D,
@@ -115,12 +145,50 @@ def guard_kernel(
     """Grid ``(T,)``: program ``t`` poisons token ``t`` when its metadata (or, ``HAS_Q``, its index query) is out
     of contract."""
     t = tl.program_id(0)
-    ok = token_in_contract(bounds_ptr, req_ptr, starts_ptr, bt_ptr, t, B, M, n_cols, num_blocks, next_n, s_bound,
-                           s_req, s_start, s_bt_r, s_bt_c, BS, HAS_STARTS, BLOCK_M)  # fmt: skip
-    if HAS_Q:
-        ok = ok & query_finite(q_ptr, w_ptr, t, Hi, D, s_qt, s_qh, s_qd, s_wt, s_wh, Q_FP8, BLOCK_D, BLOCK_HI)
+    ok = token_verdict(t, bounds_ptr, req_ptr, starts_ptr, bt_ptr, q_ptr, w_ptr, B, M, n_cols, num_blocks, next_n,
+                       Hi, D, s_bound, s_req, s_start, s_bt_r, s_bt_c, s_qt, s_qh, s_qd, s_wt, s_wh,
+                       BS, HAS_STARTS, HAS_Q, Q_FP8, BLOCK_M, BLOCK_D, BLOCK_HI)  # fmt: skip
     if ok.to(tl.int32) == 0:
         poison_row(partial_ptr, lse_ptr, t, H, V, stride_pt, stride_ph, stride_pv, stride_lt, stride_lh, BLOCK)
+
+
+@dataclass(frozen=True)
+class VerdictArgs:
+    """What :func:`token_verdict` takes for one call, prepared once on the host: ``tensors`` (bounds, request,
+    starts, block table, index query, weights: the pointers, in its order), ``scalars`` (``B .. s_wh``, in its
+    order) and ``constexprs`` (keyword arguments)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    scalars: tuple[int, ...]
+    constexprs: dict[str, Any]
+
+
+def verdict_args(rows: GuardRows) -> VerdictArgs:
+    """:class:`VerdictArgs` of the guard's rows (already checked: :func:`dcp_ref.guard.check_guard_inputs`).
+
+    A missing ``row_starts`` / ``index_q`` is replaced by ``local_bounds`` as a pointer its kernel never reads
+    (``HAS_STARTS`` / ``HAS_Q`` off)."""
+    bounds, req, bt = rows.local_bounds, rows.req_of_token, rows.block_table
+    B, M = bt.shape
+    starts = rows.row_starts if rows.row_starts is not None else bounds
+    has_q = rows.index_q is not None and rows.index_weights is not None
+    q: torch.Tensor = rows.index_q if rows.index_q is not None else bounds
+    w: torch.Tensor = rows.index_weights if rows.index_weights is not None else bounds
+    q_fp8 = has_q and q.dtype == torch.float8_e4m3fn
+    if q_fp8:
+        q = q.view(torch.uint8)  # its bytes: the NaN test needs no float8 arithmetic
+    qs = q.stride() if has_q else (0, 0, 0)
+    Hi, D = (q.shape[1], q.shape[2]) if has_q else (0, 0)
+    bd = min(next_pow2(max(D, 1)), 256)
+    bh = min(next_pow2(max(Hi, 1)), max(1, 4096 // bd))  # a tile of <= 4096 query values (64 x 128: two tiles)
+    nb = _NO_LIMIT if rows.num_blocks is None else rows.num_blocks
+    return VerdictArgs(
+        (bounds, req, starts, bt, q, w),
+        (B, M, rows.n_cols, nb, rows.next_n, Hi, D, bounds.stride(0), req.stride(0), starts.stride(0), bt.stride(0),
+         bt.stride(1), *qs, w.stride(0), w.stride(-1)),
+        dict(BS=rows.geometry.block_size, HAS_STARTS=rows.row_starts is not None, HAS_Q=has_q, Q_FP8=q_fp8,
+             BLOCK_M=min(next_pow2(max(M, 1)), 1024), BLOCK_D=bd, BLOCK_HI=bh),
+    )  # fmt: skip
 
 
 def guard_triton(
@@ -158,25 +226,12 @@ def guard_triton(
     T, H, V = partial.shape
     if T == 0:
         return
-    B, M = block_table.shape
-    starts = row_starts if row_starts is not None else local_bounds  # never read without HAS_STARTS
-    has_q = index_q is not None and index_weights is not None
-    q: torch.Tensor = index_q if index_q is not None else local_bounds  # never read without HAS_Q
-    w: torch.Tensor = index_weights if index_weights is not None else local_bounds
-    q_fp8 = has_q and q.dtype == torch.float8_e4m3fn
-    if q_fp8:
-        q = q.view(torch.uint8)  # its bytes: the NaN test needs no float8 arithmetic
-    qs = q.stride() if has_q else (0, 0, 0)
-    Hi, D = (q.shape[1], q.shape[2]) if has_q else (0, 0)
-    bd = min(next_pow2(max(D, 1)), 256)
-    bh = min(next_pow2(max(Hi, 1)), max(1, 4096 // bd))  # a tile of <= 4096 query values (64 x 128: two tiles)
+    rows = GuardRows(local_bounds, req_of_token, block_table, geometry, n_cols, row_starts, num_blocks=num_blocks,
+                     next_n=next_n, index_q=index_q, index_weights=index_weights)  # fmt: skip
+    va = verdict_args(rows)
+    B, M, n, nb, nn, Hi, D, *strides = va.scalars
     guard_kernel[(T,)](
-        partial, lse, local_bounds, req_of_token, starts, block_table, q, w,
-        B, M, n_cols, _NO_LIMIT if num_blocks is None else num_blocks, next_n, H, V, Hi, D,
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        local_bounds.stride(0), req_of_token.stride(0), starts.stride(0), block_table.stride(0),
-        block_table.stride(1), *qs, w.stride(0), w.stride(-1),
-        BS=geometry.block_size, HAS_STARTS=row_starts is not None, HAS_Q=has_q, Q_FP8=q_fp8,
-        BLOCK_M=min(next_pow2(max(M, 1)), 1024), BLOCK=min(next_pow2(max(V, H, 1)), 1024),
-        BLOCK_D=bd, BLOCK_HI=bh, num_warps=4 if has_q else 1,
+        partial, lse, *va.tensors, B, M, n, nb, nn, H, V, Hi, D,
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), *strides,
+        BLOCK=min(next_pow2(max(V, H, 1)), 1024), num_warps=4 if va.constexprs["HAS_Q"] else 1, **va.constexprs,
     )  # fmt: skip

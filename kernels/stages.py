@@ -208,6 +208,11 @@ class _FlashMLAAttention:
     unbound, each call makes its own."""
 
     impl_name = "flashmla"
+    #: The guard's rule runs in this stage's prologue when the plan passes ``guard=`` (dcp_ref.axes.takes_guard).
+    takes_guard = True
+    #: ``q`` / ``out`` / ``out_lse`` may hold their heads in groups, ``[T, G, H/G, ...]`` views (the gathered query,
+    #: the all-to-all's send buffer): dcp_ref.axes.takes_grouped_heads.
+    grouped_heads = True
 
     def __init__(self, splits: int = 1, scratch: Any = None) -> None:
         self.splits = splits
@@ -230,11 +235,12 @@ class _FlashMLAAttention:
         *,
         out: torch.Tensor | None = None,
         out_lse: torch.Tensor | None = None,
+        guard: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from .flashmla_sparse import sparse_mla_flashmla
 
         return sparse_mla_flashmla(q, kv_cache, slots, counts, sm_scale, v_dim, out=out, out_lse=out_lse,
-                                   splits=self.splits, workspace=self.scratch)  # fmt: skip
+                                   splits=self.splits, workspace=self.scratch, guard=guard)  # fmt: skip
 
 
 _attention_flashmla = _FlashMLAAttention(1)
@@ -378,6 +384,26 @@ def _guard_triton(
                      num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights)  # fmt: skip
 
 
+_guard_triton.standard_guard = True  # type: ignore[attr-defined]  # the rule of dcp_ref.guard: foldable into attention
+
+
+#: The all-to-all combine's launch shape ``(block_h, num_warps)`` by ``(W, T)``, the best of its sweep on the H200
+#: (``benchmarks/results/combine_sweep.json``: ``[W, T, 128/W, 512]`` bf16, 20 back-to-back calls in one graph).
+#: A call takes the entry of the largest swept ``W`` and ``T`` at or below its own (:func:`combine_launch`).
+COMBINE_LAUNCH: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 1): (1, 1), (2, 32): (4, 4), (2, 128): (4, 2),
+    (4, 1): (1, 8), (4, 32): (1, 1), (4, 128): (4, 4),
+    (8, 1): (1, 8), (8, 32): (1, 1), (8, 128): (1, 1),
+}  # fmt: skip
+
+
+def combine_launch(W: int, T: int) -> tuple[int, int]:
+    """``(block_h, num_warps)`` for merging ``W`` partials of ``T`` tokens (:data:`COMBINE_LAUNCH`)."""
+    w = max((x for x, _ in COMBINE_LAUNCH if x <= W), default=2)
+    t = max((x for _, x in COMBINE_LAUNCH if x <= max(T, 1)), default=1)
+    return COMBINE_LAUNCH[(w, t)]
+
+
 @named_impl("triton")
 def _combine_triton(
     outs: torch.Tensor,
@@ -390,8 +416,10 @@ def _combine_triton(
 
     if out_lse is None:
         out_lse = torch.empty(outs.shape[1:3], dtype=torch.float32, device=outs.device)
+    bh, nw = combine_launch(outs.shape[0], outs.shape[1])
     with launch(outs.device):
-        merged, merged_lse = lse_merge(outs, lses, base="e", merged=out, merged_lse=out_lse)
+        merged, merged_lse = lse_merge(outs, lses, base="e", merged=out, merged_lse=out_lse,
+                                       block_h=bh if bh <= outs.shape[2] else 1, num_warps=nw)  # fmt: skip
     assert merged_lse is not None
     return merged, merged_lse
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import textwrap
 
@@ -175,3 +176,71 @@ def test_the_parts_picture_and_table_say_what_the_step_plans() -> None:
     assert len(fig.axes) == 1
     with pytest.raises(TypeError, match="spec must be"):
         step_parts("dcp")  # type: ignore[arg-type]
+
+
+class _GroupedAttention:
+    """The reference attention as a stage that takes the guard in and reads / writes heads in groups (what the
+    FlashMLA stage declares), so the plan's two fusions run on the CPU."""
+
+    impl_name = "grouped-reference"
+    takes_guard = True
+    grouped_heads = True
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, q, kv_cache, slots, counts, sm_scale, v_dim, *, out=None, out_lse=None, guard=None):
+        from dcp_ref.guard import reference_guard
+        from dcp_ref.stages import REFERENCE_STAGES
+
+        T = q.shape[0]
+        self.calls.append({"q_dim": q.dim(), "out_dim": out.dim(), "guard": guard is not None})
+        o, lse = REFERENCE_STAGES.attention(q.reshape(T, -1, q.shape[-1]), kv_cache, slots, counts, sm_scale, v_dim)
+        if guard is not None:
+            g = guard
+            reference_guard(o, lse, g.local_bounds, g.req_of_token, g.block_table, g.geometry, g.n_cols,
+                            row_starts=g.row_starts, num_blocks=g.num_blocks, next_n=g.next_n, index_q=g.index_q,
+                            index_weights=g.index_weights)  # fmt: skip
+        out.copy_(o.view(out.shape) if out.dim() == 3 else o.view(T, out.shape[1], out.shape[2], -1))
+        out_lse.copy_(lse.view(out_lse.shape) if out_lse.dim() == 2 else lse.view(T, out_lse.shape[1], -1))
+        return out, out_lse
+
+
+@pytest.mark.parametrize("options", [PLANNED, DEFAULT], ids=lambda o: o.label)
+def test_an_attention_that_takes_the_guard_and_grouped_heads_gives_the_same_layer(options: LayerOptions) -> None:
+    """Where the attention stage takes the guard in and reads / writes grouped heads, the plan folds the guard into
+    it, drops the query's transpose (T > 1) and — with the all-to-all combine — writes the partial straight into the
+    send buffer; the layer's answer is bit for bit the unfused one's, a poisoned token included. A guard of the
+    caller's own is never folded."""
+    from dcp_ref.stages import REFERENCE_STAGES
+
+    p = make_dcp_problem(2, 1, seq_lens=[19, 30, 7], next_n=1, num_heads=4, head_dim=8, block_size=4, seed=2)
+
+    def body(group, shard, stages):
+        spec = StepSpec.for_options(p.geometry(group.rank), options, max_tokens=p.q.shape[0], topk=6, num_heads=4,
+                                    head_dim=8, v_dim=8, sm_scale=0.3, dtype=p.q.dtype, device="cpu")  # fmt: skip
+        step = PlannedStep(group, spec, stages)
+        meta = p.metadata(group.rank)
+        meta = dataclasses.replace(meta, local_bounds=meta.local_bounds.clone())
+        meta.local_bounds[1] = 10**6  # token 1 out of contract on every rank: a bound past its blocks
+        q = p.q if spec.q_replicate else p.q[:, group.rank * 2 : (group.rank + 1) * 2]
+        out, lse = step.run(q, shard, meta)
+        return out.clone(), lse.clone(), step
+
+    fused = _GroupedAttention()
+    plain = SimulatedWorld(2).run(lambda g, s: body(g, s, REFERENCE_STAGES), p.shards)
+    got = SimulatedWorld(2).run(lambda g, s: body(g, s, REFERENCE_STAGES.with_(attention=fused)), p.shards)
+    for (oa, la, _), (ob, lb, step) in zip(plain, got, strict=True):
+        assert torch.equal(oa.isnan(), ob.isnan()) and bool(oa[1].isnan().all())
+        assert torch.equal(oa.nan_to_num(), ob.nan_to_num()) and torch.equal(la.nan_to_num(), lb.nan_to_num())
+        assert step.parts.attention.guard_fused and step.impls["guard"] == "in attention (grouped-reference)"
+        alltoall = type(step.parts.combine).__name__ == "AllToAllCombine"
+        assert getattr(step.parts.combine, "packed_by_attention", False) == alltoall
+        assert (step.parts.query.full_buf is None) == (step.parts.query.gathers or options.q_replicate)
+    assert all(c["guard"] for c in fused.calls)
+    assert {c["q_dim"] for c in fused.calls} == ({4} if not options.q_replicate else {3})
+    assert {c["out_dim"] for c in fused.calls} == ({4} if options.combine == "alltoall" else {3})
+    own_guard = REFERENCE_STAGES.with_(attention=_GroupedAttention(), guard=lambda *a, **k: None)
+    _, _, step = SimulatedWorld(2).run(lambda g, s: body(g, s, own_guard), p.shards)[0]
+    assert not step.parts.attention.guard_fused
+    assert step.parts.query.full_buf is not None or options.q_replicate

@@ -372,3 +372,97 @@ def test_gpu_splits_match_the_reference(cuda_device, H: int) -> None:
     bad_kv[slots[0, 2000]] = math.nan  # token 0's last split (and the unsplit row) reads it
     out, lse = fm.sparse_mla_flashmla(q, bad_kv, slots, counts, 0.07, splits=8)
     assert torch.isnan(out[0]).any() and torch.isnan(lse[0]).all()
+
+
+# ---- the two fusions a planned step asks of this stage: the guard taken in, heads in groups -----------------
+def _guard_rows(T: int, seed: int = 3):
+    """Guard rows for ``T`` tokens over a 2-request block table of 4-slot blocks, tokens 1 and 3 out of contract
+    (a negative bound; a block the table does not have)."""
+    from dcp_ref.geometry import DcpGeometry
+    from dcp_ref.guard import GuardRows
+
+    bt = torch.tensor([[0, 1, 2, -1], [3, 4, 5, 6]], dtype=torch.int32)
+    bounds = torch.tensor([5, -1, 16, 14][:T], dtype=torch.int32)
+    req = torch.tensor([0, 1, 1, 0][:T], dtype=torch.int32)  # token 3: request 0 needs 4 blocks, has 3
+    g = torch.Generator().manual_seed(seed)
+    iq = torch.randn(T, 4, 8, generator=g).to(torch.float8_e4m3fn)
+    iw = torch.randn(T, 4, generator=g)
+    return GuardRows(bounds, req, bt, DcpGeometry(1, 0, 1, 4), 16, num_blocks=7, index_q=iq, index_weights=iw)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_the_guard_taken_in_poisons_as_the_guard_stage(fake: list, splits: int) -> None:
+    """``guard=``: the same NaN rows as the attention followed by the guard stage (the reference), every other row
+    bit for bit the attention's own; a non-finite index query poisons its token too."""
+    from dcp_ref.guard import reference_guard
+
+    q, kv, slots, counts = _inputs()
+    rows = _guard_rows(4)
+    rows.index_weights[2, 1] = float("inf")  # token 2: a non-finite index weight
+    want_out, want_lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, splits=splits)
+    r = rows
+    reference_guard(want_out, want_lse, r.local_bounds, r.req_of_token, r.block_table, r.geometry, r.n_cols,
+                    num_blocks=r.num_blocks, index_q=r.index_q, index_weights=r.index_weights)  # fmt: skip
+    out, lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, splits=splits, guard=rows)
+    assert [bool(torch.isnan(lse[t]).all()) for t in range(4)] == [False, True, True, True]
+    assert torch.equal(out.isnan(), want_out.isnan()) and torch.equal(lse.isnan(), want_lse.isnan())
+    ok = ~lse.isnan().any(1)
+    assert torch.equal(out[ok], want_out[ok]) and torch.equal(lse[ok], want_lse[ok])
+    with pytest.raises(TypeError, match="guard must be a GuardRows"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, guard=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"local_bounds must have one entry per token \(4\)"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, guard=_guard_rows(3))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_heads_in_groups_read_and_write_as_the_plain_layout(fake: list, splits: int) -> None:
+    """``q [T, G, H/G, D]`` (the gathered ``[G, T, H/G, D]`` transposed: a view, no copy by the caller) and ``out``
+    / ``out_lse`` as ``[T, G, H/G, ...]`` views of a ``[G, T, H/G, ...]`` send buffer give the plain call's values,
+    each head where the grouping puts it."""
+    q, kv, slots, counts = _inputs()
+    G, T, H = 4, 4, 64
+    want_out, want_lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, splits=splits)
+    gathered = q.view(T, G, H // G, 576).transpose(0, 1).contiguous()  # [G, T, H/G, D], rank-major
+    send_out = torch.full((G, T, H // G, 512), 7.0, dtype=torch.bfloat16)
+    send_lse = torch.full((G, T, H // G), 7.0)
+    out, lse = fm.sparse_mla_flashmla(gathered.transpose(0, 1), kv, slots, counts, 0.05, splits=splits,
+                                      out=send_out.transpose(0, 1), out_lse=send_lse.transpose(0, 1))  # fmt: skip
+    assert out.shape == (T, G, H // G, 512) and lse.shape == (T, G, H // G)
+    assert torch.equal(send_out.transpose(0, 1).reshape(T, H, 512), want_out)
+    assert torch.equal(send_lse.transpose(0, 1).reshape(T, H), want_lse)
+    with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
+        fm.sparse_mla_flashmla(q.transpose(1, 2).contiguous().transpose(1, 2), kv, slots, counts, 0.05)
+    with pytest.raises(ValueError, match="out's head groups must hold the H=64 heads"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=torch.empty(4, 3, 21, 512, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2])
+def test_gpu_fusions_match_the_unfused_calls(cuda_device, splits: int) -> None:
+    """On FlashMLA: the gathered query read as ``[T, W, H/W, D]``, the partial written into a ``[W, T, H/W, v]`` send
+    buffer and the guard taken in give, bit for bit, the plain call followed by the guard kernel."""
+    from dcp_ref.geometry import DcpGeometry
+    from dcp_ref.guard import GuardRows
+    from dcp_ref.kernels.guard_triton import guard_triton
+
+    g = torch.Generator(device="cuda").manual_seed(splits)
+    T, H, K, S, W = 32, 128, 2048, 20000, 8
+    q = (torch.randn(T, H, 576, generator=g, device="cuda") / 4).bfloat16()
+    kv = (torch.randn(S, 576, generator=g, device="cuda") / 4).bfloat16()
+    slots = torch.rand(T, S, generator=g, device="cuda").topk(K, dim=1).indices.int().contiguous()
+    counts = torch.randint(0, K + 1, (T,), generator=g, device="cuda", dtype=torch.int32)
+    bt = torch.arange(2 * 400, device="cuda", dtype=torch.int32).view(2, 400)
+    bounds = torch.full((T,), 20000, device="cuda", dtype=torch.int32)
+    bounds[5] = -3  # out of contract
+    req = (torch.arange(T, device="cuda") % 2).int()
+    rows = GuardRows(bounds, req, bt, DcpGeometry(1, 0, 1, 64), 20000)
+    want_out, want_lse = fm.sparse_mla_flashmla(q, kv, slots, counts, 0.07, splits=splits)
+    guard_triton(want_out, want_lse, bounds, req, bt, rows.geometry, 20000)
+    gathered = q.view(T, W, H // W, 576).transpose(0, 1).contiguous()
+    send_out = torch.empty(W, T, H // W, 512, dtype=torch.bfloat16, device="cuda")
+    send_lse = torch.empty(W, T, H // W, device="cuda")
+    fm.sparse_mla_flashmla(gathered.transpose(0, 1), kv, slots, counts, 0.07, splits=splits,
+                           out=send_out.transpose(0, 1), out_lse=send_lse.transpose(0, 1), guard=rows)  # fmt: skip
+    out, lse = send_out.transpose(0, 1).reshape(T, H, 512), send_lse.transpose(0, 1).reshape(T, H)
+    assert bool(lse[5].isnan().all()) and torch.equal(lse.isnan(), want_lse.isnan())
+    assert torch.equal(out.nan_to_num(), want_out.nan_to_num()) and torch.equal(lse.nan_to_num(), want_lse.nan_to_num())

@@ -190,3 +190,19 @@ def test_prepare_keeps_a_stage_the_caller_replaced() -> None:
     assert step.stages.attention is my_attention and step.stages.indexer is reference_indexer
     plain = PlannedStep(SingleGroup(), spec, ks.kernel_stages(spec))
     assert plain.stages.indexer is not reference_indexer  # the provider's own stage, bound to this step
+
+
+def test_the_combine_launch_is_the_best_of_its_committed_sweep() -> None:
+    """The all-to-all combine's launch shape per (W, T) is the measured winner of benchmarks/results/combine_sweep.json
+    (H200), and a shape between the swept ones takes the entry at or below it."""
+    import json
+    from pathlib import Path
+
+    from dcp_ref.kernels.stages import COMBINE_LAUNCH, combine_launch
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/combine_sweep.json").read_text())
+    assert len(doc["rows"]) == len(COMBINE_LAUNCH) == 9 and "H200" in doc["device"]
+    for r in doc["rows"]:
+        assert combine_launch(r["W"], r["T"]) == (r["best"]["block_h"], r["best"]["num_warps"])
+        assert r["best"]["max_rel_err"] < 1e-2 and r["best"]["median_us"] <= r["default"]["median_us"]
+    assert combine_launch(16, 64) == COMBINE_LAUNCH[(8, 32)] and combine_launch(3, 0) == COMBINE_LAUNCH[(2, 1)]

@@ -205,8 +205,9 @@ case "$what" in
       case "$bname" in
         local_topk) b local_topk 200 benchmarks/bench_local_topk.py --out "$work" --peers .gpu/ix_peers/vllm --no-sweep ;;
         layer)
-          b layer 170 benchmarks/bench_layer.py --out "$work" --budget-s 140 --configs "${LAYER_ROWS:-$LAYER_DEFAULT}"
-          before layer 170 benchmarks/bench_layer.py --out "$work/before" --budget-s 140 \
+          b layer "${LAYER_S:-170}" benchmarks/bench_layer.py --out "$work" --budget-s $(( ${LAYER_S:-170} - 30 )) \
+            --configs "${LAYER_ROWS:-$LAYER_DEFAULT}"
+          before layer "${LAYER_S:-170}" benchmarks/bench_layer.py --out "$work/before" --budget-s $(( ${LAYER_S:-170} - 30 )) \
             --configs "${LAYER_ROWS:-$LAYER_DEFAULT}" ;;
         step)  # W = 1 on both caches (W = 2 needs two GPUs: its rows stay from their run, marked so)
           b step 200 benchmarks/bench_step.py --out "$work/step_raw" ${STEP_ARGS:-}
@@ -217,6 +218,7 @@ case "$what" in
             --note "tools/gpu_check.sh bench: W = 1, one H200, the two caches one after the other." > /dev/null ;;
         validation) b validation 150 benchmarks/bench_validation.py --out "$work" ;;
         attention_splits) b attention_splits 200 benchmarks/bench_attention.py --out "$work" --only-splits ;;
+        combine_sweep) b combine_sweep 150 benchmarks/sweep_combine.py --out "$work" ;;
         scoring)  # DeepGEMM's fp8_paged_mqa_logits (built from source, .gpu/dgsrc) in its own process, then ours
           dg=()
           if [ -d .gpu/dgsrc ] && bash tools/dgsrc_unpack.sh > "$work/dgsrc_unpack.txt" 2>&1; then
