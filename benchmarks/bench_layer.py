@@ -161,11 +161,16 @@ def _stage_times(step, q, shard, meta, index_q, weights) -> dict[str, float]:
     n_cols = s.scoring.max_keys
     times["scoring"] = _graph_time_us(lambda: st.scoring(
         index_q, weights, shard.index_cache, bt, req, bounds, cg, out=iv.scores))  # fmt: skip
-    kw = dict(order="rank_local", out_ids=iv.own_ids) if s.order == "rank_local" else {}
+    kw = dict(order="rank_local", out_ids=iv.own_ids) if iv.own_ids is not None else {}
     times["indexer"] = _graph_time_us(lambda: st.indexer(iv.scores, bounds, cg, k, out=iv.packed, **kw))
-    gathered = xv.gathered if xv.gathered is not None else iv.packed.unsqueeze(0)
-    times["select_to_slots"] = _graph_time_us(lambda: st.select_to_slots(
-        gathered, iv.own_ids, req, bt, cg, k, order=s.order, out_slots=xv.slots, out_counts=xv.counts))  # fmt: skip
+    if "select_to_slots" in parts.stages:
+        times["select_to_slots"] = _graph_time_us(lambda: st.select_to_slots(
+            xv.gathered, iv.own_ids, req, bt, cg, k, order=s.order, out_slots=xv.slots,
+            out_counts=xv.counts))  # fmt: skip
+    elif "deinterleave" in parts.stages and "select" not in parts.stages:  # one rank: the local top-K's slots
+        times["deinterleave"] = _graph_time_us(lambda: st.deinterleave(
+            iv.own_ids, req, bt, cg, compact=st.attention_layout == "compact", out_slots=xv.slots,
+            out_counts=xv.counts))  # fmt: skip
     if qv.full is not None or qv.gathered is None:
         q_full = qv.full if qv.full is not None else q
     elif T == 1:
@@ -264,7 +269,7 @@ def bench_row(
     allocs = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) - mem0
     row: dict[str, Any] = {
         "layout": layout, "W": W, "T": T, "ctx": ctx, "cache": cache, "local_keys": local,
-        "scoring": "unfused", "order": order, "options": options.label, "impl": step.impls,
+        "scoring": "unfused", "order": order, "options": options.label, "impl": step.impls, "fused": step.fused,
         "notes": dict(step.stages.notes), "plan_ms": plan_ms, "allocations_per_run": allocs,
     }  # fmt: skip
     row["eager_us"] = _eager_time_us(run)

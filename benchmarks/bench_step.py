@@ -172,7 +172,11 @@ def _stage_times(step, q, shard, meta) -> dict[str, float]:
     trace: dict = {}
     step.run(q, shard, meta, trace=trace)
     T = q.shape[0]
-    packed = torch.empty(T, k, 2, device=q.device)
+    used = step.parts.stages  # W = 1: no select (the local top-K's ids are the answer)
+    rank_local = trace["packed"].dim() == 2  # the indexer wrote scores [T, k] + ids [T, k]
+    packed = torch.empty(T, k, device=q.device) if rank_local else torch.empty(T, k, 2, device=q.device)
+    own = torch.empty(T, k, dtype=torch.int32, device=q.device)
+    ix_kw: dict[str, Any] = dict(order="rank_local", out_ids=own) if rank_local else {}
     gathered = torch.empty(g.world_size, T, k, 2, device=q.device)
     ids = trace["global_ids"].clone()
     slots, counts = trace["slots"].clone(), trace["counts"].clone()
@@ -183,10 +187,10 @@ def _stage_times(step, q, shard, meta) -> dict[str, float]:
     corrected = torch.empty_like(out)
     merged = torch.empty_like(lse)
     ids_out, s_out, c_out = torch.empty_like(ids), torch.empty_like(slots), torch.empty_like(counts)
-    gathered[:] = trace["packed"].unsqueeze(0)
+    if "select" in used:
+        gathered[:] = trace["packed"].unsqueeze(0)
     times = {
-        "indexer": _graph_time_us(lambda: st.indexer(shard.index_scores, meta.local_bounds, g, k, out=packed)),
-        "select": _graph_time_us(lambda: st.select(gathered, k, out=ids_out)),
+        "indexer": _graph_time_us(lambda: st.indexer(shard.index_scores, meta.local_bounds, g, k, out=packed, **ix_kw)),
         "deinterleave": _graph_time_us(
             lambda: st.deinterleave(
                 ids,
@@ -203,6 +207,8 @@ def _stage_times(step, q, shard, meta) -> dict[str, float]:
         ),
         "merge": _graph_time_us(lambda: st.merge(trace["partial_out"], all_lse, g.rank, out=corrected, out_lse=merged)),
     }
+    if "select" in used:
+        times["select"] = _graph_time_us(lambda: st.select(gathered, k, out=ids_out))
     if g.world_size > 1:
         grp = step.group
         send = torch.empty(g.world_size * T, H // g.world_size, DV, dtype=torch.bfloat16, device=q.device)

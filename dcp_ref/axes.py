@@ -8,7 +8,8 @@ order — one line each::
                  or q as it is                                          (replicated query, tp, W = 1)
     Indexing     (scoring: FP8 index keys -> scores [T, L]) -> indexer: local stable top-K -> Candidates
     Exchange     all-gather of the candidates (W > 1), then
-                 "allgather": select -> ids, deinterleave -> slots;  "owner": select_to_slots -> slots
+                 "allgather": select -> ids, deinterleave -> slots;  "owner": select_to_slots -> slots;
+                 one rank's cache (W = 1, or tp): the local top-K is the answer, deinterleave -> slots only
     Attention    sparse MLA over (slots, counts) -> partial, lse; then the guard poisons out-of-contract tokens
     Combine      "reduce_scatter": all-gather LSEs, correct, reduce-scatter over heads
                  "alltoall": one all-to-all of partials + LSEs, merge the W partials of H/W heads
@@ -58,6 +59,7 @@ __all__ = [
     "bind_collective",
     "takes_guard",
     "takes_grouped_heads",
+    "indexer_order",
     "checked",
     "checked_pair",
 ]
@@ -253,13 +255,20 @@ class IndexingViews:
     own_ids: torch.Tensor | None  # [T, k]  (rank_local)
 
 
+def indexer_order(spec: StepSpec) -> str:
+    """The order the indexer writes its candidates in: the spec's, except where the cache is not split (W = 1, or
+    tp): there nothing is exchanged, the local top-K is the answer, and its ids are wanted as integers
+    (``rank_local``: scores ``[T, k]`` + ids ``[T, k]``; one rank's local index is the global id), not packed."""
+    return "rank_local" if spec.cache_geometry.world_size == 1 else spec.order
+
+
 class Indexing(Part):
     """Scoring (when the spec scores FP8 index keys) and the indexer (the local stable top-K, packed)."""
 
     def __init__(self, spec: StepSpec, impls: Stages, group: Group, dtypes: Dtypes) -> None:
         super().__init__(spec, impls, group, dtypes)
         T, k = spec.max_tokens, spec.topk
-        self.rank_local = spec.order == "rank_local"
+        self.rank_local = indexer_order(spec) == "rank_local"
         self.scores_buf = self._buf(T * spec.scoring.max_keys, torch.float32) if spec.scoring is not None else None
         self.packed_buf = self._buf(T * k * (1 if self.rank_local else 2), torch.float32)
         self.own_ids_buf = self._buf(T * k, torch.int32) if self.rank_local else None
@@ -288,7 +297,7 @@ class Indexing(Part):
                 next_n=s.scoring.next_n,
             ), b.scores)  # fmt: skip
         ifn: Any = st.indexer
-        if b.own_ids is not None:
+        if b.own_ids is not None:  # the indexer's ids as integers (indexer_order)
             packed, own_ids = checked_pair("indexer", ifn, ifn(
                 scores, bounds, cg, s.topk, row_starts=starts, out=b.packed, order="rank_local", out_ids=b.own_ids
             ), (b.packed, b.own_ids))  # fmt: skip
@@ -317,23 +326,27 @@ class ExchangeViews:
 
 
 class Exchange(Part):
-    """The candidates all-gathered (when the cache is split over ``W > 1`` ranks; otherwise the indexer's output
-    is the gathered set, a view), then ``"allgather"``: select + deinterleave, or ``"owner"``: select_to_slots."""
+    """The candidates all-gathered (when the cache is split over ``W > 1`` ranks), then ``"allgather"``: select +
+    deinterleave, or ``"owner"``: select_to_slots. Where the cache is not split (W = 1, or tp) there is nothing to
+    select: the indexer's ids (:func:`indexer_order`) are the answer, and only their slots are looked up."""
 
     def __init__(self, spec: StepSpec, impls: Stages, group: Group, dtypes: Dtypes) -> None:
         super().__init__(spec, impls, group, dtypes)
         T, k, Wc = spec.max_tokens, spec.topk, spec.cache_geometry.world_size
-        self.owner = spec.exchange == "owner"
+        self.split = Wc > 1
+        self.owner = spec.exchange == "owner" and self.split
         self.pair = () if spec.order == "rank_local" else (2,)
-        if Wc > 1:
+        if self.split:
             self._all_gather = bind_collective(group, "all_gather")
-        self.gathered_buf = self._buf(Wc * T * k * (1 if self.pair == () else 2), torch.float32) if Wc > 1 else None
-        self.ids_buf = None if self.owner else self._buf(T * k, torch.int32)
+        self.gathered_buf = self._buf(Wc * T * k * (1 if self.pair == () else 2), torch.float32) if self.split else None
+        self.ids_buf = self._buf(T * k, torch.int32) if self.split and not self.owner else None
         self.slots_buf = self._buf(T * k, torch.int32)
         self.counts_buf = self._buf(T, torch.int32)
 
     @classmethod
     def stages_for(cls, spec: StepSpec) -> tuple[str, ...]:
+        if spec.cache_geometry.world_size == 1:
+            return ("deinterleave",)
         return ("select_to_slots",) if spec.exchange == "owner" else ("select", "deinterleave")
 
     @classmethod
@@ -350,8 +363,10 @@ class Exchange(Part):
         s, st, k = self.spec, self.impl, self.spec.topk
         b = self.views(cand.packed.shape[0])
         req, bt, cg = meta.req_of_token, shard.block_table, s.cache_geometry
-        # One rank's cache (tp, or dcp over one rank): the all-gather is the identity, a view of the candidates.
-        gathered = self._all_gather(cand.packed, b.gathered) if b.gathered is not None else cand.packed.unsqueeze(0)
+        if not self.split:  # one rank's cache: the local top-K's ids are the selection
+            assert cand.own_ids is not None
+            return self._slots(cand.own_ids, req, bt, b)
+        gathered = self._all_gather(cand.packed, b.gathered)
         if self.owner:
             s2s: Any = st.select_to_slots
             slots, counts = checked_pair("select_to_slots", s2s, s2s(
@@ -360,9 +375,14 @@ class Exchange(Part):
             return Selection(slots, counts, None)
         assert b.ids is not None
         ids = checked("select", st.select, st.select(gathered, k, out=b.ids), b.ids)
-        dfn: Any = st.deinterleave
+        return self._slots(ids, req, bt, b)
+
+    def _slots(self, ids: torch.Tensor, req: Any, bt: Any, b: ExchangeViews) -> Selection:
+        """The deinterleave stage: global ids ``[T, k]`` -> this rank's slots and counts."""
+        dfn: Any = self.impl.deinterleave
         slots, counts = checked_pair("deinterleave", dfn, dfn(
-            ids, req, bt, cg, compact=st.attention_layout == "compact", out_slots=b.slots, out_counts=b.counts
+            ids, req, bt, self.spec.cache_geometry, compact=self.impl.attention_layout == "compact",
+            out_slots=b.slots, out_counts=b.counts,
         ), (b.slots, b.counts))  # fmt: skip
         return Selection(slots, counts, ids)
 

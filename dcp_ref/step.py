@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from .axes import Candidates, Dtypes, Selection, plan_parts, stage_names
+from .axes import Candidates, Dtypes, Selection, indexer_order, plan_parts, stage_names
 from .contracts import FLOAT_DTYPES, INT_DTYPES, check_device, check_tensor
 from .fp8_cache import FP8_DS_MLA
 from .geometry import DcpGeometry
@@ -311,12 +311,12 @@ class PlannedStep:
         self._partial_dtype, self._lse_dtype = pdt, torch.float64 if pdt == torch.float64 else torch.float32
         self.parts = plan_parts(spec, stages, group, Dtypes(pdt, self._lse_dtype))
         self.impls = stages.impls(self._used)
-        if self.parts.attention.guard_fused:  # the guard's rule runs inside the attention call
-            self.impls["guard"] = f"in attention ({self.impls['attention']})"
+        #: Stages that run inside another stage's kernel (stage -> the stage that runs it), as the plan fused them.
+        self.fused: dict[str, str] = {"guard": "attention"} if self.parts.attention.guard_fused else {}
 
     # ------------------------------------------------------------------------------------------
     def _rank_local_indexer(self, stage: str) -> bool:
-        return stage == "indexer" and self.spec.order == "rank_local"
+        return stage == "indexer" and indexer_order(self.spec) == "rank_local"
 
     @property
     def collectives(self) -> tuple[str, ...]:

@@ -564,7 +564,8 @@ def _prepare(
     def own(name: str) -> bool:
         return getattr(stages, name) is getattr(template, name)
 
-    if impl["select"] == "cutedsl" and spec.exchange == "allgather" and own("select"):
+    # one rank's cache (W = 1, tp) selects nothing: its local top-K is the answer (dcp_ref.axes.Exchange)
+    if impl["select"] == "cutedsl" and spec.exchange == "allgather" and W > 1 and own("select"):
         from .topk_cutedsl import stable_topk_cutedsl
 
         too_big = _select_too_big(W, k)
@@ -577,7 +578,7 @@ def _prepare(
             gathered[..., 1] = -1.0  # all invalid: a warm-up that selects nothing
             with KERNEL_LOCK:
                 stable_topk_cutedsl(gathered, k, validate=False)
-    if impl["select_to_slots"] == "cutedsl" and spec.exchange == "owner" and own("select_to_slots"):
+    if impl["select_to_slots"] == "cutedsl" and spec.exchange == "owner" and W > 1 and own("select_to_slots"):
         from .select_to_slots_cutedsl import make_config
 
         # One split (CTAs per row) for the planned rows, whatever a run's token count: one compiled kernel.

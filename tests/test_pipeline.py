@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from idsets import same_sets
 
 from dcp_ref.pipeline import make_dcp_problem, run_dcp_decode, single_device_decode
 
@@ -99,11 +100,12 @@ def test_kernels_backend_equals_single_device(world_size: int, interleave: int, 
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=2e-6)
     for tr in traces:
-        assert torch.equal(tr["global_ids"].long(), ref_ids)
+        assert same_sets(tr["global_ids"], ref_ids)
     impl = traces[0]["impl"]  # the stages this run called, in order
     every = kernel_stage_impls(problem.q.device, problem.q.dtype, 24, 24, num_heads=12, topk=topk)
     assert impl == {stage: every[stage] for stage in impl}
-    assert list(impl) == ["indexer", "select", "deinterleave", "attention", "guard", *(["merge"] * (world_size > 1))]
+    split = world_size > 1  # one rank: no select (its local top-K is the answer), no merge
+    assert list(impl) == ["indexer", *["select"] * split, "deinterleave", "attention", "guard", *["merge"] * split]
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         assert impl["deinterleave"] == impl["guard"] == every["merge"] == "triton"
         assert impl["indexer"] in ("torch+triton", "fused")
@@ -222,6 +224,6 @@ def test_kernels_backend_property(world_size, interleave, next_n, topk, blocks_p
     out, lse = run_dcp_decode(problem, topk, 0.4, traces, stages="kernels")
     ref_out, ref_lse, ref_ids = single_device_decode(problem, topk, 0.4)
     for tr in traces:
-        assert torch.equal(tr["global_ids"].long(), ref_ids)
+        assert same_sets(tr["global_ids"], ref_ids)
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=2e-6)

@@ -101,8 +101,9 @@ def test_one_plan_many_runs_equal_the_oracle(stages: str, world_size: int, inter
         for tr in traces:  # the selection is a set per row
             assert [sorted(r) for r in tr["global_ids"].tolist()] == [sorted(r) for r in ref_ids.tolist()]
             # the stages a run calls, in order; one rank needs no merge (nothing to combine)
-            merge = ["merge"] if world_size > 1 else []
-            assert list(tr["impl"]) == ["indexer", "select", "deinterleave", "attention", "guard", *merge]
+            # one rank: no select (the local top-K is the answer) and no merge (nothing to combine)
+            select, merge = (["select"], ["merge"]) if world_size > 1 else ([], [])
+            assert list(tr["impl"]) == ["indexer", *select, "deinterleave", "attention", "guard", *merge]
 
 
 class _NoCollectives(SingleGroup):

@@ -77,7 +77,8 @@ def test_dcp_combines_and_query_inputs_equal_the_oracle(stages, W, I, combine, q
     for tr in traces:
         assert [sorted(r) for r in tr["global_ids"].tolist()] == [sorted(r) for r in ref_ids.tolist()]
         last = [] if W == 1 else ["merge" if combine == "reduce_scatter" else "combine"]
-        assert list(tr["impl"]) == ["indexer", "select", "deinterleave", "attention", "guard", *last]
+        select = [] if W == 1 else ["select"]  # one rank: the local top-K is the answer
+        assert list(tr["impl"]) == ["indexer", *select, "deinterleave", "attention", "guard", *last]
         if not q_replicate and W > 1:  # the gathered query is the full query, heads in rank order
             torch.testing.assert_close(tr["q_full"], p.q, rtol=0, atol=0)
 
@@ -254,7 +255,7 @@ def test_validate_checks_that_the_cache_holds_every_slot() -> None:
 
 
 def test_plan_refuses_what_is_not_a_group_and_stages_without_buffers() -> None:
-    p = _problem(1)
+    p = _problem(2)  # two ranks: the select stage runs (one rank's local top-K needs none)
     with pytest.raises(TypeError, match=r"group must be a dcp_ref\.group\.Group"):
         PlannedStep(object(), _spec(p, 0))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="all_to_all"):
@@ -264,12 +265,17 @@ def test_plan_refuses_what_is_not_a_group_and_stages_without_buffers() -> None:
         return REFERENCE_STAGES.select(gathered, k)
 
     with pytest.raises(TypeError, match=r"stage 'select' \(.*select_without_out\) must accept .*\['out'\]"):
-        PlannedStep(SingleGroup(), _spec(p, 0), REFERENCE_STAGES.with_(select=select_without_out))
+        PlannedStep(_NoCollectives(2, 0), _spec(p, 0), REFERENCE_STAGES.with_(select=select_without_out))
 
     def wrong_shape(gathered, k, *, out=None):  # type: ignore[no-untyped-def]
         return torch.zeros(1, k, dtype=torch.int32)
 
-    step = PlannedStep(SingleGroup(), _spec(p, 0), REFERENCE_STAGES.with_(select=wrong_shape))
+    class SelfGather(_NoCollectives):  # every rank's slice is this rank's: enough to reach the select stage
+        def all_gather(self, x, *, out=None):  # type: ignore[no-untyped-def]
+            out[:] = x
+            return out
+
+    step = PlannedStep(SelfGather(2, 0), _spec(p, 0), REFERENCE_STAGES.with_(select=wrong_shape))
     with pytest.raises(ValueError, match=r"stage 'select' \(.*wrong_shape\) returned shape \(1, 5\)"):
         step.run(p.q, p.shards[0], p.metadata(0))
 
@@ -374,7 +380,9 @@ def test_the_layer_from_its_inputs_equals_the_oracle(stages, W, I, exchange, ord
     else:  # rank_local breaks threshold ties by (rank, local index): equal to the oracle off threshold ties
         _assert_rank_local_selection(p, traces, ref_ids)
     assert next(iter(traces[0]["impl"])) == "scoring"
-    if exchange == "owner":
+    if W == 1:  # one rank: no exchange at all, the local top-K's slots looked up
+        assert "select_to_slots" not in traces[0]["impl"] and "select" not in traces[0]["impl"]
+    elif exchange == "owner":
         assert "select_to_slots" in traces[0]["impl"] and "select" not in traces[0]["impl"]
 
 
