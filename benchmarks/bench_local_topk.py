@@ -197,19 +197,18 @@ def run_fused(scores, lengths, want, tune: dict, *, time_it: bool = True) -> dic
     from dcp_ref.kernels.local_topk_cutedsl import vec_for
 
     t, n = scores.shape
-    knobs = ("split", "tile", "num_warps", "compact", "select", "sample", "pivots", "engine", "cute")
+    knobs = ("split", "tile", "num_warps", "compact", "select", "sample", "pivots", "engine", "cute", "radix_bits")
     plan_args = {a: tune[a] for a in knobs if a in tune}
     vec = vec_for(scores) if tune.get("engine") != "triton" else 0
-    plan = launch_plan(t, n, K, scores.device, vec=vec, **plan_args)
+    plan = launch_plan(t, n, K, scores.device, vec=vec, **plan_args)  # the one launch the call takes
     rec = {"tune": tune, "plan": plan._asdict(), "radix_bits": tune.get("radix_bits", DEFAULT_RADIX_BITS)}
     try:
         from dcp_ref.kernels.indexer_triton import indexer_topk_pack
 
-        ws_args = {a: tune[a] for a in ("split", "tile", "compact", "sample", "num_warps", "engine") if a in tune}
-        ws = workspace_for(scores, K, **ws_args)
+        ws = workspace_for(scores, K, plan=plan)
         out = torch.full((t, K, 2), float("nan"), device=DEV)
         fn = lambda: indexer_topk_pack(  # noqa: E731
-            scores, lengths, K, DcpGeometry(W, RANK, I, I), out=out, validate=False, workspace=ws, **tune
+            scores, lengths, K, DcpGeometry(W, RANK, I, I), out=out, validate=False, workspace=ws, plan=plan
         )
         t0 = time.monotonic()
         fn()

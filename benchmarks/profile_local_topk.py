@@ -32,16 +32,17 @@ def main() -> int:
     k = 2048
     from bench_local_topk import reference, same_rows  # the benchmark's checks (benchmarks/ is on sys.path)
 
-    from dcp_ref.kernels.indexer_triton import indexer_topk_pack
+    from dcp_ref.kernels.indexer_triton import indexer_topk_pack, launch_plan, scores_vec
 
     g = torch.Generator(device="cuda").manual_seed(t * 7 + n)
     scores = torch.randn(t, n, device="cuda", generator=g)
     lengths = torch.full((t,), n, dtype=torch.int32, device="cuda")
     cute = tuple(int(x) for x in args.cute.split(",")) if args.cute else None
     out = torch.empty((t, k, 2), device="cuda")
+    plan = launch_plan(t, n, k, scores.device, cute=cute, vec=scores_vec(scores))
 
     def ours() -> None:
-        indexer_topk_pack(scores, lengths, k, DcpGeometry(2, 0), out=out, validate=False, cute=cute)
+        indexer_topk_pack(scores, lengths, k, DcpGeometry(2, 0), out=out, validate=False, plan=plan)
 
     ours()
     torch.cuda.synchronize()

@@ -36,23 +36,23 @@ def parse_indexer(spec: str) -> tuple[int, int, dict]:
 
 def profile_indexer(spec: str, k: int) -> None:
     from dcp_ref.indexer import local_topk
-    from dcp_ref.kernels.indexer_triton import indexer_topk_pack, workspace_for
+    from dcp_ref.kernels.indexer_triton import indexer_topk_pack, launch_plan, scores_vec, workspace_for
     from dcp_ref.topk import pack_candidates
 
     t, n, tune = parse_indexer(spec)
     scores = torch.randn(t, n, device="cuda")
     lengths = torch.full((t,), n, dtype=torch.int32, device="cuda")
-    ws_args = {a: tune[a] for a in ("split", "tile", "compact", "sample", "num_warps") if a in tune}
-    ws = workspace_for(scores, k, **ws_args)
+    plan = launch_plan(t, n, k, scores.device, vec=scores_vec(scores), **tune)  # the spec's knobs
+    ws = workspace_for(scores, k, plan=plan)
     out = torch.empty((t, k, 2), device="cuda")
     for _ in range(3):
-        indexer_topk_pack(scores, lengths, k, DcpGeometry(2, 0), out=out, validate=False, workspace=ws, **tune)
+        indexer_topk_pack(scores, lengths, k, DcpGeometry(2, 0), out=out, validate=False, workspace=ws, plan=plan)
     want = pack_candidates(scores, local_topk(scores, k, lengths), DcpGeometry(2, 0))
     same = torch.equal(out.view(torch.int64).sort(1).values, want.view(torch.int64).sort(1).values)
     assert same, spec
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    indexer_topk_pack(scores, lengths, k, DcpGeometry(2, 0), out=out, validate=False, workspace=ws, **tune)
+    indexer_topk_pack(scores, lengths, k, DcpGeometry(2, 0), out=out, validate=False, workspace=ws, plan=plan)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     print(f"profiled indexer {spec}: k={k}")

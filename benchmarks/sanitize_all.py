@@ -310,7 +310,7 @@ def fam_topk(f: Family) -> None:
 
 
 def fam_indexer(f: Family) -> None:
-    from dcp_ref.kernels.indexer_triton import indexer_topk_pack
+    from dcp_ref.kernels.indexer_triton import indexer_topk_pack, launch_plan
 
     g = gen(5)
     for rows, cols, k, W, I in [(3, 40, 8, 2, 1), (2, 300, 17, 4, 2)]:
@@ -321,7 +321,7 @@ def fam_indexer(f: Family) -> None:
             starts = torch.randint(-3, cols + 3, (rows,), generator=g).to(torch.int32)
             got = indexer_topk_pack(
                 scores.to(DEV), lengths.to(DEV), k, DcpGeometry(W, 1, I, I), starts.to(DEV), validate=False,
-                engine="triton",
+                plan=launch_plan(rows, cols, k, DEV, engine="triton"),
             )  # fmt: skip
             want = pack_candidates(
                 scores,
@@ -341,7 +341,7 @@ def fam_local_topk(f: Family) -> None:
     """The CuTeDSL local top-K (``engine="cutedsl"``): windows outside the scores (clamped), NaN / ±inf, ties, every
     vector width (aligned, 8-byte, unaligned views), one CTA and clusters of 2 / 4 / 8, both orders."""
     from dcp_ref.indexer import local_topk_rank_local
-    from dcp_ref.kernels.indexer_triton import indexer_topk_pack
+    from dcp_ref.kernels.indexer_triton import indexer_topk_pack, launch_plan, scores_vec
 
     g = gen(17)
     for rows, cols, k, off, cute in [(3, 40, 8, 0, None), (4, 301, 17, 1, None), (5, 4096, 100, 2, None),
@@ -356,15 +356,15 @@ def fam_local_topk(f: Family) -> None:
             lengths[0] = 2**40  # huge: clamped
             starts = torch.randint(-3, cols + 3, (rows,), generator=g)
             gm = DcpGeometry(2, 1, 2, 2)
-            got = indexer_topk_pack(scores, lengths.to(DEV), k, gm, starts.to(DEV), validate=False, engine="cutedsl",
-                                    cute=cute)  # fmt: skip
+            plan = launch_plan(rows, cols, k, DEV, engine="cutedsl", cute=cute, vec=scores_vec(scores))
+            got = indexer_topk_pack(scores, lengths.to(DEV), k, gm, starts.to(DEV), validate=False, plan=plan)
             host = scores.cpu()
             want = pack_candidates(host, local_topk(host, k, lengths, starts, validate=False), gm, starts,
                                    validate=False)  # fmt: skip
             f.check(f"rows={rows} cols={cols} k={k} off={off} cute={cute} bad windows: = reference (sets)",
                     torch.equal(_pair_sets(got.cpu()), _pair_sets(want)))  # fmt: skip
-            rs, ri = indexer_topk_pack(scores, lengths.to(DEV), k, gm, starts.to(DEV), validate=False,
-                                       engine="cutedsl", cute=cute, order="rank_local")  # fmt: skip
+            rs, ri = indexer_topk_pack(scores, lengths.to(DEV), k, gm, starts.to(DEV), validate=False, plan=plan,
+                                       order="rank_local")  # fmt: skip
             ws_, wi = local_topk_rank_local(host, k, lengths, starts, validate=False)
             ok = torch.equal(ri.cpu(), wi) and torch.equal(rs.cpu().view(torch.int32), ws_.view(torch.int32))
             f.check(f"rows={rows} cols={cols} k={k} cute={cute} rank_local: = reference exactly", ok)
@@ -888,7 +888,7 @@ def fam_indexer_compact(f: Family) -> None:
         s = torch.cat([normal, const, missed, ties, above])
         seen: set[int] = set()
         for split in (1, 3):
-            kw = dict(compact=True, split=split, tile=64, sample=16)
+            kw = dict(plan=ix.launch_plan(5, n, 5, DEV, compact=True, split=split, tile=64, sample=16))
             ws = ix.workspace_for(s.to(DEV), 5, **kw)
             out = torch.full((5, 5, 2), NAN, device=DEV)
             got = ix.indexer_topk_pack(s.to(DEV), None, 5, geo, out=out, workspace=ws, validate=False, **kw)
@@ -924,7 +924,7 @@ def fam_indexer_compact(f: Family) -> None:
             cs = starts.long().clamp(0, cols)
             cl = torch.minimum(lengths.long().clamp(min=0), cols - cs)
             want = pack_candidates(view, local_topk(view, k, cl, cs), geo, cs)
-            kw = dict(compact=True, split=split, tile=64, sample=16)
+            kw = dict(plan=ix.launch_plan(T, cols, k, DEV, compact=True, split=split, tile=64, sample=16))
             ws = ix.workspace_for(view.to(DEV), k, **kw)
             ws[:, :-2] = -1  # poisoned lists and list counts (only the arrival counters must start at 0)
             out = torch.full((T, k, 2), NAN, device=DEV)

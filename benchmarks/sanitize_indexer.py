@@ -25,7 +25,7 @@ sys.path.insert(0, "tests")
 from test_indexer_kernel import make_cases, reference, same_sets
 
 from dcp_ref.geometry import DcpGeometry
-from dcp_ref.kernels.indexer_triton import indexer_topk_pack
+from dcp_ref.kernels.indexer_triton import indexer_topk_pack, launch_plan, scores_vec
 
 # (rows, cols, k, W, I, rank, row_starts, tuning)
 CONFIGS = [
@@ -51,7 +51,8 @@ def main() -> int:
             continue
         s, lengths, starts = make_cases(rows, cols, 70 + c, dev, with_starts)
         out = torch.full((rows, k, 2), float("nan"), device=dev)
-        got = indexer_topk_pack(s, lengths, k, DcpGeometry(w, rank, i, i), starts, out=out, validate=False, **tune)
+        plan = launch_plan(rows, cols, k, dev, vec=scores_vec(s), **tune)
+        got = indexer_topk_pack(s, lengths, k, DcpGeometry(w, rank, i, i), starts, out=out, validate=False, plan=plan)
         ok = bool(same_sets(got, reference(s, lengths, k, DcpGeometry(w, rank, i, i), starts)).all())
         bad += not ok
         print(f"config {c} rows={rows} cols={cols} k={k} W={w} I={i} {tune}: {'ok' if ok else 'MISMATCH'}", flush=True)

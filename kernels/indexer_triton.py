@@ -136,6 +136,7 @@ __all__ = [
     "ORDERS",
     "LaunchPlan",
     "launch_plan",
+    "scores_vec",
     "compact_cap",
     "workspace_for",
     "compact_paths",
@@ -899,8 +900,14 @@ ORDERS = ("global_id", "rank_local")
 SELECTS = ("radix", "search")
 
 
+#: Digit width of the radix select (bits per pass; at most 7 passes). See the module docstring for why
+#: narrow digits win: on the H200, T = 32, L = 8192 took 19.9 us at 5 bits, 20.7 at 6, 31 at 8, 188 at 11.
+DEFAULT_RADIX_BITS = 5
+
+
 class LaunchPlan(NamedTuple):
-    """How one call runs (see :func:`launch_plan`)."""
+    """How one call runs (see :func:`launch_plan`), and the shape it was made for: :func:`indexer_topk_pack`
+    refuses a plan whose ``rows``, ``n_cols``, ``k`` or ``device`` differ from its call's."""
 
     tile: int  #: keys per tile of the first launch (a power of two)
     one_chunk: bool  #: a row (segment) of the first launch fits one tile: read once, kept in registers
@@ -915,15 +922,19 @@ class LaunchPlan(NamedTuple):
     engine: str = "triton"  #: ``"triton"`` (the fields above) or ``"cutedsl"`` (:mod:`.local_topk_cutedsl`)
     cute: tuple[int, int, int, int] | None = None  #: the CuTeDSL kernel's ``(cluster, threads, cpt, first_bits)``
     vec: int = 0  #: keys per vector load of the CuTeDSL kernel (the scores' alignment allows it)
+    radix_bits: int = DEFAULT_RADIX_BITS  #: digit width of the Triton kernels' radix select (bits per pass)
+    #: ``(tile, one_chunk, num_warps)`` of each launch after the first of the split streamed path: the further
+    #: levels', then the last select's (``()`` for every other path)
+    later: tuple[tuple[int, bool, int], ...] = ()
+    rows: int = 0  #: rows of the call it was made for
+    n_cols: int = 0  #: columns of that call's scores
+    k: int = 0  #: winners per row of that call
+    device: str = ""  #: that call's device, ``str(torch.device)`` with its index (``"cuda:0"``, ``"cpu"``)
 
 
 #: Who runs the indexer stage (:func:`launch_plan` picks by shape and layout when ``engine=None``).
 ENGINES = ("triton", "cutedsl")
 
-
-#: Digit width of the radix select (bits per pass; at most 7 passes). See the module docstring for why
-#: narrow digits win: on the H200, T = 32, L = 8192 took 19.9 us at 5 bits, 20.7 at 6, 31 at 8, 188 at 11.
-DEFAULT_RADIX_BITS = 5
 
 #: Default select of a tile held in registers (``"radix"`` or ``"search"``; the launch-plan sweep of
 #: ``benchmarks/bench_local_topk.py`` compares them). Radix until the sweep says otherwise: in SASS (Triton
@@ -1042,29 +1053,77 @@ def launch_plan(
     engine: str | None = None,
     vec: int = 0,
     cute: tuple[int | None, int | None, int | None] | None = None,
+    radix_bits: int = DEFAULT_RADIX_BITS,
 ) -> LaunchPlan:
-    """How :func:`indexer_topk_pack` runs ``rows`` rows of ``n_cols`` columns (shapes only, no sync).
+    """How :func:`indexer_topk_pack` runs ``rows`` rows of ``n_cols`` columns and ``k`` winners on ``device``
+    (shapes only, no sync): the one place a launch is chosen. ``indexer_topk_pack(plan=None)`` takes
+    ``launch_plan(rows, n_cols, k, scores.device, vec=scores_vec(scores))``; pass ``plan=`` to run another
+    (the plan records the shape it was made for, and a call of any other shape refuses it).
 
     **Engine.** ``engine=None`` takes the CuTeDSL kernel (:mod:`dcp_ref.kernels.local_topk_cutedsl`: a row
     read once into registers, a cluster of CTAs for long rows) wherever it can run — a CUDA device, no Triton
     knob given (``split``, ``tile``, ``num_warps``, ``compact``, ``select``, ``sample``, ``pivots``), scores
-    whose layout allows ``vec >= 1`` keys per vector load (:func:`~dcp_ref.kernels.local_topk_cutedsl.vec_for`;
-    0 = it cannot read them) and :func:`~dcp_ref.kernels.local_topk_cutedsl.plan_for` holds the row — and the
-    Triton kernel elsewhere. ``"triton"`` / ``"cutedsl"`` force one (``"cutedsl"`` where it cannot run is a
-    ``ValueError``). ``cute``: ``(cluster, threads, first_bits)`` overrides of the CuTeDSL plan (``None``
-    entries: by shape).
+    whose layout allows ``vec >= 1`` keys per vector load (:func:`scores_vec`; 0 = it cannot read them) and
+    :func:`~dcp_ref.kernels.local_topk_cutedsl.plan_for` holds the row — and the Triton kernel elsewhere.
+    ``"triton"`` / ``"cutedsl"`` force one (``"cutedsl"`` where it cannot run is a ``ValueError``). ``cute``:
+    ``(cluster, threads, first_bits)`` overrides of the CuTeDSL plan (``None`` entries: by shape).
 
     A row of up to :data:`MAX_TILE` columns (``tile`` when given) is one tile, held in registers
     (``select``). A longer one takes the compacted path where :func:`prefer_compact` says so (``compact=None``:
-    by shape, where it measured faster; ``True`` forces it for any row when ``k <= MAX_TILE / 2``, ``False``
-    forbids it; :attr:`LaunchPlan.compact` records the choice): streamed in tiles of ``tile`` (default
-    :data:`STREAM_TILE`), with a candidate list of :func:`compact_cap` entries and a bound from a
+    by shape, where it measured faster; ``True`` forces it for any row, and needs ``k <= MAX_TILE / 2``;
+    ``False`` forbids it; :attr:`LaunchPlan.compact` records the choice): streamed in tiles of ``tile``
+    (default :data:`STREAM_TILE`), with a candidate list of :func:`compact_cap` entries and a bound from a
     sample of ``sample`` keys; ``split`` segments per row (at most 64; ``None``: more than one only on a GPU
     whose SMs the rows alone would leave mostly idle). Otherwise the streamed radix path: split
     (``split=None``) on a GPU when long rows (``n_cols >= 4 * MAX_TILE``, ``k <= MAX_TILE / 4``) fill less
     than a quarter of the SMs, into segments of ``MAX_TILE`` whose ``split * k`` candidates are split
     again (``levels``), each level shrinking them at least 4-fold, before the last launch selects.
+
+    The Triton kernel's tuning (any of them but ``radix_bits`` makes the plan take the Triton kernel):
+    ``split``: segments per row, ``>= 1``; ``tile``: keys per tile, a power of two ``>= 16`` (a row of at most
+    ``tile`` keys stays in registers; the streamed paths stream tiles of it); ``num_warps``: warps per program
+    of the first launch, a power of two ``<= 32``; ``compact``: the compacted path (above); ``select``:
+    ``"radix"`` or ``"search"`` (:data:`SELECTS`); ``sample``: sample size of the compacted path, a power of
+    two in ``[16, MAX_TILE]``; ``pivots``: 1 or 3 per search step; ``radix_bits``: digit width of the radix
+    select, 5-13 (default :data:`DEFAULT_RADIX_BITS`).
+
+    Raises:
+        TypeError / ValueError naming the argument.
     """
+    rows = check_int_scalar(rows, "rows", min_value=0)
+    n_cols = check_int_scalar(n_cols, "n_cols", min_value=0)
+    k = check_int_scalar(k, "k", min_value=1)
+    dev = _device(device)
+    vec = check_int_scalar(vec, "vec", min_value=0)
+    radix_bits = check_int_scalar(radix_bits, "radix_bits")
+    if not 5 <= radix_bits <= 13:
+        # >= 5: tl.histogram gives every lane of a warp at least one bin; <= 13: 2**13 int32 bins are
+        # 32 KiB of shared memory and 8 registers per thread at 32 warps; wider digits spill.
+        raise ValueError(f"radix_bits must be in [5, 13], got {radix_bits}")
+    if tile is not None:
+        tile = check_int_scalar(tile, "tile", min_value=16)
+        if tile & (tile - 1):
+            raise ValueError(f"tile must be a power of two, got {tile}")
+    if num_warps is not None:
+        num_warps = check_int_scalar(num_warps, "num_warps", min_value=1)
+        if num_warps & (num_warps - 1) or num_warps > 32:
+            raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps}")
+    if split is not None:
+        split = check_int_scalar(split, "split", min_value=1)
+    if compact is not None:
+        compact = check_bool(compact, "compact")
+        if compact and not compact_cap(k):
+            raise ValueError(f"compact=True needs k <= {MAX_TILE // 2} (its candidate list is a tile), got k={k}")
+    if select is not None and (not isinstance(select, str) or select not in SELECTS):
+        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
+    if sample is not None:
+        sample = check_int_scalar(sample, "sample", min_value=16)
+        if sample & (sample - 1) or sample > MAX_TILE:
+            raise ValueError(f"sample must be a power of two in [16, {MAX_TILE}], got {sample}")
+    if pivots is not None:
+        pivots = check_int_scalar(pivots, "pivots")
+        if pivots not in (1, 3):
+            raise ValueError(f"pivots must be 1 or 3, got {pivots}")
     sel = DEFAULT_SELECT if select is None else select
     piv = DEFAULT_PIVOTS if pivots is None else pivots
     if engine is not None and engine not in ENGINES:
@@ -1075,15 +1134,20 @@ def launch_plan(
         for name, v in zip(("cluster", "threads", "first_bits"), cute):
             if v is not None:
                 check_int_scalar(v, f"cute's {name}")
+
+    def made_for(plan: LaunchPlan) -> LaunchPlan:
+        # the call checks this shape against its own (tiles, segments, lists and workspace follow it)
+        return plan._replace(radix_bits=radix_bits, rows=rows, n_cols=n_cols, k=k, device=str(dev))
+
     triton_knobs = any(x is not None for x in (split, tile, num_warps, compact, select, sample, pivots))
     if engine == "cutedsl" and triton_knobs:
         raise ValueError(
             "engine='cutedsl' takes no Triton tuning (split, tile, num_warps, compact, select, sample, pivots)"
         )
     if engine != "triton" and not triton_knobs:
-        cp = _cute_plan(rows, n_cols, k, device, vec, cute)
+        cp = _cute_plan(rows, n_cols, k, dev, vec, cute)
         if cp is not None:
-            return LaunchPlan(0, True, 0, 1, select=sel, pivots=piv, engine="cutedsl", cute=cp, vec=vec)
+            return made_for(LaunchPlan(0, True, 0, 1, select=sel, pivots=piv, engine="cutedsl", cute=cp, vec=vec))
         if engine == "cutedsl":
             raise ValueError(
                 f"engine='cutedsl' cannot run this call (CUDA device, float32 scores with unit column stride and a "
@@ -1094,27 +1158,76 @@ def launch_plan(
     if compact is None:
         compact = not fits and prefer_compact(rows, n_cols, k)
     if compact and cap:
-        s = _auto_segments(rows, n_cols, device) if split is None else split
+        s = _auto_segments(rows, n_cols, dev) if split is None else split
         # at least 16 keys per segment; at most 64 segments, and no more than the list holds entries (the last
         # program joins the lists CAP / next_pow2(S) entries per segment at a time)
         s = max(1, min(s, cdiv(max(n_cols, 1), 16), 64, cap))
         t = tile or min(STREAM_TILE, max(16, next_pow2(max(n_cols, 1))))
         smp = sample or _sample_size(n_cols, k, cap)
         w = num_warps or max(4, min(16, max(t, cap, smp) // 512))
-        return LaunchPlan(t, False, w, s, (), True, cap, smp, sel, piv)
+        return made_for(LaunchPlan(t, False, w, s, (), True, cap, smp, sel, piv))
     if split is None:
         split = 1
-        if device.type == "cuda" and not triton_interpreting() and n_cols >= 4 * MAX_TILE and 4 * k <= MAX_TILE:
-            if rows * 4 <= sm_count(device):
+        if dev.type == "cuda" and not triton_interpreting() and n_cols >= 4 * MAX_TILE and 4 * k <= MAX_TILE:
+            if rows * 4 <= sm_count(dev):
                 split = cdiv(n_cols, MAX_TILE)
     split = max(1, min(split, cdiv(max(n_cols, 1), 16)))
     seg = cdiv(n_cols, split) if split > 1 else n_cols
     t, one, w = _tile_config(seg, tile, num_warps)
-    return LaunchPlan(t, one, w, split, _split_levels(split, k, tile or MAX_TILE), False, 0, 0, sel, piv)
+    levels = _split_levels(split, k, tile or MAX_TILE)
+    # The launches after the first (split rows only): each further level selects among the previous level's
+    # segments' candidates, the last launch among the last level's; their tiles follow their sizes (tile when
+    # given), their warps the tile (num_warps is the first launch's).
+    later, n = [], n_cols
+    for lvl, s in enumerate(levels):
+        if lvl:
+            later.append(_tile_config(cdiv(n, s), tile, None))
+        n = s * k
+    if levels:
+        later.append(_tile_config(n, tile, None))
+    return made_for(LaunchPlan(t, one, w, split, levels, False, 0, 0, sel, piv, later=tuple(later)))
 
 
-def _vec(scores: torch.Tensor) -> int:
-    """Keys per vector load the CuTeDSL kernel could read ``scores`` with (0: it cannot run here)."""
+def _device(device: torch.device | str) -> torch.device:
+    """``device`` as a plan records it: a CUDA device with its index (the current one when it has none)."""
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _check_plan(plan: LaunchPlan, scores: torch.Tensor, k: int) -> LaunchPlan:
+    """``plan`` when it was made for this call — ``scores``' rows, columns and device, and ``k``
+    (:func:`launch_plan` records them) — and can run it (the CuTeDSL engine: a vector width the scores'
+    layout allows, :func:`scores_vec`); a ``ValueError`` naming ``plan`` otherwise (a ``TypeError`` when it is
+    not a :class:`LaunchPlan`)."""
+    if not isinstance(plan, LaunchPlan):
+        raise TypeError(f"plan must be a LaunchPlan (launch_plan makes it) or None, got {type(plan).__name__}")
+    rows, cols = scores.shape
+    want = (rows, cols, k, str(scores.device))
+    if (plan.rows, plan.n_cols, plan.k, plan.device) != want:
+        # another shape's tiles, segments, candidate list and workspace would select wrongly or overrun
+        raise ValueError(
+            f"plan was made for rows={plan.rows}, n_cols={plan.n_cols}, k={plan.k} on {plan.device!r}, not for this "
+            f"call's rows={rows}, n_cols={cols}, k={k} on {want[3]!r}: make it with "
+            "launch_plan(rows, n_cols, k, device, ...) for this shape"
+        )
+    if plan.engine == "cutedsl":
+        v = scores_vec(scores)
+        if not 1 <= plan.vec <= v:  # vector widths are powers of two: v allows every width up to it
+            raise ValueError(
+                f"plan takes the CuTeDSL kernel at vec={plan.vec} keys per vector load, which these scores cannot "
+                f"give (their layout allows {v}, scores_vec; 0: not float32 with unit column stride on a GPU)"
+            )
+    return plan
+
+
+def scores_vec(scores: torch.Tensor) -> int:
+    """Keys per vector load the CuTeDSL kernel could read float ``[T, cols]`` ``scores`` with: 4, 2 or 1, or 0
+    where it cannot run here (not a CUDA device, the Triton interpreter, nvidia-cutlass-dsl missing, or a
+    layout it cannot read: :func:`~dcp_ref.kernels.local_topk_cutedsl.vec_for`). :func:`launch_plan`'s ``vec``."""
     if scores.device.type != "cuda" or triton_interpreting():
         return 0
     try:
@@ -1149,31 +1262,27 @@ def _compact_words(plan: LaunchPlan) -> int:
     return plan.split * (plan.cap + 2) + 2
 
 
-def workspace_for(
-    scores: torch.Tensor,
-    k: int,
-    *,
-    split: int | None = None,
-    tile: int | None = None,
-    compact: bool | None = None,
-    sample: int | None = None,
-    num_warps: int | None = None,
-    engine: str | None = None,
-) -> torch.Tensor | None:
-    """The ``workspace=`` buffer :func:`indexer_topk_pack` needs for ``scores`` and ``k`` (the same
-    ``split`` / ``tile`` / ``compact`` / ``sample`` / ``engine``), or ``None`` when its plan needs none. Allocate it
-    once, outside a CUDA graph, and pass it on every call: the call then allocates nothing. One call at
-    a time per workspace (the compacted path's counters belong to the call in flight): give each stream
-    (and each thread that launches concurrently) its own.
+def workspace_for(scores: torch.Tensor, k: int, *, plan: LaunchPlan | None = None) -> torch.Tensor | None:
+    """The ``workspace=`` buffer :func:`indexer_topk_pack` needs for float ``[T, cols]`` ``scores``, ``k`` and
+    ``plan`` (the same one the call gets; ``None``: the default plan, by shape), or ``None`` when the plan
+    needs none. Allocate it once, outside a CUDA graph, and pass it on every call: the call then allocates
+    nothing. One call at a time per workspace (the compacted path's counters belong to the call in flight):
+    give each stream (and each thread that launches concurrently) its own.
 
     Returns:
         compacted path: int64 ``[T, words]``, **zeroed** (its per-row arrival counters must start at 0;
         every call leaves them at 0); streamed split path: float32 ``[T, sum(levels), k, 2]``; or ``None`` (the
         CuTeDSL engine, and the Triton paths that need none).
+    Raises:
+        ValueError naming ``plan`` when it was made for another shape (as :func:`indexer_topk_pack` does).
     """
+    check_tensor(scores, "scores", ndim=2)
+    k = check_int_scalar(k, "k", min_value=1)
     rows, cols = scores.shape
-    plan = launch_plan(rows, cols, k, scores.device, split=split, tile=tile, compact=compact, sample=sample,
-                       num_warps=num_warps, engine=engine, vec=_vec(scores) if engine != "triton" else 0)  # fmt: skip
+    if plan is None:
+        plan = launch_plan(rows, cols, k, scores.device, vec=scores_vec(scores))
+    else:
+        plan = _check_plan(plan, scores, k)
     if plan.engine == "cutedsl":
         return None
     if plan.compact:
@@ -1201,18 +1310,9 @@ def indexer_topk_pack(
     out: torch.Tensor | None = None,
     validate: bool = True,
     workspace: torch.Tensor | None = None,
-    split: int | None = None,
-    radix_bits: int = DEFAULT_RADIX_BITS,
-    tile: int | None = None,
-    num_warps: int | None = None,
+    plan: LaunchPlan | None = None,
     order: Literal["global_id"] = ...,
     out_ids: None = None,
-    compact: bool | None = None,
-    select: str | None = None,
-    sample: int | None = None,
-    pivots: int | None = None,
-    engine: str | None = None,
-    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> torch.Tensor: ...
 
 
@@ -1227,18 +1327,9 @@ def indexer_topk_pack(
     out: torch.Tensor | None = None,
     validate: bool = True,
     workspace: torch.Tensor | None = None,
-    split: int | None = None,
-    radix_bits: int = DEFAULT_RADIX_BITS,
-    tile: int | None = None,
-    num_warps: int | None = None,
+    plan: LaunchPlan | None = None,
     order: Literal["rank_local"],
     out_ids: torch.Tensor | None = None,
-    compact: bool | None = None,
-    select: str | None = None,
-    sample: int | None = None,
-    pivots: int | None = None,
-    engine: str | None = None,
-    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -1252,18 +1343,9 @@ def indexer_topk_pack(
     out: torch.Tensor | None = None,
     validate: bool = True,
     workspace: torch.Tensor | None = None,
-    split: int | None = None,
-    radix_bits: int = DEFAULT_RADIX_BITS,
-    tile: int | None = None,
-    num_warps: int | None = None,
+    plan: LaunchPlan | None = None,
     order: str = "global_id",
     out_ids: torch.Tensor | None = None,
-    compact: bool | None = None,
-    select: str | None = None,
-    sample: int | None = None,
-    pivots: int | None = None,
-    engine: str | None = None,
-    cute: tuple[int | None, int | None, int | None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Local stable top-``k`` of each score row, packed for the all-gather (the indexer stage).
 
@@ -1292,20 +1374,15 @@ def indexer_topk_pack(
             bad values never read out of bounds. When the shapes alone cannot rule out a global id
             ``>= 2**24`` (``"global_id"`` only), the values are checked on the host before the launch
             anyway: a lossy id must raise, not be packed silently.
-        workspace: the buffer :func:`workspace_for` makes (same tuning arguments) when the plan needs
+        workspace: the buffer :func:`workspace_for` makes (for the same ``plan``) when the plan needs
             one (compacted path: int64, zeroed; split streamed path: float32 ``[T, sum(levels), k, 2]``);
             allocated when needed and not given.
-        engine, cute: who runs the call (``None``: the plan picks; ``"triton"`` / ``"cutedsl"``) and the CuTeDSL
-            kernel's ``(cluster, threads, first_bits)`` tuning; see :func:`launch_plan`.
-        split, radix_bits, tile, num_warps, compact, select, sample, pivots: the Triton kernel's tuning (see
-            :func:`launch_plan`; any of them but ``radix_bits`` makes the plan take the Triton kernel).
-            ``split``: segments per row; ``radix_bits``: digit width of the radix select, 5-13 (default
-            :data:`DEFAULT_RADIX_BITS`); ``tile``: keys per tile, a power of two (a row of at most ``tile`` keys
-            stays in registers; the compacted path streams tiles of it);
-            ``num_warps``: warps per program; ``compact``: the compacted path for long rows (``None``:
-            :func:`prefer_compact`); ``select``: ``"radix"`` or ``"search"`` (:data:`SELECTS`); ``sample``:
-            sample size of the compacted path, a power of two in ``[16, MAX_TILE]``; ``pivots``: 1 or 3 per
-            search step.
+        plan: how the call runs, a :class:`LaunchPlan` from :func:`launch_plan` — the engine and every launch
+            decision (tiles, warps, segments, the compacted path, select, sample, pivots, radix digit width, the
+            CuTeDSL kernel's tuning) — made for this call's ``T``, ``cols``, ``k`` and device, and used as is; a
+            ``ValueError`` naming ``plan`` when it was made for another shape or device, or cannot run on these
+            scores. ``None``: ``launch_plan(T, cols, k, scores.device, vec=scores_vec(scores))``, the default
+            plan by shape.
         order: ``"global_id"`` or ``"rank_local"`` (:data:`ORDERS`).
         out_ids: ``"rank_local"`` only: optional int32 ``[T, k]`` contiguous buffer for the local indices.
     Returns:
@@ -1331,35 +1408,6 @@ def indexer_topk_pack(
             check_tensor(arg, name, dtypes=INT_DTYPES, ndim=1, device=dev)
             if arg.shape[0] != rows:
                 raise ValueError(f"{name} must have shape [{rows}] (one per scores row), got {tuple(arg.shape)}")
-    radix_bits = check_int_scalar(radix_bits, "radix_bits")
-    if not 5 <= radix_bits <= 13:
-        # >= 5: tl.histogram gives every lane of a warp at least one bin; <= 13: 2**13 int32 bins are
-        # 32 KiB of shared memory and 8 registers per thread at 32 warps; wider digits spill.
-        raise ValueError(f"radix_bits must be in [5, 13], got {radix_bits}")
-    if tile is not None:
-        tile = check_int_scalar(tile, "tile", min_value=16)
-        if tile & (tile - 1):
-            raise ValueError(f"tile must be a power of two, got {tile}")
-    if num_warps is not None:
-        num_warps = check_int_scalar(num_warps, "num_warps", min_value=1)
-        if num_warps & (num_warps - 1) or num_warps > 32:
-            raise ValueError(f"num_warps must be a power of two <= 32, got {num_warps}")
-    if split is not None:
-        split = check_int_scalar(split, "split", min_value=1)
-    if compact is not None:
-        compact = check_bool(compact, "compact")
-        if compact and not compact_cap(k):
-            raise ValueError(f"compact=True needs k <= {MAX_TILE // 2} (its candidate list is a tile), got k={k}")
-    if select is not None and (not isinstance(select, str) or select not in SELECTS):
-        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
-    if sample is not None:
-        sample = check_int_scalar(sample, "sample", min_value=16)
-        if sample & (sample - 1) or sample > MAX_TILE:
-            raise ValueError(f"sample must be a power of two in [16, {MAX_TILE}], got {sample}")
-    if pivots is not None:
-        pivots = check_int_scalar(pivots, "pivots")
-        if pivots not in (1, 3):
-            raise ValueError(f"pivots must be 1 or 3, got {pivots}")
     if rank_local:
         out = _check_flat(out, "out", (rows, k), torch.float32, dev)
         out_ids = _check_flat(out_ids, "out_ids", (rows, k), torch.int32, dev)
@@ -1382,9 +1430,10 @@ def indexer_topk_pack(
         # stride this large (a column-major view of a huge matrix) would overflow them. Masked-off
         # lanes never dereference their (possibly wrapped) address.
         scores = scores.contiguous()
-    vec = _vec(scores) if engine != "triton" else 0
-    plan = launch_plan(rows, cols, k, dev, split=split, tile=tile, num_warps=num_warps, compact=compact,
-                       select=select, sample=sample, pivots=pivots, engine=engine, vec=vec, cute=cute)  # fmt: skip
+    if plan is None:
+        plan = launch_plan(rows, cols, k, dev, vec=scores_vec(scores))
+    else:
+        plan = _check_plan(plan, scores, k)
     if plan.engine == "cutedsl":
         pass  # no workspace: a given one is not read
     elif plan.compact:
@@ -1396,7 +1445,7 @@ def indexer_topk_pack(
         if rank_local and n_ws and cols > _MAX_EXACT_ID:
             raise ValueError(
                 f"scores has {cols} columns: the split streamed path carries local indices as float32 (exact below "
-                "2**24); use compact=True (or split=1) for rank-local rows this long"
+                "2**24); use a plan with compact=True (or split=1) for rank-local rows this long"
             )
     if rows == 0:
         return (out, out_ids) if rank_local else out  # type: ignore[return-value]
@@ -1413,8 +1462,8 @@ def indexer_topk_pack(
         # conformance kit found a strided `lengths` read wrongly).
         lens = lengths.contiguous() if lengths is not None else dummy
         starts = row_starts.contiguous() if row_starts is not None else dummy
-        _launch(plan, scores, lens, starts, out, out_ids, workspace, chk, k, g, radix_bits, rank_local,
-                lengths is not None, row_starts is not None, tile)  # fmt: skip
+        _launch(plan, scores, lens, starts, out, out_ids, workspace, chk, k, g, rank_local, lengths is not None,
+                row_starts is not None)  # fmt: skip
     if chk is not None and int(chk.item()):  # the one host read of a validated call
         chk.zero_()
         _validate_values(cols, lengths, row_starts, g, ids=not rank_local)  # raises the precise message
@@ -1433,17 +1482,16 @@ def _launch(
     chk: torch.Tensor | None,
     k: int,
     g: DcpGeometry,
-    radix_bits: int,
     rank_local: bool,
     has_lengths: bool,
     has_starts: bool,
-    tile: int | None,
 ) -> None:
     """The launches of one call (shapes checked, plan made)."""
     r, w, i = g.rank, g.world_size, g.interleave  # the kernels' loose ints: rank at run time, W and I constexpr
     rows, cols = scores.shape
     pad_block = min(next_pow2(k), 1024)
     sel = SELECTS.index(plan.select)
+    radix_bits = plan.radix_bits
     out_arg = out if rank_local else out.view(torch.int64)
     if plan.compact:
         assert workspace is not None  # checked (or allocated) by the caller
@@ -1476,11 +1524,10 @@ def _launch(
     n_ws = workspace.shape[1]
     row_pairs = n_ws * k  # (score, id) pairs per workspace row
     src, src_stride, n, packed, off = scores, (scores.stride(0), scores.stride(1)), cols, False, 0
+    configs = ((plan.tile, plan.one_chunk, plan.num_warps), *plan.later)  # every launch's (tile, one_chunk, warps)
     for lvl, s in enumerate(plan.levels):
         seg = cdiv(n, s)
-        t, one, nw = _tile_config(seg, tile, None if lvl else plan.num_warps)
-        if lvl == 0:
-            t, one, nw = plan.tile, plan.one_chunk, plan.num_warps
+        t, one, nw = configs[lvl]
         indexer_topk_pack_kernel[(rows, s)](
             src, lens, starts, ws64[:, off:], n, seg, *src_stride, row_pairs,
             HAS_LENGTHS=has_lengths and not packed, HAS_STARTS=has_starts and not packed,
@@ -1489,7 +1536,7 @@ def _launch(
         )  # fmt: skip
         src, src_stride, n, packed = workspace[:, off : off + s], (2 * row_pairs, 2), s * k, True
         off += s
-    t, one, nw = _tile_config(n, tile, None)
+    t, one, nw = configs[-1]
     indexer_topk_pack_kernel[(rows, 1)](
         src, out, out, out_arg, n, n, *src_stride, k,
         HAS_LENGTHS=False, HAS_STARTS=False, PACKED_INPUT=True, NAN_PAD=False,

@@ -102,15 +102,17 @@ class _FusedIndexer:
     """The fused indexer stage (local top-K + pack, one launch; :func:`~.indexer_triton.indexer_topk_pack`).
 
     Long rows are split over programs through a workspace. Bound to a planned step (:meth:`bound`, from
-    ``prepare``), the stage owns one workspace per shape it runs, made on its first (warm-up) call of that shape
-    and reused, so later runs — and a captured graph — allocate nothing and read the same addresses for as long
-    as the step lives. Unbound (``kernel_stages(spec).indexer`` called directly), each call makes its own.
+    ``prepare``), the stage owns one launch plan and one workspace per shape it runs, made on its first (warm-up)
+    call of that shape and reused, so later runs — and a captured graph — plan nothing, allocate nothing and read
+    the same addresses for as long as the step lives. Unbound (``kernel_stages(spec).indexer`` called directly),
+    each call makes its own.
     """
 
     impl_name = "fused"
 
     def __init__(self, workspaces: dict[tuple, torch.Tensor | None] | None = None) -> None:
         self._workspaces = workspaces
+        self._plans: dict[tuple, Any] | None = None if workspaces is None else {}
 
     def bound(self) -> _FusedIndexer:
         """This stage with workspaces of its own (one planned step's)."""
@@ -128,18 +130,22 @@ class _FusedIndexer:
         order: str = "global_id",
         out_ids: torch.Tensor | None = None,
     ) -> Any:
-        from .indexer_triton import indexer_topk_pack, workspace_for
+        from .indexer_triton import indexer_topk_pack, launch_plan, scores_vec, workspace_for
 
-        ws = None
-        if self._workspaces is not None:
-            key = (tuple(scores.shape), k, scores.device)
-            if key not in self._workspaces:
-                self._workspaces[key] = workspace_for(scores, k)
-            ws = self._workspaces[key]
+        ws: torch.Tensor | None = None
+        plan: Any = None  # unbound: indexer_topk_pack plans this call (and makes its workspace)
+        if self._workspaces is not None and self._plans is not None:
+            # the scores' vector width is part of the key: a plan for the CuTeDSL engine is made for it
+            vec = scores_vec(scores)
+            key = (tuple(scores.shape), k, scores.device, vec)
+            if key not in self._plans:
+                self._plans[key] = launch_plan(scores.shape[0], scores.shape[1], k, scores.device, vec=vec)
+                self._workspaces[key] = workspace_for(scores, k, plan=self._plans[key])
+            plan, ws = self._plans[key], self._workspaces[key]
         with launch(scores.device):
             return indexer_topk_pack(  # type: ignore[call-overload]  # order is a str here, not a Literal
-                scores, lengths, k, geometry, row_starts, out=out, validate=False, workspace=ws, order=order,
-                out_ids=out_ids,
+                scores, lengths, k, geometry, row_starts, out=out, validate=False, workspace=ws, plan=plan,
+                order=order, out_ids=out_ids,
             )  # fmt: skip
 
 

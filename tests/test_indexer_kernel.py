@@ -59,8 +59,23 @@ def assert_kernel_order(got: torch.Tensor) -> None:
     assert bool((pad[:, 0] == float("-inf")).all()) and bool((pad[:, 1] == -1).all())
 
 
+#: The launch decisions a test may ask for: :func:`launch_plan`'s knobs (the call takes only the plan they make).
+KNOBS = ("split", "tile", "num_warps", "compact", "select", "sample", "pivots", "engine", "cute", "radix_bits")
+
+
+def planned(scores: torch.Tensor, k: int, kw: dict) -> dict:
+    """``kw`` with its launch knobs (:data:`KNOBS`) made into ``plan=launch_plan(T, cols, k, device, **knobs)`` for
+    ``scores``' shape (and vector width); without any, ``kw`` as given (the default plan, or its own ``plan``)."""
+    kw = dict(kw)
+    knobs = {n: kw.pop(n) for n in KNOBS if n in kw}
+    if knobs:
+        kw["plan"] = ix.launch_plan(*scores.shape, k, scores.device, vec=ix.scores_vec(scores), **knobs)
+    return kw
+
+
 def check(scores, lengths, k, geometry, row_starts=None, **kw) -> torch.Tensor:
-    got = ix.indexer_topk_pack(scores, lengths, k, geometry, row_starts, **kw)
+    """The kernel against the reference; ``kw``: the call's keywords and launch knobs (:func:`planned`)."""
+    got = ix.indexer_topk_pack(scores, lengths, k, geometry, row_starts, **planned(scores, k, kw))
     want = reference(scores, lengths, k, geometry, row_starts)
     bad = (~same_sets(got, want)).nonzero().flatten().tolist()
     assert not bad, f"rows {bad}: got {got[bad[0]].tolist()} want {want[bad[0]].tolist()}"
@@ -70,6 +85,7 @@ def check(scores, lengths, k, geometry, row_starts=None, **kw) -> torch.Tensor:
 
 def check_rank_local(scores, lengths, k, row_starts=None, **kw) -> None:
     """``order="rank_local"``: exactly :func:`local_topk_rank_local` (ids equal, scores bit for bit, NaN padding)."""
+    kw = planned(scores, k, kw)
     s, ids = ix.indexer_topk_pack(scores, lengths, k, DcpGeometry(3, 1, 2, 2), row_starts, order="rank_local", **kw)
     ws, wi = local_topk_rank_local(scores, k, lengths, row_starts)
     bad = (~((ids == wi).all(1) & (s.view(torch.int32) == ws.view(torch.int32)).all(1))).nonzero().flatten().tolist()
@@ -176,9 +192,8 @@ def test_ties_go_to_the_lower_index(kernel_device):
     zeros = torch.tensor([0.0, -0.0] * 50).reshape(1, 100)
     for row in (torch.full((1, 100), 3.25), zeros, torch.full((1, 100), float("-inf"))):
         for tile, split, compact in ((None, 1, None), (32, 1, False), (None, 4, False), (16, 2, True)):
-            got = ix.indexer_topk_pack(
-                row.to(kernel_device), None, 10, DcpGeometry(1, 0), tile=tile, split=split, compact=compact, sample=16
-            ).cpu()
+            plan = ix.launch_plan(1, 100, 10, kernel_device, tile=tile, split=split, compact=compact, sample=16)
+            got = ix.indexer_topk_pack(row.to(kernel_device), None, 10, DcpGeometry(1, 0), plan=plan).cpu()
             assert got[0, :, 1].tolist() == [float(j) for j in range(10)]
             # the scores are packed bit for bit: -0.0 stays -0.0
             assert torch.equal(pair_bits(got), pair_bits(reference(row, None, 10, DcpGeometry(1, 0))).sort(1).values)
@@ -206,16 +221,18 @@ def test_poisoned_out_is_fully_overwritten(kernel_device):
         out = torch.full((8, 50, 2), float("nan"), device=kernel_device)
         out.view(torch.int32)[..., 1] = 0x7FC00123  # a NaN payload no kernel writes
         ws = torch.full((8, 2, 50, 2), 12345.0, device=kernel_device)
+        plan = ix.launch_plan(8, 90, 50, kernel_device, split=split)
         got = ix.indexer_topk_pack(
-            s, lengths, 50, DcpGeometry(2, 0), out=out, split=split, workspace=ws if split > 1 else None
+            s, lengths, 50, DcpGeometry(2, 0), out=out, plan=plan, workspace=ws if split > 1 else None
         )
         assert got.data_ptr() == out.data_ptr()
         assert bool(same_sets(out, reference(s, lengths, 50, DcpGeometry(2, 0))).all())
     # the compacted path: a poisoned workspace list and output are fully overwritten (its counters start at 0)
-    ws = ix.workspace_for(s, 20, compact=True, tile=32, split=2)
+    plan = ix.launch_plan(8, 90, 20, kernel_device, compact=True, tile=32, split=2)
+    ws = ix.workspace_for(s, 20, plan=plan)
     ws[:, :-6].fill_(-1)
     out = torch.full((8, 20, 2), float("nan"), device=kernel_device)
-    ix.indexer_topk_pack(s, lengths, 20, DcpGeometry(2, 0), out=out, workspace=ws, compact=True, tile=32, split=2)
+    ix.indexer_topk_pack(s, lengths, 20, DcpGeometry(2, 0), out=out, workspace=ws, plan=plan)
     assert bool(same_sets(out, reference(s, lengths, 20, DcpGeometry(2, 0))).all())
 
 
@@ -251,13 +268,13 @@ def test_validate_false_never_reads_outside_the_window(kernel_device, kw):
     s = big[:, 10:50]
     lengths = torch.tensor([100, -5, 40, 2**40], device=kernel_device)
     starts = torch.tensor([30, 0, -7, 45], device=kernel_device)
-    got = ix.indexer_topk_pack(s, lengths, 8, DcpGeometry(1, 0), starts, validate=False, **kw)
+    got = ix.indexer_topk_pack(s, lengths, 8, DcpGeometry(1, 0), starts, validate=False, **planned(s, 8, kw))
     cs = starts.clamp(0, 40)
     cl = torch.minimum(lengths.clamp(min=0), 40 - cs)
     assert bool(same_sets(got, reference(s, cl, 8, DcpGeometry(1, 0), cs)).all())
     assert not bool(torch.isinf(got[..., 0]).logical_and(got[..., 0] > 0).any())
     with pytest.raises(ValueError, match="row_starts"):
-        ix.indexer_topk_pack(s, lengths, 8, DcpGeometry(1, 0), starts, **kw)
+        ix.indexer_topk_pack(s, lengths, 8, DcpGeometry(1, 0), starts, **planned(s, 8, kw))
 
 
 @pytest.mark.parametrize("order", ["global_id", "rank_local"])
@@ -276,12 +293,12 @@ def test_validated_call_checks_in_the_kernel_and_raises_the_reference_message(ke
     for kw in paths + ([dict(tile=16, split=2, compact=False)] if order == "global_id" else []):
         for lengths, starts, msg in cases:
             with pytest.raises(ValueError) as info:
-                ix.indexer_topk_pack(s, lengths, 4, DcpGeometry(2, 0), starts, order=order, **kw)
+                ix.indexer_topk_pack(s, lengths, 4, DcpGeometry(2, 0), starts, order=order, **planned(s, 4, kw))
             assert str(info.value).startswith(msg)
             with pytest.raises(ValueError) as ref:  # the reference rejects the same input, naming the same argument
                 local_topk(s, 4, lengths, starts)
             assert str(ref.value).split(" ")[0] == msg.split(" ")[0]
-        got = ix.indexer_topk_pack(s, good, 4, DcpGeometry(2, 0), order=order, **kw)  # the flag was cleared
+        got = ix.indexer_topk_pack(s, good, 4, DcpGeometry(2, 0), order=order, **planned(s, 4, kw))  # flag cleared
         if order == "global_id":
             assert bool(same_sets(got, reference(s, good, 4, DcpGeometry(2, 0))).all())
 
@@ -311,13 +328,14 @@ def test_compacted_paths_are_exact_in_both_orders(kernel_device):
     ):
         if lengths is not None:
             lengths = lengths.to(kernel_device)
-        ws = ix.workspace_for(s, k, compact=True, split=split, **kw)
+        plan = ix.launch_plan(5, n, k, kernel_device, compact=True, split=split, **kw)
+        ws = ix.workspace_for(s, k, plan=plan)
         assert ws.dtype == torch.int64 and not bool(ws.any())  # zeroed: the arrival counters start at 0
-        check(s, lengths, k, DcpGeometry(2, 0), workspace=ws, compact=True, split=split, **kw)
+        check(s, lengths, k, DcpGeometry(2, 0), workspace=ws, plan=plan)
         paths = ix.compact_paths(ws).tolist()
         assert want_paths is None or paths == want_paths
         seen.update(paths)
-        check_rank_local(s, lengths, k, workspace=ws, compact=True, split=split, **kw)
+        check_rank_local(s, lengths, k, workspace=ws, plan=plan)
         assert ix.compact_paths(ws).tolist() == paths
         assert not bool(ws[:, -2].any())  # every call leaves the rows' arrival counters at 0
     assert seen == {1, 2, 3, 4}
@@ -411,8 +429,10 @@ def test_launch_plan_from_shapes_only():
     assert p.sample == 8192  # ~180 sample keys at or above the bound: 131072 * 180 / sqrt(2048 * 4096) -> 8192
     p = ix.launch_plan(1, 131072, 2048, cpu, split=16, compact=True)
     assert p.compact and p.split == 16
-    # k too large for a candidate list in registers: the streamed path
-    assert not ix.launch_plan(1, 131072, 8192, cpu, compact=True).compact
+    # k too large for a candidate list in registers: the streamed path by default, and compact=True is refused
+    assert not ix.launch_plan(1, 131072, 8192, cpu).compact
+    with pytest.raises(ValueError, match=r"^compact=True needs k <= 4096"):
+        ix.launch_plan(1, 131072, 8192, cpu, compact=True)
     p = ix.launch_plan(1, 131072, 2048, cpu, split=16, compact=False)
     # 16 segments of 8192 keys -> 32768 candidates -> 4 segments -> 8192 candidates -> the last launch
     assert p.split == 16 and p.one_chunk and p.tile == 8192 and p.levels == (16, 4) and not p.compact
@@ -448,20 +468,23 @@ def test_compacted_path_is_chosen_by_shape_and_an_explicit_compact_wins():
     for (rows, cols, k), want in cases.items():
         assert ix.prefer_compact(rows, cols, k) == want, (rows, cols, k)
         assert ix.launch_plan(rows, cols, k, cpu).compact == want, (rows, cols, k)
-        # an explicit choice wins either way (True only where the list fits a tile, and the row does not fit one)
+        # an explicit choice wins either way (True only where the list fits a tile: refused where it does not)
         assert not ix.launch_plan(rows, cols, k, cpu, compact=False).compact
-        forced = ix.launch_plan(rows, cols, k, cpu, compact=True)
-        assert forced.compact == (ix.compact_cap(k) > 0), (rows, cols, k)
+        if ix.compact_cap(k):
+            assert ix.launch_plan(rows, cols, k, cpu, compact=True).compact, (rows, cols, k)
+        else:
+            with pytest.raises(ValueError, match=r"^compact=True needs"):
+                ix.launch_plan(rows, cols, k, cpu, compact=True)
     assert ix.prefer_compact(1, 1 << 20, 2048)  # no upper bound on the row length
     for bad, name in (((-1, 32768, 2048), "rows"), ((1, 2.5, 2048), "n_cols"), ((1, 32768, 0), "k")):
         with pytest.raises((TypeError, ValueError), match=name):
             ix.prefer_compact(*bad)
     # the workspace follows the same choice: int64 words for the compacted plan, none / float32 pairs otherwise
-    s = torch.zeros(1, cols_min)
+    s, s2 = torch.zeros(1, cols_min), torch.zeros(2, cols_long)
     assert ix.workspace_for(s, 2048).dtype == torch.int64
-    assert ix.workspace_for(s, 2048, compact=False) is None
-    assert ix.workspace_for(torch.zeros(2, cols_long), 2048) is None
-    assert ix.workspace_for(torch.zeros(2, cols_long), 2048, compact=True).dtype == torch.int64
+    assert ix.workspace_for(s, 2048, plan=ix.launch_plan(1, cols_min, 2048, cpu, compact=False)) is None
+    assert ix.workspace_for(s2, 2048) is None
+    assert ix.workspace_for(s2, 2048, plan=ix.launch_plan(2, cols_long, 2048, cpu, compact=True)).dtype == torch.int64
 
 
 def test_multi_level_split(kernel_device):
@@ -469,11 +492,11 @@ def test_multi_level_split(kernel_device):
     s, lengths, starts = make_cases(4, 400, 12, kernel_device, with_starts=True)
     p = ix.launch_plan(4, 400, 4, kernel_device, split=12, tile=32, compact=False)
     assert p.levels == (12, 2)  # 12 segments -> 48 candidates -> 2 segments -> 8 candidates
-    ws = ix.workspace_for(s, 4, split=12, tile=32, compact=False)
+    ws = ix.workspace_for(s, 4, plan=p)
     assert ws.shape == (4, 14, 4, 2)
     ws.fill_(7.0)
-    check(s, lengths, 4, DcpGeometry(2, 1, 2, 2), starts, split=12, tile=32, workspace=ws, compact=False)
-    check_rank_local(s, lengths, 4, starts, split=12, tile=32, workspace=ws, compact=False)
+    check(s, lengths, 4, DcpGeometry(2, 1, 2, 2), starts, workspace=ws, plan=p)
+    check_rank_local(s, lengths, 4, starts, workspace=ws, plan=p)
     assert ix.workspace_for(s, 4) is None  # no split: no workspace
 
 
@@ -507,12 +530,7 @@ BAD_INPUTS = [
     ("out dtype", dict(out=torch.empty(2, 4, 2, dtype=torch.float64)), TypeError, "out"),
     ("out not contiguous", dict(out=torch.empty(2, 2, 4).transpose(1, 2)), ValueError, "out"),
     ("out misaligned", dict(out=torch.empty(17)[1:].view(2, 4, 2)), ValueError, "out"),
-    ("workspace shape", dict(split=2, workspace=torch.empty(2, 3, 4, 2)), ValueError, "workspace"),
-    ("radix_bits 4", dict(radix_bits=4), ValueError, "radix_bits"),
-    ("radix_bits 16", dict(radix_bits=16), ValueError, "radix_bits"),
-    ("tile not a power of two", dict(tile=100), ValueError, "tile"),
-    ("num_warps 3", dict(num_warps=3), ValueError, "num_warps"),
-    ("split 0", dict(split=0), ValueError, "split"),
+    ("workspace shape", dict(plan=dict(split=2), workspace=torch.empty(2, 3, 4, 2)), ValueError, "workspace"),
     ("order unknown", dict(order="local"), ValueError, "order"),
     ("out_ids without rank_local", dict(out_ids=torch.empty(2, 4, dtype=torch.int32)), ValueError, "out_ids"),
     ("rank_local out shape", dict(order="rank_local", out=torch.empty(2, 4, 2)), ValueError, "out"),
@@ -529,19 +547,40 @@ BAD_INPUTS = [
         ValueError,
         "out_ids",
     ),
-    ("compact not a bool", dict(compact=1), TypeError, "compact"),
-    ("compact with a huge k", dict(compact=True, k=5000), ValueError, "compact"),
-    ("compact workspace dtype", dict(compact=True, workspace=torch.empty(2, 12)), TypeError, "workspace"),
+    ("compact workspace dtype", dict(plan=dict(compact=True), workspace=torch.empty(2, 12)), TypeError, "workspace"),
     (
         "compact workspace shape",
-        dict(compact=True, workspace=torch.zeros(2, 3, dtype=torch.int64)),
+        dict(plan=dict(compact=True), workspace=torch.zeros(2, 3, dtype=torch.int64)),
         ValueError,
         "workspace",
     ),
+    ("validate not a bool", dict(validate=1), TypeError, "validate"),
+    # plan=dict(...): launch_plan(rows=2, n_cols=5, k=4, the test's device, ...) with these changed
+    ("plan not a LaunchPlan", dict(plan=(256, True, 4, 1)), TypeError, "plan"),
+    ("plan for other rows", dict(plan=dict(rows=3)), ValueError, "plan"),
+    ("plan for other columns", dict(plan=dict(n_cols=6)), ValueError, "plan"),
+    ("plan for another k", dict(plan=dict(k=5)), ValueError, "plan"),
+    ("plan for another device", dict(plan=dict(device="meta")), ValueError, "plan"),
+]
+
+#: launch_plan's bad arguments: (description, kwargs changed from rows=2, n_cols=5, k=4, exception, fragment).
+BAD_KNOBS = [
+    ("rows negative", dict(rows=-1), ValueError, "rows"),
+    ("n_cols float", dict(n_cols=5.0), TypeError, "n_cols"),
+    ("k = 0", dict(k=0), ValueError, "k"),
+    ("device an int", dict(device=3), TypeError, "device"),
+    ("vec negative", dict(vec=-1), ValueError, "vec"),
+    ("radix_bits 4", dict(radix_bits=4), ValueError, "radix_bits"),
+    ("radix_bits 16", dict(radix_bits=16), ValueError, "radix_bits"),
+    ("tile not a power of two", dict(tile=100), ValueError, "tile"),
+    ("num_warps 3", dict(num_warps=3), ValueError, "num_warps"),
+    ("split 0", dict(split=0), ValueError, "split"),
+    ("compact not a bool", dict(compact=1), TypeError, "compact"),
+    ("compact with a huge k", dict(compact=True, k=5000), ValueError, "compact"),
     ("select unknown", dict(select="sort"), ValueError, "select"),
     ("sample not a power of two", dict(sample=100), ValueError, "sample"),
     ("pivots 2", dict(pivots=2), ValueError, "pivots"),
-    ("validate not a bool", dict(validate=1), TypeError, "validate"),
+    ("engine unknown", dict(engine="cuda"), ValueError, "engine"),
 ]
 
 
@@ -552,9 +591,56 @@ def test_bad_inputs_raise_naming_the_argument(kernel_device, desc, change, exc, 
     )
     args.update(change)
     args = {n: (v.to(kernel_device) if isinstance(v, torch.Tensor) and n != "out" else v) for n, v in args.items()}
+    if isinstance(args.get("plan"), dict):
+        args["plan"] = ix.launch_plan(**{**dict(rows=2, n_cols=5, k=4, device=kernel_device), **args["plan"]})
     with pytest.raises(exc, match=frag) as info:
         ix.indexer_topk_pack(**args)
     assert str(info.value).startswith(frag)
+
+
+@pytest.mark.parametrize("desc,change,exc,frag", BAD_KNOBS, ids=[b[0] for b in BAD_KNOBS])
+def test_bad_launch_knobs_raise_naming_the_argument(kernel_device, desc, change, exc, frag):
+    """The launch decisions are launch_plan's arguments: it checks them (the call takes the plan as made)."""
+    with pytest.raises(exc, match=frag) as info:
+        ix.launch_plan(**{**dict(rows=2, n_cols=5, k=4, device=kernel_device), **change})
+    assert str(info.value).startswith(frag)
+
+
+def test_a_plan_is_checked_against_the_call_and_used_as_is(kernel_device):
+    """``plan=None`` is the default plan by shape: the same output, bit for bit, as ``plan=launch_plan(<this
+    shape>)``; a plan made for another shape (rows, columns, k) or device is refused, naming ``plan``, by the call
+    and by workspace_for; a forced plan is what runs (its workspace, not the default's)."""
+    s, lengths, starts = make_cases(8, 100, 21, kernel_device, with_starts=True)
+    g = DcpGeometry(3, 1, 2, 2)
+    for k in (1, 17, 64):
+        same = ix.launch_plan(8, 100, k, kernel_device, vec=ix.scores_vec(s))
+        assert same == ix.launch_plan(*s.shape, k, s.device, vec=ix.scores_vec(s))  # a value: made twice, equal
+        got = ix.indexer_topk_pack(s, lengths, k, g, starts, plan=same)
+        assert torch.equal(pair_bits(got), pair_bits(ix.indexer_topk_pack(s, lengths, k, g, starts)))
+        rl = ix.indexer_topk_pack(s, lengths, k, g, starts, order="rank_local", plan=same)
+        want = ix.indexer_topk_pack(s, lengths, k, g, starts, order="rank_local")
+        assert torch.equal(rl[1], want[1]) and torch.equal(rl[0].view(torch.int32), want[0].view(torch.int32))
+    others = {
+        "rows": ix.launch_plan(7, 100, 17, kernel_device),
+        "columns": ix.launch_plan(8, 99, 17, kernel_device),
+        "k": ix.launch_plan(8, 100, 16, kernel_device),
+        "device": ix.launch_plan(8, 100, 17, "meta"),
+        "a forced path": ix.launch_plan(8, 100, 16, kernel_device, tile=32, split=2),
+    }
+    for why, other in others.items():
+        with pytest.raises(ValueError, match=r"^plan was made for rows=") as info:
+            ix.indexer_topk_pack(s, lengths, 17, g, starts, plan=other)
+        assert "not for this call's rows=8, n_cols=100, k=17" in str(info.value), why
+        with pytest.raises(ValueError, match=r"^plan was made for"):
+            ix.workspace_for(s, 17, plan=other)
+    # a forced plan runs as made: the split streamed path reads its own workspace (and refuses the default's none)
+    forced = ix.launch_plan(8, 100, 17, kernel_device, tile=32, split=3, compact=False)
+    assert forced.levels and forced.later and ix.workspace_for(s, 17) is None
+    ws = ix.workspace_for(s, 17, plan=forced)
+    assert ws is not None and ws.shape == (8, sum(forced.levels), 17, 2)
+    check(s, lengths, 17, g, starts, plan=forced, workspace=ws)
+    with pytest.raises(ValueError, match=r"^workspace"):
+        ix.indexer_topk_pack(s, lengths, 17, g, starts, plan=forced, workspace=torch.empty(8, 1, 17, 2))
 
 
 def test_ids_beyond_float32_exact_range_raise_even_without_validate():
@@ -692,7 +778,13 @@ def test_gpu_differential_10k_adversarial_rows(cuda_device, path):
         want = reference(s, lengths, k, DcpGeometry(w, rank, i, i), starts)
         out = torch.full((rows, k, 2), float("nan"), device=cuda_device)  # poison
         got = ix.indexer_topk_pack(
-            s, lengths, k, DcpGeometry(w, rank, i, i), starts, out=out, split=split, **GPU_PATHS[path]
+            s,
+            lengths,
+            k,
+            DcpGeometry(w, rank, i, i),
+            starts,
+            out=out,
+            **planned(s, k, dict(split=split, **GPU_PATHS[path])),
         )
         bad = ~same_sets(got, want)
         if bool(bad.any()):
@@ -747,8 +839,8 @@ def test_gpu_compacted_paths_at_scale(cuda_device):
                 pos = (torch.arange(plan.sample, device=cuda_device) * n) // plan.sample
                 base = 0 if starts is None else int(starts[r])
                 s[r, base + pos[pos < n]] = -1e30
-        ws = ix.workspace_for(s, k, split=split, compact=True)
-        check(s, lengths, k, DcpGeometry(2, 1), starts, split=split, workspace=ws, compact=True)
+        ws = ix.workspace_for(s, k, plan=plan)
+        check(s, lengths, k, DcpGeometry(2, 1), starts, plan=plan, workspace=ws)
         for p, cnt in zip(*torch.unique(ix.compact_paths(ws), return_counts=True)):
             seen[int(p)] += int(cnt)
     assert seen[1] and seen[2] and seen[4], seen
@@ -798,7 +890,8 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, or
     rank_local = order == "rank_local"
     out = torch.empty((rows, k) if rank_local else (rows, k, 2), device=cuda_device)
     out_ids = torch.empty((rows, k), dtype=torch.int32, device=cuda_device) if rank_local else None
-    ws = ix.workspace_for(s, k, split=split, compact=compact)
+    plan = planned(s, k, dict(split=split, compact=compact))["plan"]  # no knob given: the default plan, as made
+    ws = ix.workspace_for(s, k, plan=plan)
 
     def call():
         return ix.indexer_topk_pack(
@@ -808,9 +901,8 @@ def test_gpu_cuda_graph_capture_and_replay(cuda_device, cols, split, compact, or
             DcpGeometry(2, 1),
             out=out,
             validate=False,
-            split=split,
+            plan=plan,
             workspace=ws,
-            compact=compact,
             order=order,
             out_ids=out_ids,
         )
@@ -843,7 +935,8 @@ def test_gpu_validate_false_makes_no_host_sync(cuda_device, split, compact):
     rows, cols, k = 8, 40000, 512
     s, lengths, starts = make_cases(rows, cols, 11, cuda_device, with_starts=True)
     out = torch.empty((rows, k, 2), device=cuda_device)
-    ws = ix.workspace_for(s, k, split=split, compact=compact)
+    plan = planned(s, k, dict(split=split, compact=compact))["plan"]
+    ws = ix.workspace_for(s, k, plan=plan)
 
     def call():
         return ix.indexer_topk_pack(
@@ -854,9 +947,8 @@ def test_gpu_validate_false_makes_no_host_sync(cuda_device, split, compact):
             starts,
             out=out,
             validate=False,
-            split=split,
+            plan=plan,
             workspace=ws,
-            compact=compact,
         )
 
     call()  # compile first (compilation itself may synchronise)

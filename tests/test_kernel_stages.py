@@ -165,9 +165,10 @@ def test_prepare_binds_the_stateful_stages_to_each_planned_step(kernel_device) -
     got = a.indexer(scores, lengths, spec.geometry, 4)
     assert torch.equal(got, want)
     (key,) = a.indexer._workspaces
-    first = a.indexer._workspaces[key]
+    first, plan = a.indexer._workspaces[key], a.indexer._plans[key]  # the shape's plan, made with its workspace
+    assert (plan.rows, plan.n_cols, plan.k) == (2, 40, 4) and set(a.indexer._plans) == {key}
     a.indexer(scores, lengths, spec.geometry, 4)
-    assert a.indexer._workspaces[key] is first and b.indexer._workspaces == {}
+    assert a.indexer._workspaces[key] is first and a.indexer._plans[key] is plan and b.indexer._workspaces == {}
     with pytest.raises(TypeError, match=r"spec must be a dcp_ref\.stages\.StepSpec"):
         ks.kernel_stages("cpu")  # type: ignore[arg-type]
 

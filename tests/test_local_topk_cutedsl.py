@@ -200,6 +200,12 @@ GPU_CONFIGS = [
 ]
 
 
+def cutedsl(s: torch.Tensor, k: int, cute: tuple | None = None):
+    """The plan that forces the CuTeDSL engine on ``s`` (``cute``: its tuning), at the vector width its layout
+    allows (:func:`~dcp_ref.kernels.indexer_triton.scores_vec`)."""
+    return ix.launch_plan(*s.shape, k, s.device, engine="cutedsl", cute=cute, vec=ix.scores_vec(s))
+
+
 def _view(s: torch.Tensor, off: int) -> torch.Tensor:
     """``s`` as a column-offset view of a wider tensor (row stride > cols, unaligned start when ``off`` is odd)."""
     if not off:
@@ -222,7 +228,7 @@ def test_gpu_differential_10k_adversarial_rows(cuda_device):
         g = DcpGeometry(w, rank, i, i)
         want = reference(s, lengths, k, g, starts)
         out = torch.full((rows, k, 2), float("nan"), device=cuda_device)  # poison
-        got = ix.indexer_topk_pack(s, lengths, k, g, starts, out=out, engine="cutedsl", cute=cute)
+        got = ix.indexer_topk_pack(s, lengths, k, g, starts, out=out, plan=cutedsl(s, k, cute))
         bad = ~same_sets(got, want)
         if bool(bad.any()):
             r = int(bad.nonzero()[0])
@@ -250,7 +256,7 @@ def test_gpu_rank_local_matches_the_reference(cuda_device):
     ):
         s, lengths, starts = make_cases(rows, cols, 800 + c, cuda_device, with_starts=c % 2 == 1)
         sc, ids = ix.indexer_topk_pack(s, lengths, k, DcpGeometry(3, 1, 2, 2), starts, order="rank_local",
-                                       engine="cutedsl", cute=cute)  # fmt: skip
+                                       plan=cutedsl(s, k, cute))  # fmt: skip
         ws, wi = local_topk_rank_local(s, k, lengths, starts)
         bad = (~((ids == wi).all(1) & (sc.view(torch.int32) == ws.view(torch.int32)).all(1))).nonzero()
         assert not len(bad), f"config {c}: rows {bad.flatten().tolist()[:5]}"
@@ -265,7 +271,7 @@ def test_gpu_heavy_ties_resolve_by_index(cuda_device):
         s = torch.randint(0, 16, (rows, cols), generator=gen).float().to(cuda_device)
         s[0] = 1.0  # one constant row
         lengths = torch.full((rows,), cols, dtype=torch.int32, device=cuda_device)
-        got = ix.indexer_topk_pack(s, lengths, 2048, DcpGeometry(2, 0), engine="cutedsl", cute=cute)
+        got = ix.indexer_topk_pack(s, lengths, 2048, DcpGeometry(2, 0), plan=cutedsl(s, 2048, cute))
         assert bool(same_sets(got, reference(s, lengths, 2048, DcpGeometry(2, 0))).all())
 
 
@@ -280,6 +286,9 @@ def test_gpu_default_plan_takes_the_cutedsl_engine(cuda_device):
     half = s.to(torch.bfloat16)
     got = ix.indexer_topk_pack(half, lengths, 100, DcpGeometry(2, 0))  # the Triton kernel reads it
     assert bool(same_sets(got, reference(half, lengths, 100, DcpGeometry(2, 0))).all())
+    # a plan made for the float32 scores' layout cannot run on the half ones (same shape): refused, naming plan
+    with pytest.raises(ValueError, match=r"^plan takes the CuTeDSL kernel at vec=4"):
+        ix.indexer_topk_pack(half, lengths, 100, DcpGeometry(2, 0), plan=cutedsl(s, 100))
 
 
 @pytest.mark.gpu
@@ -295,7 +304,7 @@ def test_gpu_validate_false_clamps_windows_like_the_reference(cuda_device):
     lengths[2::5] = cols * 3
     lengths[3::5] = -1
     lengths[4::7] = 2**40
-    got = ix.indexer_topk_pack(s, lengths, k, DcpGeometry(2, 1), starts, validate=False, engine="cutedsl")
+    got = ix.indexer_topk_pack(s, lengths, k, DcpGeometry(2, 1), starts, validate=False, plan=cutedsl(s, k))
     want = reference(s, lengths, k, DcpGeometry(2, 1), starts, validate=False)
     assert bool(same_sets(got, want).all())
 
@@ -308,8 +317,8 @@ def test_gpu_validated_call_raises_and_recovers(cuda_device):
     bad = lengths.clone()
     bad[17] = 20001
     with pytest.raises(ValueError, match=r"^lengths must be <= scores.shape\[1\]=20000"):
-        ix.indexer_topk_pack(s, bad, 2048, DcpGeometry(2, 0), engine="cutedsl")
-    got = ix.indexer_topk_pack(s, lengths, 2048, DcpGeometry(2, 0), engine="cutedsl")
+        ix.indexer_topk_pack(s, bad, 2048, DcpGeometry(2, 0), plan=cutedsl(s, 2048))
+    got = ix.indexer_topk_pack(s, lengths, 2048, DcpGeometry(2, 0), plan=cutedsl(s, 2048))
     assert bool(same_sets(got, reference(s, lengths, 2048, DcpGeometry(2, 0))).all())
 
 

@@ -1563,7 +1563,13 @@ def indexer_cases() -> list[Case]:
             "raise",
             "out",
         )
-        for label, kw, nm in (
+
+        def plan_of(dk: int = 0, **knobs: Any) -> From:
+            """``plan=``: launch_plan for the base call's shape (``k + dk``), with ``knobs``."""
+            return From(lambda kw: kt.launch_plan(*kw["scores"].shape, kw["k"] + dk, kw["scores"].device, **knobs))
+
+        # the launch decisions are launch_plan's arguments (the call takes the plan they make, checked there)
+        for label, knobs, nm in (
             ("radix_bits=4", dict(radix_bits=4), "radix_bits"),
             ("tile=24", dict(tile=24), "tile"),
             ("num_warps=3", dict(num_warps=3), "num_warps"),
@@ -1573,11 +1579,17 @@ def indexer_cases() -> list[Case]:
             ("split=0", dict(split=0), "split"),
             ("compact='yes'", dict(compact="yes"), "compact"),
             ("engine='cuda'", dict(engine="cuda"), "engine"),
+        ):
+            mk(out, "launch_plan", label, lambda knobs=knobs: kt.launch_plan(*L.shape, k, L.device, **knobs), "raise",
+               nm)  # fmt: skip
+        for label, kw, nm in (
             (
                 "workspace wrong dtype",
-                dict(split=2, workspace=torch.zeros(3, 2, k, 2, dtype=torch.float64)),
+                dict(plan=plan_of(split=2), workspace=torch.zeros(3, 2, k, 2, dtype=torch.float64)),
                 "workspace",
             ),
+            ("plan not a LaunchPlan", dict(plan=(256, True, 4, 1)), "plan"),
+            ("plan made for another k", dict(plan=plan_of(dk=1)), "plan"),
         ):
             mk(out, "indexer_topk_pack", label, call_with(f, b_kt, **kw), "raise", nm)
         mk(
