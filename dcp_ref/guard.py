@@ -69,11 +69,7 @@ class GuardRows:
         """:func:`check_guard_rows` of these rows for ``T`` tokens on ``device`` (the guard's messages), and no
         tensor of ``outs`` (name -> the buffers the kernel that takes the guard in writes) sharing memory with
         them. Returns ``n_cols``."""
-        n = check_guard_rows(
-            T, device, self.local_bounds, self.req_of_token, self.block_table, self.geometry, self.n_cols,
-            self.row_starts, num_blocks=self.num_blocks, next_n=self.next_n, index_q=self.index_q,
-            index_weights=self.index_weights,
-        )  # fmt: skip
+        n = check_guard_rows(T, device, self)
         check_no_aliases(outs, self.tensors())
         return n
 
@@ -123,10 +119,9 @@ def check_guard_inputs(
     assert isinstance(lse, torch.Tensor)
     if tuple(lse.shape) != (T, H):
         raise ValueError(f"lse must be [T={T}, H={H}], got {tuple(lse.shape)}")
-    n = check_guard_rows(
-        T, dev, local_bounds, req_of_token, block_table, geometry, n_cols, row_starts,
-        num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights,
-    )  # fmt: skip
+    rows = GuardRows(local_bounds, req_of_token, block_table, geometry, n_cols, row_starts,  # type: ignore[arg-type]
+                     num_blocks=num_blocks, next_n=next_n, index_q=index_q, index_weights=index_weights)  # type: ignore[arg-type]  # fmt: skip
+    n = check_guard_rows(T, dev, rows)
     for name, out in (("partial", partial), ("lse", lse)):  # written in place: one element, one location
         if any(st == 0 and size > 1 for st, size in zip(out.stride(), out.shape, strict=True)):
             raise ValueError(f"{name} must not be an expanded (stride-0) view: it is poisoned in place, row by row")
@@ -138,23 +133,14 @@ def check_guard_inputs(
     return n
 
 
-def check_guard_rows(
-    T: int,
-    device: torch.device,
-    local_bounds: object,
-    req_of_token: object,
-    block_table: object,
-    geometry: object,
-    n_cols: object,
-    row_starts: object = None,
-    *,
-    num_blocks: object = None,
-    next_n: object = 1,
-    index_q: object = None,
-    index_weights: object = None,
-) -> int:
-    """The checks of :func:`check_guard_inputs` that do not involve the partial: the guard's rows for ``T`` tokens
-    on ``device`` (what an attention kernel that takes the guard in checks, beside its own). Returns ``n_cols``."""
+def check_guard_rows(T: int, device: torch.device, rows: GuardRows) -> int:
+    """The checks of :func:`check_guard_inputs` that do not involve the partial: the guard's ``rows`` for ``T``
+    tokens on ``device`` (what an attention kernel that takes the guard in checks, beside its own). The fields are
+    checked here, not when ``rows`` is made (a :class:`GuardRows` holds what it is given). Returns ``n_cols``."""
+    local_bounds, req_of_token, block_table, row_starts = rows.local_bounds, rows.req_of_token, rows.block_table, \
+        rows.row_starts  # fmt: skip
+    geometry, n_cols, num_blocks, next_n = rows.geometry, rows.n_cols, rows.num_blocks, rows.next_n
+    index_q, index_weights = rows.index_q, rows.index_weights
     if not isinstance(geometry, DcpGeometry):
         raise TypeError(f"geometry must be a DcpGeometry, got {type(geometry).__name__}")
     n = check_int_scalar(n_cols, "n_cols", min_value=0)

@@ -194,3 +194,20 @@ def test_a_live_record_of_fast_tests_compiles_for_sm90a(tmp_path: Path) -> None:
     bad = [r for r in report["launches"] if not r["ok"]]
     assert not bad, bad[:3]
     assert {r["kernel"] for r in report["launches"]} == set(first)
+
+
+def test_a_spliced_record_replaces_only_the_modules_it_covers() -> None:
+    """``merge --into``: the kernels of the re-recorded modules are replaced, every other kernel kept, the summary
+    recounted; reports of other Triton versions are refused."""
+    into = {"date_utc": "a", "command": "whole suite", "failures": [{"kernel": "m.b.k", "key": "x"}],
+            "summary": {"launches": 5, "kernels": 3, "failed": 1, "triton": ["3.9.0", "3.6.0"], "target": "sm_90a"},
+            "kernels": {"m.a.k1": {"launches": 2}, "m.a.k2": {"launches": 1}, "m.b.k": {"launches": 2}}}  # fmt: skip
+    merged = {"date_utc": "b", "command": "module a again", "failures": [], "summary": {"triton": ["3.9.0", "3.6.0"]},
+              "kernels": {"m.a.k1": {"launches": 4}, "m.a.k3": {"launches": 1}}}  # fmt: skip
+    out = triton_sm90.splice_record(into, merged)
+    assert out["kernels"] == {"m.a.k1": {"launches": 4}, "m.a.k3": {"launches": 1}, "m.b.k": {"launches": 2}}
+    assert out["summary"] == {"launches": 7, "kernels": 3, "failed": 1, "triton": ["3.9.0", "3.6.0"],
+                                   "target": "sm_90a"}  # fmt: skip
+    assert out["failures"] == into["failures"] and out["command"] == "whole suite; b: module a again"
+    with pytest.raises(ValueError, match="same versions"):
+        triton_sm90.splice_record(into, {**merged, "summary": {"triton": ["3.9.0"]}})

@@ -258,6 +258,24 @@ def merge_reports(paths: list[str], records: list[dict[str, Any]], command: str)
     }
 
 
+def splice_record(into: dict[str, Any], merged: dict[str, Any]) -> dict[str, Any]:
+    """``into`` (a whole-suite record) with the kernels of every module ``merged`` covers replaced by ``merged``'s
+    (re-recorded from the tests of those modules, compiled with the same Triton versions), the rest kept as they
+    were; the summary recounted and ``merged``'s command appended to ``into``'s."""
+    modules = {name.rsplit(".", 1)[0] for name in merged["kernels"]}
+    if merged["summary"]["triton"] != into["summary"]["triton"]:
+        raise ValueError(f"merged was compiled with Triton {merged['summary']['triton']}, the record with "
+                         f"{into['summary']['triton']}: splice only reports of the same versions")  # fmt: skip
+    kept = {k: v for k, v in into["kernels"].items() if k.rsplit(".", 1)[0] not in modules}
+    kernels = dict(sorted({**kept, **merged["kernels"]}.items()))
+    failures = [f for f in into["failures"] if f["kernel"] in kept] + list(merged["failures"])
+    summary = {**into["summary"], "launches": sum(k["launches"] for k in kernels.values()), "kernels": len(kernels),
+               "failed": len(failures)}  # fmt: skip
+    command = f"{into['command']}; {merged['date_utc']}: {merged['command']}"
+    return {**into, "date_utc": merged["date_utc"], "command": command, "summary": summary, "kernels": kernels,
+            "failures": failures}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -274,9 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("reports", nargs="+")
     m.add_argument("--out", required=True)
     m.add_argument("--command", default="", help="how the record was made (kept in the file)")
+    m.add_argument("--into", help="an existing record: replace only the kernels of the modules these reports cover")
     a = ap.parse_args(argv)
     if a.cmd == "merge":
         merged = merge_reports(a.reports, load_records(a.records), a.command)
+        if a.into:
+            merged = splice_record(json.loads(Path(a.into).read_text()), merged)
         Path(a.out).write_text(json.dumps(merged, indent=1) + "\n")
         print(json.dumps(merged["summary"]))
         return 1 if merged["summary"]["failed"] else 0
