@@ -442,6 +442,31 @@ def fam_flashmla(f: Family) -> None:
         bad_counts[2] = 500
         _, lse = sparse_mla_flashmla(q.to(DEV), kv.to(DEV), bad_slots.to(DEV), bad_counts.to(DEV), 0.1)
         f.check("validate=False: bad slots poison their rows", {1, 3} <= _poisoned_rows(lse))
+    # the planned step's fusions: the guard in the prologue, the query read and the output written with their heads
+    # in 4 groups (the gathered query, the all-to-all's send buffer), the queries repeated per split by one kernel
+    from dcp_ref.geometry import DcpGeometry
+    from dcp_ref.guard import GuardRows
+
+    for splits in (1, 2):
+        with f.case(f"guard taken in, heads in groups, splits = {splits}"):
+            q, kv, slots, counts = (x.to(DEV) for x in _attention_inputs(g, 4, 64, 300, 500))
+            bt = torch.arange(16, device=DEV, dtype=torch.int32).view(2, 8)
+            bounds = torch.tensor([30, -1, 20, 64], device=DEV, dtype=torch.int32)  # token 1 out of contract
+            req = torch.tensor([0, 1, 1, 0], device=DEV, dtype=torch.int32)
+            iq = torch.randn(4, 4, 8, device=DEV).to(torch.float8_e4m3fn)
+            iw = torch.randn(4, 4, device=DEV)
+            rows = GuardRows(bounds, req, bt, DcpGeometry(1, 0, 1, 8), 64, num_blocks=16, index_q=iq, index_weights=iw)
+            send_out = torch.empty(4, 4, 16, 512, dtype=torch.bfloat16, device=DEV)
+            send_lse = torch.empty(4, 4, 16, device=DEV)
+            grouped = q.view(4, 4, 16, 576).transpose(0, 1).contiguous().transpose(0, 1)
+            sparse_mla_flashmla(grouped, kv, slots, counts, 0.1, splits=splits, out=send_out.transpose(0, 1),
+                                out_lse=send_lse.transpose(0, 1), guard=rows)  # fmt: skip
+            out, lse = send_out.transpose(0, 1).reshape(4, 64, 512), send_lse.transpose(0, 1).reshape(4, 64)
+            ref_out, ref_lse = _reference(q.cpu(), kv.cpu(), slots.cpu(), counts.cpu())
+            ok = [0, 2, 3]
+            f.check("fused: the guard poisons token 1 only", _poisoned_rows(lse) == {1})
+            f.check("fused: the other rows vs reference",
+                    _same_attention((out[ok], lse[ok]), (ref_out[ok], ref_lse[ok])))  # fmt: skip
 
 
 def fam_flashmla_fp8(f: Family) -> None:
