@@ -488,9 +488,9 @@ class ReduceScatterViews:
 
 
 class ReduceScatterCombine(Combine):
-    """All-gather the LSEs, correct this rank's partial by them (the ``merge`` stage), reduce-scatter over heads."""
+    """All-gather the LSEs, correct this rank's partial by them (the ``correct`` stage), reduce-scatter over heads."""
 
-    stages = ("merge",)
+    stages = ("correct",)
     collectives = (COLLECTIVE_NAMES[2], COLLECTIVE_NAMES[3])
 
     def __init__(self, spec: StepSpec, impls: Stages, group: Group, dtypes: Dtypes) -> None:
@@ -517,9 +517,9 @@ class ReduceScatterCombine(Combine):
         T, W, Hs, v = partial.shape[0], g.world_size, s.heads_per_rank, s.v_dim
         b = self.views(T)
         all_lse = self._all_gather(lse, b.all_lse)
-        fn: Any = self.impl.merge
+        fn: Any = self.impl.correct
         got = fn(partial, all_lse, g.rank, out=b.corrected, out_lse=b.merged_lse)
-        corrected, merged = checked_pair("merge", fn, got, (b.corrected, b.merged_lse))
+        corrected, merged = checked_pair("correct", fn, got, (b.corrected, b.merged_lse))
         # Heads of rank w must be contiguous for the reduce-scatter: [T, H, v] -> [W, T, H/W, v] (one copy).
         b.send.copy_(corrected.view(T, W, Hs, v).transpose(0, 1))
         out = self._reduce_scatter(b.send.view(W * T, Hs, v), b.out)

@@ -16,7 +16,7 @@ context ``c`` tokens; ``H`` heads; every query attends to its request's top ``k`
     DCP W  KV cache split by token (each rank stores about c/W), all H heads on every rank
            all-gather q over heads -> index scoring over c/W keys -> local top-K + pack
            -> all-gather candidates -> stable global select -> deinterleave
-           -> attention(H heads, ~k/W keys) -> all-gather LSEs -> merge (correct)
+           -> attention(H heads, ~k/W keys) -> all-gather LSEs -> correct
            -> reduce-scatter the output over heads (H/W per rank)
 
 The output projection's all-reduce is the same in both layouts (DCP runs inside the TP group) and
@@ -32,7 +32,7 @@ partials and leaves ``2*H*D/W`` (an all-reduce would leave all ``2*H*D`` and mov
 The query all-gather sends ``2*(H/W)*576`` and gathers ``2*H*576``. See :func:`communication_bytes`.
 
 **Time of a stage** is a fitted line ``fixed_s + per_unit_s * x`` (:class:`LineCost`) where ``x``
-is the stage's bytes (select, deinterleave, merge, pack, local top-K) or FLOPs (attention),
+is the stage's bytes (select, deinterleave, correct, pack, local top-K) or FLOPs (attention),
 fitted to the committed H200 kernel benchmarks (``benchmarks/results/*.json``, see
 :func:`observations_from_results`). A collective on a ring of ``W`` ranks costs
 ``collective_s + (W - 1) * (hop_s + chunk_bytes / link_Bps)`` (``chunk`` = what one ring step
@@ -159,7 +159,7 @@ STEP_STAGES = (
     "deinterleave",
     "attention",
     "lse_allgather",
-    "merge",
+    "correct",
     "output_reduce_scatter",
     "step_overhead",
 )
@@ -313,7 +313,7 @@ class LineCost:
 _LINE_FAMILIES = (
     "select",
     "deinterleave",
-    "merge",
+    "correct",
     "pack",
     "local_topk",
     "attention",
@@ -334,7 +334,7 @@ class CostConstants:
             of NCCL's LL protocol step) until ``step.json`` has W = 4 or 8.
         link_Bps: effective NVLink bandwidth NCCL reaches at these message sizes (fitted).
         eager_collective_s: host latency an eager collective adds over its graph replay (fitted).
-        select, deinterleave, merge, pack, local_topk: per-byte lines (:class:`LineCost`).
+        select, deinterleave, correct, pack, local_topk: per-byte lines (:class:`LineCost`).
         attention: per-FLOP line of the sparse MLA kernel (FlashMLA; FLOPs of padded heads included).
         attention_splitkv: per-FLOP line of the split-KV Triton kernel (any head count, no padding).
         select_to_slots: per-byte line of the owner-local selection (bytes of gathered candidates read).
@@ -355,7 +355,7 @@ class CostConstants:
     eager_collective_s: float = 30e-6
     select: LineCost = LineCost(3.5e-6, 1 / 2.5e12)
     deinterleave: LineCost = LineCost(2.5e-6, 1 / 1.8e12)
-    merge: LineCost = LineCost(2.0e-6, 1 / 2.0e12)
+    correct: LineCost = LineCost(2.0e-6, 1 / 2.0e12)
     pack: LineCost = LineCost(4.5e-6, 1 / 0.6e12)
     local_topk: LineCost = LineCost(25e-6, 1 / 0.25e12)
     attention: LineCost = LineCost(24e-6, 1 / 590e12, "flops")
@@ -743,7 +743,7 @@ def dcp_step_cost(
 
     Args:
         world_size: ``W >= 1``, dividing ``num_heads``. ``W = 1`` is a single rank: no collective,
-            no pack, select or merge (the local top-K is the global one) — exactly :func:`tp_step_cost` at ``W = 1``
+            no pack, select or correct (the local top-K is the global one) — exactly :func:`tp_step_cost` at ``W = 1``
             with the same ``options`` (``combine`` and ``q_replicate`` change nothing there).
         tokens: query tokens ``T`` per step (one per request), all seen by every rank.
         context: tokens ``c`` of each request (every query token's own request).
@@ -802,7 +802,7 @@ def dcp_step_cost(
         stages["lse_allgather"] = collective_time_s(
             "all_gather", comm["lse_allgather"].sent, w, k, hardware, graph=graph
         )
-        stages["merge"] = k.merge.time_s(t * g.num_heads * g.v_dim * 2 * 2 + w * t * g.num_heads * 4)
+        stages["correct"] = k.correct.time_s(t * g.num_heads * g.v_dim * 2 * 2 + w * t * g.num_heads * 4)
         stages["output_reduce_scatter"] = collective_time_s(
             "reduce_scatter", comm["output_reduce_scatter"].sent, w, k, hardware, graph=graph
         )
@@ -1108,7 +1108,7 @@ def observations_from_results(results_dir: str | Path) -> list[Observation]:
       ``x = 4*rows*W*K`` (the stand-in for the local top-K over a rank's scores).
     * ``deinterleave.json`` ``results``: ``deinterleave`` = the fastest compacting method (atomic / rowscan /
       twopass) per (rows, W, I) by hot-graph median ``graph_us``, ``x = rows*(8*topk + 4)``.
-    * ``lse_merge.json`` ``rows``: ``merge`` = ``correct_best`` (the correction the step runs before its
+    * ``lse_merge.json`` ``rows``: ``correct`` = ``correct_best`` (the correction the step runs before its
       reduce-scatter), ``x = bytes_correct``.
     * ``attention_flashinfer.json`` ``rows``: ``attention`` = FlashInfer FA3 sparse MLA ``run``,
       ``x = 2*T*H*K_valid*(576+512)`` FLOPs.
@@ -1149,7 +1149,7 @@ def observations_from_results(results_dir: str | Path) -> list[Observation]:
         for r in _load(d / "lse_merge.json")["rows"]:
             obs.append(
                 Observation(
-                    "merge", r["bytes_correct"], r["correct_best"]["median_us"] * 1e-6, f"W={r['W']} T={r['T']}"
+                    "correct", r["bytes_correct"], r["correct_best"]["median_us"] * 1e-6, f"W={r['W']} T={r['T']}"
                 )
             )
     if (d / "attention_flashinfer.json").exists():

@@ -1,4 +1,4 @@
-"""The merge stage — log-sum-exp (LSE) bookkeeping and the DCP merge of partial attention outputs.
+"""The correct and combine stages — log-sum-exp (LSE) bookkeeping and the DCP merge of partial attention outputs.
 
 Why the merge is a *rescale*, never a bare add
 ----------------------------------------------

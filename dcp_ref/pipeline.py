@@ -7,7 +7,7 @@
 - indexer      — local stable top-K of this rank's index scores, packed as (score, global id)
 - pack + select — all-gather of the candidates, stable global top-k (:mod:`dcp_ref.topk`)
 - deinterleave + compaction — global ids to this rank's KV slots (:mod:`dcp_ref.deinterleave`)
-- attention + merge — sparse MLA (:mod:`dcp_ref.attention`), then the LSE merge (:mod:`dcp_ref.lse`):
+- attention + correct — sparse MLA (:mod:`dcp_ref.attention`), then the LSE merge (:mod:`dcp_ref.lse`):
   all-gather LSEs, correct, reduce-scatter over heads
 
 It plans a :class:`dcp_ref.step.PlannedStep` for its inputs and runs it once: convenient, but it

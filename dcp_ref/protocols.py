@@ -19,7 +19,7 @@ __all__ = [
     "SelectStage",
     "DeinterleaveStage",
     "AttentionStage",
-    "MergeStage",
+    "CorrectStage",
     "ScoringStage",
     "SelectToSlotsStage",
     "GuardStage",
@@ -38,7 +38,7 @@ STAGE_KEYWORDS: dict[str, tuple[str, ...]] = {
     "select_to_slots": ("order", "out_slots", "out_counts"),
     "attention": ("out", "out_lse"),
     "guard": ("row_starts",),
-    "merge": ("out", "out_lse"),
+    "correct": ("out", "out_lse"),
     "combine": ("out", "out_lse"),
 }
 #: What a scoring step also passes its guard (the scoring stage's row rule: :mod:`dcp_ref.guard`).
@@ -152,7 +152,7 @@ class AttentionStage(Protocol):
         ...
 
 
-class MergeStage(Protocol):
+class CorrectStage(Protocol):
     def __call__(
         self,
         partial: torch.Tensor,

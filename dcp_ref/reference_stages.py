@@ -36,7 +36,7 @@ __all__ = [
     "reference_deinterleave",
     "reference_attention",
     "reference_attention_fp8",
-    "reference_merge",
+    "reference_correct",
     "reference_select_to_slots",
     "reference_guard",
     "reference_combine",
@@ -244,7 +244,7 @@ def reference_attention_fp8(
 
 
 @named_impl("torch")
-def reference_merge(
+def reference_correct(
     partial: torch.Tensor,
     all_lse: torch.Tensor,
     rank: int,

@@ -13,7 +13,7 @@ keys itself)::
     exchange "owner":      select_to_slots (the gathered candidates -> this rank's winners' slots, one stage)
     attention    sparse MLA over (slots, counts): partial output + LSE (base e, -inf when empty)
     guard        tokens whose metadata is out of contract -> NaN output and LSE (:mod:`dcp_ref.guard`)
-    combine "reduce_scatter": all-gather LSEs, merge (correct this rank's partial), reduce-scatter over heads
+    combine "reduce_scatter": all-gather LSEs, correct (this rank's partial by them), reduce-scatter over heads
     combine "alltoall":       partials of rank j's heads + their LSEs to rank j, combine the W partials
 
 The ``"tp"`` layout is the same machinery with the whole context on every rank and ``H/W`` heads:
@@ -57,10 +57,10 @@ from .options import COMBINES, EXCHANGES, LAYOUTS, ORDERS
 from .protocols import (
     AttentionStage,
     CombineStage,
+    CorrectStage,
     DeinterleaveStage,
     GuardStage,
     IndexerStage,
-    MergeStage,
     ScoringStage,
     SelectStage,
     SelectToSlotsStage,
@@ -73,10 +73,10 @@ from .reference_stages import (
     reference_attention,
     reference_attention_fp8,
     reference_combine,
+    reference_correct,
     reference_deinterleave,
     reference_guard,
     reference_indexer,
-    reference_merge,
     reference_scoring,
     reference_select,
     reference_select_to_slots,
@@ -104,7 +104,7 @@ __all__ = [
     "SelectStage",
     "DeinterleaveStage",
     "AttentionStage",
-    "MergeStage",
+    "CorrectStage",
     "ScoringStage",
     "SelectToSlotsStage",
     "GuardStage",
@@ -114,7 +114,7 @@ __all__ = [
     "reference_select",
     "reference_deinterleave",
     "reference_attention",
-    "reference_merge",
+    "reference_correct",
     "reference_select_to_slots",
     "reference_guard",
     "reference_combine",
@@ -142,7 +142,7 @@ STAGE_NAMES = (
     "select_to_slots",
     "attention",
     "guard",
-    "merge",
+    "correct",
     "combine",
 )
 
@@ -152,7 +152,7 @@ class Stages:
     """One implementation per stage (see the module docstring and each stage's ``Protocol``).
 
     Attributes:
-        scoring, indexer, select, deinterleave, select_to_slots, attention, guard, merge, combine:
+        scoring, indexer, select, deinterleave, select_to_slots, attention, guard, correct, combine:
             the stage callables (:data:`STAGE_NAMES`); a step calls the ones its :class:`StepSpec` needs.
         attention_layout: ``"compact"`` or ``"masked"`` (see :data:`ATTENTION_LAYOUTS`): what the
             attention stage reads, hence whether the step asks the deinterleave stage to compact.
@@ -177,7 +177,7 @@ class Stages:
     select_to_slots: SelectToSlotsStage = reference_select_to_slots
     attention: AttentionStage = reference_attention
     guard: GuardStage = reference_guard
-    merge: MergeStage = reference_merge
+    correct: CorrectStage = reference_correct
     combine: CombineStage = reference_combine
     attention_layout: str = "compact"
     partial_dtype: Callable[[torch.dtype], torch.dtype] = field(default=lambda d: d)

@@ -21,7 +21,7 @@ One run on rank ``r`` of ``W`` (``T`` query tokens, ``H`` heads, ``k`` = top-k; 
                     "owner":     select_to_slots -> this rank's slots [T, k], counts [T]
     attention       q over kv_cache[slots] -> partial [T, Ha, v], lse [T, Ha] (base e; Ha = H, or H/W for tp)
     guard           tokens with out-of-contract metadata -> NaN (dcp_ref.guard)
-    combine         "reduce_scatter": all-gather LSEs, merge, reduce-scatter over heads
+    combine         "reduce_scatter": all-gather LSEs, correct, reduce-scatter over heads
                     "alltoall": one all-to-all of partials + LSEs, combine W partials of H/W heads
                     -> out [T, H/W, v], lse [T, H/W]
 

@@ -14,7 +14,7 @@ device and dtype, and the reference otherwise (the reason is logged once on
   (:mod:`.attention_splitkv_triton`), chosen per planned shape (below), else FlashInfer fa3
   (:mod:`.flashinfer_mla`; plans on the host) — needs CUDA, bf16, 576/512; on an FP8 cache FlashMLA's FP8
   decode (:mod:`.flashmla_fp8`), masked layout;
-- merge: the Triton LSE correction (:mod:`.lse_merge_triton`) — as the indexer;
+- correct: the Triton LSE correction (:mod:`.lse_merge_triton`) — as the indexer;
 - scoring: the Triton FP8 index scoring (:mod:`.scoring_triton`) — as the indexer;
 - select_to_slots: the CuTeDSL owner-local selection (:mod:`.select_to_slots_cutedsl`) — as select;
 - guard: the Triton metadata guard (:mod:`.guard_triton`) — as the indexer;
@@ -52,10 +52,10 @@ from dcp_ref.stages import (
     reference_attention,
     reference_attention_fp8,
     reference_combine,
+    reference_correct,
     reference_deinterleave,
     reference_guard,
     reference_indexer,
-    reference_merge,
     reference_scoring,
     reference_select,
     reference_select_to_slots,
@@ -349,7 +349,7 @@ _attention_flashinfer = _FlashInferAttention()
 
 
 @named_impl("triton")
-def _merge_triton(
+def _correct_triton(
     partial: torch.Tensor,
     all_lse: torch.Tensor,
     rank: int,
@@ -673,7 +673,7 @@ def _choose(
         tri = ""
     impl: dict[str, str] = {}
     if tri:
-        for stage in ("scoring", "indexer", "deinterleave", "guard", "merge", "combine"):
+        for stage in ("scoring", "indexer", "deinterleave", "guard", "correct", "combine"):
             reasons[stage] = tri
     impl["scoring"] = "triton" if not tri and _has("scoring_triton") else "torch"
     # "fused": local top-K + pack in one launch, by the CuTeDSL kernel where the indexer's plan takes it, else Triton
@@ -690,7 +690,7 @@ def _choose(
     impl["attention"], why = _choose_attention(device, q_dtype, head_dim, v_dim, num_heads, topk)
     if why:
         reasons["attention"] = why
-    for stage in ("guard", "merge", "combine"):
+    for stage in ("guard", "correct", "combine"):
         impl[stage] = "torch" if tri else "triton"
     return {s: impl[s] for s in STAGE_NAMES}, reasons
 
@@ -796,7 +796,7 @@ def _kernel_stages(
         else reference_select_to_slots,
         "attention": attention_impls[impl["attention"]],
         "guard": _guard_triton if impl["guard"] == "triton" else reference_guard,
-        "merge": _merge_triton if impl["merge"] == "triton" else reference_merge,
+        "correct": _correct_triton if impl["correct"] == "triton" else reference_correct,
         "combine": _combine_triton if impl["combine"] == "triton" else reference_combine,
     }
     # Both bf16 kernels fit: the plan picks by its token count (FlashMLA is the default until then).
@@ -805,7 +805,7 @@ def _kernel_stages(
         alternatives = {"flashmla": _attention_flashmla, "triton-splitkv": _attention_splitkv}
 
     def partial_dtype(d: torch.dtype) -> torch.dtype:
-        # GPU attention writes q's dtype; the Triton merge takes fp16/bf16/fp32 partials.
+        # GPU attention writes q's dtype; the Triton correction takes fp16/bf16/fp32 partials.
         return d if d in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
 
     stages = Stages(

@@ -73,7 +73,7 @@ def test_the_parts_decide_stages_and_collectives_as_without_a_plan(W: int, optio
         else {"reduce_scatter": "ReduceScatterCombine", "alltoall": "AllToAllCombine"}[options.combine]
     )
     assert type(step.parts.combine).__name__ == want
-    assert ("merge" in step._used) == (want == "ReduceScatterCombine")
+    assert ("correct" in step._used) == (want == "ReduceScatterCombine")
     assert ("combine" in step._used) == (want == "AllToAllCombine")
 
 

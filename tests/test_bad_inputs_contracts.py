@@ -10,7 +10,7 @@ the call), ``unnamed`` (a check whose message does not name the argument), ``val
   give a schedule-dependent answer), through the shared ``check_not_self_overlapping``; an ``out=`` aliasing an
   input refused by the fused indexer, the rank-local reference indexer and the Triton pack; a reference stage's
   out buffer of the wrong dtype refused (not cast into), the kernel deinterleave stage naming ``out_slots`` /
-  ``out_counts``; ``reference_merge(out=partial)`` (its in-place mode) still accepted and exact;
+  ``out_counts``; ``reference_correct(out=partial)`` (its in-place mode) still accepted and exact;
 * **arguments**: the Triton pack's ``block=``; ``device=`` of :func:`dcp_ref.step.decode_metadata` and of the
   split-KV ``splitkv_plan``; ``StepSpec``'s ``dtype``, ``device``, ``scoring.next_n`` against ``max_tokens``
   and its choices (``layout=None`` ...), with a NumPy ``sm_scale`` accepted as a float; the cost model's
@@ -218,8 +218,8 @@ BASES: dict[str, Base] = {
     "reference_attention": Base(
         "dcp_ref.stages:reference_attention", lambda dev: _attention_args(dev, dtype=torch.float64)
     ),
-    "reference_merge": Base(
-        "dcp_ref.stages:reference_merge",
+    "reference_correct": Base(
+        "dcp_ref.stages:reference_correct",
         lambda dev: (lambda o, s: dict(partial=o[1].clone(), all_lse=s, rank=1))(*_partials(dev, torch.float64)),
     ),
     "reference_combine": Base(
@@ -352,17 +352,17 @@ bad("reference_attention", "out a view of q", ValueError, f"^out {SHARE} q",
     out=Lazy(lambda kw, dev: _view_of(kw["q"], (2, 2, 6))))  # fmt: skip
 bad("reference_attention", "out_lse expanded", ValueError, f"^out_lse {SELF}",
     out_lse=Lazy(lambda kw, dev: _expanded((2, 2), torch.float64, dev)))  # fmt: skip
-bad("reference_merge", "out int64", TypeError, "^out must have dtype",
+bad("reference_correct", "out int64", TypeError, "^out must have dtype",
     out=Lazy(lambda kw, dev: torch.empty(3, 2, 4, dtype=torch.int64)))  # fmt: skip
-bad("reference_merge", "out_lse float16", TypeError, "^out_lse must have dtype",
+bad("reference_correct", "out_lse float16", TypeError, "^out_lse must have dtype",
     out_lse=Lazy(lambda kw, dev: torch.empty(3, 2, dtype=torch.float16)))  # fmt: skip
-bad("reference_merge", "out partial's memory, other strides", ValueError, f"^out {SHARE} partial",
+bad("reference_correct", "out partial's memory, other strides", ValueError, f"^out {SHARE} partial",
     out=Lazy(lambda kw, dev: kw["partial"].as_strided((3, 2, 4), (8, 1, 2))))  # fmt: skip
-bad("reference_merge", "out_lse a view of all_lse", ValueError, f"^out_lse {SHARE} all_lse",
+bad("reference_correct", "out_lse a view of all_lse", ValueError, f"^out_lse {SHARE} all_lse",
     out_lse=Lazy(lambda kw, dev: kw["all_lse"][1]))  # fmt: skip
-bad("reference_merge", "out_lse is partial's memory", ValueError, f"^out_lse {SHARE} partial",
+bad("reference_correct", "out_lse is partial's memory", ValueError, f"^out_lse {SHARE} partial",
     out_lse=Lazy(lambda kw, dev: kw["partial"][:, :, 0]))  # fmt: skip
-bad("reference_merge", "out expanded", ValueError, f"^out {SELF}",
+bad("reference_correct", "out expanded", ValueError, f"^out {SELF}",
     out=Lazy(lambda kw, dev: _expanded((3, 2, 4), torch.float64, dev)))  # fmt: skip
 bad("reference_combine", "out_lse int32", TypeError, "^out_lse must have dtype",
     out_lse=Lazy(lambda kw, dev: torch.empty(3, 2, dtype=torch.int32)))  # fmt: skip
@@ -515,19 +515,19 @@ def test_self_overlap_check_on_views() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- accepted inputs
-def test_reference_merge_in_place_is_accepted_and_exact() -> None:
-    """``reference_merge(out=partial)``: the documented in-place mode (exactly the same tensor)."""
-    from dcp_ref.stages import reference_merge
+def test_reference_correct_in_place_is_accepted_and_exact() -> None:
+    """``reference_correct(out=partial)``: the documented in-place mode (exactly the same tensor)."""
+    from dcp_ref.stages import reference_correct
 
     outs, lses = _partials(torch.device("cpu"), torch.float64)
-    want, want_lse = reference_merge(outs[1].clone(), lses, 1)
+    want, want_lse = reference_correct(outs[1].clone(), lses, 1)
     partial = outs[1].clone()
-    got, got_lse = reference_merge(partial, lses, 1, out=partial)
+    got, got_lse = reference_correct(partial, lses, 1, out=partial)
     assert got is partial
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=0)
     buf = torch.empty_like(want_lse)
-    _, got_lse2 = reference_merge(outs[1].clone(), lses, 1, out_lse=buf)
+    _, got_lse2 = reference_correct(outs[1].clone(), lses, 1, out_lse=buf)
     assert got_lse2 is buf and torch.equal(buf, want_lse)
 
 

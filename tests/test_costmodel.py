@@ -152,7 +152,7 @@ def test_busiest_rank_brute_force(w: int, i: int) -> None:
 
 # ---- fitting ---------------------------------------------------------------------------------------
 def test_fit_lines_recovers_known_constants() -> None:
-    truth = {"select": (3e-6, 1 / 2.5e12), "attention": (2e-5, 1 / 6e14), "merge": (0.0, 1 / 3e12)}
+    truth = {"select": (3e-6, 1 / 2.5e12), "attention": (2e-5, 1 / 6e14), "correct": (0.0, 1 / 3e12)}
     xs = [1e5, 3e6, 2e7, 1.5e8]
     obs = [
         cm.Observation(f, x * (1e7 if f == "attention" else 1), a + b * x * (1e7 if f == "attention" else 1), f"{x}")
@@ -232,7 +232,7 @@ def test_observations_match_the_committed_json() -> None:
     assert sel[0].x == r0["rows"] * (8 * r0["W"] * r0["K"] + 4 * r0["k"])
     lse = json.loads((RESULTS / "lse_merge.json").read_text())["rows"]
     want = [r["correct_best"]["median_us"] / 1e6 for r in lse]
-    assert [o.seconds for o in obs if o.family == "merge"] == pytest.approx(want, rel=1e-12)
+    assert [o.seconds for o in obs if o.family == "correct"] == pytest.approx(want, rel=1e-12)
     attn = json.loads((RESULTS / "attention_flashinfer.json").read_text())["rows"]
     fi = [o for o in obs if o.family == "attention" and not o.label.startswith("FlashMLA")]
     assert [o.x for o in fi] == [2.0 * r["T"] * r["H"] * r["K_valid"] * 1088 for r in attn]
@@ -280,7 +280,7 @@ def test_fit_to_committed_results(fitted: cm.Fit) -> None:
     assert 0 < n_step == len(fitted.step_points)
     assert len([r for r in fitted.residuals if r.family == "step"]) == n_step
     c = fitted.constants
-    for f in ("select", "deinterleave", "merge", "pack", "local_topk", "attention"):
+    for f in ("select", "deinterleave", "correct", "pack", "local_topk", "attention"):
         line = getattr(c, f)
         assert math.isfinite(line.fixed_s) and line.per_unit_s > 0, f
     assert 1e9 < c.link_Bps < 1e13
@@ -450,7 +450,7 @@ def test_planned_layer_bytes_on_the_wire_by_hand() -> None:
     assert d.comm["combine_alltoall"].sent == W * T * (H // W) * (v * 2 + 4)
     assert "lse_allgather" not in d.comm and "output_reduce_scatter" not in d.comm
     assert set(d.stages_s) >= {"query_allgather", "select_to_slots", "combine_alltoall", "combine"}
-    assert "select" not in d.stages_s and "deinterleave" not in d.stages_s and "merge" not in d.stages_s
+    assert "select" not in d.stages_s and "deinterleave" not in d.stages_s and "correct" not in d.stages_s
     replicated = cm.dcp_step_cost(W, T, 65536, options=PLANNED.replace(q_replicate=True))
     assert "query_allgather" not in replicated.stages_s and "query_allgather" not in replicated.comm
     # the default is StepSpec's: the query replicated (no all-gather); the step as first measured gathers it

@@ -1,4 +1,4 @@
-"""The merge stage: LSE utilities, merge_partials, the collective merge, and the Triton merge kernels.
+"""The correct and combine stages: LSE utilities, merge_partials, the collective merge, and the Triton merge kernels.
 
 Independent references used here:
 * a brute-force merge written with Python floats and ``math`` (no torch reductions);

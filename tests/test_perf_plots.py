@@ -334,7 +334,7 @@ def test_stage_basis_reads_the_fit() -> None:
     assert pp.stage_basis(fit, "index_scoring") == "roofline"
     assert pp.stage_basis(fit, "candidates_allgather") == "NCCL fit, W = 2"  # NCCL_2XH200_T32: W = 2 only
     assert pp.stage_basis(fit, "combine_alltoall") == "all_to_all not measured"
-    for stage in ("indexer", "select_to_slots", "combine", "attention", "select", "deinterleave", "merge"):
+    for stage in ("indexer", "select_to_slots", "combine", "attention", "select", "deinterleave", "correct"):
         assert pp.stage_basis(fit, stage) == "kernel fit", stage
     assert pp.stage_basis(fit, "step_overhead") == ("step fit" if (RESULTS / "step.json").exists() else "default")
     # a fit without attention.json's split-KV rows has no line for the kernel a TP-8 rank runs

@@ -104,10 +104,10 @@ def test_kernels_backend_equals_single_device(world_size: int, interleave: int, 
     impl = traces[0]["impl"]  # the stages this run called, in order
     every = kernel_stage_impls(problem.q.device, problem.q.dtype, 24, 24, num_heads=12, topk=topk)
     assert impl == {stage: every[stage] for stage in impl}
-    split = world_size > 1  # one rank: no select (its local top-K is the answer), no merge
-    assert list(impl) == ["indexer", *["select"] * split, "deinterleave", "attention", "guard", *["merge"] * split]
+    split = world_size > 1  # one rank: no select (its local top-K is the answer), no correct stage
+    assert list(impl) == ["indexer", *["select"] * split, "deinterleave", "attention", "guard", *["correct"] * split]
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        assert impl["deinterleave"] == impl["guard"] == every["merge"] == "triton"
+        assert impl["deinterleave"] == impl["guard"] == every["correct"] == "triton"
         assert impl["indexer"] in ("torch+triton", "fused")
 
 
@@ -182,11 +182,11 @@ def test_kernels_backend_on_gpu_deepseek_geometry(cuda_device, world_size: int, 
     ]
     assert [tr["impl"] for tr in traces] == planned
     ran = planned[0]
-    assert "merge" in ran and "combine" not in ran  # W > 1 ranks: the LSE merge before the reduce-scatter
+    assert "correct" in ran and "combine" not in ran  # W > 1 ranks: the LSE merge before the reduce-scatter
     # Every other stage it ran is the kernel that kernel_stages chooses for this device.
     impl = kernel_stage_impls(gpu.q.device, gpu.q.dtype, 576, 512, num_heads=16, topk=topk)
     assert {s: ran[s] for s in ran if s != "attention"} == {s: impl[s] for s in ran if s != "attention"}, (ran, impl)
-    assert ran["deinterleave"] == ran["merge"] == "triton"
+    assert ran["deinterleave"] == ran["correct"] == "triton"
     for tr in traces:  # the selection is exact whatever runs it; the CuTeDSL top-K returns a set per row
         assert [sorted(r) for r in tr["global_ids"].long().cpu().tolist()] == [sorted(r) for r in ref_ids.tolist()]
     ref = ref_out[..., :512]

@@ -100,10 +100,10 @@ def test_one_plan_many_runs_equal_the_oracle(stages: str, world_size: int, inter
         torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
         for tr in traces:  # the selection is a set per row
             assert [sorted(r) for r in tr["global_ids"].tolist()] == [sorted(r) for r in ref_ids.tolist()]
-            # the stages a run calls, in order; one rank needs no merge (nothing to combine)
-            # one rank: no select (the local top-K is the answer) and no merge (nothing to combine)
-            select, merge = (["select"], ["merge"]) if world_size > 1 else ([], [])
-            assert list(tr["impl"]) == ["indexer", *select, "deinterleave", "attention", "guard", *merge]
+            # the stages a run calls, in order; one rank needs no correct stage (nothing to combine)
+            # one rank: no select (the local top-K is the answer) and no correct stage (nothing to combine)
+            select, correct = (["select"], ["correct"]) if world_size > 1 else ([], [])
+            assert list(tr["impl"]) == ["indexer", *select, "deinterleave", "attention", "guard", *correct]
 
 
 class _NoCollectives(SingleGroup):
@@ -414,10 +414,10 @@ def test_planned_step_on_gpu_kernels(cuda_device, world_size: int, interleave: i
     _, _, ref_ids = single_device_decode(cpu, 2048, 192**-0.5)
     for tr in traces:  # the CuTeDSL top-K returns a set per row
         assert [sorted(r) for r in tr["global_ids"].long().cpu().tolist()] == [sorted(r) for r in ref_ids.tolist()]
-    # Each trace names the stages its step planned; W = 1 has no merge (nothing to combine), W > 1 merges.
+    # Each trace names the stages its step planned; W = 1 has no correct stage (nothing to combine), W > 1 runs it.
     assert [tr["impl"] for tr in traces] == [step.impls for step in steps]
     ran = steps[0].impls
-    assert ("merge" in ran) == (world_size > 1) and "combine" not in ran, ran
+    assert ("correct" in ran) == (world_size > 1) and "combine" not in ran, ran
     # Every stage it ran but the attention (chosen per planned shape) is the kernel kernel_stages picks for the
     # device (the top-K: 2048 x W candidates fit the CuTeDSL kernel, so the plan keeps it).
     from dcp_ref.kernels.stages import kernel_stage_impls

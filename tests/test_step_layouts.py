@@ -76,7 +76,7 @@ def test_dcp_combines_and_query_inputs_equal_the_oracle(stages, W, I, combine, q
     torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
     for tr in traces:
         assert [sorted(r) for r in tr["global_ids"].tolist()] == [sorted(r) for r in ref_ids.tolist()]
-        last = [] if W == 1 else ["merge" if combine == "reduce_scatter" else "combine"]
+        last = [] if W == 1 else ["correct" if combine == "reduce_scatter" else "combine"]
         select = [] if W == 1 else ["select"]  # one rank: the local top-K is the answer
         assert list(tr["impl"]) == ["indexer", *select, "deinterleave", "attention", "guard", *last]
         if not q_replicate and W > 1:  # the gathered query is the full query, heads in rank order
@@ -120,7 +120,7 @@ def test_tp_layout_is_the_oracle_for_its_heads(stages, W, I) -> None:
         torch.testing.assert_close(out.double(), ref_out[:, r * Hs : (r + 1) * Hs], rtol=tol, atol=tol)
         torch.testing.assert_close(lse.double(), ref_lse[:, r * Hs : (r + 1) * Hs], rtol=tol, atol=tol)
         assert [sorted(x) for x in trace["global_ids"].tolist()] == [sorted(x) for x in ref_ids.tolist()]
-        assert "merge" not in trace["impl"] and "combine" not in trace["impl"]
+        assert "correct" not in trace["impl"] and "combine" not in trace["impl"]
 
 
 class _NoCollectives:

@@ -26,11 +26,11 @@ from dcp_ref.testing import (
     ConformanceError,
     check_attention,
     check_combine,
+    check_correct,
     check_deinterleave,
     check_guard,
     check_indexer,
     check_local_topk,
-    check_merge,
     check_pack,
     check_scoring,
     check_select,
@@ -131,7 +131,9 @@ def attention_base2_as_e(
     return sparse_mla_attention(q, kv_cache, slots, counts, sm_scale, "2", v_dim=v_dim)
 
 
-def merge_multiplying_nan(partial: torch.Tensor, all_lse: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def correct_multiplying_nan(
+    partial: torch.Tensor, all_lse: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """weight * partial: an empty rank's NaN partial times its zero weight is NaN (bug)."""
     lse = all_lse.double()
     merged = torch.logsumexp(lse, 0)
@@ -139,7 +141,7 @@ def merge_multiplying_nan(partial: torch.Tensor, all_lse: torch.Tensor, rank: in
     return (w.unsqueeze(-1) * partial.double()).to(partial.dtype), merged.float()
 
 
-def merge_base_e_math(partial: torch.Tensor, all_lse: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def correct_base_e_math(partial: torch.Tensor, all_lse: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The base-e merge applied to LSEs declared base 2 (bug)."""
     from dcp_ref.lse import correct_partial
 
@@ -221,12 +223,14 @@ def test_reference_attention_in_base_2_and_the_masked_layout() -> None:
     check_attention(masked, layout="masked", max_examples=15)
 
 
-def test_reference_merge_conforms() -> None:
+def test_reference_correct_conforms() -> None:
     from dcp_ref.lse import correct_partial, merge_partials
 
-    check_merge(REFERENCE_STAGES.merge, max_examples=25)
-    check_merge(lambda p, lse, r: correct_partial(p, lse, r, "2"), lse_base="2", dtype=torch.bfloat16, max_examples=15)
-    check_merge(merge_partials, form="merge", max_examples=15)
+    check_correct(REFERENCE_STAGES.correct, max_examples=25)
+    check_correct(
+        lambda p, lse, r: correct_partial(p, lse, r, "2"), lse_base="2", dtype=torch.bfloat16, max_examples=15
+    )
+    check_correct(merge_partials, form="merge", max_examples=15)
 
 
 def test_reference_step_conforms() -> None:
@@ -309,7 +313,7 @@ def test_triton_lse_correct_conforms(interp: torch.device, base: str, dtype: tor
         merged = torch.empty(partial.shape[:2], dtype=torch.float32, device=partial.device)
         return lse_correct(partial, all_lse, rank, base=base, merged_lse=merged)
 
-    check_merge(fn, lse_base=base, dtype=dtype, device=interp, max_examples=FAST)
+    check_correct(fn, lse_base=base, dtype=dtype, device=interp, max_examples=FAST)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -319,7 +323,7 @@ def test_triton_lse_merge_conforms(interp: torch.device) -> None:
     def fn(outs, lses):  # type: ignore[no-untyped-def]
         return lse_merge(outs, lses, merged_lse=torch.empty(outs.shape[1:3], dtype=torch.float32, device=outs.device))
 
-    check_merge(fn, form="merge", device=interp, max_examples=FAST)
+    check_correct(fn, form="merge", device=interp, max_examples=FAST)
 
 
 def test_the_new_checkers_refuse_bad_options() -> None:
@@ -488,7 +492,7 @@ def test_check_step_flags_a_stage_wrong_only_under_one_option(name: str) -> None
 def test_step_option_problems_hold_the_same_decode() -> None:
     """The tp problem (one rank, the whole context) and the problem with index keys are the same decode: the
     oracle reads the same answer from the unsharded tensors; the index keys' scores are the oracle's own float64
-    scores (exact in float32), and the tp layout runs without a merge or a combine on every rank."""
+    scores (exact in float32), and the tp layout runs without a correct or a combine stage on every rank."""
     from dcp_ref.stages import REFERENCE_STAGES
     from dcp_ref.testing import oracle
     from dcp_ref.testing.checks import run_step_problem
@@ -511,7 +515,7 @@ def test_step_option_problems_hold_the_same_decode() -> None:
     traces: list[dict] = [{} for _ in range(3)]
     out, _ = run_step_problem(p, REFERENCE_STAGES, traces=traces, options={"layout": "tp"})
     torch.testing.assert_close(out.double(), ref.out, rtol=1e-5, atol=1e-5)
-    assert all("merge" not in t["impl"] and "combine" not in t["impl"] for t in traces)
+    assert all("correct" not in t["impl"] and "combine" not in t["impl"] for t in traces)
     out, _ = run_step_problem(scored, REFERENCE_STAGES, traces=traces, options={"scoring": "fp8"})
     torch.testing.assert_close(out.double(), sref.out, rtol=1e-5, atol=1e-5)
     assert all(next(iter(t["impl"])) == "scoring" for t in traces)
@@ -541,7 +545,7 @@ def test_kernel_stages_conform_on_the_cpu(interp: torch.device) -> None:
                                 sm_scale=0.1, dtype=torch.float32, device=interp))  # fmt: skip
     check_indexer(ks.indexer, device=interp, max_examples=FAST)  # strided lengths included (the kit found that bug)
     check_deinterleave(ks.deinterleave, device=interp, max_examples=FAST)
-    check_merge(ks.merge, device=interp, max_examples=FAST)
+    check_correct(ks.correct, device=interp, max_examples=FAST)
     check_step(ks, device=interp, world_sizes=(1, 2, 3), max_examples=8)
     # and under every layer option: both orders, tp, the layer scoring its FP8 index keys (the Triton scoring)
     check_step(ks, device=interp, options="all", world_sizes=(1, 2, 3), max_examples=8)
@@ -594,7 +598,7 @@ def test_triton_kernels_conform_on_gpu(cuda_device: torch.device) -> None:
             max_examples=GPU_EXAMPLES,
         )
     for base in ("e", "2"):
-        check_merge(
+        check_correct(
             lambda p, lse, r, base=base: lse_correct(
                 p, lse, r, base=base, merged_lse=torch.empty(p.shape[:2], dtype=torch.float32, device=p.device)
             ),
@@ -693,7 +697,7 @@ def test_kernel_stages_conform_on_gpu(cuda_device: torch.device) -> None:
             noncontig=False,
             max_examples=40,
         )
-    check_merge(ks.merge, dtype=torch.bfloat16, device=cuda_device, max_examples=GPU_EXAMPLES)
+    check_correct(ks.correct, dtype=torch.bfloat16, device=cuda_device, max_examples=GPU_EXAMPLES)
     for stages in {tuple(sorted(p.impls().items())): p for p in plans.values()}.values():
         check_step(
             stages,
@@ -794,7 +798,7 @@ def test_attention_bug_base_2_lse_declared_e_is_caught() -> None:
 
 def test_merge_bug_nan_partial_multiplied_naively_is_caught() -> None:
     with pytest.raises(ConformanceError) as info:
-        check_merge(merge_multiplying_nan)
+        check_correct(correct_multiplying_nan)
     e = info.value
     assert "0 * NaN" in str(e) and e.case.values["partial"].numel() == 1
     ns = _run_reproducer(e)
@@ -803,7 +807,7 @@ def test_merge_bug_nan_partial_multiplied_naively_is_caught() -> None:
 
 def test_merge_bug_base_2_lse_merged_as_base_e_is_caught() -> None:
     with pytest.raises(ConformanceError) as info:
-        check_merge(merge_base_e_math, lse_base="2")
+        check_correct(correct_base_e_math, lse_base="2")
     ns = _run_reproducer(info.value)
     assert not torch.allclose(ns["got"][1].double(), ns["expected_lse"], equal_nan=True)
 
@@ -840,7 +844,7 @@ def test_a_failure_report_is_deterministic() -> None:
     msgs = []
     for _ in range(2):
         with pytest.raises(ConformanceError) as info:
-            check_merge(merge_multiplying_nan)
+            check_correct(correct_multiplying_nan)
         msgs.append(str(info.value))
     assert msgs[0] == msgs[1]
 
@@ -897,7 +901,7 @@ def test_bad_conventions_are_rejected() -> None:
     with pytest.raises(ValueError, match="empty_lse"):
         check_attention(REFERENCE_STAGES.attention, empty_lse="zero")
     with pytest.raises(ValueError, match="form"):
-        check_merge(REFERENCE_STAGES.merge, form="sum")
+        check_correct(REFERENCE_STAGES.correct, form="sum")
     with pytest.raises(ValueError, match="max_examples"):
         check_select(REFERENCE_STAGES.select, max_examples=0)
     with pytest.raises(TypeError, match="impl"):
@@ -939,8 +943,8 @@ def _equal(a: Any, b: Any) -> bool:
         dst.deinterleave_cases(compact=False),
         dst.attention_cases(dtype=torch.bfloat16, with_out=True),
         dst.attention_cases(layout="masked", head_dim=40),
-        dst.merge_cases(with_out=True),
-        dst.merge_cases(form="merge", dtype=torch.float16),
+        dst.correct_cases(with_out=True),
+        dst.correct_cases(form="merge", dtype=torch.float16),
     ],
     ids=[
         "select",
@@ -951,7 +955,7 @@ def _equal(a: Any, b: Any) -> bool:
         "masked",
         "attention",
         "attention-seeded",
-        "merge",
+        "correct",
         "merge-all",
     ],
 )
@@ -1533,19 +1537,19 @@ def _correct(partial, all_lse, rank, base="e"):  # type: ignore[no-untyped-def]
     return correct_partial(partial, all_lse, rank, base)
 
 
-def mut_merge_plus_inf_as_empty(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+def mut_correct_plus_inf_as_empty(partial, all_lse, rank):  # type: ignore[no-untyped-def]
     """NaN and +inf LSEs read as "empty" (sanitize_lse): corrupt data vanishes."""
     from dcp_ref.lse import sanitize_lse
 
     return _correct(partial, sanitize_lse(all_lse), rank)
 
 
-def mut_merge_nan_lse_as_empty(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+def mut_correct_nan_lse_as_empty(partial, all_lse, rank):  # type: ignore[no-untyped-def]
     """Only a NaN LSE read as "empty"."""
     return _correct(partial, torch.where(torch.isnan(all_lse), -math.inf, all_lse), rank)
 
 
-def mut_merge_without_max_subtraction(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+def mut_correct_without_max_subtraction(partial, all_lse, rank):  # type: ignore[no-untyped-def]
     """w_r = exp(lse_r) / sum exp(lse): overflows at LSE 1000."""
     lse = all_lse.double()
     e = torch.exp(lse)
@@ -1555,7 +1559,7 @@ def mut_merge_without_max_subtraction(partial, all_lse, rank):  # type: ignore[n
     return out.to(partial.dtype), torch.log(total).float()
 
 
-def mut_merge_base2_before_max(partial, all_lse, rank):  # type: ignore[no-untyped-def]
+def mut_correct_base2_before_max(partial, all_lse, rank):  # type: ignore[no-untyped-def]
     """The LSEs turned to base 2 in float32 before the max is subtracted: 3.3e38 * log2(e) overflows."""
     x = all_lse.float()
     corrupt = torch.isnan(x) | (x == math.inf)
@@ -1570,7 +1574,7 @@ def mut_merge_base2_before_max(partial, all_lse, rank):  # type: ignore[no-untyp
     return out.to(partial.dtype), merged
 
 
-def mut_merge_ignoring_out(partial, all_lse, rank, *, out=None, out_lse=None):  # type: ignore[no-untyped-def]
+def mut_correct_ignoring_out(partial, all_lse, rank, *, out=None, out_lse=None):  # type: ignore[no-untyped-def]
     """Accepts out= / out_lse= and writes neither."""
     return _correct(partial, all_lse, rank)
 
@@ -1778,8 +1782,8 @@ def _check(name: str) -> Callable[..., None]:
         "deinterleave": lambda fn: check_deinterleave(fn, ordered=True, **kw),
         "deinterleave_masked": lambda fn: check_deinterleave(fn, compact=False, **kw),
         "attention": lambda fn: check_attention(fn, **kw),
-        "merge": lambda fn: check_merge(fn, **kw),
-        "merge_base2": lambda fn: check_merge(fn, lse_base="2", **kw),
+        "correct": lambda fn: check_correct(fn, **kw),
+        "correct_base2": lambda fn: check_correct(fn, lse_base="2", **kw),
     }[name]
 
 
@@ -1820,13 +1824,13 @@ MUTANTS: list[tuple[str, Callable[..., Any]]] = [
     ("attention", mut_attention_reading_past_counts),
     ("attention", mut_attention_ignoring_sm_scale),
     ("attention", mut_attention_v_dim_short),
-    ("merge", merge_multiplying_nan),
-    ("merge_base2", merge_base_e_math),
-    ("merge", mut_merge_plus_inf_as_empty),
-    ("merge", mut_merge_nan_lse_as_empty),
-    ("merge", mut_merge_without_max_subtraction),
-    ("merge", mut_merge_base2_before_max),
-    ("merge", mut_merge_ignoring_out),
+    ("correct", correct_multiplying_nan),
+    ("correct_base2", correct_base_e_math),
+    ("correct", mut_correct_plus_inf_as_empty),
+    ("correct", mut_correct_nan_lse_as_empty),
+    ("correct", mut_correct_without_max_subtraction),
+    ("correct", mut_correct_base2_before_max),
+    ("correct", mut_correct_ignoring_out),
     ("guard", mut_guard_doing_nothing),
     ("guard", mut_guard_poisoning_the_lse_only),
     ("guard", mut_guard_checking_the_first_block_only),
@@ -1871,8 +1875,8 @@ def _correct_impls() -> list[tuple[str, Callable[..., Any]]]:
         ("deinterleave", _deint),
         ("deinterleave_masked", _deint),
         ("attention", _attn),
-        ("merge", lambda p, lse, r: correct_partial(p, lse, r)),  # its first argument is named `out`
-        ("merge_base2", lambda p, lse, r: correct_partial(p, lse, r, "2")),
+        ("correct", lambda p, lse, r: correct_partial(p, lse, r)),  # its first argument is named `out`
+        ("correct_base2", lambda p, lse, r: correct_partial(p, lse, r, "2")),
     ]
 
 
@@ -1958,7 +1962,7 @@ def test_the_default_draws_cover_the_contract_corners() -> None:
     lse = lambda c: c.values["all_lse"]  # noqa: E731
     assert all(
         _draws(
-            dst.merge_cases(),
+            dst.correct_cases(),
             {
                 "nan": lambda c: torch.isnan(lse(c)).any(),
                 "+inf": lambda c: (lse(c) == INF).any(),
@@ -1991,7 +1995,7 @@ def test_the_adversarial_cases_hold_the_corners_and_the_references_pass_them() -
     assert _signed_zero(g[..., 0]) and (g[..., 0] == -INF).any() and torch.isnan(g[..., 0]).any()
     de = dst.adversarial_deinterleave_cases()[0].values
     assert (de["block_table"] < -1).any() and (de["req_of_token"] >= de["block_table"].shape[0]).any()
-    m = dst.adversarial_merge_cases()[0].values["all_lse"]
+    m = dst.adversarial_correct_cases()[0].values["all_lse"]
     assert torch.isnan(m).any() and (m == INF).any() and (m == torch.tensor(3.3e38)).any()
     want = oracle.deinterleave(de["global_ids"], de["req_of_token"], de["block_table"], DcpGeometry(2, 1, 2, 4))
     assert (want == oracle.POISON_SLOT).sum() == 7 + 3  # the bad-request row, two no-block ids, one past the table

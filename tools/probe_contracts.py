@@ -6569,9 +6569,9 @@ def stage_protocol_cases() -> list[Case]:
         StepSpec,
         reference_attention,
         reference_combine,
+        reference_correct,
         reference_deinterleave,
         reference_indexer,
-        reference_merge,
         reference_select,
         resolve_stages,
     )
@@ -6596,7 +6596,7 @@ def stage_protocol_cases() -> list[Case]:
         sel = reference_select if st is None else st.select
         de = reference_deinterleave if st is None else st.deinterleave
         att = reference_attention if st is None else st.attention
-        mer = reference_merge if st is None else st.merge
+        mer = reference_correct if st is None else st.correct
         com = reference_combine if st is None else st.combine
         idx = reference_indexer if st is None else st.indexer
         pre = f"stage {label}"
@@ -6735,7 +6735,7 @@ def stage_protocol_cases() -> list[Case]:
         want_m = bf_merge(torch.stack([outs[1] * (1 if w == 1 else 0) for w in range(2)]), lses)
         mk(
             out,
-            f"{pre}.merge",
+            f"{pre}.correct",
             "valid: out may be partial itself (documented)",
             lambda mer=mer: (lambda p: mer(p, lses, 1, out=p, out_lse=torch.empty(3, 2)))(outs[1].clone()),
             "valid",
@@ -6743,7 +6743,7 @@ def stage_protocol_cases() -> list[Case]:
         )
         mk(
             out,
-            f"{pre}.merge",
+            f"{pre}.correct",
             "out a partial overlap of partial",
             lambda mer=mer: (lambda p: mer(p[:, :2], lses, 1, out=p[:, 1:]))(torch.randn(3, 3, 4)),  # heads 1 shared
             "raise",
@@ -6751,13 +6751,13 @@ def stage_protocol_cases() -> list[Case]:
         )
         mk(
             out,
-            f"{pre}.merge",
+            f"{pre}.correct",
             "out_lse aliases all_lse",
             lambda mer=mer: (lambda l_: mer(outs[1], l_, 1, out_lse=l_[0]))(lses.clone()),
             "raise",
             ("out_lse", "all_lse", "all_lses", "merged_lse"),
         )
-        mk(out, f"{pre}.merge", "rank=2 of W=2", lambda mer=mer: mer(outs[1], lses, 2), "raise", "rank")
+        mk(out, f"{pre}.correct", "rank=2 of W=2", lambda mer=mer: mer(outs[1], lses, 2), "raise", "rank")
         mk(
             out,
             f"{pre}.combine",

@@ -13,7 +13,7 @@ mismatch raises :class:`ConformanceError` (an ``AssertionError``) holding the *s
 case as ready-to-paste Python, plus what differed. Deterministic by default.
 
 * :mod:`dcp_ref.testing.checks` — ``check_indexer``, ``check_local_topk``, ``check_pack``,
-  ``check_select``, ``check_deinterleave``, ``check_attention``, ``check_merge``, ``check_step``,
+  ``check_select``, ``check_deinterleave``, ``check_attention``, ``check_correct``, ``check_step``,
   ``check_stages``.
 * :mod:`dcp_ref.testing.oracle` — the brute-force oracle of every stage and of a whole decode
   step on *your* tensors (KV caches, block tables, index scores, lengths): :func:`oracle.decode`.
@@ -36,11 +36,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names load
         ConformanceError,
         check_attention,
         check_combine,
+        check_correct,
         check_deinterleave,
         check_guard,
         check_indexer,
         check_local_topk,
-        check_merge,
         check_pack,
         check_scoring,
         check_select,
@@ -63,7 +63,7 @@ __all__ = [
     "check_guard",
     "check_scoring",
     "check_attention",
-    "check_merge",
+    "check_correct",
     "check_combine",
     "check_step",
     "check_stages",

@@ -23,7 +23,7 @@ from typing import Any
 
 STAGES = (
     "scoring", "indexer", "local_topk", "pack", "select", "deinterleave", "select_to_slots",
-    "guard", "attention", "merge", "combine", "step", "stages",
+    "guard", "attention", "correct", "combine", "step", "stages",
 )  # fmt: skip
 _DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -38,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", required=True, choices=STAGES, help="which contract to check")
     p.add_argument("--device", default="cpu", help="where the inputs live (default cpu)")
     p.add_argument(
-        "--dtype", choices=_DTYPES, help="input dtype (attention: q/KV; merge: partials; step: q/KV; pack: the scores)"
+        "--dtype",
+        choices=_DTYPES,
+        help="input dtype (attention: q/KV; correct: partials; step: q/KV; pack: the scores)",
     )
     p.add_argument("--sorted", action="store_true", help="select / indexer / local_topk: require the key order")
     p.add_argument("--presorted", action="store_true", help="select: feed per-rank lists sorted best first")
@@ -51,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         "--order", choices=("global_id", "rank_local"), default="global_id", help="select_to_slots: the total order"
     )
     p.add_argument("--masked", action="store_true", help="deinterleave / attention: the masked layout (no compaction)")
-    p.add_argument("--lse-base", choices=("e", "2"), default="e", help="attention / merge: the LSE's base")
+    p.add_argument("--lse-base", choices=("e", "2"), default="e", help="attention / correct / combine: the LSE's base")
     p.add_argument(
         "--empty-lse",
         choices=("-inf", "+inf", "nan", "any"),
@@ -62,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
         "--form",
         choices=("correct", "merge"),
         default="correct",
-        help="merge: one rank's correction or all partials at once",
+        help="correct: one rank's correction or all partials at once",
     )
     p.add_argument("--head-dim", type=int, help="attention / step: fix Dqk (e.g. 576)")
     p.add_argument("--v-dim", type=int, help="attention / step: fix the value width (e.g. 512)")
@@ -116,7 +118,7 @@ def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
         )
         if dtype is not None:
             kw["dtype"] = dtype
-    if s == "merge":
+    if s == "correct":
         kw.update(lse_base=a.lse_base, form=a.form, **nc)
         if dtype is not None:
             kw["dtype"] = dtype

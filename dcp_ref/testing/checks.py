@@ -26,7 +26,7 @@ checker                         calls your ``fn`` as
 :func:`check_select`            ``fn(gathered, k)`` -> int32 ``[T, k]``
 :func:`check_deinterleave`      ``fn(global_ids, req_of_token, block_table, geometry)`` -> ``(slots, counts)``
 :func:`check_attention`         ``fn(q, kv_cache, slots, counts, sm_scale, v_dim)`` -> ``(out, lse)``
-:func:`check_merge`             ``fn(partial, all_lse, rank)`` -> ``(corrected, merged_lse)``
+:func:`check_correct`             ``fn(partial, all_lse, rank)`` -> ``(corrected, merged_lse)``
 :func:`check_step`              a :class:`~dcp_ref.stages.Stages`, a dict of stages, or a whole step
 ==============================  ======================================================================
 
@@ -70,7 +70,7 @@ __all__ = [
     "check_guard",
     "check_scoring",
     "check_attention",
-    "check_merge",
+    "check_correct",
     "check_combine",
     "check_step",
     "check_stages",
@@ -1202,8 +1202,8 @@ def check_attention(
     )
 
 
-# ---- merge --------------------------------------------------------------------------------------
-def check_merge(
+# ---- correct ------------------------------------------------------------------------------------
+def check_correct(
     fn: Callable,
     *,
     lse_base: str = "e",
@@ -1218,7 +1218,8 @@ def check_merge(
     seed: int | None = None,
     shrink_budget: int = DEFAULT_SHRINK_BUDGET,
 ) -> None:
-    """Check a merge: ``form="correct"`` (the stage): ``fn(partial, all_lse, rank)`` -> ``(corrected, merged_lse)``;
+    """Check an LSE merge: ``form="correct"`` (the correct stage): ``fn(partial, all_lse, rank)`` ->
+    ``(corrected, merged_lse)``;
     ``form="merge"``: ``fn(outs [W, T, H, v], lses [W, T, H])`` -> ``(merged, merged_lse)``.
 
     ``corrected = partial * b^(lse[rank] - merged)`` with ``merged = log_b sum_r b^lse[r]`` (``b`` =
@@ -1236,8 +1237,8 @@ def check_merge(
         raise ValueError(f"form must be 'correct' or 'merge', got {form!r}")
     dev = _dev(device)
     with_out = _with_out(fn, out_buffers)
-    strategy = S.merge_cases(max_world=max_world, dtype=dtype, form=form, noncontig=noncontig, with_out=with_out)
-    examples = S.adversarial_merge_cases(max_world=max_world, dtype=dtype, form=form, with_out=with_out)
+    strategy = S.correct_cases(max_world=max_world, dtype=dtype, form=form, noncontig=noncontig, with_out=with_out)
+    examples = S.adversarial_correct_cases(max_world=max_world, dtype=dtype, form=form, with_out=with_out)
 
     def oracle_of(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
         v = case.values
@@ -1293,7 +1294,7 @@ def check_merge(
 
     conv = _conv(form=form, lse_base=lse_base, device=dev, dtype=str(dtype).replace("torch.", ""))
     _run(
-        "merge",
+        "correct",
         conv,
         fn,
         strategy,
@@ -1311,12 +1312,12 @@ def check_combine(fn: Callable, **kwargs: Any) -> None:
     """Check a combine stage (:class:`~dcp_ref.stages.CombineStage`): ``fn(outs [W, T, H/W, v], lses [W, T, H/W])``
     -> ``(merged, merged_lse)``, the LSE-weighted merge of the ``W`` partials the all-to-all delivered — every
     rank's, an empty one (``-inf``) adding exactly 0, a corrupt LSE (NaN, ``+inf``) giving NaN. The merge's
-    contract in one place: :func:`check_merge` with ``form="merge"`` (``kwargs`` as there)."""
+    contract in one place: :func:`check_correct` with ``form="merge"`` (``kwargs`` as there)."""
     __tracebackhide__ = True
     if "form" in kwargs:
         raise TypeError("check_combine takes no form= (a combine merges all W partials: form='merge')")
     try:
-        check_merge(fn, form="merge", **kwargs)
+        check_correct(fn, form="merge", **kwargs)
     except ConformanceError as e:  # the same finding, under this stage's name
         raise ConformanceError("combine", e.conventions, e.reproducer, e.differences, e.case, e.calls) from None
 
@@ -1650,7 +1651,7 @@ def check_stages(
     **step_kwargs: Any,
 ) -> None:
     """Every stage of a :class:`~dcp_ref.stages.Stages` value through its checker (scoring,
-    indexer, select, deinterleave, select-to-slots in both orders, guard, attention, merge, combine), then the
+    indexer, select, deinterleave, select-to-slots in both orders, guard, attention, correct, combine), then the
     whole step.
 
     Uses the protocol's conventions (set semantics, base-e LSE, ``-inf`` for empty rows, compaction
@@ -1669,7 +1670,7 @@ def check_stages(
         check_select_to_slots(st_.select_to_slots, order=order, **kw)
     check_guard(st_.guard, **kw)
     check_attention(st_.attention, layout=st_.attention_layout, **kw)
-    check_merge(st_.merge, **kw)
+    check_correct(st_.correct, **kw)
     check_combine(st_.combine, **kw)
     if step:
         step_kwargs.setdefault("options", "all")  # both exchanges, both combines, the query replicated or gathered

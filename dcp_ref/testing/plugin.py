@@ -55,7 +55,7 @@ class DcpConformance:
     """The conformance checkers with session defaults (``device``, ``max_examples``, ``seed``).
 
     Methods: :meth:`indexer`, :meth:`local_topk`, :meth:`pack`, :meth:`select`, :meth:`deinterleave`,
-    :meth:`attention`, :meth:`merge`, :meth:`step`, :meth:`stages` — each forwards to ``check_<name>``;
+    :meth:`attention`, :meth:`correct`, :meth:`step`, :meth:`stages` — each forwards to ``check_<name>``;
     an argument given in the call wins over the default.
     """
 
@@ -95,9 +95,9 @@ class DcpConformance:
         __tracebackhide__ = True
         self._check("attention", fn, kwargs)
 
-    def merge(self, fn: Callable, **kwargs: Any) -> None:
+    def correct(self, fn: Callable, **kwargs: Any) -> None:
         __tracebackhide__ = True
-        self._check("merge", fn, kwargs)
+        self._check("correct", fn, kwargs)
 
     def step(self, impl: Any, **kwargs: Any) -> None:
         __tracebackhide__ = True

@@ -54,7 +54,7 @@ __all__ = [
     "indexer_cases",
     "deinterleave_cases",
     "attention_cases",
-    "merge_cases",
+    "correct_cases",
     "step_cases",
     "StepProblem",
     "make_step_problem",
@@ -64,7 +64,7 @@ __all__ = [
     "adversarial_local_topk_cases",
     "adversarial_indexer_cases",
     "adversarial_deinterleave_cases",
-    "adversarial_merge_cases",
+    "adversarial_correct_cases",
 ]
 
 NAN, INF = math.nan, math.inf
@@ -1022,7 +1022,7 @@ def attention_cases(
     )
 
 
-# ---- merge -------------------------------------------------------------------------------------
+# ---- correct -----------------------------------------------------------------------------------
 #: LSE levels: equal values, spreads that overflow a naive ``exp``, and ``-inf`` (an empty rank).
 LSE_LEVELS = (0.0, 1.0, -1.0, 2.0, 0.5, 90.0, -90.0, 1000.0, -INF)
 #: Rarer LSEs: corrupt data (NaN, ``+inf``: never "empty", they must come out NaN) and finite values near
@@ -1033,7 +1033,7 @@ _EMPTY_PARTIAL = st.sampled_from((NAN, INF, 1e30, 0.0))  # what an empty rank's 
 
 
 @st.composite
-def merge_cases(
+def correct_cases(
     draw: st.DrawFn,
     *,
     max_world: int = 16,
@@ -1045,7 +1045,7 @@ def merge_cases(
     noncontig: bool = True,
     with_out: bool = False,
 ) -> Case:
-    """The merge: ``form="correct"``: ``fn(partial [T, H, v], all_lse [W, T, H], rank)`` (the stage);
+    """The correct stage: ``form="correct"``: ``fn(partial [T, H, v], all_lse [W, T, H], rank)`` (the stage);
     ``form="merge"``: ``fn(outs [W, T, H, v], lses [W, T, H])`` (all partials in one place).
 
     Empty ranks (LSE ``-inf``) hold garbage partials — NaN, ``inf``, ``1e30`` — that must contribute
@@ -1106,7 +1106,7 @@ def merge_cases(
         args = ("partial", "all_lse", "rank")
         bufs = {"out": ((T, H, v), dtype, NAN), "out_lse": ((T, H), torch.float32, NAN)}
     return Case(
-        "merge",
+        "correct",
         values,
         code,
         args,
@@ -1511,7 +1511,7 @@ def adversarial_deinterleave_cases(
     ]
 
 
-def adversarial_merge_cases(
+def adversarial_correct_cases(
     *, max_world: int = 16, dtype: torch.dtype = torch.float32, form: str = "correct", with_out: bool = False
 ) -> list[Case]:
     """The merge over ``W = 3`` ranks (rank 2 empty, its partial NaN): per ``(t, h)`` an ordinary merge,
@@ -1540,7 +1540,7 @@ def adversarial_merge_cases(
         code: dict[str, str] = {}
         _tensor_case_value(values, code, "outs", outs.to(dtype))
         _tensor_case_value(values, code, "lses", lse)
-        cases.append(Case("merge", values, code, ("outs", "lses"), out_buffers=bufs, meta={"form": form}))
+        cases.append(Case("correct", values, code, ("outs", "lses"), out_buffers=bufs, meta={"form": form}))
         return cases
     for rank in (0, 2):
         values = {}
@@ -1548,5 +1548,7 @@ def adversarial_merge_cases(
         _tensor_case_value(values, code, "partial", outs[rank].to(dtype))
         _tensor_case_value(values, code, "all_lse", lse)
         _scalar(values, code, "rank", rank)
-        cases.append(Case("merge", values, code, ("partial", "all_lse", "rank"), out_buffers=bufs, meta={"form": form}))
+        cases.append(
+            Case("correct", values, code, ("partial", "all_lse", "rank"), out_buffers=bufs, meta={"form": form})
+        )
     return cases

@@ -629,7 +629,7 @@ def plot_scaling(
     options: LayerOptions = AS_MEASURED,
 ) -> Any:
     """Measured points and the model's curves against W on one plot (``T`` tokens, ``context``): the DCP and TP
-    layer, the planned step, and the W-dependent stages (select, merge, candidates all-gather) with the
+    layer, the planned step, and the W-dependent stages (select, correct, candidates all-gather) with the
     measurements they were fitted to; right of W = gpus_per_host (shaded) everything is a prediction. ``options``:
     the layer the model curves price (:data:`AS_MEASURED` by default)."""
     c = fit.constants
@@ -690,14 +690,14 @@ def plot_scaling(
         ws,
         curve(
             lambda w: (
-                c.merge.time_s(tokens * geometry.num_heads * geometry.v_dim * 4 + w * tokens * geometry.num_heads * 4)
+                c.correct.time_s(tokens * geometry.num_heads * geometry.v_dim * 4 + w * tokens * geometry.num_heads * 4)
                 if w > 1
                 else 0.0
             )
         ),
         ":",
         color="C5",
-        label="model: merge",
+        label="model: correct",
     )
     sel = [
         (o, int(o.label.split()[1][2:]))
@@ -709,10 +709,10 @@ def plot_scaling(
     mer = [
         (o, int(o.label.split()[0][2:]))
         for o in observations
-        if o.family == "merge" and o.label.endswith(f"T={tokens}")
+        if o.family == "correct" and o.label.endswith(f"T={tokens}")
     ]
     if mer:
-        ax.plot([w for _, w in mer], [o.seconds * 1e6 for o, _ in mer], "D", color="C5", label="measured: merge")
+        ax.plot([w for _, w in mer], [o.seconds * 1e6 for o, _ in mer], "D", color="C5", label="measured: correct")
     if tokens == 32:
         ag = [m for m in cm.NCCL_2XH200_T32 if m[0] == "all_gather" and m[1] == 32 * K * 8]
         if ag:
@@ -790,7 +790,7 @@ _STAGE_FAMILIES = {
     "select": ("select",),
     "deinterleave": ("deinterleave",),
     "select_to_slots": ("select_to_slots",),
-    "merge": ("merge",),
+    "correct": ("correct",),
     "combine": ("combine",),
 }
 
