@@ -1,19 +1,25 @@
 """dcp_ref.viz.dataflow: chapter 00's picture of one layer's decode across ranks, shapes and bytes.
 
-Byte counts are checked against the arithmetic written out here (float32 (score, id) pairs,
-float32 LSEs, bf16 queries and outputs), not against the cost model the module uses.
+Byte counts of the default layer are checked against the arithmetic written out here (float32 (score, id)
+pairs, float32 LSEs, bf16 queries and outputs); those of every layer against the cost model's functions for the
+same options, and its collectives against the planned step's parts (dcp_ref.axes).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import matplotlib
 import pytest
 
+from dcp_ref import costmodel
 from dcp_ref.costmodel import MlaGeometry
-from dcp_ref.options import PLANNED, LayerOptions
+from dcp_ref.options import DEFAULT, PLANNED, LayerOptions
 from dcp_ref.viz.dataflow import (
     COLLECTIVE_NAMES,
+    VLLM_LAYER,
     CountingGroup,
+    collective_bytes,
     dataflow_table,
     draw_layer_dataflow,
     format_bytes,
@@ -44,6 +50,11 @@ ORDER = [
 @pytest.mark.parametrize("geo", [MlaGeometry(), MlaGeometry(num_heads=16, topk=512, local_topk=256)])
 def test_steps_shapes_and_bytes_per_token(w: int, geo: MlaGeometry) -> None:
     steps = layer_dataflow(w, geo)
+    assert steps == layer_dataflow(w, geo, options=VLLM_LAYER) and VLLM_LAYER == LayerOptions(q_replicate=False)
+    if w == 1:  # one rank's cache: no collective, no pack or select; the local top-K is the answer
+        assert [s.name for s in steps] == [ORDER[0], ORDER[2], ORDER[6], ORDER[7], ORDER[11]]
+        assert steps[0].shape == f"q [T, {geo.num_heads}, 576] bf16"
+        return
     assert [s.name for s in steps] == ORDER
     by = {s.name: s for s in steps}
     H, K, k = geo.num_heads, geo.local_topk, geo.topk
@@ -183,3 +194,115 @@ def test_the_correction_is_labelled_in_base_e() -> None:
     """The merge weights are exp(lse_r - lse) of base-e LSEs (chapter 06): no base-2 label in the picture."""
     notes = " ".join(s.note for s in layer_dataflow(4))
     assert "exp(lse_r - lse)" in notes and "2^" not in notes
+
+
+# ---- every layer: the planned step's collectives, the cost model's bytes ----------------------------
+LAYERS = [DEFAULT, PLANNED, LayerOptions(layout="tp"), LayerOptions(combine="alltoall", q_replicate=False)]
+
+
+def _spec(options: LayerOptions, W: int, geo: MlaGeometry) -> Any:
+    import torch
+
+    from dcp_ref.geometry import DcpGeometry
+    from dcp_ref.stages import StepSpec
+
+    return StepSpec.for_options(DcpGeometry(W, 0, 1, 64), options, max_tokens=1, topk=geo.topk,
+                                num_heads=geo.num_heads, head_dim=geo.qk_dim, v_dim=geo.v_dim, sm_scale=1.0,
+                                dtype=torch.bfloat16, device="cpu")  # fmt: skip
+
+
+def _cost_model_bytes(options: LayerOptions, W: int, geo: MlaGeometry) -> dict[str, costmodel.CollectiveBytes]:
+    """Per-token bytes of each collective, as the cost model counts them for these options (by our names)."""
+    if options.layout == "tp":
+        assert costmodel.tp_step_cost(W, 1, 4096, geo, options=options).comm == {}
+        return {}
+    comm = costmodel.dcp_step_cost(W, 1, 4096, geo, scope="layer", options=options).comm
+    if W == 1:
+        assert comm == {}
+        return {}
+    # The byte functions where the option leaves the collective as they count it.
+    if not options.q_replicate:
+        assert comm["query_allgather"] == costmodel.query_allgather_bytes(1, W, geo)
+    if options.order == "global_id":
+        assert comm["candidates_allgather"] == costmodel.candidate_bytes(1, W, geo)
+    else:  # scores only: half of the (score, id) pairs
+        pairs = costmodel.candidate_bytes(1, W, geo)
+        assert comm["candidates_allgather"] == costmodel.CollectiveBytes(*(b // 2 for b in (pairs.sent,
+                                                                          pairs.received, pairs.link)))  # fmt: skip
+    if options.combine == "reduce_scatter":
+        assert comm["lse_allgather"] == costmodel.lse_bytes(1, W, geo)
+        assert comm["output_reduce_scatter"] == costmodel.output_reduce_scatter_bytes(1, W, geo)
+    names = {"query_allgather": COLLECTIVE_NAMES[0], "candidates_allgather": COLLECTIVE_NAMES[1],
+             "lse_allgather": COLLECTIVE_NAMES[2], "output_reduce_scatter": COLLECTIVE_NAMES[3],
+             "combine_alltoall": COLLECTIVE_NAMES[4]}  # fmt: skip
+    return {names[k]: b for k, b in comm.items()}
+
+
+@pytest.mark.parametrize("W", [1, 2, 8])
+@pytest.mark.parametrize("options", LAYERS, ids=lambda o: o.label)
+@pytest.mark.parametrize("geo", [MlaGeometry(), MlaGeometry(num_heads=16, topk=512, local_topk=512)])
+def test_every_layer_runs_the_planned_collectives_with_the_cost_models_bytes(
+    W: int, options: LayerOptions, geo: MlaGeometry
+) -> None:
+    from dcp_ref.axes import AllToAllCombine, ReduceScatterCombine, layer_collectives, stage_names
+
+    spec = _spec(options, W, geo)
+    steps = layer_dataflow(W, geo, options=options)
+    coll = [s for s in steps if s.collective]
+    assert [s.name for s in coll] == layer_collectives(spec)
+    assert set(s.name for s in coll) <= set(COLLECTIVE_NAMES)
+    want = _cost_model_bytes(options, W, geo)
+    assert list(want) == [s.name for s in coll]  # the cost model prices the same collectives, in the same order
+    assert {s.name: (s.sent, s.received, s.link) for s in coll} == {
+        n: (b.sent, b.received, b.link) for n, b in want.items()
+    }
+    assert collective_bytes(W, geo, options=options) == want
+    if options.layout == "tp" or W == 1:
+        assert coll == []
+    # The local steps that are stages run in the planned step's stage order (the guard and the indexer's
+    # packing are no steps of their own here; names of the combine stages as the parts spell them).
+    stage_of = {
+        "indexer: local top-K": "indexer",
+        "stable top-K (select)": "select",
+        "deinterleave + compaction": "deinterleave",
+        "select-to-slots (this rank's winners)": "select_to_slots",
+        "attention (all H heads, this rank's keys)": "attention",
+        "attention (H/W heads, all k keys)": "attention",
+        "correct (rescale by its weight)": ReduceScatterCombine.stages[0],
+        "combine the W partials (H/W heads)": AllToAllCombine.stages[0],
+    }
+    assert [stage_of[s.name] for s in steps if s.name in stage_of] == [
+        n for n in stage_names(spec) if n not in ("guard", "scoring")
+    ]
+    # Who holds what: the query as attention reads it, the output as the projection after it reads it.
+    H, Hs = geo.num_heads, geo.num_heads // W
+    attn = next(s for s in steps if s.name.startswith("attention"))
+    q_heads = H if options.layout == "dcp" else Hs
+    assert attn.shape.startswith(f"out [T, {q_heads}, {geo.v_dim}] bf16")
+    before = steps[: steps.index(attn)]
+    assert [s for s in before if s.shape.startswith("q ")][-1].shape == f"q [T, {q_heads}, {geo.qk_dim}] bf16"
+    assert steps[-1].shape == f"[T, {Hs}] heads -> hidden"
+    assert len(dataflow_table(W, geo, options=options).splitlines()) == 1 + len(steps)
+
+
+def test_options_must_be_layer_options() -> None:
+    for f in (layer_dataflow, dataflow_table, collective_bytes):
+        with pytest.raises(TypeError, match=r"options must be a dcp_ref\.options\.LayerOptions, got dict"):
+            f(4, options={"layout": "dcp"})
+    with pytest.raises(TypeError, match=r"options must be a dcp_ref\.options\.LayerOptions, got str"):
+        draw_layer_dataflow(4, options="dcp")
+
+
+def test_figure_of_another_layer_names_it_and_its_all_to_all() -> None:
+    import matplotlib.pyplot as plt
+
+    fig = draw_layer_dataflow(4, context=8192, dpi=60, options=PLANNED)
+    try:
+        ax = fig.axes[0]
+        assert ax.get_title(loc="left").endswith(": " + PLANNED.label)
+        texts = [t.get_text() for t in ax.texts]
+        assert "partials all-to-all" in texts and "LSE all-gather" not in texts
+        a2a = collective_bytes(4, options=PLANNED)["partials all-to-all"]
+        assert f"sends {format_bytes(a2a.sent)}, receives {format_bytes(a2a.received)} per token" in texts
+    finally:
+        plt.close(fig)

@@ -1,11 +1,13 @@
 """One attention layer's decode data flow across the ``W`` ranks of a DCP group: shapes and bytes.
 
 Plain functions for chapter 00 (tested in ``tests/test_dataflow_viz.py``): :func:`layer_dataflow`
-lists the steps one rank runs, with the tensor it holds after each step and, for the collectives of
-the default layer (vLLM's: query gathered over heads, LSEs all-gathered, output reduce-scattered), the
-bytes per query token it contributes and receives; :func:`kv_cache_per_rank`
-gives what DCP saves in exchange; :func:`draw_layer_dataflow` draws both. Byte counts come from
-:mod:`dcp_ref.costmodel` (``MlaGeometry``: DeepSeek-V3.2's sizes by default).
+lists the steps one rank runs for a layer's :class:`~dcp_ref.options.LayerOptions` (``options=``; by default
+:data:`VLLM_LAYER`, vLLM's: query gathered over heads, LSEs all-gathered, output reduce-scattered), with the
+tensor it holds after each step and, for each collective, the bytes per query token it contributes and
+receives; :func:`kv_cache_per_rank` gives what DCP saves in exchange; :func:`draw_layer_dataflow` draws both.
+The steps are the planned step's (:mod:`dcp_ref.axes`: its collectives are
+:func:`~dcp_ref.axes.layer_collectives`'), the byte counts the cost model's for the same options
+(:func:`collective_bytes`, from :mod:`dcp_ref.costmodel`; ``MlaGeometry``: DeepSeek-V3.2's sizes by default).
 
 How many collectives a layer calls depends on what its :class:`~dcp_ref.stages.StepSpec` chooses:
 :func:`step_collectives` lists them from the spec, and :class:`CountingGroup` records the ones a real run
@@ -27,20 +29,22 @@ from typing import TYPE_CHECKING, Any
 from ..axes import COLLECTIVE_NAMES as _AXES_COLLECTIVES
 from ..contracts import check_int_scalar
 from ..costmodel import (
+    CollectiveBytes,
     MlaGeometry,
-    candidate_bytes,
+    dcp_step_cost,
     kv_bytes_per_rank,
-    lse_bytes,
     output_all_reduce_bytes,
-    output_reduce_scatter_bytes,
-    query_allgather_bytes,
+    q_replication_bytes,
 )
+from ..options import LayerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
 __all__ = [
     "FlowStep",
+    "VLLM_LAYER",
+    "collective_bytes",
     "layer_dataflow",
     "kv_cache_per_rank",
     "format_bytes",
@@ -55,6 +59,12 @@ __all__ = [
 #: one exchange of ``combine="alltoall"``, which replaces the LSE all-gather and the output reduce-scatter).
 COLLECTIVE_NAMES = _AXES_COLLECTIVES  # one list: the step's parts (dcp_ref.axes) name what they call
 
+#: The layer drawn when no ``options`` are given: vLLM's DCP layer (the query gathered over heads, (score, id)
+#: pairs all-gathered, select + deinterleave, LSE all-gather, correct, output reduce-scatter: four collectives).
+#: It is :data:`~dcp_ref.options.DEFAULT` but for ``q_replicate=False`` (``DEFAULT`` replicates the query
+#: projection, so its layer runs no query all-gather); chapter 00 draws it.
+VLLM_LAYER = LayerOptions(q_replicate=False)
+
 
 @dataclass(frozen=True)
 class FlowStep:
@@ -64,9 +74,10 @@ class FlowStep:
         name: the step (stages named as in the chapters).
         shape: what this rank holds after the step, with dtype (``T`` query tokens).
         collective: ``True`` for a collective of the DCP group.
-        sent: bytes per query token this rank contributes (all-gather) or puts in (reduce-scatter).
+        sent: bytes per query token this rank contributes (all-gather) or puts in (reduce-scatter; all-to-all:
+            its whole send buffer, every destination's slice).
         received: bytes per query token of this rank's result (a gathered buffer includes its own
-            slice).
+            slice; all-to-all: its whole receive buffer).
         link: bytes per query token this rank puts on its ring links.
         note: one line on why (or what the alternative would cost).
     """
@@ -88,90 +99,203 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def layer_dataflow(world_size: int = 4, geometry: MlaGeometry | None = None) -> list[FlowStep]:
-    """The steps of one attention layer's decode on one rank of ``world_size``, in order.
+def _check_options(options: object) -> LayerOptions:
+    if not isinstance(options, LayerOptions):
+        raise TypeError(f"options must be a dcp_ref.options.LayerOptions, got {type(options).__name__}")
+    return options
+
+
+#: The cost model's names of the collectives (``StepCost.comm``'s keys) -> :data:`COLLECTIVE_NAMES`.
+_COST_NAMES = dict(
+    zip(("query_allgather", "candidates_allgather", "lse_allgather", "output_reduce_scatter", "combine_alltoall"),
+        COLLECTIVE_NAMES)
+)  # fmt: skip
+
+
+def collective_bytes(
+    world_size: int, geometry: MlaGeometry | None = None, *, options: LayerOptions = VLLM_LAYER
+) -> dict[str, CollectiveBytes]:
+    """Bytes per query token of every collective the layer of ``options`` runs on one rank of ``world_size``.
+
+    The cost model's own count for these options (:func:`dcp_ref.costmodel.dcp_step_cost`'s ``comm`` at ``T = 1``,
+    ``scope="layer"``), keyed by :data:`COLLECTIVE_NAMES`, in run order: empty for ``layout="tp"`` and for
+    ``W = 1`` (no collective runs). ``order="rank_local"`` moves 4 bytes per candidate instead of 8,
+    ``combine="alltoall"`` one all-to-all of bf16 partials + float32 LSEs instead of the LSE all-gather and the
+    reduce-scatter, ``q_replicate=True`` no query all-gather.
+    """
+    g = MlaGeometry() if geometry is None else geometry
+    opt = _check_options(options)
+    w = check_int_scalar(world_size, "world_size", min_value=1)
+    if opt.layout == "tp" or w == 1:
+        return {}
+    comm = dcp_step_cost(w, 1, g.topk, g, scope="layer", options=opt).comm
+    return {_COST_NAMES[name]: b for name, b in comm.items()}
+
+
+def layer_dataflow(
+    world_size: int = 4, geometry: MlaGeometry | None = None, *, options: LayerOptions = VLLM_LAYER
+) -> list[FlowStep]:
+    """The steps of one attention layer's decode on one rank of ``world_size``, in order, for ``options``.
+
+    The steps the planned step's parts run (:mod:`dcp_ref.axes`: QueryPath, Indexing, Exchange, Attention,
+    Combine), one per stage or collective, then the projections around them; the collectives are those of
+    :func:`dcp_ref.axes.layer_collectives` for a spec of the same options, in the same order, with the bytes of
+    :func:`collective_bytes` (the cost model's):
+
+    - QueryPath: ``q`` from this rank's query projection, ``[T, H/W, 576]`` bf16 (TP's split), all-gathered over
+      heads to ``[T, H, 576]`` when the layout is dcp, ``q_replicate=False`` and ``W > 1``; a replicated
+      projection (dcp, ``q_replicate=True``) gives ``[T, H, 576]`` itself; tp keeps ``[T, H/W, 576]``.
+    - Indexing: the local top-K, ids ``[T, K]`` int32; where the cache is split (dcp, ``W > 1``) packed as
+      ``(score, id)`` float32 pairs ``[T, K, 2]`` (``order="global_id"``) or scores ``[T, K]`` float32
+      (``"rank_local"``).
+    - Exchange: the candidates all-gathered (``[W, T, K, 2]`` or ``[W, T, K]`` f32), then select (ids ``[T, k]``
+      int32) + deinterleave (``"allgather"``) or select-to-slots (``"owner"``) -> slots ``[T, k]`` int32, counts
+      ``[T]``; with one rank's cache (``W = 1``, or tp) only the deinterleave (the local top-K is the answer).
+    - Attention: dcp: all ``H`` heads over this rank's keys, out ``[T, H, 512]`` bf16, lse ``[T, H]`` f32; tp:
+      ``H/W`` heads over all ``k`` keys.
+    - Combine (the cache split over ``W > 1`` ranks): ``"reduce_scatter"``: LSE all-gather ``[W, T, H]`` f32,
+      correct, reduce-scatter over heads -> ``[T, H/W, 512]`` bf16; ``"alltoall"``: one all-to-all of the partials
+      and LSEs of rank ``j``'s heads to rank ``j`` (``[W, T, H/W, 512]`` bf16 + ``[W, T, H/W]`` f32), then the
+      combine of the ``W`` partials -> ``[T, H/W, 512]`` bf16.
 
     Args:
         world_size: ``W >= 1``, dividing ``geometry.num_heads`` (heads are split ``W`` ways).
         geometry: the layer (``H`` heads, ``576``-dim queries, ``512``-dim values, ``K``
             candidates per rank, top ``k``); default DeepSeek-V3.2's.
+        options: the layer (:class:`~dcp_ref.options.LayerOptions`); default :data:`VLLM_LAYER` (vLLM's: the query
+            gathered over heads, (score, id) pairs all-gathered, select, deinterleave, LSE all-gather, correct,
+            output reduce-scatter).
     Returns:
         :class:`FlowStep` list; bytes are per query token and per layer.
     Raises:
-        ValueError / TypeError: ``world_size`` not a positive int dividing ``num_heads``.
+        ValueError / TypeError: ``world_size`` not a positive int dividing ``num_heads``; ``options`` not a
+        ``LayerOptions`` (TypeError).
     """
     g = MlaGeometry() if geometry is None else geometry
+    opt = _check_options(options)
     w = check_int_scalar(world_size, "world_size", min_value=1)
     if g.num_heads % w:
         raise ValueError(f"world_size must divide num_heads={g.num_heads} (heads are split W ways), got {w}")
     h, hw, dq, dv, kl, k = g.num_heads, g.num_heads // w, g.qk_dim, g.v_dim, g.local_topk, g.topk
-    q = query_allgather_bytes(1, w, g)
-    cand = candidate_bytes(1, w, g)
-    lse = lse_bytes(1, w, g)
-    rs = output_reduce_scatter_bytes(1, w, g)
-    ar = output_all_reduce_bytes(1, w, g)
-    return [
-        FlowStep("query projection", f"q [T, {hw}, {dq}] bf16", note=f"this rank's H/W = {hw} heads, as in TP"),
+    dcp = opt.layout == "dcp"
+    split = dcp and w > 1  # the cache split over more than one rank: candidates exchanged, partials combined
+    comm = collective_bytes(w, g, options=opt)
+
+    def coll(name: str, shape: str, note: str) -> FlowStep:
+        b = comm[name]
+        return FlowStep(name, shape, True, b.sent, b.received, b.link, note)
+
+    q_name, lse_name, rs_name, a2a_name = COLLECTIVE_NAMES[0], COLLECTIVE_NAMES[2], COLLECTIVE_NAMES[3], \
+        COLLECTIVE_NAMES[4]  # fmt: skip
+    steps: list[FlowStep] = []
+    # QueryPath
+    if dcp and opt.q_replicate:
+        extra = q_replication_bytes(w, g)
+        note = "replicated projection: all H heads, no all-gather" + (
+            f" (+{format_bytes(extra)} of weights per rank, all layers)" if extra else ""
+        )
+        steps.append(FlowStep("query projection", f"q [T, {h}, {dq}] bf16", note=note))
+    else:
+        steps.append(
+            FlowStep("query projection", f"q [T, {hw}, {dq}] bf16", note=f"this rank's H/W = {hw} heads, as in TP")
+        )
+        if q_name in comm:
+            steps.append(coll(q_name, f"q [T, {h}, {dq}] bf16", "every rank attends its own keys for all H heads"))
+    # Indexing
+    steps.append(
         FlowStep(
-            "query all-gather over heads",
-            f"q [T, {h}, {dq}] bf16",
-            True,
-            q.sent,
-            q.received,
-            q.link,
-            "every rank attends its own keys for all H heads",
-        ),
-        FlowStep("indexer: local top-K", f"ids [T, {kl}] int32", note="scores only the c/W keys this rank stores"),
-        FlowStep("pack (score, global id)", f"cand [T, {kl}, 2] f32", note="one 8-byte pair per candidate"),
-        FlowStep(
-            "candidates all-gather",
-            f"[{w}, T, {kl}, 2] f32",
-            True,
-            cand.sent,
-            cand.received,
-            cand.link,
-            "8·K bytes sent, 8·W·K received per token",
-        ),
-        FlowStep("stable top-K (select)", f"ids [T, {k}] int32", note="the same k global ids on every rank"),
-        FlowStep(
-            "deinterleave + compaction",
-            f"slots [T, {k}] int32, counts [T]",
-            note=f"about k/W = {k // w} of them on this rank",
-        ),
-        FlowStep(
-            "attention (all H heads, this rank's keys)",
-            f"out [T, {h}, {dv}] bf16, lse [T, {h}] f32",
-            note="a partial softmax per head; empty row: 0 and -inf",
-        ),
-        FlowStep(
-            "LSE all-gather",
-            f"lse [{w}, T, {h}] f32",
-            True,
-            lse.sent,
-            lse.received,
-            lse.link,
-            "4·H bytes sent, 4·W·H received per token",
-        ),
-        FlowStep(
-            "correct (rescale by its weight)",
-            f"out [T, {h}, {dv}] bf16",
-            note="exp(lse_r - lse) · out_r (LSEs in base e, as the attention stage returns them)",
-        ),
-        FlowStep(
-            "output reduce-scatter over heads",
-            f"out [T, {hw}, {dv}] bf16",
-            True,
-            rs.sent,
-            rs.received,
-            rs.link,
-            f"an all-reduce would keep all {h} heads and put {format_bytes(ar.link)} on the links",
-        ),
+            "indexer: local top-K",
+            f"ids [T, {kl}] int32",
+            note="scores only the c/W keys this rank stores" if split else "scores all the keys (one rank's cache)",
+        )
+    )
+    rank_local = opt.order == "rank_local"
+    if split and rank_local:
+        steps.append(FlowStep("pack scores (rank-local order)", f"cand [T, {kl}] f32",
+                              note="4 bytes per candidate: the ids stay on the rank that owns them"))  # fmt: skip
+    elif split:
+        steps.append(
+            FlowStep("pack (score, global id)", f"cand [T, {kl}, 2] f32", note="one 8-byte pair per candidate")
+        )
+    # Exchange
+    if split:
+        bpc = 4 if rank_local else 8
+        shape = f"[{w}, T, {kl}] f32" if rank_local else f"[{w}, T, {kl}, 2] f32"
+        steps.append(coll(COLLECTIVE_NAMES[1], shape, f"{bpc}·K bytes sent, {bpc}·W·K received per token"))
+    if split and opt.exchange == "owner":
+        steps.append(
+            FlowStep(
+                "select-to-slots (this rank's winners)",
+                f"slots [T, {k}] int32, counts [T]",
+                note=f"the global top-k, only the about k/W = {k // w} this rank owns",
+            )
+        )
+    else:
+        if split:
+            steps.append(
+                FlowStep("stable top-K (select)", f"ids [T, {k}] int32", note="the same k global ids on every rank")
+            )
+        steps.append(
+            FlowStep(
+                "deinterleave + compaction",
+                f"slots [T, {k}] int32, counts [T]",
+                note=f"about k/W = {k // w} of them on this rank" if split else "the local top-K is the answer",
+            )
+        )
+    # Attention
+    if dcp:
+        steps.append(
+            FlowStep(
+                "attention (all H heads, this rank's keys)",
+                f"out [T, {h}, {dv}] bf16, lse [T, {h}] f32",
+                note="a partial softmax per head; empty row: 0 and -inf" if split else "all k keys here: the answer",
+            )
+        )
+    else:
+        steps.append(
+            FlowStep(
+                "attention (H/W heads, all k keys)",
+                f"out [T, {hw}, {dv}] bf16, lse [T, {hw}] f32",
+                note="the whole cache on every rank: no collective inside attention",
+            )
+        )
+    # Combine
+    if split and opt.combine == "reduce_scatter":
+        ar = output_all_reduce_bytes(1, w, g)
+        steps += [
+            coll(lse_name, f"lse [{w}, T, {h}] f32", "4·H bytes sent, 4·W·H received per token"),
+            FlowStep(
+                "correct (rescale by its weight)",
+                f"out [T, {h}, {dv}] bf16",
+                note="exp(lse_r - lse) · out_r (LSEs in base e, as the attention stage returns them)",
+            ),
+            coll(
+                rs_name,
+                f"out [T, {hw}, {dv}] bf16",
+                f"an all-reduce would keep all {h} heads and put {format_bytes(ar.link)} on the links",
+            ),
+        ]
+    elif split:
+        steps += [
+            coll(
+                a2a_name,
+                f"out [{w}, T, {hw}, {dv}] bf16, lse [{w}, T, {hw}] f32",
+                "rank j's H/W heads (partials + LSEs) to rank j: replaces the LSE all-gather and the reduce-scatter",
+            ),
+            FlowStep(
+                "combine the W partials (H/W heads)",
+                f"out [T, {hw}, {dv}] bf16",
+                note="sum over r of exp(lse_r - lse) · out_r (LSEs in base e, as the attention stage returns them)",
+            ),
+        ]
+    steps.append(
         FlowStep(
             "value up-projection + output projection",
             f"[T, {hw}] heads -> hidden",
             note="split by heads as in TP; TP's all-reduce follows",
-        ),
-    ]
+        )
+    )
+    return steps
 
 
 def kv_cache_per_rank(context: int, world_size: int, geometry: MlaGeometry | None = None) -> dict[str, int]:
@@ -186,10 +310,13 @@ def kv_cache_per_rank(context: int, world_size: int, geometry: MlaGeometry | Non
     return {"tp": tp, "dcp": dcp, "saved": tp - dcp}
 
 
-def dataflow_table(world_size: int = 4, geometry: MlaGeometry | None = None) -> str:
-    """:func:`layer_dataflow` as a text table (one row per step; bytes per query token)."""
+def dataflow_table(
+    world_size: int = 4, geometry: MlaGeometry | None = None, *, options: LayerOptions = VLLM_LAYER
+) -> str:
+    """:func:`layer_dataflow` of ``options`` as a text table (one row per step; bytes per query token; ``>>``
+    marks a collective)."""
     rows = [("step", "this rank holds", "sends", "receives", "on links")]
-    for s in layer_dataflow(world_size, geometry):
+    for s in layer_dataflow(world_size, geometry, options=options):
         b = (format_bytes(s.sent), format_bytes(s.received), format_bytes(s.link)) if s.collective else ("", "", "")
         rows.append(((">> " if s.collective else "   ") + s.name, s.shape, *b))
     wd = [max(len(r[i]) for r in rows) for i in range(5)]
@@ -198,9 +325,17 @@ def dataflow_table(world_size: int = 4, geometry: MlaGeometry | None = None) -> 
 
 
 def draw_layer_dataflow(
-    world_size: int = 4, geometry: MlaGeometry | None = None, context: int = 131072, dpi: int = 72
+    world_size: int = 4,
+    geometry: MlaGeometry | None = None,
+    context: int = 131072,
+    dpi: int = 72,
+    *,
+    options: LayerOptions = VLLM_LAYER,
 ) -> Figure:
     """One layer's decode across the ``W`` ranks, with shapes and bytes; the KV saving below it.
+
+    The steps are :func:`layer_dataflow`'s for ``options`` (a :class:`~dcp_ref.options.LayerOptions`; the title
+    names any other than :data:`VLLM_LAYER` by its ``label``).
 
     Local steps are boxes in every rank's column (every rank runs the same code); a collective is
     a band across all columns, labelled with the bytes one rank sends and receives per query
@@ -214,7 +349,7 @@ def draw_layer_dataflow(
     if dpi > 80:
         raise ValueError(f"dpi must be <= 80 (figures are kept small), got {dpi}")
     g = MlaGeometry() if geometry is None else geometry
-    steps = layer_dataflow(world_size, g)
+    steps = layer_dataflow(world_size, g, options=options)
     w = world_size
     n = len(steps)
     fig, (ax, axm) = plt.subplots(
@@ -270,7 +405,8 @@ def draw_layer_dataflow(
     ax.set_ylim(n - 0.4, -1.2)
     ax.axis("off")
     ax.set_title(
-        f"One layer's decode on W = {w} ranks (H = {g.num_heads}, K = k = {g.topk}; bytes per query token)",
+        f"One layer's decode on W = {w} ranks (H = {g.num_heads}, K = k = {g.topk}; bytes per query token)"
+        + ("" if options == VLLM_LAYER else f": {options.label}"),
         fontsize=10,
         loc="left",
     )
