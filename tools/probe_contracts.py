@@ -6004,8 +6004,8 @@ def step_cases() -> list[Case]:
     mk(
         out,
         "PlannedStep",
-        "a custom select stage without out=",
-        lambda: PlannedStep(SingleGroup(), P1.spec(0), REFERENCE_STAGES.with_(select=lambda gathered, k: gathered)),
+        "a custom select stage without out= (W = 2: one rank's cache selects nothing)",
+        lambda: P.run(stages=REFERENCE_STAGES.with_(select=lambda gathered, k: gathered)),
         "raise",
         ("select", "out"),
     )
@@ -6027,8 +6027,8 @@ def step_cases() -> list[Case]:
     mk(
         out,
         "PlannedStep.run",
-        "a custom select stage returns the wrong shape",
-        lambda: P1.run(stages=REFERENCE_STAGES.with_(select=bad_select)),
+        "a custom select stage returns the wrong shape (W = 2)",
+        lambda: P.run(stages=REFERENCE_STAGES.with_(select=bad_select)),
         "raise",
         "select",
     )
