@@ -610,8 +610,10 @@ def _prepare(
             "(FLASHMLA_SPLITS, measured on the H200)"
         )
     # The plan owns every buffer and stateful object its stages keep (workspaces, scratch, decoders, wrappers):
-    # each stateful stage is bound here, once per planned step, and lives as long as the step.
-    attention = _bind_attention(attention, spec, splits) if own("attention") else attention
+    # each stateful stage is bound here, once per planned step, and lives as long as the step — also one a caller
+    # took from another step (``step.stages``): two steps sharing one split-KV workspace or FlashMLA scratch would
+    # overwrite each other's partials (ranks of a SimulatedWorld interleave their launches on one stream).
+    attention = _bind_attention(attention, spec, splits)
     bound: dict[str, Any] = {}
     if isinstance(chosen.indexer, _FusedIndexer):
         bound["indexer"] = chosen.indexer.bound()

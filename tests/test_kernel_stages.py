@@ -173,6 +173,24 @@ def test_prepare_binds_the_stateful_stages_to_each_planned_step(kernel_device) -
         ks.kernel_stages("cpu")  # type: ignore[arg-type]
 
 
+def test_stages_taken_from_a_step_are_bound_again_by_the_next_plan() -> None:
+    """``step.stages`` handed to another plan (a test harness does this for each rank of a SimulatedWorld): every
+    stateful stage is bound again, so the two steps never share a split-KV workspace, FlashMLA scratch or indexer
+    workspace (on the H200 two ranks sharing one split-KV workspace read each other's partials); its choice of
+    implementation is kept."""
+    from dcp_ref.group import SingleGroup
+    from dcp_ref.step import PlannedStep
+
+    spec = StepSpec(DcpGeometry(1, 0, 1, 64), max_tokens=2, topk=4, num_heads=1, head_dim=8, v_dim=8, sm_scale=0.1,
+                    dtype=torch.float32, device="cpu")  # fmt: skip
+    for attention in (ks._SplitKVAttention(), ks._FlashMLAAttention(1)):
+        first = PlannedStep(SingleGroup(), spec, ks.kernel_stages(spec).with_(attention=attention))
+        again = PlannedStep(SingleGroup(), spec, first.stages)
+        assert type(again.stages.attention) is type(attention) is type(first.stages.attention)
+        assert again.stages.attention is not first.stages.attention is not attention
+        assert again.stages.indexer is not first.stages.indexer
+
+
 def test_prepare_keeps_a_stage_the_caller_replaced() -> None:
     """``kernel_stages(spec).with_(attention=mine)`` plans with ``mine``: the provider's hook binds and chooses
     only its own stages (before, it rebuilt them from the provider's template and dropped the replacement)."""
