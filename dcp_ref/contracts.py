@@ -263,18 +263,32 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + extent * t.element_size()
 
 
-#: Above this many elements the exact overlap test (every byte of both views) is not attempted: views
-#: whose byte ranges interleave are then reported as overlapping.
+#: Above this many contiguous runs (of both views together) the exact overlap test is not attempted: views whose
+#: byte ranges interleave are then reported as overlapping.
 _EXACT_OVERLAP_LIMIT = 1 << 22
 
 
-def _bytes_of(t: torch.Tensor, base: int) -> torch.Tensor:
-    """Every byte offset (from ``base``) that ``t``'s elements cover, as a sorted unique int64 tensor."""
+def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t``'s elements as maximal contiguous runs: their start addresses (bytes, sorted int64) and their common
+    length in bytes. A view whose inner dimensions are contiguous has few runs (``[T, W, H/W, v]``, a transposed
+    send buffer: ``T W`` runs of ``H/W v`` elements), so comparing runs, not bytes, keeps the host check cheap."""
+    dims, run = _run_shape(t)
     off = torch.zeros((), dtype=torch.int64)
-    for s, st in zip(t.shape, t.stride()):
-        off = off.unsqueeze(-1) + torch.arange(s, dtype=torch.int64) * (st * t.element_size())
-    off = off.reshape(-1) + (t.data_ptr() - base)
-    return torch.unique((off.unsqueeze(1) + torch.arange(t.element_size(), dtype=torch.int64)).reshape(-1))
+    for s, st in dims:
+        off = off.unsqueeze(-1) + torch.arange(s, dtype=torch.int64) * st
+    es = t.element_size()
+    return off.reshape(-1).sort().values * es + t.data_ptr(), run * es
+
+
+def _runs_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact: whether a run of ``a`` and a run of ``b`` share a byte (each view's own runs are disjoint: a
+    self-overlapping output is refused before this is asked)."""
+    a_starts, a_len = _runs(a)
+    b_starts, b_len = _runs(b)
+    # for each run [s, s + len) of b: the last run of a starting before its end must end after s
+    i = torch.searchsorted(a_starts, b_starts + b_len, side="left") - 1
+    hit = (i >= 0) & (a_starts[i.clamp_min(0)] + a_len > b_starts)
+    return bool(hit.any())
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -289,11 +303,27 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     dense_b = b_hi - b_lo == b.numel() * b.element_size()
     if dense_a and dense_b:
         return True
-    if a.numel() + b.numel() > _EXACT_OVERLAP_LIMIT:
+    if _run_count(a) + _run_count(b) > _EXACT_OVERLAP_LIMIT:
         return True  # interleaved ranges of huge views: assume the worst
-    base = min(a_lo, b_lo)
-    both = torch.cat([_bytes_of(a, base), _bytes_of(b, base)])
-    return torch.unique(both).numel() < both.numel()
+    return _runs_overlap(a, b)
+
+
+def _run_shape(t: torch.Tensor) -> tuple[list[tuple[int, int]], int]:
+    """``(outer dimensions as (size, stride), elements per run)``: the innermost dimensions of ``t`` merged into one
+    contiguous run while each one's stride continues it (size-1 dimensions dropped)."""
+    dims = [(s, st) for s, st in zip(t.shape, t.stride()) if s != 1]
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    return dims, run
+
+
+def _run_count(t: torch.Tensor) -> int:
+    """How many contiguous runs :func:`_runs` would enumerate (without enumerating them)."""
+    n = 1
+    for s, _ in _run_shape(t)[0]:
+        n *= s
+    return n
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
