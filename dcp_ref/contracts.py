@@ -268,16 +268,17 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 _EXACT_OVERLAP_LIMIT = 1 << 22
 
 
-def _runs(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``t``'s elements as maximal contiguous runs: their start addresses (bytes, sorted int64) and their common
-    length in bytes. A view whose inner dimensions are contiguous has few runs (``[T, W, H/W, v]``, a transposed
-    send buffer: ``T W`` runs of ``H/W v`` elements), so comparing runs, not bytes, keeps the host check cheap."""
+def _runs(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """``t``'s elements as maximal contiguous runs: their start addresses (bytes, a sorted int64 NumPy array) and
+    their common length in bytes. A view whose inner dimensions are contiguous has few runs (``[T, W, H/W, v]``, a
+    transposed send buffer: ``T W`` runs of ``H/W v`` elements), so comparing runs, not bytes, keeps the host check
+    cheap (NumPy, not torch: a few small arrays, where each torch op costs more than the work)."""
     dims, run = _run_shape(t)
-    off = torch.zeros((), dtype=torch.int64)
+    off = np.zeros((), dtype=np.int64)
     for s, st in dims:
-        off = off.unsqueeze(-1) + torch.arange(s, dtype=torch.int64) * st
+        off = np.add.outer(off, np.arange(s, dtype=np.int64) * st)
     es = t.element_size()
-    return off.reshape(-1).sort().values * es + t.data_ptr(), run * es
+    return np.sort(off.reshape(-1)) * es + t.data_ptr(), run * es
 
 
 def _runs_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -286,8 +287,8 @@ def _runs_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     a_starts, a_len = _runs(a)
     b_starts, b_len = _runs(b)
     # for each run [s, s + len) of b: the last run of a starting before its end must end after s
-    i = torch.searchsorted(a_starts, b_starts + b_len, side="left") - 1
-    hit = (i >= 0) & (a_starts[i.clamp_min(0)] + a_len > b_starts)
+    i = np.searchsorted(a_starts, b_starts + b_len, side="left") - 1
+    hit = (i >= 0) & (a_starts[np.maximum(i, 0)] + a_len > b_starts)
     return bool(hit.any())
 
 
