@@ -732,7 +732,8 @@ def fam_splitkv(f: Family) -> None:
         q, kv, slots, counts = _attention_inputs(g, 4, 16, 64, 300)
         want = _reference(q, kv, slots, counts)
         for opts in ({}, {"num_splits": 1, "block_n": 32}):  # the default plan splits (3 splits: below)
-            got = sk.sparse_mla_splitkv(*_dev(q, kv, slots, counts), 0.1, 512, validate=False, **opts)
+            plan = sk.splitkv_plan(4, 16, 64, DEV, **opts) if opts else None  # None: the default plan
+            got = sk.sparse_mla_splitkv(*_dev(q, kv, slots, counts), 0.1, 512, validate=False, plan=plan)
             f.check(f"valid rows vs reference, {opts or 'default plan'}", _matches_attention(got, want))
     for dt, sdt in ((torch.int32, torch.float16), (torch.int64, torch.bfloat16)):
         with f.case(f"validate=False bad slots / counts, {dt} {sdt}"):

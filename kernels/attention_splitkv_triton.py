@@ -382,6 +382,9 @@ class SplitKVPlan:
         num_warps, num_stages: phase-1 launch options.
         combine_block_h, combine_block_v, combine_warps: phase-2 tiles (programs ``T * cdiv(H, bh) * cdiv(Dv, bv)``).
         sm_count: the SMs planned for.
+        device: the device planned for, ``str(torch.device)`` with its index (``"cuda:0"``, ``"cpu"``):
+            :func:`sparse_mla_splitkv` refuses a plan whose ``T``, ``H``, ``K``, ``head_dim``, ``v_dim`` or
+            ``device`` differ from its call's.
     """
 
     T: int
@@ -399,6 +402,7 @@ class SplitKVPlan:
     combine_block_v: int
     combine_warps: int
     sm_count: int
+    device: str = ""
 
     @property
     def head_groups(self) -> int:
@@ -472,6 +476,14 @@ def _default_splits(T: int, head_groups: int, K: int, block_n: int, sm_count: in
     return splits
 
 
+def _device(device: object) -> torch.device:
+    """``device`` as a plan records it: a CUDA device with its index (the current one when it has none)."""
+    dev = check_device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def _pow2_or_none(value: int | None, name: str, lo: int, hi: int) -> int | None:
     if value is None:
         return None
@@ -499,9 +511,11 @@ def splitkv_plan(
 
     Depends on the shapes (and the device's SM count) only, never on counts or slot values. ``None``
     picks the default (see the module docstring); a given value is used as is (``num_splits`` is
-    capped so that no split is entirely past ``K``). Cached per arguments.
+    capped so that no split is entirely past ``K``). Cached per arguments. The plan records the shape and
+    the device it was made for: pass it to :func:`sparse_mla_splitkv` (``plan=``) for a call of that shape on
+    that device only (another is refused, naming ``plan``).
     """
-    dev = check_device(device)
+    dev = _device(device)
     T, H, K = (check_int_scalar(x, n, min_value=lo) for x, n, lo in ((T, "T", 0), (H, "H", 1), (K, "K", 0)))
     head_dim = check_int_scalar(head_dim, "head_dim", min_value=1)
     v_dim = check_int_scalar(v_dim, "v_dim", min_value=1)
@@ -518,7 +532,9 @@ def splitkv_plan(
     block_h = _pow2_or_none(block_h, "block_h", 16, 128)
     block_n = _pow2_or_none(block_n, "block_n", 16, 128)
     num_warps = _pow2_or_none(num_warps, "num_warps", 1, 16)
-    return _plan(T, H, K, head_dim, v_dim, _device_sms(dev), num_splits, block_h, block_n, num_warps, num_stages)
+    return _plan(
+        T, H, K, head_dim, v_dim, _device_sms(dev), num_splits, block_h, block_n, num_warps, num_stages, str(dev)
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -534,6 +550,7 @@ def _plan(
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    device: str,
 ) -> SplitKVPlan:
     d_bh, d_bn, d_nw, d_ns = _default_config(T, H)
     bh = block_h if block_h is not None else d_bh
@@ -558,8 +575,26 @@ def _plan(
     return SplitKVPlan(
         T=T, H=H, K=K, head_dim=head_dim, v_dim=v_dim, block_h=bh, block_n=bn, num_splits=splits,
         split_len=split_len, num_warps=nw, num_stages=ns_stages, combine_block_h=cbh, combine_block_v=cbv,
-        combine_warps=2, sm_count=sms,
+        combine_warps=2, sm_count=sms, device=device,
     )  # fmt: skip
+
+
+def _check_plan(plan: object, T: int, H: int, K: int, head_dim: int, v_dim: int, device: torch.device) -> SplitKVPlan:
+    """``plan`` when it was made for this call — ``T``, ``H``, ``K``, ``head_dim``, ``v_dim`` and the device
+    (:func:`splitkv_plan` records them) — a ``ValueError`` naming ``plan`` otherwise (a ``TypeError`` when it
+    is not a :class:`SplitKVPlan`)."""
+    if not isinstance(plan, SplitKVPlan):
+        raise TypeError(f"plan must be a SplitKVPlan (splitkv_plan makes it) or None, got {type(plan).__name__}")
+    have = (plan.T, plan.H, plan.K, plan.head_dim, plan.v_dim, plan.device)
+    want = (T, H, K, head_dim, v_dim, str(device))
+    if have != want:
+        # another shape's splits, head groups and workspace would cover the wrong keys or overrun the workspace
+        raise ValueError(
+            f"plan was made for T={plan.T}, H={plan.H}, K={plan.K}, head_dim={plan.head_dim}, v_dim={plan.v_dim} on "
+            f"{plan.device!r}, not for this call's T={T}, H={H}, K={K}, head_dim={head_dim}, v_dim={v_dim} on "
+            f"{want[5]!r}: make it with splitkv_plan(T, H, K, device, head_dim=..., v_dim=..., ...) for this call"
+        )
+    return plan
 
 
 def workspace_for(plan: SplitKVPlan, device: torch.device | str) -> torch.Tensor:
@@ -617,11 +652,6 @@ def sparse_mla_splitkv(
     workspace: torch.Tensor | None = None,
     validate: bool = True,
     plan: SplitKVPlan | None = None,
-    num_splits: int | None = None,
-    block_h: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode of every head over its row's compacted slots, split over the keys (two launches).
 
@@ -645,8 +675,12 @@ def sparse_mla_splitkv(
             name the culprit; ``out`` then holds the poisoned rows). ``False``: nothing is read on the host;
             counts are clamped to ``[0, K]`` on the device and a row whose used slots leave ``[0, S)`` reads
             none of them and is poisoned (output and LSE NaN).
-        plan: a :func:`splitkv_plan` for these shapes (else made from the shapes and the tuning arguments).
-        num_splits, block_h, block_n, num_warps, num_stages: tuning (see :func:`splitkv_plan`).
+        plan: how the call runs, a :class:`SplitKVPlan` from :func:`splitkv_plan` — every launch decision (splits,
+            heads and keys per program, warps, stages, the combine's tiles) — made for this call's ``T``, ``H``,
+            ``K``, ``Dqk``, ``v_dim`` and device, and used as is; a ``ValueError`` naming ``plan`` when it was made
+            for another. ``None``: ``splitkv_plan(T, H, K, q.device, head_dim=Dqk, v_dim=v_dim)``, the default
+            plan by shape. The tuning (``num_splits``, ``block_h``, ``block_n``, ``num_warps``,
+            ``num_stages``) goes to :func:`splitkv_plan`.
 
     Returns:
         ``(out [T, H, v_dim] q.dtype, lse float32 [T, H])``, LSE base e; a row with ``counts[t] <= 0`` gives
@@ -677,17 +711,9 @@ def sparse_mla_splitkv(
     scale = check_sm_scale(sm_scale)
     K = slots.shape[1]
     if plan is None:
-        plan = splitkv_plan(
-            T, H, K, dev, head_dim=dqk, v_dim=v, num_splits=num_splits, block_h=block_h, block_n=block_n,
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
-    elif not isinstance(plan, SplitKVPlan):
-        raise TypeError(f"plan must be a SplitKVPlan, got {type(plan).__name__}")
-    elif (plan.T, plan.H, plan.K, plan.head_dim, plan.v_dim) != (T, H, K, dqk, v):
-        raise ValueError(
-            f"plan must be made for T={T}, H={H}, K={K}, head_dim={dqk}, v_dim={v}, got "
-            f"T={plan.T}, H={plan.H}, K={plan.K}, head_dim={plan.head_dim}, v_dim={plan.v_dim}"
-        )
+        plan = splitkv_plan(T, H, K, dev, head_dim=dqk, v_dim=v)
+    else:
+        plan = _check_plan(plan, T, H, K, dqk, v, dev)
     if out is None:
         out = torch.empty((T, H, v), dtype=q.dtype, device=dev)
     else:

@@ -16,6 +16,7 @@ inputs, no allocation and no host sync on the planned path.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 
@@ -65,8 +66,22 @@ def assert_matches(out, lse, ref_out, ref_lse, *, rtol, lse_atol):
     assert bool((out[empty] == 0).all())
 
 
+#: the tuning arguments of splitkv_plan (sparse_mla_splitkv takes them only through its plan)
+KNOBS = ("num_splits", "block_h", "block_n", "num_warps", "num_stages")
+
+
+def splitkv(q, kv_cache, slots, counts, sm_scale, v_dim=512, **kw):
+    """``sk.sparse_mla_splitkv`` with any tuning arguments in ``kw`` made into this call's plan
+    (``splitkv_plan(T, H, K, q.device, head_dim=Dqk, v_dim=v_dim, **tuning)``); none: the default plan."""
+    knobs = {name: kw.pop(name) for name in KNOBS if name in kw}
+    if knobs:
+        T, H, dqk = q.shape
+        kw["plan"] = sk.splitkv_plan(T, H, slots.shape[1], q.device, head_dim=dqk, v_dim=v_dim, **knobs)
+    return sk.sparse_mla_splitkv(q, kv_cache, slots, counts, sm_scale, v_dim, **kw)
+
+
 def run_and_check(q, kv, slots, counts, scale=0.3, v=V_SMALL, rtol=1e-5, lse_atol=1e-5, **kw):
-    out, lse = sk.sparse_mla_splitkv(q, kv, slots, counts, scale, v, validate=False, **kw)
+    out, lse = splitkv(q, kv, slots, counts, scale, v, validate=False, **kw)
     ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, scale, v_dim=v, validate=False)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
@@ -129,7 +144,7 @@ def test_empty_rows_and_clamped_counts(kernel_device) -> None:
     q, kv, slots, _ = make_case(4, 16, 80, K, [K, K, K, K], seed=4, device=kernel_device)
     counts = torch.tensor([-3, K + 7, 0, 5], dtype=torch.int32, device=kernel_device)
     for ns in (1, 2):
-        out, lse = sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=False, num_splits=ns, block_n=16)
+        out, lse = splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=False, num_splits=ns, block_n=16)
         want = torch.tensor([0, K, 0, 5], dtype=torch.int32, device=kernel_device)
         ref_out, ref_lse = sparse_mla_attention(q, kv, slots, want, 0.3, v_dim=V_SMALL)
         assert_matches(out, lse, ref_out, ref_lse, rtol=1e-5, lse_atol=1e-5)
@@ -154,9 +169,7 @@ def test_bad_slots_poison_their_row(kernel_device, slot_dtype, num_splits) -> No
     else:
         slots[2, 17] = 2**31 - 1
         slots[4, 0] = -(2**31)
-    out, lse = sk.sparse_mla_splitkv(
-        q, kv, slots, counts, 0.3, V_SMALL, validate=False, num_splits=num_splits, block_n=16
-    )
+    out, lse = splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=False, num_splits=num_splits, block_n=16)
     for t in (0, 1, 2, 4):
         assert bool(torch.isnan(out[t]).all()) and bool(torch.isnan(lse[t]).all()), t
     good = [3, 5]
@@ -186,9 +199,7 @@ def test_nan_propagates_to_exactly_the_affected_rows(kernel_device, num_splits) 
     kv[a, 10] = NAN  # a value (and key) dim
     kv[b, D_SMALL - 1] = NAN  # a RoPE dim: the score is NaN
     kv[c] = NAN
-    out, lse = sk.sparse_mla_splitkv(
-        q, kv, slots, counts, 0.3, V_SMALL, validate=False, num_splits=num_splits, block_n=16
-    )
+    out, lse = splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=False, num_splits=num_splits, block_n=16)
     ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.3, v_dim=V_SMALL, validate=False)
     assert bool(torch.isnan(lse[0]).all()) and bool(torch.isnan(lse[1]).all())
     nan_heads = torch.isnan(lse[2]).nonzero().flatten().tolist()
@@ -206,7 +217,7 @@ def test_infinite_scores_of_a_nonempty_row_give_nan(kernel_device) -> None:
     q[0, 3, :] = 0.0
     q[0, 3, 0] = -INF
     for ns in (1, 2):
-        out, lse = sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=False, num_splits=ns, block_n=16)
+        out, lse = splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=False, num_splits=ns, block_n=16)
         ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.3, v_dim=V_SMALL)
         assert math.isnan(float(lse[0, 3])) and bool(torch.isnan(out[0, 3]).all())
         assert_matches(out, lse, ref_out, ref_lse, rtol=1e-5, lse_atol=1e-5)
@@ -247,7 +258,7 @@ def test_cache_layouts(kernel_device, layout) -> None:
         big = torch.full((nb, bs, 3, D_SMALL), NAN, device=kernel_device)
         big[:, :, 1] = kv.view(nb, bs, D_SMALL)
         cache = big[:, :, 1:2, :]  # block stride 3 * bs * D, row stride 3 * D
-    out, lse = sk.sparse_mla_splitkv(q, cache, slots, counts, 0.3, V_SMALL, num_splits=2, block_n=16)
+    out, lse = splitkv(q, cache, slots, counts, 0.3, V_SMALL, num_splits=2, block_n=16)
     ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.3, v_dim=V_SMALL)
     assert_matches(out, lse, ref_out, ref_lse, rtol=1e-5, lse_atol=1e-5)
 
@@ -262,9 +273,7 @@ def test_strided_inputs_and_caller_buffers(kernel_device) -> None:
     out = base.transpose(1, 2)  # [T, H, V] with the values strided
     lse = torch.full((H, T), 7.0, device=kernel_device).t()
     for ns in (1, 2):
-        got, got_lse = sk.sparse_mla_splitkv(
-            q_s, kv, slots_s, counts, 0.3, V_SMALL, out=out, out_lse=lse, num_splits=ns, block_n=16
-        )
+        got, got_lse = splitkv(q_s, kv, slots_s, counts, 0.3, V_SMALL, out=out, out_lse=lse, num_splits=ns, block_n=16)
         assert got is out and got_lse is lse
         ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, 0.3, v_dim=V_SMALL)
         assert_matches(out, lse, ref_out, ref_lse, rtol=1e-5, lse_atol=1e-5)
@@ -388,7 +397,9 @@ def _bad_cases(device="cpu"):
             },
         ),
         ("plan", ValueError, {"plan": sk.splitkv_plan(4, 16, 16, "cpu", head_dim=D_SMALL, v_dim=V_SMALL)}),
+        ("plan", ValueError, {"plan": sk.splitkv_plan(3, 16, 32, "meta", head_dim=D_SMALL, v_dim=V_SMALL)}),
         ("plan", TypeError, {"plan": {"num_splits": 2}}),
+        # the tuning: splitkv() makes it into the call's plan, and splitkv_plan refuses it, naming the argument
         ("num_splits", ValueError, {"num_splits": 0}),
         ("block_h", ValueError, {"block_h": 24}),
         ("block_h", ValueError, {"block_h": 8}),
@@ -402,7 +413,7 @@ def _bad_cases(device="cpu"):
 def test_bad_input_names_the_argument(kernel_device, i) -> None:
     name, exc, override = _bad_cases(kernel_device)[i]
     with pytest.raises(exc) as e:
-        sk.sparse_mla_splitkv(**{**_ok(kernel_device), **override})
+        splitkv(**{**_ok(kernel_device), **override})
     assert str(e.value).startswith(name), str(e.value)
 
 
@@ -411,7 +422,7 @@ def test_bad_input_names_the_argument_on_gpu(cuda_device) -> None:
     """The table on the H200 (the compiled kernels; the aliasing rows are built on the device)."""
     for name, exc, override in _bad_cases(cuda_device):
         with pytest.raises(exc) as e:
-            sk.sparse_mla_splitkv(**{**_ok(cuda_device), **override})
+            splitkv(**{**_ok(cuda_device), **override})
         assert str(e.value).startswith(name), str(e.value)
 
 
@@ -509,13 +520,10 @@ def test_validated_bad_inputs_raise_the_references_message_and_clear_the_flag(ke
             with pytest.raises(ValueError) as ref:
                 sparse_mla_attention(q.double(), kv.double(), slots, counts, 0.3, v_dim=V_SMALL)
             with pytest.raises(ValueError) as ker:
-                sk.sparse_mla_splitkv(
-                    q_d, kv_d, slots.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts
-                )
+                splitkv(q_d, kv_d, slots.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts)
             assert str(ker.value) == str(ref.value), label
             assert _flag(kernel_device) == 0, label  # cleared: the next validated call starts clean
-            sk.sparse_mla_splitkv(q_d, kv_d, slots.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL,
-                                  validate=False, **opts)  # fmt: skip
+            splitkv(q_d, kv_d, slots.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, validate=False, **opts)
             assert _flag(kernel_device) == 0, label  # unvalidated: never raised
     wide = torch.tensor(_bad_splitkv_cases()[0][1], dtype=torch.int64)
     wide[2, 17] = 2**32 + 5  # narrowed to int32 it would be slot 5: tested as given
@@ -523,10 +531,10 @@ def test_validated_bad_inputs_raise_the_references_message_and_clear_the_flag(ke
     with pytest.raises(ValueError) as ref:
         sparse_mla_attention(q.double(), kv.double(), wide, counts, 0.3, v_dim=V_SMALL)
     with pytest.raises(ValueError) as ker:
-        sk.sparse_mla_splitkv(q_d, kv_d, wide.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts)
+        splitkv(q_d, kv_d, wide.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts)
     assert str(ker.value) == str(ref.value) and _flag(kernel_device) == 0
     wide[2, 17] = 59
-    out, lse = sk.sparse_mla_splitkv(q_d, kv_d, wide.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts)
+    out, lse = splitkv(q_d, kv_d, wide.to(kernel_device), counts.to(kernel_device), 0.3, V_SMALL, **opts)
     ref_out, ref_lse = sparse_mla_attention(q, kv, wide, counts, 0.3, v_dim=V_SMALL)
     assert_matches(out, lse, ref_out, ref_lse, rtol=1e-5, lse_atol=1e-5)
     assert _flag(kernel_device) == 0
@@ -553,6 +561,59 @@ def test_plan_depends_on_shapes_only() -> None:
         sk.splitkv_plan(1, 16, 64, "cpu", head_dim=64, v_dim=65)
     with pytest.raises(ValueError, match=r"^H"):
         sk.splitkv_plan(1, 0, 64, "cpu")
+
+
+def test_a_plan_is_checked_against_the_call_and_used_as_is(kernel_device, monkeypatch) -> None:
+    """``plan=None`` is the default plan by shape: the same output, bit for bit, as ``plan=splitkv_plan(<this
+    shape>)``; a plan made for another T, H, K, head_dim, v_dim or device is refused, naming ``plan``; a forced
+    plan is what runs (its launches and its workspace, not the default's). The tuning goes through the plan only."""
+    params = inspect.signature(sk.sparse_mla_splitkv).parameters
+    assert not set(KNOBS) & set(params) and params["plan"].default is None
+    T, H, K = 3, 16, 48
+    q, kv, slots, counts = make_case(T, H, 80, K, [48, 0, 20], seed=17, device=kernel_device)
+    same = sk.splitkv_plan(T, H, K, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL)
+    assert same == sk.splitkv_plan(*q.shape[:2], slots.shape[1], q.device, head_dim=q.shape[2], v_dim=V_SMALL)
+    assert same.device == str(q.device)
+    for validate in (True, False):
+        got = sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=validate, plan=same)
+        want = sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=validate)
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    others = {
+        "T": sk.splitkv_plan(T + 1, H, K, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL),
+        "H": sk.splitkv_plan(T, 32, K, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL),
+        "K": sk.splitkv_plan(T, H, K - 16, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL),
+        "head_dim": sk.splitkv_plan(T, H, K, kernel_device, head_dim=D_SMALL + 16, v_dim=V_SMALL),
+        "v_dim": sk.splitkv_plan(T, H, K, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL - 16),
+        "the default head_dim, v_dim": sk.splitkv_plan(T, H, K, kernel_device),
+        "device": sk.splitkv_plan(T, H, K, "meta", head_dim=D_SMALL, v_dim=V_SMALL),
+        "a forced plan": sk.splitkv_plan(T, H, 32, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL, num_splits=2,
+                                         block_n=16),
+    }  # fmt: skip
+    for why, other in others.items():
+        for validate in (True, False):
+            with pytest.raises(ValueError, match=r"^plan was made for T=") as info:
+                sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=validate, plan=other)
+            assert f"not for this call's T=3, H=16, K=48, head_dim={D_SMALL}, v_dim={V_SMALL} on" in str(info.value), (
+                why
+            )
+    with pytest.raises(TypeError, match=r"^plan must be a SplitKVPlan"):  # its fields, not the plan
+        sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, plan=dataclasses.asdict(same))
+    # a forced plan runs as made: its splits and head groups launch, and it reads its own workspace
+    forced = sk.splitkv_plan(T, H, K, kernel_device, head_dim=D_SMALL, v_dim=V_SMALL, num_splits=3, block_n=16)
+    assert forced != same and forced.num_splits == 3 and same.num_splits == 2
+    ws = sk.workspace_for(forced, kernel_device)
+    assert ws.numel() > same.workspace_numel
+    run_and_check(q, kv, slots, counts, plan=forced, workspace=ws)
+    with pytest.raises(ValueError, match=r"^workspace"):  # the default plan's workspace is too small for it
+        sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, plan=forced,
+                              workspace=sk.workspace_for(same, kernel_device))  # fmt: skip
+    p1, p2 = _Recorder(), _Recorder()
+    monkeypatch.setattr(sk, "splitkv_partial_kernel", p1)
+    monkeypatch.setattr(sk, "splitkv_combine_kernel", p2)
+    sk.sparse_mla_splitkv(q, kv, slots, counts, 0.3, V_SMALL, validate=False, plan=forced, workspace=ws)
+    assert p1.grids == [(forced.ctas,)] and p2.grids == [(forced.combine_ctas,)]
+    assert forced.ctas == T * forced.head_groups * 3 != same.ctas
 
 
 def test_stage_wrapper(kernel_device) -> None:
@@ -665,10 +726,9 @@ def test_gpu_every_sweep_config_compiles_and_matches(cuda_device) -> None:
     ref_out, ref_lse = sparse_mla_attention(q, kv, slots, counts, scale, v_dim=512)
     for i, (bh, bn, nw, ns) in enumerate(sk.TUNING_CONFIGS):
         for splits in (3, 1) if i % 3 == 0 else (3,):  # one split (the fused final write) for a few
-            out, lse = sk.sparse_mla_splitkv(
-                q, kv, slots, counts, scale, 512, validate=False, num_splits=splits, block_h=bh, block_n=bn,
-                num_warps=nw, num_stages=ns,
-            )  # fmt: skip
+            plan = sk.splitkv_plan(T, H, K, cuda_device, num_splits=splits, block_h=bh, block_n=bn, num_warps=nw,
+                                   num_stages=ns)  # fmt: skip
+            out, lse = sk.sparse_mla_splitkv(q, kv, slots, counts, scale, 512, validate=False, plan=plan)
             assert_matches(out, lse, ref_out, ref_lse, rtol=1e-2, lse_atol=2e-3)
 
 

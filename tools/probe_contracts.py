@@ -4245,20 +4245,13 @@ def attention_cases() -> list[Case]:
     if sk is not None:
         f = sk.sparse_mla_splitkv
         long_slots = torch.randint(0, S, (T, 40), generator=G, dtype=torch.int32)
-        LONG = dict(slots=long_slots, counts=i32([40, 17, 0]), num_splits=2, block_n=16)
+        long_plan = sk.splitkv_plan(T, H, 40, "cpu", head_dim=D, v_dim=V, num_splits=2, block_n=16)
+        LONG = dict(slots=long_slots, counts=i32([40, 17, 0]), plan=long_plan)
         mk(
             out,
             "sparse_mla_splitkv",
             "valid: two real splits (K=40, block_n=16) with a workspace",
-            lambda: f(
-                **{
-                    **b_sk(),
-                    **LONG,
-                    "workspace": sk.workspace_for(
-                        sk.splitkv_plan(T, H, 40, "cpu", head_dim=D, v_dim=V, num_splits=2, block_n=16), "cpu"
-                    ),
-                }
-            ),
+            lambda: f(**{**b_sk(), **LONG, "workspace": sk.workspace_for(long_plan, "cpu")}),
             "valid",
             check=expect_equal(want(slots=long_slots, counts=i32([40, 17, 0])), **tol),
         )
@@ -4302,18 +4295,25 @@ def attention_cases() -> list[Case]:
             ("out wrong shape", dict(out=torch.empty(T, H, V + 1)), "out"),
             ("out_lse float64", dict(out_lse=torch.empty(T, H, dtype=torch.float64)), "out_lse"),
             ("out_lse [T]", dict(out_lse=torch.empty(T)), "out_lse"),
-            ("num_splits=0", dict(num_splits=0), "num_splits"),
-            ("num_splits=True", dict(num_splits=True), "num_splits"),
-            ("block_h=8", dict(block_h=8), "block_h"),
-            ("block_h=24", dict(block_h=24), "block_h"),
-            ("block_n=3", dict(block_n=3), "block_n"),
-            ("num_warps=5", dict(num_warps=5), "num_warps"),
-            ("num_stages=9", dict(num_stages=9), "num_stages"),
-            ("num_stages=0", dict(num_stages=0), "num_stages"),
             ("plan a dict", dict(plan={}), "plan"),
             (
                 "plan for another shape",
                 dict(plan=From(lambda kw: sk.splitkv_plan(T + 1, H, 4, "cpu", head_dim=D, v_dim=V))),
+                "plan",
+            ),
+            (
+                "plan for another K (the two-split plan, K=40)",
+                dict(plan=long_plan),
+                "plan",
+            ),
+            (
+                "plan for the default head_dim / v_dim (576 / 512)",
+                dict(plan=From(lambda kw: sk.splitkv_plan(T, H, kw["slots"].shape[1], "cpu"))),
+                "plan",
+            ),
+            (
+                "plan for another device (meta)",
+                dict(plan=From(lambda kw: sk.splitkv_plan(T, H, kw["slots"].shape[1], "meta", head_dim=D, v_dim=V))),
                 "plan",
             ),
             ("workspace too small (two real splits)", dict(**LONG, workspace=torch.empty(1)), "workspace"),
@@ -4391,6 +4391,19 @@ def attention_cases() -> list[Case]:
             "v_dim",
         )
         mk(out, "splitkv_plan", "device 'nope'", lambda: sk.splitkv_plan(1, 2, 4, "nope"), "raise", "device")
+        # the tuning of sparse_mla_splitkv: only through its plan (splitkv_plan names a bad value)
+        for label, kw, nm in (
+            ("num_splits=0", dict(num_splits=0), "num_splits"),
+            ("num_splits=True", dict(num_splits=True), "num_splits"),
+            ("block_h=8", dict(block_h=8), "block_h"),
+            ("block_h=24", dict(block_h=24), "block_h"),
+            ("block_n=3", dict(block_n=3), "block_n"),
+            ("num_warps=5", dict(num_warps=5), "num_warps"),
+            ("num_stages=9", dict(num_stages=9), "num_stages"),
+            ("num_stages=0", dict(num_stages=0), "num_stages"),
+        ):
+            mk(out, "splitkv_plan", label, lambda kw=kw: sk.splitkv_plan(T, H, 4, "cpu", head_dim=D, v_dim=V, **kw),
+               "raise", nm)  # fmt: skip
         mk(
             out,
             "splitkv_attention",
