@@ -401,29 +401,28 @@ class Attention(Part):
     Two plan-time fusions, each where the attention stage offers it (:func:`takes_guard`,
     :func:`takes_grouped_heads`): the guard taken into the attention call (its rule decided in the kernel's
     prologue, written by the epilogue: no guard launch), and the partial written straight into the buffer the
-    combine sends (:meth:`write_into`: no copy into it)."""
+    combine sends (its ``target``: no copy into it)."""
 
     stages = ("attention", "guard")
 
-    def __init__(self, spec: StepSpec, impls: Stages, group: Group, dtypes: Dtypes) -> None:
+    def __init__(
+        self, spec: StepSpec, impls: Stages, group: Group, dtypes: Dtypes,
+        target: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:  # fmt: skip
+        """``target(T)``: where the partial and its LSE are written (``[T, G, H/G, v]`` / ``[T, G, H/G]`` views of
+        another part's buffer, the combine's send buffer); ``None``: buffers of this part's own."""
         super().__init__(spec, impls, group, dtypes)
         T, Ha, v = spec.max_tokens, spec.attention_heads, spec.v_dim
         #: The guard runs inside the attention call (no stage call of its own).
         self.guard_fused = takes_guard(impls)
-        self.partial_buf = self._buf(T * Ha * v, dtypes.partial)
-        self.lse_buf = self._buf(T * Ha, dtypes.lse)
-        self._target: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    def write_into(self, target: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write the partial and its LSE where ``target(T)`` says (``[T, G, H/G, v]`` / ``[T, G, H/G]`` views of
-        another part's buffer) instead of this part's own buffers (which are then freed)."""
         self._target = target
-        self.partial_buf = self.lse_buf = None  # type: ignore[assignment]
-        self._views_by_t.clear()
+        self.partial_buf = self._buf(T * Ha * v, dtypes.partial) if target is None else None
+        self.lse_buf = self._buf(T * Ha, dtypes.lse) if target is None else None
 
     def _make_views(self, T: int) -> AttentionViews:
         if self._target is not None:
             return AttentionViews(*self._target(T))
+        assert self.partial_buf is not None and self.lse_buf is not None
         Ha, v = self.spec.attention_heads, self.spec.v_dim
         return AttentionViews(_view(self.partial_buf, T, Ha, v), _view(self.lse_buf, T, Ha))
 
@@ -435,15 +434,12 @@ class Attention(Part):
         fn: Any = st.attention
         cg, bounds, req, bt, starts = s.cache_geometry, meta.local_bounds, meta.req_of_token, shard.block_table, \
             meta.row_starts  # fmt: skip
-        if self.guard_fused:
-            rows = GuardRows(bounds, req, bt, cg, n_cols, starts, **scored_rows)
-            return checked_pair("attention", fn, fn(
-                q, shard.kv_cache, sel.slots, sel.counts, s.sm_scale, s.v_dim, out=b.partial, out_lse=b.lse, guard=rows
-            ), (b.partial, b.lse))  # fmt: skip
+        fused = {"guard": GuardRows(bounds, req, bt, cg, n_cols, starts, **scored_rows)} if self.guard_fused else {}
         partial, lse = checked_pair("attention", fn, fn(
-            q, shard.kv_cache, sel.slots, sel.counts, s.sm_scale, s.v_dim, out=b.partial, out_lse=b.lse
+            q, shard.kv_cache, sel.slots, sel.counts, s.sm_scale, s.v_dim, out=b.partial, out_lse=b.lse, **fused
         ), (b.partial, b.lse))  # fmt: skip
-        st.guard(partial, lse, bounds, req, bt, cg, n_cols, row_starts=starts, **scored_rows)
+        if not self.guard_fused:
+            st.guard(partial, lse, bounds, req, bt, cg, n_cols, row_starts=starts, **scored_rows)
         return partial, lse
 
 
@@ -633,11 +629,13 @@ def part_types(spec: StepSpec) -> tuple[type[Part], ...]:
 def plan_parts(spec: StepSpec, impls: Stages, group: Group, dtypes: Dtypes) -> Parts:
     """The parts a spec chooses, each planned (its buffers allocated, its collectives bound). Where the attention
     stage writes grouped heads (:func:`takes_grouped_heads`), it writes straight into the all-to-all's send buffer."""
-    parts = Parts(*(cls(spec, impls, group, dtypes) for cls in part_types(spec)))  # type: ignore[arg-type]
-    if isinstance(parts.combine, AllToAllCombine) and takes_grouped_heads(impls):
-        parts.attention.write_into(parts.combine.send_target)
-        parts.combine.packed_by_attention = True
-    return parts
+    args = (spec, impls, group, dtypes)
+    combine = combine_for(spec)(*args)
+    target = None
+    if isinstance(combine, AllToAllCombine) and takes_grouped_heads(impls):
+        combine.packed_by_attention = True
+        target = combine.send_target
+    return Parts(QueryPath(*args), Indexing(*args), Exchange(*args), Attention(*args, target=target), combine)
 
 
 def stage_names(spec: StepSpec) -> tuple[str, ...]:

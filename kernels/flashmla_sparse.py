@@ -442,16 +442,9 @@ def sparse_mla_flashmla(
     KP = max(cdiv(K, INDEX_WIDTH_MULTIPLE * splits), 1) * INDEX_WIDTH_MULTIPLE * splits
     fused = _use_triton(q.device)
     if out is not None:
-        check_out(out, "out", (T, H, _DV) if out.dim() != 4 else (T, out.shape[1], H // out.shape[1], _DV), q.dtype,
-                  q.device)  # fmt: skip
-        if out.dim() == 4 and out.shape[1] * out.shape[2] != H:
-            raise ValueError(f"out's head groups must hold the H={H} heads, got {tuple(out.shape)}")
+        _check_grouped_out(out, "out", T, H, (_DV,), q.dtype, q.device)
     if out_lse is not None:
-        grouped = out_lse.dim() == 3
-        check_out(out_lse, "out_lse", (T, out_lse.shape[1], H // max(out_lse.shape[1], 1)) if grouped else (T, H),
-                  torch.float32, q.device)  # fmt: skip
-        if grouped and out_lse.shape[1] * out_lse.shape[2] != H:
-            raise ValueError(f"out_lse's head groups must hold the H={H} heads, got {tuple(out_lse.shape)}")
+        _check_grouped_out(out_lse, "out_lse", T, H, (), torch.float32, q.device)
     check_no_alias(out, "out", q=q, kv_cache=kv_cache, slots=slots, counts=counts)
     check_no_alias(out_lse, "out_lse", q=q, kv_cache=kv_cache, slots=slots, counts=counts, out=out)
     if workspace is None:
@@ -516,13 +509,23 @@ def sparse_mla_flashmla(
         bad = bad | ~guard.row_ok()
     merged = merged.masked_fill(bad.view(T, 1, 1), math.nan)
     merged_lse = merged_lse.masked_fill(bad.unsqueeze(1), math.nan)
-    if out is not o:
-        out.copy_(merged.view(out.shape) if out.dim() == 3 else merged.view(T, out.shape[1], out.shape[2], _DV))
-    else:
-        out.copy_(merged)
-    out_lse.copy_(merged_lse.view(out_lse.shape) if out_lse.dim() == 2 else
-                  merged_lse.view(T, out_lse.shape[1], out_lse.shape[2]))  # fmt: skip
+    out.copy_(merged.view(out.shape))  # [T, H, v] contiguous: views as [T, H, v] or [T, G, H/G, v]
+    out_lse.copy_(merged_lse.view(out_lse.shape))
     return out, out_lse
+
+
+def _check_grouped_out(
+    buf: object, name: str, T: int, H: int, tail: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> None:
+    """An output buffer ``[T, H, *tail]``, or ``[T, G, H/G, *tail]`` with its heads in ``G`` groups (``G`` dividing
+    ``H``): :func:`~dcp_ref.contracts.check_out`'s checks and messages, for either layout."""
+    if isinstance(buf, torch.Tensor) and buf.dim() == 3 + len(tail):
+        G = buf.shape[1]
+        if G < 1 or H % G:
+            raise ValueError(f"{name}'s head groups must divide the H={H} heads, got {tuple(buf.shape)}")
+        check_out(buf, name, (T, G, H // G, *tail), dtype, device)
+    else:
+        check_out(buf, name, (T, H, *tail), dtype, device)
 
 
 def _guard_launch_args(guard: GuardRows | None) -> dict[str, Any]:

@@ -432,8 +432,14 @@ def test_heads_in_groups_read_and_write_as_the_plain_layout(fake: list, splits: 
     assert torch.equal(send_lse.transpose(0, 1).reshape(T, H), want_lse)
     with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
         fm.sparse_mla_flashmla(q.transpose(1, 2).contiguous().transpose(1, 2), kv, slots, counts, 0.05)
-    with pytest.raises(ValueError, match="out's head groups must hold the H=64 heads"):
+    with pytest.raises(ValueError, match="out's head groups must divide the H=64 heads"):
         fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=torch.empty(4, 3, 21, 512, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out_lse's head groups must divide the H=64 heads"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out_lse=torch.empty(4, 0, 16))
+    with pytest.raises(ValueError, match=r"out must be a buffer of shape \(4, 4, 16, 512\)"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=torch.empty(4, 4, 8, 512, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"out must be a torch\.Tensor"):
+        fm.sparse_mla_flashmla(q, kv, slots, counts, 0.05, out=[0.0])  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu
