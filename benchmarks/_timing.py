@@ -37,7 +37,7 @@ import torch
 
 __all__ = ["Rule", "STANDARD", "SWEEP", "SMOKE", "WARMUP", "SAMPLES", "Timing", "capture", "graph", "replay", "eager",
            "host", "host_sample_us", "graph_row", "reps_for", "summarize", "describe", "STAGE_CALLS", "stage",
-           "kernel_breakdown"]  # fmt: skip
+           "cold", "kernel_breakdown"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,9 @@ WARMUP, SAMPLES = STANDARD.warmup, STANDARD.samples
 
 #: Bytes zeroed before a flushed sample: several times the H200's 50 MiB L2 (triton.testing.do_bench's size).
 FLUSH_BYTES = 256 << 20
+#: Bytes zeroed before each call inside a :func:`cold` graph: twice the H200's 50 MiB L2 (smaller than
+#: FLUSH_BYTES, so the subtracted flush time and its noise stay small beside a few-µs stage).
+COLD_FLUSH_BYTES = 100 << 20
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,32 @@ def stage(fn: Callable[[], object], rule: Rule = STANDARD) -> Timing:
     captured in one graph, µs per call. A graph of one call, replayed alone, adds the replay's launch latency
     (about 8 µs on the H200, the same for every kernel) that a layer's graph pays once, not once per stage."""
     return graph(fn, calls=STAGE_CALLS, rule=rule)
+
+
+def _cold_buffer() -> torch.Tensor:
+    return torch.empty(COLD_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+
+def cold(fn: Callable[[], object], *, calls: int = STAGE_CALLS, rule: Rule = STANDARD) -> Timing:
+    """``fn`` from a cold L2, as a layer's stage or a layer meets its inputs (the caches of the layer before
+    evicted them): a graph of ``calls`` pairs (zero :data:`COLD_FLUSH_BYTES`, then ``fn``), less a graph of the
+    ``calls`` flushes alone, µs per call. Inside one graph no replay's launch latency is counted (as
+    :func:`stage`); the flush's dirty lines left in L2 are written back while ``fn`` runs, as in
+    ``triton.testing.do_bench``. Median (p20/p80) of the pair graph less the flush graph's median."""
+    _check(calls, rule)
+    buf = _cold_buffer()
+
+    def pair() -> None:
+        buf.zero_()
+        fn()
+
+    g_pair, g_flush = capture(pair, calls=calls), capture(buf.zero_, calls=calls)
+    try:
+        both, flush = replay(g_pair, calls=calls, rule=rule), replay(g_flush, calls=calls, rule=rule)
+    finally:
+        del g_pair, g_flush
+    d = flush.median_us
+    return Timing(both.median_us - d, both.p20_us - d, both.p80_us - d, both.samples, calls, "graph")
 
 
 def kernel_breakdown(g: Any, *, replays: int = 10) -> list[dict[str, Any]]:

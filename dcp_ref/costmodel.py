@@ -752,7 +752,8 @@ def dcp_step_cost(
         graph: ``False`` adds each collective's eager host latency.
         options: the layer's options, one :class:`~dcp_ref.options.LayerOptions` (what
             :class:`dcp_ref.spec.StepSpec` plans for; its ``layout`` is not read: this function prices dcp):
-            ``exchange="owner"`` runs the owner-local select-to-slots instead of select + deinterleave,
+            ``exchange="owner"`` runs the owner-local select-to-slots instead of select + deinterleave (at W > 1;
+            at W = 1 the step exchanges nothing and runs the deinterleave alone),
             ``order="rank_local"`` moves 4 bytes per candidate instead of 8, ``combine="alltoall"`` one all-to-all
             of partials + LSEs and a merge of ``W`` partials over ``H/W`` heads instead of the LSE all-gather, the
             correction and the reduce-scatter; ``q_replicate=True`` (the default, as ``StepSpec``'s) drops the
@@ -788,7 +789,9 @@ def dcp_step_cost(
         sent = t * K * bpc
         comm["candidates_allgather"] = CollectiveBytes(sent, w * sent, (w - 1) * sent)
         stages["candidates_allgather"] = collective_time_s("all_gather", sent, w, k, hardware, graph=graph)
-    if exchange == "owner":
+    # The exchange as the planned step's part runs it (dcp_ref.axes.Exchange.stages_for): at W = 1 nothing is
+    # exchanged, the local top-K's ids are the answer and only their slots are looked up (deinterleave).
+    if w > 1 and exchange == "owner":
         stages["select_to_slots"] = k.select_to_slots.time_s(t * w * K * bpc)
     else:
         if w > 1:
@@ -838,25 +841,22 @@ def tp_step_cost(
     Every rank holds the whole KV cache and its ``H/W`` heads: the indexer scores and selects over all ``c``
     keys, the attention reads ``min(k, c)`` keys per token (FlashMLA pads the heads up to
     ``min_kernel_heads``; the split-KV kernel runs any head count: :func:`_attention_s`), and nothing is
-    communicated inside attention. ``options`` (a :class:`~dcp_ref.options.LayerOptions`; only its ``exchange``
-    and ``order`` change a tp layer, its ``layout`` is not read): ``exchange="owner"``: the selection maps straight
-    to slots (one stage, as the planned tp layout runs it), reading 8 bytes per candidate, or 4 with
-    ``order="rank_local"`` (scores only, as :class:`dcp_ref.spec.StepSpec` allows for the tp layout too).
-    ``graph`` is accepted for symmetry (no collective to launch).
+    communicated inside attention. ``options`` (a :class:`~dcp_ref.options.LayerOptions`) are checked but change
+    nothing here: with the cache not split, the planned step exchanges nothing whatever its ``exchange`` and
+    ``order`` (the local top-K's ids go straight to the slot lookup, ``deinterleave``), and its ``layout`` is not
+    read. ``graph`` is accepted for symmetry (no collective to launch).
     """
     w, t, c = _common_args(world_size, tokens, context, geometry, hardware, constants, scope)
-    opt = _check_options(options)
-    exchange, order = opt.exchange, opt.order
+    _check_options(options)
     check_bool(graph, "graph")
     g, k = geometry, constants
     stages: dict[str, float] = {}
     if scope == "layer":
         stages["index_scoring"] = _index_scoring_s(t, c, g, hardware)
     stages["indexer"] = k.local_topk.time_s(t * c * 4)
-    if exchange == "owner":
-        stages["select_to_slots"] = k.select_to_slots.time_s(t * g.local_topk * (4 if order == "rank_local" else 8))
-    else:
-        stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
+    # The cache is not split: nothing is exchanged, whatever the options (dcp_ref.axes.Exchange.stages_for); the
+    # local top-K's ids are the answer and only their slots are looked up.
+    stages["deinterleave"] = k.deinterleave.time_s(t * (g.topk * 8 + 4))
     keys = float(min(g.topk, c))
     kernel, attn_s, flops = _attention_s(t, g.num_heads // w, keys, g, k)
     stages["attention"] = attn_s

@@ -151,3 +151,39 @@ def test_event_timers_with_a_fake_device(timing, monkeypatch) -> None:
     assert fell["timing"] == "events" and "capture_error" in fell and fell["median_us"] == pytest.approx(4.0)
     with pytest.raises(RuntimeError, match="capturing"):
         timing.graph_row(fake.work, calls=5, rule=rule)
+
+
+def test_cold_times_the_call_less_the_flush_inside_one_graph(timing, monkeypatch) -> None:
+    """``cold``: a graph of (flush, call) pairs less a graph of the flushes alone, each call's share."""
+    fake = FakeCuda(us_per_call=4.0)
+    monkeypatch.setattr(timing.torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", fake.synchronize)
+
+    class Buffer:  # zeroing the flush buffer costs 10 µs of device time
+        def zero_(self) -> None:
+            fake.log.append("flush")
+            fake.now_ms += 10e-3
+
+    monkeypatch.setattr(timing, "_cold_buffer", Buffer)
+    captured: list[int] = []
+
+    class Graph:
+        def __init__(self, fn, calls: int) -> None:
+            self.fn, self.calls = fn, calls
+
+        def replay(self) -> None:
+            for _ in range(self.calls):
+                self.fn()
+
+    def capture(fn, calls=1, warmup=3):
+        captured.append(calls)
+        return Graph(fn, calls)
+
+    monkeypatch.setattr(timing, "capture", capture)
+    rule = timing.Rule(warmup=1, samples=3)
+    t = timing.cold(fake.work, calls=6, rule=rule)
+    assert t.median_us == pytest.approx(4.0) and t.calls == 6 and t.mode == "graph"
+    assert captured == [6, 6]  # the pairs' graph, then the flushes' graph, of the same length
+    assert fake.log.count("call") == 6 * 4 and fake.log.count("flush") == 2 * 6 * 4
+    with pytest.raises(ValueError, match="calls must be an int >= 1"):
+        timing.cold(fake.work, calls=0)

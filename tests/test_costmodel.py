@@ -99,13 +99,18 @@ def test_world_size_one_has_no_communication(fitted: cm.Fit) -> None:
                 dcp = cm.dcp_step_cost(1, 16, 5000, options=opt, **kw)
                 tp = cm.tp_step_cost(1, 16, 5000, options=LayerOptions(exchange=exchange, order=order), **kw)
                 assert dcp.stages_s == tp.stages_s and dcp.total_s == tp.total_s, (exchange, order, combine, q_rep)
-    # rank_local reads 4 bytes per candidate in either layout (scores only), global_id 8
+    # rank_local reads 4 bytes per candidate (scores only), global_id 8, where candidates are exchanged (dcp,
+    # W > 1); a tp layer exchanges nothing, whatever its options: its local top-K's ids go to the slot lookup.
     own = {
-        o: cm.tp_step_cost(2, 16, 5000, options=LayerOptions(exchange="owner", order=o)).stages_s["select_to_slots"]
+        o: cm.dcp_step_cost(2, 16, 5000, options=LayerOptions(exchange="owner", order=o)).stages_s["select_to_slots"]
         for o in ("global_id", "rank_local")
     }
     t = cm.DEFAULT_CONSTANTS.select_to_slots
-    assert own == {"global_id": t.time_s(16 * 2048 * 8), "rank_local": t.time_s(16 * 2048 * 4)}
+    assert own == {"global_id": t.time_s(16 * 2 * 2048 * 8), "rank_local": t.time_s(16 * 2 * 2048 * 4)}
+    tps = {o: cm.tp_step_cost(2, 16, 5000, options=LayerOptions(exchange="owner", order=o)).stages_s
+           for o in ("global_id", "rank_local")}  # fmt: skip
+    assert tps["global_id"] == tps["rank_local"] == cm.tp_step_cost(2, 16, 5000).stages_s
+    assert "select_to_slots" not in tps["global_id"] and "deinterleave" in tps["global_id"]
     assert cm.crossover_context(1) == 0.0 and cm.time_crossover_context(1, 32) == 0.0
 
 
