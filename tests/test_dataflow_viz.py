@@ -275,8 +275,9 @@ def test_every_layer_runs_the_planned_collectives_with_the_cost_models_bytes(
         n for n in stage_names(spec) if n not in ("guard", "scoring")
     ]
     # The cost model prices the same local stages, in the same order (its own names for scoring and collectives).
-    cost = (costmodel.tp_step_cost if options.layout == "tp" else costmodel.dcp_step_cost)(W, 1, 4096, geo,
-                                                                                          options=options)
+    cost = (costmodel.tp_step_cost if options.layout == "tp" else costmodel.dcp_step_cost)(
+        W, 1, 4096, geo, options=options
+    )
     priced = [n for n in cost.stages_s if n not in (*cost.comm, "index_scoring", "step_overhead")]
     assert priced == [n for n in stage_names(spec) if n not in ("guard", "scoring")]
     # Who holds what: the query as attention reads it, the output as the projection after it reads it.
