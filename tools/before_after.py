@@ -75,11 +75,12 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     for r in layer + step:
-        print(f"{r['row']:28s} {r['before_graph_us']:8.1f} -> {r['after_graph_us']:8.1f} us ({100 * r['change']:+.1f} %)"
-              f"  allocs {r['allocations_per_run']}  syncs {r['host_syncs_per_step']}  {'ok' if r['within_target'] else 'MISSED'}")  # fmt: skip
-    print(
-        f"wrote {args.out}: {len(layer)} layer + {len(step)} step rows, all within target: {doc['all_within_target']}"
-    )
+        verdict = "ok" if r["within_target"] else "MISSED"
+        print(f"{r['row']:28s} {r['before_graph_us']:8.1f} -> {r['after_graph_us']:8.1f} us "
+              f"({100 * r['change']:+.1f} %)  allocs {r['allocations_per_run']}  syncs {r['host_syncs_per_step']}  "
+              f"{verdict}")  # fmt: skip
+    ok = doc["all_within_target"]
+    print(f"wrote {args.out}: {len(layer)} layer + {len(step)} step rows, all within target: {ok}")
 
 
 if __name__ == "__main__":
