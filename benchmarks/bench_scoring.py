@@ -49,7 +49,8 @@ SM100-only CuTeDSL kernel: it is not a peer on the H200.
 Times: device time per call from replaying a CUDA graph of back-to-back calls, L2 flushed before each replay
 (``_timing.py``: median of its samples / calls), as ``bench_local_topk.py``. The sweep (default on;
 ``--no-sweep``): the scoring kernel's launch configurations
-:data:`SWEEP_SPACE` and :data:`SWEEP_EXTRA` (after the plan's own, ``config: {}``; a config the plan resolves to one
+:data:`SWEEP_SPACE` and :data:`SWEEP_EXTRA`, each made into a plan (``scoring_plan(T, L, device, **config)``, passed
+as ``plan=``) (after the plan's own, ``config: {}``; a config the plan resolves to one
 already timed at that shape, or with more tiles than the row has, is skipped) at every shape of both ``next_n``,
 configurations in the outer loop (a seeded shuffle) and shapes inner, so that a cut by ``--sweep-budget`` seconds
 leaves every shape with the same configurations; each checked (``max_rel_err`` against the oracle rows,
@@ -321,8 +322,10 @@ def sweep_scoring(budget: float, shapes: list[tuple[int, int, int]], configs: li
         try:
             o = st["out"]
             o.fill_(float("nan"))
-            kw = nn_kw(nn) | cfg
-            fn = lambda: index_scores_triton(*st["args"], g, out=o, validate=False, **kw)  # noqa: E731
+            # the configuration reaches the kernel as a plan (the wrapper takes no tuning of its own): the plan
+            # scheduled above, made again from the same keywords (a plan is a small tuple, made on the host)
+            sp = scoring_plan(t, n, dev, **nn_kw(nn), **cfg)
+            fn = lambda: index_scores_triton(*st["args"], g, out=o, validate=False, plan=sp, **nn_kw(nn))  # noqa: E731
             fn()
             torch.cuda.synchronize()
             rec["max_rel_err"] = si.rel_error(o, st["ref"])

@@ -13,8 +13,9 @@ Profiling: builds ``_scoring_inputs.build_inputs(T, L, next_n=...)`` (the benchm
 checks it against the float64 oracle rows (``reference_rows``; max relative error <= 1e-3, else exit 1), then
 launches it once between ``cudaProfilerStart`` / ``cudaProfilerStop``, so that ``--profile-from-start off``
 profiles that launch only. ``--module`` names another module with the same ``index_scores_triton`` (an older
-kernel saved as e.g. ``dcp_ref.kernels.scoring_triton_v1``): ``next_n=`` is passed only when it is not 1 and
-each tuning keyword only when ``--config`` names it, so a kernel without them still runs.
+kernel saved as e.g. ``dcp_ref.kernels.scoring_triton_v1``): ``next_n=`` is passed only when it is not 1; a
+wrapper that takes ``plan=`` gets ``scoring_plan(T, L, device, **config)`` that way (the tuning lives on the plan
+only), an older one each tuning keyword that ``--config`` names, so a kernel without them still runs.
 
 ``--summarize CSV`` (no GPU): :func:`summarize_ncu` of ncu's ``--csv --page details`` output (lines before the
 header, such as ``==PROF==``, are skipped) -> JSON ``{"source", "label", "kernels": [...]}``, one compact record
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import inspect
 import io
 import json
 import os
@@ -82,12 +84,16 @@ def profile(shape: tuple[int, int], next_n: int, module: str, config: dict[str, 
     g = DcpGeometry(1, 0, 1, si.BLOCK)
     out = torch.full((t, n), float("nan"), device="cuda")
     kw = kernel_kwargs(next_n, config)
+    made = None  # the plan passed in, where the wrapper takes one (it then takes no tuning keyword of its own)
+    if "plan" in inspect.signature(fn).parameters:
+        made = mod.scoring_plan(t, n, out.device, **kw)
+        kw = {k: v for k, v in kw.items() if k not in TUNING} | {"plan": made}
     for _ in range(max(1, warmup)):  # compiles, then warm
         fn(*args, g, out=out, validate=False, **kw)
     torch.cuda.synchronize()
     err = si.rel_error(out, si.reference_rows(inp))
-    plan = None
-    if hasattr(mod, "scoring_plan"):
+    plan = None if made is None else made._asdict()
+    if plan is None and hasattr(mod, "scoring_plan"):  # an older wrapper, tuned by keywords
         try:
             plan = mod.scoring_plan(t, n, out.device, **kw)._asdict()
         except TypeError:  # an older plan without one of the keywords

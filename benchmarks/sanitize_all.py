@@ -647,7 +647,7 @@ def _dev(*ts: torch.Tensor | None) -> list:
 
 
 def fam_scoring(f: Family) -> None:
-    from dcp_ref.kernels.scoring_triton import index_scores_triton
+    from dcp_ref.kernels.scoring_triton import index_scores_triton, scoring_plan
     from dcp_ref.scoring import index_scores
 
     g = gen(10)
@@ -674,9 +674,10 @@ def fam_scoring(f: Family) -> None:
             wd.copy_(w.to(DEV))
             btd = torch.full((bt.shape[0], 2 * bt.shape[1]), 10**6, dtype=it, device=DEV)[:, ::2]
             btd.copy_(bt.to(DEV))
+            plan = scoring_plan(T, L, DEV, block_size=bs, block_n=block_n, tiles=tiles)
             got = index_scores_triton(
                 qd, wd, cache.to(DEV), btd, *_dev(req, bounds), geo, row_starts=starts.to(DEV), out=out,
-                validate=False, block_n=block_n, tiles=tiles,
+                validate=False, plan=plan,
             )  # fmt: skip
             ok = got is out and _same_nan_and_values(got, want) and bool(torch.isnan(want[:8]).any(1).all())
             f.check(f"T={T} bs={bs} H={H} {qdt} {it}: bad rows NaN, the rest exact", ok)
@@ -684,7 +685,8 @@ def fam_scoring(f: Family) -> None:
             dec = bounds.clone()
             dec[4] = width = bt.shape[1] * bs  # exactly the table's width: inside
             want = index_scores(q, w, cache, bt, req, dec, geo, validate=False)
-            got = index_scores_triton(*_dev(q, w, cache, bt, req, dec), geo, validate=False, block_n=block_n)
+            plan = scoring_plan(T, width, DEV, block_size=bs, block_n=block_n)  # (the table's width)
+            got = index_scores_triton(*_dev(q, w, cache, bt, req, dec), geo, validate=False, plan=plan)
             f.check(f"T={T} bs={bs} decode, width {width} from the table", _same_nan_and_values(got, want))
     _scoring_mtp_cases(f, g)
 
@@ -710,8 +712,10 @@ def _scoring_mtp_cases(f: Family, g: torch.Generator) -> None:
             for tma in (True, False):
                 with f.case(f"MTP pair_dot={pair_dot} tma={tma}"):
                     out = torch.full((10, L), 12345.0, device=DEV)
+                    plan = st.scoring_plan(10, L, DEV, next_n=2, block_size=64, pair_dot=pair_dot,
+                                           tma=tma, tiles=2)  # fmt: skip
                     got = st.index_scores_triton(*_dev(q, w, cache, bt, req, bounds), geo, out=out, validate=False,
-                                                 next_n=2, pair_dot=pair_dot, tma=tma, tiles=2)  # fmt: skip
+                                                 next_n=2, plan=plan)  # fmt: skip
                     ok = got is out and _same_nan_and_values(got, want) and bool(torch.isnan(want[6:]).all())
                     f.check(f"MTP pair_dot={pair_dot} tma={tma}: bad pairs NaN, the rest exact", ok)
     finally:

@@ -24,7 +24,8 @@ How one program works (grid ``(T / group, cdiv(L, BLOCK_N * tiles))``; program `
    loop and checked after it, so their latency hides behind the key stream; with ``row_starts``: checked first);
    the program's columns that hold no key get ``-inf``, a poisoned row NaN.
 
-The launch comes from :data:`PLANS` (the committed H200 sweep) via :func:`scoring_plan`.
+The launch is a :class:`ScoringPlan`: the caller's ``plan=`` (made by :func:`scoring_plan`, checked against the
+call), or by default :func:`scoring_plan` of the call's shape (:data:`PLANS`, the committed H200 sweep).
 
 Every load is masked (by the row's bound and the row's verdict), addresses are int64, so even with
 ``validate=False`` nothing outside the cache, the table or ``out`` is touched. No allocation with
@@ -36,7 +37,7 @@ widened to float32 and the dot runs in IEEE float32); float64 queries are the re
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -441,7 +442,8 @@ PLANS_BLOCK_SIZE = 64
 
 
 class ScoringPlan(NamedTuple):
-    """How one call runs (see :func:`scoring_plan`)."""
+    """How one call runs (see :func:`scoring_plan`; :func:`index_scores_triton` takes it as ``plan=`` and refuses,
+    naming ``plan``, one that cannot run its call: another group size, too few columns, TMA its cache forbids)."""
 
     block_n: int  #: keys per tile (a power of two >= 16): the dot's M side
     tiles: int  #: tiles per program (each program scores ``block_n * tiles`` keys of its group)
@@ -451,6 +453,9 @@ class ScoringPlan(NamedTuple):
     group: int = 1  #: tokens per program that share each key read (2: MTP pairs)
     tma: bool = False  #: values by the bulk tensor copy engine (a tile is one block of 32 * k keys)
     pair_dot: bool = False  #: MTP pairs scored by one dot of N = 2 * heads (else one dot per token)
+    #: ``tma=True`` was asked for (``scoring_plan(..., tma=True)``), not chosen by the plan: a cache the bulk copy
+    #: cannot address (:func:`tma_fits`) is then refused, naming ``plan``, instead of falling back to ``cp.async``
+    tma_forced: bool = False
 
 
 def _pow2_arg(v: object, name: str, lo: int, hi: int) -> int:
@@ -495,7 +500,11 @@ def scoring_plan(
     entry, contiguous bytes), else 64; 4 warps; 4 pipeline stages; tiles per program such that about 8 programs
     per SM stay busy (1-32); the bulk tensor copy (``tma``) wherever a tile is one block of a multiple of 32 keys;
     MTP pairs by one dot (``pair_dot``; it has no effect without pairs). Each keyword overrides its part
-    (``tma=True`` where a tile is not such a block: ``ValueError``).
+    (``tma=True`` where a tile is not such a block: ``ValueError``; an explicit ``tma=True`` is recorded as
+    ``tma_forced``, so that the call refuses a cache the bulk copy cannot address instead of falling back).
+
+    The tuning keywords live here only: pass the plan to ``index_scores_triton(..., plan=)`` (made for at least
+    the call's width, its ``next_n`` and its cache's ``block_size``).
     """
     rows = check_int_scalar(rows, "rows", min_value=0)
     n_cols = check_int_scalar(n_cols, "n_cols", min_value=0)
@@ -521,13 +530,70 @@ def scoring_plan(
     num_warps = _pow2_arg(d_warps if num_warps is None else num_warps, "num_warps", 1, 32)
     num_stages = check_int_scalar(d_stages if num_stages is None else num_stages, "num_stages", min_value=1)
     tma_ok = block_n == block_size and block_size % 32 == 0  # a tile is one block of whole 128-byte rows
+    forced = False  # tma=True asked for, not chosen (ScoringPlan.tma_forced)
     if tma is None:
         tma = tma_ok and (d_tma is None or d_tma or block_n != d_bn)
     elif check_bool(tma, "tma") and not tma_ok:
         raise ValueError(f"tma=True needs block_n == block_size, a multiple of 32 (got {block_n}, {block_size})")
+    else:
+        forced = tma
     pair_dot = d_pair if pair_dot is None else check_bool(pair_dot, "pair_dot")
     pair_dot = group == 2 and pair_dot  # (no pairs at an odd next_n: one token per read)
-    return ScoringPlan(block_n, tiles, num_warps, num_stages, cdiv(n_tiles, tiles), group, tma, pair_dot)
+    return ScoringPlan(block_n, tiles, num_warps, num_stages, cdiv(n_tiles, tiles), group, tma, pair_dot, forced)
+
+
+def _plan_int(plan: ScoringPlan, field: str, lo: int, hi: int, pow2: bool = False) -> int:
+    """A field of a caller's plan, a plain int in ``[lo, hi]`` (a power of two when ``pow2``); never read from a
+    tensor (a ``validate=False`` call makes no host read)."""
+    v = getattr(plan, field)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"plan.{field} must be an int, got {type(v).__name__}: make the plan with scoring_plan")
+    if not lo <= v <= hi or (pow2 and v & (v - 1)):
+        kind = "a power of two" if pow2 else "an int"
+        raise ValueError(f"plan.{field} must be {kind} in [{lo}, {hi}], got {v}: make the plan with scoring_plan")
+    return v
+
+
+def _check_plan(plan: object, a: ScoringArgs, n_cols: int | None) -> ScoringPlan:
+    """``plan`` when it can run this call — well formed, ``a.next_n``'s group size, TMA only where a tile is one
+    block of the cache (``block_n == block_size``, a multiple of 32 keys), and (``n_cols`` given) its programs
+    covering the ``n_cols`` columns; a ``ValueError`` naming ``plan`` otherwise (a ``TypeError`` when it is not a
+    :class:`ScoringPlan`). ``n_cols=None``: the width is not known yet (a validated call without ``out``), and
+    the call checks the plan again once the values gave it."""
+    if not isinstance(plan, ScoringPlan):
+        raise TypeError(f"plan must be a ScoringPlan (scoring_plan makes it) or None, got {type(plan).__name__}")
+    for field, lo, hi, pow2 in (
+        ("block_n", 16, 512, True),
+        ("tiles", 1, 2**31 - 1, False),
+        ("num_warps", 1, 32, True),
+        ("num_stages", 1, 2**31 - 1, False),
+        ("programs", 1, 65535, False),  # (grid axis 1 <= 65535)
+    ):
+        _plan_int(plan, field, lo, hi, pow2)
+    for field in ("tma", "pair_dot", "tma_forced"):
+        check_bool(getattr(plan, field), f"plan.{field}")
+    group = group_size(a.next_n)
+    if plan.group != group:  # the grid and every token's row come from the group: another one skips or overruns rows
+        raise ValueError(
+            f"plan scores groups of {plan.group} token(s), but this call's next_n={a.next_n} needs groups of "
+            f"{group}: make it with scoring_plan(rows, n_cols, device, next_n={a.next_n}, ...)"
+        )
+    if plan.pair_dot and plan.group != 2:  # one dot for a pair reads and writes the row after the group's token
+        raise ValueError("plan has pair_dot=True, which needs groups of 2 tokens (an even next_n)")
+    if plan.tma and not (plan.block_n == a.block_size and a.block_size % 32 == 0):
+        # the bulk copy loads one block's [block_size, 128] values per tile: no other tile is one copy
+        raise ValueError(
+            f"plan has tma=True, which needs block_n == the cache's block_size, a multiple of 32 (got block_n="
+            f"{plan.block_n}, block_size={a.block_size}): make it with scoring_plan(..., block_size={a.block_size})"
+        )
+    if n_cols is not None and plan.programs * plan.tiles * plan.block_n < n_cols:
+        # program p owns columns [p * chunk, (p + 1) * chunk): columns past the last program's would stay unwritten
+        raise ValueError(
+            f"plan covers {plan.programs * plan.tiles * plan.block_n} columns ({plan.programs} programs x "
+            f"{plan.tiles} tiles x {plan.block_n} keys), fewer than this call's {n_cols}: make it with "
+            f"scoring_plan(rows, n_cols, device, ...) for n_cols >= {n_cols}"
+        )
+    return plan
 
 
 def kernel_views(a: ScoringArgs, index_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -587,12 +653,7 @@ def index_scores_triton(
     out: torch.Tensor | None = None,
     validate: bool = True,
     next_n: int = 1,
-    block_n: int | None = None,
-    tiles: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    tma: bool | None = None,
-    pair_dot: bool | None = None,
+    plan: ScoringPlan | None = None,
 ) -> torch.Tensor:
     """This rank's index scores ``[T, L]`` from its FP8 index-key cache, on the GPU (one launch with ``out``).
 
@@ -611,8 +672,17 @@ def index_scores_triton(
     ``out`` the width ``max(row_starts + local_bounds)`` is the values' too: a small check kernel first
     gives it and the verdict in the same one read (two launches).
 
-    Tuning (see :func:`scoring_plan`): ``block_n`` keys per tile (power of two, 16-512), ``tiles``
-    tiles per program, ``num_warps``, ``num_stages``, ``tma``, ``pair_dot`` (MTP pairs by one dot).
+    ``plan``: how the call runs, a :class:`ScoringPlan` from :func:`scoring_plan` (which alone takes the tuning:
+    ``block_n``, ``tiles``, ``num_warps``, ``num_stages``, ``tma``, ``pair_dot``), used as is. It must fit the
+    call, else a ``ValueError`` naming ``plan`` (a ``TypeError`` when it is not a ScoringPlan): the group size of
+    ``next_n``, programs that cover the width ``L`` (``programs * tiles * block_n >= L``; without ``out`` in a
+    validated call it is checked once the values gave ``L``), and ``tma=True`` only where a tile is one cache block
+    of a multiple of 32 keys. A plan with ``tma=True`` on a cache the bulk copy cannot address (:func:`tma_fits`:
+    not 16-byte aligned, or 2**31 rows or more) falls back to ``cp.async`` (the same scores) when the plan chose
+    TMA itself, and raises a ``ValueError`` naming ``plan`` when ``tma=True`` was asked for
+    (``plan.tma_forced``). ``None``: ``scoring_plan(T, L, index_q.device, next_n=next_n,
+    block_size=<the cache's>)``, the default plan by shape (re-made once a validated call without ``out`` knows
+    ``L``).
 
     Returns:
         float32 ``[T, L]`` (``out`` when given).
@@ -633,12 +703,13 @@ def index_scores_triton(
                              ("row_starts", row_starts), ("block_table", block_table)):  # fmt: skip
             if tensor is not None:
                 check_values_readable(tensor, name)
-    tuning: dict[str, Any] = dict(block_n=block_n, tiles=tiles, num_warps=num_warps, num_stages=num_stages, tma=tma,
-                                  pair_dot=pair_dot)  # fmt: skip
+    own_plan = plan is None
     try:
         _check_device(index_q)
-        plan = scoring_plan(T, L, dev, next_n=a.next_n, block_size=a.block_size, **tuning)  # (re-planned below
-        # once the width is known, without `out`)
+        if plan is None:  # (re-planned below once the width is known, without `out`)
+            plan = scoring_plan(T, L, dev, next_n=a.next_n, block_size=a.block_size)
+        else:  # (without `out` its width is checked below, once the values gave it)
+            plan = _check_plan(plan, a, None if width_from_values else L)
     except (TypeError, ValueError):
         if check:  # the reference's value checks came first: a bad value is still the error reported
             reference_check()
@@ -668,15 +739,30 @@ def index_scores_triton(
         chk, check = (chk if clear else None), False
     try:
         if width_from_values:
-            plan = scoring_plan(T, L, dev, next_n=a.next_n, block_size=a.block_size, **tuning)
+            if own_plan:
+                plan = scoring_plan(T, L, dev, next_n=a.next_n, block_size=a.block_size)
+            else:
+                plan = _check_plan(plan, a, L)
             out = torch.empty((T, L), dtype=torch.float32, device=dev)
         elif out is None:
             out = torch.empty((T, L), dtype=torch.float32, device=dev)
         if T == 0 or L == 0:
             return out
         q, cache_u8, cache_f32 = kernel_views(a, index_q)
-        if plan.tma and tma is None and not tma_fits(a, cache_u8):  # the plan's choice, not the caller's: fall back
-            plan = plan._replace(tma=False)
+        if plan.tma and not tma_fits(a, cache_u8):
+            # TMA the plan chose (by shape, before any cache was seen) gives way to cp.async: the same scores. TMA
+            # the caller asked for (scoring_plan(tma=True): a sweep or a test that must run the bulk copy) is refused
+            # instead, so that what runs is never silently another kernel than the one asked for.
+            if not plan.tma_forced:
+                plan = plan._replace(tma=False)
+            else:
+                if check:  # a bad value is still the error reported (as for every other refusal)
+                    reference_check()
+                raise ValueError(
+                    "plan asks for tma=True (scoring_plan(..., tma=True)), which needs a 16-byte aligned index_cache "
+                    "of fewer than 2**31 rows of 128 bytes: make the plan with tma=None (the bulk copy where it "
+                    "fits) or tma=False for this cache"
+                )
         desc_v = value_descriptor(a, cache_u8) if plan.tma else None
         index_scores_kernel[(T // plan.group, plan.programs)](
             q, weights, cache_u8, cache_f32, desc_v, *meta, out,

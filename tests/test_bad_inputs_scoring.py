@@ -94,6 +94,7 @@ BASES = {
     "index_scores_rs": (index_scores, dict(SCORE_ARGS, row_starts=RS, out=OUT)),
     "reference_scoring": (reference_scoring, dict(SCORE_ARGS, out=OUT)),
     "index_scores_triton": (st_kernel.index_scores_triton, dict(SCORE_ARGS, row_starts=RS, out=OUT)),
+    "scoring_plan": (st_kernel.scoring_plan, dict(rows=T, n_cols=16, device=torch.device("cpu"), block_size=BS)),
 }
 CASES: list = []
 
@@ -258,11 +259,28 @@ for b in ("index_scores_rs", "reference_scoring", "index_scores_triton"):
 bad("index_scores", ValueError, "out", "unvalidated prefill without out", row_starts=RS, validate=False)
 b = "index_scores_triton"
 bad(b, TypeError, "index_q", "float64 q (the reference's only)", index_q=Q8.double())
+# the kernel's tuning: only through its plan (scoring_plan names a bad value; the wrapper a plan that misses the call)
+# (tma=True: refused at 4-key blocks, where a tile cannot be one block of whole 128-byte rows)
 for arg, v, exc in [("block_n", 24, ValueError), ("block_n", 8, ValueError), ("block_n", 1024, ValueError),
                     ("block_n", 2.0, TypeError), ("tiles", 0, ValueError), ("num_warps", 3, ValueError),
                     ("num_warps", 64, ValueError), ("num_stages", 0, ValueError), ("pair_dot", "yes", TypeError),
-                    ("tma", 1, TypeError)]:  # fmt: skip
-    bad(b, exc, arg, f"{arg}={v}", **{arg: v})
+                    ("tma", 1, TypeError), ("tma", True, ValueError)]:  # fmt: skip
+    bad("scoring_plan", exc, arg, f"{arg}={v}", **{arg: v})
+PLAN16 = st_kernel.scoring_plan(T, 16, torch.device("cpu"), block_size=BS, block_n=16, tiles=1)  # 16 columns
+for label, plan, exc, extra in [
+    ("a tuple of its fields", tuple(PLAN16), TypeError, {}),
+    ("its fields as a dict", PLAN16._asdict(), TypeError, {}),
+    ("'default'", "default", TypeError, {}),
+    ("groups of 2 at next_n=1", PLAN16._replace(group=2), ValueError, {}),
+    ("16 of 40 columns", PLAN16, ValueError, dict(out=torch.empty(T, 40))),
+    ("16 columns, validated without out (the values give a width of 24)", PLAN16, ValueError,
+     dict(out=None, row_starts=i64([0, 15, 2]))),
+    ("tma=True on 4-key blocks", PLAN16._replace(tma=True), ValueError, {}),
+    ("pair_dot=True at next_n=1", PLAN16._replace(pair_dot=True), ValueError, {}),
+    ("block_n=24", PLAN16._replace(block_n=24), ValueError, {}),
+    ("tiles=2.0", PLAN16._replace(tiles=2.0), TypeError, {}),
+]:  # fmt: skip
+    bad(b, exc, "plan", f"plan={label}", plan=plan, **extra)
 
 
 @pytest.mark.parametrize("fn, kwargs, exc, names", CASES)

@@ -390,6 +390,31 @@ def _dev(kernel_device, *ts):
     return [None if t is None else t.to(kernel_device) for t in ts]
 
 
+#: the tuning arguments of scoring_plan (index_scores_triton takes them only through its plan)
+KNOBS = ("block_n", "tiles", "num_warps", "num_stages", "tma", "pair_dot")
+
+
+def scores_triton(*args, **kw):  # noqa: ANN002, ANN003, ANN201
+    """``st_kernel.index_scores_triton(*args, **kw)`` with any tuning arguments in ``kw`` made into this call's
+    plan, ``scoring_plan(T, L, index_q.device, next_n=, block_size=<the geometry's>, **tuning)`` for the width
+    ``L`` the call will have: ``out``'s columns; without ``out`` the values' ``max(row_starts + local_bounds)``
+    (validated) or the table's ``M * block_size`` (not). No tuning: the default plan (``plan=None``)."""
+    knobs = {name: kw.pop(name) for name in KNOBS if name in kw}
+    if knobs:
+        q, bt, bounds, g = args[0], args[3], args[5], args[6]
+        out, rs = kw.get("out"), kw.get("row_starts")
+        if out is not None:
+            n_cols = out.shape[1]
+        elif not kw.get("validate", True):
+            n_cols = bt.shape[1] * g.block_size
+        else:  # (bad values raise the reference's message before the plan's width is checked)
+            ends = bounds.long() + (0 if rs is None else rs.long())
+            n_cols = max(0, int(ends.max())) if ends.numel() else 0
+        kw["plan"] = st_kernel.scoring_plan(q.shape[0], n_cols, q.device, next_n=kw.get("next_n", 1),
+                                            block_size=g.block_size, **knobs)  # fmt: skip
+    return st_kernel.index_scores_triton(*args, **kw)
+
+
 @pytest.mark.parametrize(
     "bs,block_n,tiles,starts,H,q_dtype",
     [
@@ -407,8 +432,8 @@ def test_kernel_matches_reference(kernel_device, bs, block_n, tiles, starts, H, 
     want = index_scores(q, w, cache, bt, req, bounds, g, row_starts=rs, out=torch.empty(4, L))
     args = _dev(kernel_device, q, w, cache, bt, req, bounds)
     out = torch.full((4, L), 12345.0, device=kernel_device)  # poisoned: every entry must be written
-    got = st_kernel.index_scores_triton(*args, g, row_starts=_dev(kernel_device, rs)[0], out=out,
-                                        block_n=block_n, tiles=tiles)  # fmt: skip
+    got = scores_triton(*args, g, row_starts=_dev(kernel_device, rs)[0], out=out,
+                        block_n=block_n, tiles=tiles)  # fmt: skip
     assert got is out
     assert_close_scores(got, want, rel=1e-5)
 
@@ -420,9 +445,9 @@ def test_kernel_exact_on_dyadic_inputs_with_ties(kernel_device, W, I, bs) -> Non
     g = DcpGeometry(W, W - 1, I, bs)
     L = width(bounds, rs) + 3
     want = index_scores(q, w, cache, bt, req, bounds, g, row_starts=rs, out=torch.empty(5, L))
-    got = st_kernel.index_scores_triton(*_dev(kernel_device, q, w, cache, bt, req, bounds), g,
-                                        row_starts=_dev(kernel_device, rs)[0],
-                                        out=torch.empty(5, L, device=kernel_device), block_n=16)  # fmt: skip
+    got = scores_triton(*_dev(kernel_device, q, w, cache, bt, req, bounds), g,
+                        row_starts=_dev(kernel_device, rs)[0],
+                        out=torch.empty(5, L, device=kernel_device), block_n=16)  # fmt: skip
     assert torch.equal(got.cpu().nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))
     fin = want[torch.isfinite(want)]
     assert fin.numel() > fin.unique().numel()  # real ties
@@ -437,15 +462,15 @@ def test_kernel_poisons_like_the_reference(kernel_device) -> None:
     g = DcpGeometry(1, 0, 1, 4)
     L = 24
     want = index_scores(q, w, cache, bt, req, bounds, g, row_starts=rs, out=torch.empty(6, L), validate=False)
-    got = st_kernel.index_scores_triton(*_dev(kernel_device, q, w, cache, bt, req, bounds), g,
-                                        row_starts=_dev(kernel_device, rs)[0],
-                                        out=torch.empty(6, L, device=kernel_device), validate=False,
-                                        block_n=16)  # fmt: skip
+    got = scores_triton(*_dev(kernel_device, q, w, cache, bt, req, bounds), g,
+                        row_starts=_dev(kernel_device, rs)[0],
+                        out=torch.empty(6, L, device=kernel_device), validate=False,
+                        block_n=16)  # fmt: skip
     assert bool(torch.isnan(want).all(1).any())
     assert_close_scores(got, want, rel=1e-5)
     # unvalidated decode without out: the width comes from the table
-    got2 = st_kernel.index_scores_triton(*_dev(kernel_device, q, w, cache, bt, req, bounds), g, validate=False,
-                                         block_n=16)  # fmt: skip
+    got2 = scores_triton(*_dev(kernel_device, q, w, cache, bt, req, bounds), g, validate=False,
+                         block_n=16)  # fmt: skip
     assert got2.shape == (6, bt.shape[1] * 4)
 
 
@@ -477,10 +502,10 @@ def test_kernel_mtp_groups_score_like_single_tokens(kernel_device, next_n, bs, b
     T, L = q.shape[0], int(bounds.max()) + 3
     want = brute_scores(q, w, cache, bt, req, bounds, bs, L)
     args = _dev(kernel_device, q, w, cache, bt, req, bounds)
-    got = st_kernel.index_scores_triton(*args, g, out=torch.full((T, L), 7.0, device=kernel_device), next_n=next_n,
-                                        block_n=block_n, tiles=2, tma=tma)  # fmt: skip
-    single = st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), block_n=block_n,
-                                           tiles=2, tma=tma)  # fmt: skip
+    got = scores_triton(*args, g, out=torch.full((T, L), 7.0, device=kernel_device), next_n=next_n,
+                        block_n=block_n, tiles=2, tma=tma)  # fmt: skip
+    single = scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), block_n=block_n,
+                           tiles=2, tma=tma)  # fmt: skip
     assert_close_scores(got, want, rel=1e-5 if got.device.type == "cpu" else 2e-3)  # (FP8 tensor-core sums)
     assert torch.equal(got.cpu(), single.cpu())
     plan = st_kernel.scoring_plan(T, L, got.device, next_n=next_n, block_size=bs, block_n=block_n, tiles=2)
@@ -513,15 +538,15 @@ def test_kernel_verdict_past_the_first_entries(kernel_device, monkeypatch, next_
         assert poisoned == [r == 0 for r in req.tolist()]
     tuning = dict(block_n=16, tiles=3) | ({} if pair_dot is None else dict(pair_dot=pair_dot))
     args = _dev(kernel_device, q, w, cache, bt, req, bounds)
-    got = st_kernel.index_scores_triton(*args, g, out=torch.full((T, L), 7.0, device=kernel_device),
-                                        validate=False, next_n=next_n, **tuning)  # fmt: skip
+    got = scores_triton(*args, g, out=torch.full((T, L), 7.0, device=kernel_device),
+                        validate=False, next_n=next_n, **tuning)  # fmt: skip
     assert_close_scores(got, want, rel=1e-5 if got.device.type == "cpu" else 2e-3)
     plan = st_kernel.scoring_plan(T, L, got.device, next_n=next_n, block_size=bs, **tuning)
     assert plan.pair_dot == (next_n == 2 and pair_dot is not False)
     if bad_block is not None:
         with pytest.raises(ValueError) as kernel_err:
-            st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), next_n=next_n,
-                                          **tuning)  # fmt: skip
+            scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), next_n=next_n,
+                          **tuning)  # fmt: skip
         with pytest.raises(ValueError) as ref_err:
             index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(T, L), next_n=next_n)
         assert str(kernel_err.value) == str(ref_err.value)
@@ -534,13 +559,13 @@ def test_kernel_mtp_group_of_two_requests_is_poisoned_or_refused(kernel_device) 
     T, L = q.shape[0], int(bounds.max())
     args = _dev(kernel_device, q, w, cache, bt, req, bounds)
     want = index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(T, L), validate=False, next_n=2)
-    got = st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), validate=False,
-                                        next_n=2, block_n=16)  # fmt: skip
+    got = scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), validate=False,
+                        next_n=2, block_n=16)  # fmt: skip
     assert bool(torch.isnan(got[2:4]).all()) and bool(torch.isfinite(got[0, : int(bounds[0])]).all())
     assert_close_scores(got, want, rel=1e-5)
     for out in (torch.empty(T, L, device=kernel_device), None):
         with pytest.raises(ValueError) as kernel_err:
-            st_kernel.index_scores_triton(*args, g, out=out, next_n=2, block_n=16)
+            scores_triton(*args, g, out=out, next_n=2, block_n=16)
         with pytest.raises(ValueError) as ref_err:
             index_scores(q, w, cache, bt, req, bounds, g, out=None if out is None else torch.empty(T, L), next_n=2)
         assert str(kernel_err.value) == str(ref_err.value) and str(kernel_err.value).startswith("req_of_token")
@@ -551,8 +576,9 @@ def test_kernel_mtp_group_of_two_requests_is_poisoned_or_refused(kernel_device) 
 
 
 def test_kernel_unaligned_cache_falls_back_from_the_bulk_copy(kernel_device) -> None:
-    """A cache view that is not 16-byte aligned: the plan's TMA choice falls back to cp.async (same scores);
-    asking for tma=True there is refused by name."""
+    """A cache view that is not 16-byte aligned: the plan's TMA choice falls back to cp.async (same scores), also
+    when that plan is passed in; a plan made with tma=True asked for (``tma_forced``) is refused there, naming
+    ``plan``, and runs the bulk copy on the aligned cache."""
     q, w, cache, bt, req, bounds = mtp_problem(4, next_n=1, bs=64, lens=(70, 130, 9))
     g = DcpGeometry(1, 0, 1, 64)
     args = _dev(kernel_device, q, w, cache, bt, req, bounds)
@@ -563,9 +589,19 @@ def test_kernel_unaligned_cache_falls_back_from_the_bulk_copy(kernel_device) -> 
     want = st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device))
     got = st_kernel.index_scores_triton(*args[:2], shifted, *args[3:], g, out=torch.empty(T, L, device=kernel_device))
     assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
-    with pytest.raises(ValueError, match=r"^tma=True needs a 16-byte aligned index_cache"):
-        st_kernel.index_scores_triton(*args[:2], shifted, *args[3:], g, out=torch.empty(T, L, device=kernel_device),
-                                      tma=True)  # fmt: skip
+    chosen = st_kernel.scoring_plan(T, L, kernel_device, block_size=64)
+    assert chosen.tma and not chosen.tma_forced  # the plan's own choice: it falls back
+    passed = st_kernel.index_scores_triton(*args[:2], shifted, *args[3:], g,
+                           out=torch.empty(T, L, device=kernel_device), plan=chosen)  # fmt: skip
+    assert torch.equal(passed.nan_to_num(7.0), want.nan_to_num(7.0))
+    forced = st_kernel.scoring_plan(T, L, kernel_device, block_size=64, tma=True)
+    assert forced.tma and forced.tma_forced and forced._replace(tma_forced=False) == chosen
+    for validate in (True, False):
+        with pytest.raises(ValueError, match=r"^plan asks for tma=True .* 16-byte aligned index_cache"):
+            st_kernel.index_scores_triton(*args[:2], shifted, *args[3:], g, validate=validate,
+                          out=torch.empty(T, L, device=kernel_device), plan=forced)  # fmt: skip
+    aligned = st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=kernel_device), plan=forced)
+    assert torch.equal(aligned.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
 def test_kernel_ends_near_int64_max_are_poisoned_not_wrapped(kernel_device) -> None:
@@ -633,9 +669,10 @@ def test_validated_call_is_the_unvalidated_launch_plus_one_read(kernel_device, m
     rs_d = _dev(kernel_device, rs)[0]
     L = width(bounds, rs)
     out = torch.empty(4, L + 2, device=kernel_device)
+    plan = st_kernel.scoring_plan(4, L + 2, kernel_device, block_size=4, block_n=16)  # (made once: no op counted)
 
     def call(v: bool, o: torch.Tensor | None = out) -> torch.Tensor:
-        return st_kernel.index_scores_triton(*args, g, row_starts=rs_d, out=o, validate=v, block_n=16)
+        return st_kernel.index_scores_triton(*args, g, row_starts=rs_d, out=o, validate=v, plan=plan)
 
     call(False), call(True), call(True, None)  # warm: compiled
     plain = _wrapper_ops(monkeypatch, lambda: call(False))
@@ -700,12 +737,12 @@ def test_validated_bad_inputs_raise_the_references_message_and_clear_the_flag(ke
         dev = _dev(kernel_device, q, w, cache, bt, req, bounds)
         rs_d = _dev(kernel_device, rs)[0]
         with pytest.raises(ValueError) as ker:
-            st_kernel.index_scores_triton(*dev, g, row_starts=rs_d, out=out, block_n=16)
+            scores_triton(*dev, g, row_starts=rs_d, out=out, block_n=16)
         assert str(ker.value) == str(ref.value), label
         assert _flag(kernel_device) == 0, label  # cleared: the next validated call starts clean
         if rs_d is not None or with_out:  # unvalidated (it needs out with row starts): poisoned, never raised
             o = torch.empty(6, 24, device=kernel_device)
-            st_kernel.index_scores_triton(*dev, g, row_starts=rs_d, out=o, validate=False, block_n=16)
+            scores_triton(*dev, g, row_starts=rs_d, out=o, validate=False, block_n=16)
             assert bool(torch.isnan(o).all(1).any()), label
             assert _flag(kernel_device) == 0, label
     q, w, cache, bt, req, bounds, rs = base
@@ -750,6 +787,123 @@ def test_scoring_plan_from_shapes_only() -> None:
     assert p.programs * p.tiles * p.block_n >= 8192 and p.group == 1
     with pytest.raises(ValueError, match=r"^next_n"):
         st_kernel.scoring_plan(32, 8192, cpu, next_n=0)
+
+
+class _Launches:
+    """Stands in for ``index_scores_kernel``: records each launch's grid and keywords, then runs the real one."""
+
+    def __init__(self, kernel) -> None:  # noqa: ANN001
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+        def launch(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            consts = {k: kwargs[k] for k in ("BLOCK_N", "NEXT_N", "TMA", "PAIR_DOT", "num_warps", "num_stages")}
+            self.seen.append((grid, consts, args[15]))  # (args[15]: chunk, the columns of one program)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_a_plan_passed_in_runs_as_the_same_knobs_did(kernel_device, monkeypatch) -> None:
+    """The tuning reaches the kernel only through ``plan=``: the wrapper has no knob of its own, ``plan=None`` runs
+    ``scoring_plan`` of the call's shape (bit for bit the same as passing that plan), and a plan made with knobs
+    launches exactly that plan (grid, tile, warps, stages: what the knobs launched when the wrapper forwarded them
+    to ``scoring_plan``), with the reference's scores — also validated without ``out``, where the plan meets the
+    width the values give."""
+    import inspect
+
+    params = inspect.signature(st_kernel.index_scores_triton).parameters
+    assert not set(KNOBS) & set(params) and params["plan"].default is None
+    assert set(KNOBS) <= set(inspect.signature(st_kernel.scoring_plan).parameters)
+    q, w, cache, bt, req, bounds, rs = make_problem(41, T=4, bs=8, H=4, starts=True)
+    g = DcpGeometry(1, 0, 1, 8)
+    L = width(bounds, rs) + 5  # (at most a few dozen columns: the interpreter is slow)
+    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
+    rs_d = _dev(kernel_device, rs)[0]
+    want = index_scores(q, w, cache, bt, req, bounds, g, row_starts=rs, out=torch.empty(4, L))
+    rec = _Launches(st_kernel.index_scores_kernel)
+    monkeypatch.setattr(st_kernel, "index_scores_kernel", rec)
+    default = st_kernel.scoring_plan(4, L, kernel_device, block_size=8)
+    a = st_kernel.index_scores_triton(*args, g, row_starts=rs_d, out=torch.empty(4, L, device=kernel_device))
+    b = st_kernel.index_scores_triton(*args, g, row_starts=rs_d, out=torch.empty(4, L, device=kernel_device),
+                      plan=default)  # fmt: skip
+    assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and rec.seen[0] == rec.seen[1]
+    for knobs in (dict(block_n=16, tiles=1), dict(block_n=16, tiles=2, num_warps=2, num_stages=2),
+                  dict(block_n=32, num_warps=1, num_stages=3)):  # fmt: skip
+        plan = st_kernel.scoring_plan(4, L, kernel_device, block_size=8, **knobs)
+        assert plan != default
+        rec.seen.clear()
+        out = torch.full((4, L), 7.0, device=kernel_device)
+        got = st_kernel.index_scores_triton(*args, g, row_starts=rs_d, out=out, plan=plan)
+        assert_close_scores(got, want, rel=1e-5)
+        [(grid, consts, chunk)] = rec.seen
+        assert grid == (4, plan.programs) and chunk == plan.block_n * plan.tiles, knobs
+        assert consts == dict(BLOCK_N=plan.block_n, NEXT_N=1, TMA=False, PAIR_DOT=False, num_warps=plan.num_warps,
+                              num_stages=plan.num_stages), knobs  # fmt: skip
+    # validated without out: the width comes from the values (L - 5 here), and the plan is checked against it
+    narrow = st_kernel.scoring_plan(4, L - 5, kernel_device, block_size=8, block_n=16, tiles=1)
+    rec.seen.clear()
+    got = st_kernel.index_scores_triton(*args, g, row_starts=rs_d, plan=narrow)
+    assert got.shape == (4, L - 5) and rec.seen[0][0] == (4, narrow.programs)
+    assert_close_scores(got, want[:, : L - 5], rel=1e-5)
+
+
+def test_a_plan_that_does_not_fit_the_call_is_refused_naming_plan(kernel_device) -> None:
+    """Each way a plan can miss its call — another group size, too few columns, TMA where a tile is no cache block,
+    pair_dot without pairs, a field no plan has — is a ValueError naming ``plan`` (validated or not, with ``out``
+    or once the values gave the width); a value that is no ScoringPlan a TypeError. No scoring launch runs, and the
+    flag is left clear. A bad value in a validated call is still the reference's error."""
+    T, bs = 4, 64
+    q, w, cache, bt, req, bounds = mtp_problem(43, B=2, next_n=2, bs=bs, lens=(150, 90))
+    g = DcpGeometry(1, 0, 1, bs)
+    L = int(bounds.max())  # 150: three tiles of 64 keys
+    args = _dev(kernel_device, q, w, cache, bt, req, bounds)
+    cpu = kernel_device
+    pairs = st_kernel.scoring_plan(T, L, cpu, next_n=2, block_size=bs)  # fits the next_n=2 call
+    single = st_kernel.scoring_plan(T, L, cpu, block_size=bs)  # fits the next_n=1 call
+    assert pairs.tma and pairs.group == 2 and single.group == 1
+    misfits = {  # (next_n of the call, plan, what the message says)
+        "groups of 1 for next_n=2": (2, single, r"^plan scores groups of 1 token\(s\), but this call's next_n=2"),
+        "groups of 2 for next_n=1": (1, pairs, r"^plan scores groups of 2 token\(s\), but this call's next_n=1"),
+        "too few columns": (
+            2,
+            st_kernel.scoring_plan(T, 64, cpu, next_n=2, block_size=bs, tiles=1),
+            r"^plan covers 64 columns \(1 programs x 1 tiles x 64 keys\), fewer than this call's 150",
+        ),
+        "tma with 32-key tiles of 64-key blocks": (
+            2,
+            st_kernel.scoring_plan(T, L, cpu, next_n=2, block_size=32),
+            r"^plan has tma=True, which needs block_n",
+        ),
+        "tma with 128-key tiles": (2, pairs._replace(block_n=128, programs=2), r"^plan has tma=True"),
+        "pair_dot without pairs": (1, single._replace(pair_dot=True), r"^plan has pair_dot=True"),
+        "block_n 24": (2, pairs._replace(block_n=24), r"^plan\.block_n must be a power of two"),
+        "no program": (2, pairs._replace(programs=0), r"^plan\.programs must be"),
+        "num_warps 3": (2, pairs._replace(num_warps=3), r"^plan\.num_warps"),
+    }
+    assert misfits["tma with 32-key tiles of 64-key blocks"][1].tma  # (a tile is one 32-key block there)
+    for why, (next_n, plan, msg) in misfits.items():
+        for validate, out in ((False, torch.empty(T, L, device=cpu)), (True, torch.empty(T, L, device=cpu)),
+                              (True, None)):  # fmt: skip
+            with pytest.raises(ValueError, match=msg):
+                st_kernel.index_scores_triton(*args, g, out=out, validate=validate, next_n=next_n, plan=plan)
+            assert _flag(cpu) == 0, why
+    for field, v in (("tiles", 2.0), ("tma", 1), ("num_stages", True)):
+        with pytest.raises(TypeError, match=rf"^plan\.{field} must be"):
+            st_kernel.index_scores_triton(*args, g, out=torch.empty(T, L, device=cpu), next_n=2,
+                          plan=pairs._replace(**{field: v}))  # fmt: skip
+    for not_a_plan in (tuple(pairs), pairs._asdict(), "default", 1):
+        for out in (torch.empty(T, L, device=cpu), None):
+            with pytest.raises(TypeError, match=r"^plan must be a ScoringPlan \(scoring_plan makes it\) or None"):
+                st_kernel.index_scores_triton(*args, g, out=out, next_n=2, plan=not_a_plan)
+    bad = [t.clone() for t in args]
+    bad[4][1] = 5  # a request past the table: the reference's message, not the plan's
+    with pytest.raises(ValueError) as ref:
+        index_scores(*(t.cpu() for t in bad), g, out=torch.empty(T, L), next_n=2)
+    for p in (single, "default"):
+        with pytest.raises(ValueError) as ker:
+            st_kernel.index_scores_triton(*bad, g, out=torch.empty(T, L, device=cpu), next_n=2, plan=p)
+        assert str(ker.value) == str(ref.value) and str(ker.value).startswith("req_of_token")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -856,7 +1010,7 @@ def test_gpu_scoring_matches_reference(cuda_device) -> None:
     L = bt.shape[1] * 64
     want = index_scores(q, w, cache, bt, req, bounds, g, out=torch.empty(32, L, device="cuda"))
     for kw in ({}, dict(block_n=64, num_warps=8), dict(block_n=256, tiles=2)):
-        got = st_kernel.index_scores_triton(q, w, cache, bt, req, bounds, g, out=torch.full_like(want, 7.0), **kw)
+        got = scores_triton(q, w, cache, bt, req, bounds, g, out=torch.full_like(want, 7.0), **kw)
         # FP8 tensor-core accumulation keeps fewer bits than float32: compare against sum|w||q.k| scale
         fin = torch.isfinite(want)
         assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.isnan(), want.isnan())
@@ -886,8 +1040,8 @@ def test_gpu_mtp_pairs_and_long_rows_match_reference(cuda_device, bad_block) -> 
     fin = torch.isfinite(want)
     for next_n in (2, 1):
         for kw in ({}, dict(pair_dot=False), dict(tma=False, tiles=3), dict(tiles=1, pair_dot=False, tma=False)):
-            got = st_kernel.index_scores_triton(*args, g, out=torch.full_like(want, 7.0), validate=False,
-                                                next_n=next_n, **kw)  # fmt: skip
+            got = scores_triton(*args, g, out=torch.full_like(want, 7.0), validate=False,
+                                next_n=next_n, **kw)  # fmt: skip
             assert torch.equal(got.isnan(), want.isnan()) and torch.equal(torch.isinf(got), torch.isinf(want)), kw
             err = (got - want)[fin].abs()
             assert float(err.max()) <= 2e-3 * float(want[fin].abs().max()), (next_n, kw)

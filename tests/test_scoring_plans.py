@@ -51,3 +51,16 @@ def test_pair_dot_is_a_bool_and_only_pairs_use_it() -> None:
     assert not st.scoring_plan(32, 8192, cpu, pair_dot=True).pair_dot  # no pairs at next_n = 1
     assert st.scoring_plan(64, 4096, cpu, next_n=2).pair_dot == st.PLANS[(2, 64, 4096)][5]
     assert not st.scoring_plan(64, 4096, cpu, next_n=2, pair_dot=False).pair_dot
+
+
+def test_an_explicit_tma_is_recorded_as_forced() -> None:
+    """``tma=True`` asked for is recorded (``tma_forced``), so that the call refuses a cache the bulk copy cannot
+    address instead of falling back; the plan's own TMA choice and ``tma=False`` are not forced (the call itself:
+    ``tests/test_scoring.py::test_kernel_unaligned_cache_falls_back_from_the_bulk_copy``)."""
+    cpu = torch.device("cpu")
+    chosen = st.scoring_plan(32, 8192, cpu)
+    forced = st.scoring_plan(32, 8192, cpu, tma=True)
+    assert chosen.tma and not chosen.tma_forced
+    assert forced.tma and forced.tma_forced and forced._replace(tma_forced=False) == chosen
+    assert not st.scoring_plan(32, 8192, cpu, tma=False).tma_forced
+    assert not st.scoring_plan(32, 8192, cpu, block_size=16).tma_forced  # no TMA at all there

@@ -3365,8 +3365,22 @@ def scoring_cases() -> list[Case]:
         def kbase() -> dict[str, Any]:
             return dict(sc_inputs(), out=torch.empty(3, 16))
 
+        cpu = torch.device("cpu")
+        plan16 = st.scoring_plan(3, 16, cpu, block_size=SC_BS, block_n=16, tiles=1)  # covers 16 columns
         for label, kw, nm in (
             ("index_q float64 (reference only)", dict(index_q=From(lambda kw: kw["index_q"].double())), "index_q"),
+            ("plan=a tuple of its fields", dict(plan=tuple(plan16)), "plan"),
+            ("plan='default'", dict(plan="default"), "plan"),
+            ("plan made for next_n=2", dict(plan=plan16._replace(group=2)), "plan"),
+            ("plan covering 16 of 40 columns", dict(plan=plan16, out=torch.empty(3, 40)), "plan"),
+            ("plan with tma=True on 4-key blocks", dict(plan=plan16._replace(tma=True)), "plan"),
+            ("plan with pair_dot=True at next_n=1", dict(plan=plan16._replace(pair_dot=True)), "plan"),
+            ("plan with block_n=24", dict(plan=plan16._replace(block_n=24)), "plan.block_n"),
+            ("plan with programs=0", dict(plan=plan16._replace(programs=0)), "plan.programs"),
+        ):
+            mk(out, "index_scores_triton", label, call_with(f, kbase, **kw), "raise", nm)
+        # the tuning of index_scores_triton: only through its plan (scoring_plan names a bad value)
+        for label, kw, nm in (
             ("block_n=24", dict(block_n=24), "block_n"),
             ("block_n=8", dict(block_n=8), "block_n"),
             ("tiles=0", dict(tiles=0), "tiles"),
@@ -3376,7 +3390,16 @@ def scoring_cases() -> list[Case]:
             ("tma='yes'", dict(tma="yes"), "tma"),
             ("pair_dot=1", dict(pair_dot=1), "pair_dot"),
         ):
-            mk(out, "index_scores_triton", label, call_with(f, kbase, **kw), "raise", nm)
+            mk(out, "scoring_plan", label, lambda kw=kw: st.scoring_plan(3, 16, cpu, block_size=SC_BS, **kw), "raise",
+               nm)  # fmt: skip
+        mk(
+            out,
+            "index_scores_triton",
+            "valid: a plan made for the call (block_n=16, tiles=1)",
+            call_with(f, kbase, plan=plan16),
+            "valid",
+            check=expect_equal(bf_scores(kbase(), 16), **tol),
+        )
         mk(
             out,
             "index_scores_triton",
