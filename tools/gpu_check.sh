@@ -99,12 +99,14 @@ if [ "$what" = merge ]; then
   shift
   tmp=$(mktemp -d)
   for t in "$@"; do mkdir -p "$tmp/$(basename "$t" .tgz)" && tar xzf "$t" -C "$tmp/$(basename "$t" .tgz)"; done
-  commit=$(cat "$tmp"/*/commit.txt 2>/dev/null | sort -u | tr '\n' ' ')
+  # DCP_COMMIT=<sha> here names the tree the calls ran when theirs could not (the device's copy is no clone of it)
+  commit=${DCP_COMMIT:-$(cat "$tmp"/*/commit.txt 2>/dev/null | sort -u | tr '\n' ' ')}
+  device=$(cut -d, -f1 "$tmp"/*/nvidia_smi.txt 2>/dev/null | sort -u | paste -sd/ -)
   versions=$(cat "$tmp"/fi/versions.json 2>/dev/null || cat "$tmp"/*/versions.json 2>/dev/null | head -1)
   python3 benchmarks/collect_gpu_tests.py --out "${GPU_TESTS_JSON:-benchmarks/results/gpu_tests.json}" \
     --what "tools/gpu_check.sh cute + fi: every -m gpu test file (one pytest process and JUnit file each) and every kernel family under compute-sanitizer memcheck + racecheck" \
-    --command "tools/gpu_check.sh cute; tools/gpu_check.sh fi (back to back on one warm H200)" \
-    --commit "${commit% }" --versions "${versions:-{\}}" \
+    --command "tools/gpu_check.sh cute; tools/gpu_check.sh fi (back to back on one warm machine)" \
+    --commit "${commit% }" --versions "${versions:-{\}}" --device "${device:-unknown}" \
     --sanitizer "$tmp"/*/memcheck_*.txt "$tmp"/*/racecheck_*.txt -- "$tmp"/*/junit_*.xml
   exit
 fi
