@@ -53,12 +53,12 @@ more than its larger batch and smaller context share win; above it (up to ``max_
 serves more tokens per second. :func:`time_crossover_context` is the narrower, batch-free variant:
 the smallest ``c`` at which DCP's step is no slower than TP's at the *same* ``T``.
 
-**Limits.** The collectives' line is fitted to messages of 16 KiB to 4 MiB per rank on two GPUs;
-NCCL reaches more bandwidth on larger messages (its bus bandwidth on NVSwitch grows toward
-~350 GB/s), so at large batches the model over-states DCP's communication and its crossovers are
-upper bounds. Kernel lines are extrapolated beyond the measured shapes (rows <= 4096, W <= 8,
-W*K <= 16384, T <= 128 for attention). InfiniBand, index scoring and W > 8 are never measured:
-every number that uses them is a prediction.
+**Limits.** The collectives' line is fitted to three calls of 16 KiB to 4 MiB per rank on two GPUs
+(:data:`NCCL_2XH200_T32`); larger messages and ``W > 2`` are its extrapolation. NCCL's bandwidth on
+larger messages was not measured here: where it beats the fitted ``link_Bps`` (NVLink's nominal rate
+leaves room for that), the model over-states DCP's communication at large batches. Kernel lines are
+extrapolated beyond the measured shapes (rows <= 4096, W <= 8, W*K <= 16384, T <= 128 for attention).
+InfiniBand, index scoring and W > 8 are never measured: every number that uses them is a prediction.
 
 **Fitting** (:func:`fit_constants`): each stage family is a weighted least-squares line (weights
 ``1/measured``: relative residuals), non-negative coefficients; collectives are fitted to the
@@ -86,6 +86,7 @@ from .options import DEFAULT, PLANNED, LayerOptions
 
 __all__ = [
     "KV_BYTES_PER_TOKEN",
+    "KV_BUDGET_BYTES",
     "NCCL_2XH200_T32",
     "FLASHMLA_SPARSE_T32_H128",
     "MlaGeometry",
@@ -134,6 +135,12 @@ __all__ = [
 #: Bytes per token per layer of the MLA KV cache: ``bf16`` = 576 dims x 2 bytes (512 latent + 64 rope);
 #: ``fp8`` = DeepSeek-V3.2's layout (512 e4m3 values, 4 float32 scales, 64 bf16 rope values = 656).
 KV_BYTES_PER_TOKEN: dict[str, int] = {"bf16": 576 * 2, "fp8": 512 + 4 * 4 + 64 * 2}
+
+#: HBM per GPU left for the KV and indexer caches after weights and activations: 40 GiB (``40 * 2**30`` bytes),
+#: the default budget of :func:`throughput_ratio` and :func:`crossover_context`, and the budget chapter 00 counts
+#: tokens with. An assumption: DeepSeek-V3.2 FP8 on 8 x H200 leaves roughly 141 - 86 - 15 GB, an estimate coarser
+#: than the 7 % between GB and GiB; kept the same for every W.
+KV_BUDGET_BYTES: int = 40 * 2**30
 
 #: NCCL collectives measured on 2 x H200 (NVLink) at T = 32 query tokens, H = 128, K = 2048, D = 512,
 #: through ``TorchDistributedGroup``: ``(kind, per-rank bytes, eager_s, graph_s)``. Per-rank bytes are
@@ -893,7 +900,7 @@ def throughput_ratio(
     hardware: Hardware = Hardware(),
     constants: CostConstants = DEFAULT_CONSTANTS,
     *,
-    kv_budget_bytes: float = 40e9,
+    kv_budget_bytes: float = KV_BUDGET_BYTES,
     batch_cap: int = 256,
     other_layer_s: float = 0.0,
     options: LayerOptions = DEFAULT,
@@ -901,10 +908,10 @@ def throughput_ratio(
     """DCP's decode throughput over TP's, each at the largest batch its KV budget allows (see the module doc).
 
     ``kv_budget_bytes``: HBM per GPU left for the KV and indexer caches after weights and activations
-    (40e9 by default: DeepSeek-V3.2 FP8 on 8 x H200 leaves roughly 141 - 86 - 15 GB; an assumption,
-    kept the same for every W). ``batch_cap``: the scheduler's most concurrent requests (vLLM's
-    default ``max_num_seqs`` = 256). ``other_layer_s``: the rest of the layer's time per step (MoE,
-    projections), equal in both layouts; 0 counts the attention path only (conservative for DCP).
+    (:data:`KV_BUDGET_BYTES`, 40 GiB, by default; an assumption, kept the same for every W). ``batch_cap``: the
+    scheduler's most concurrent requests (vLLM's default ``max_num_seqs`` = 256). ``other_layer_s``: the rest of
+    the layer's time per step (MoE, projections), equal in both layouts; 0 counts the attention path only
+    (conservative for DCP).
     ``options``: the layer's :class:`~dcp_ref.options.LayerOptions` (:data:`~dcp_ref.options.PLANNED`, or
     ``LayerOptions(q_replicate=False)`` for the step as first measured), passed to :func:`dcp_step_cost` (and,
     through :func:`_tp_options`, to :func:`tp_step_cost`).
@@ -960,7 +967,7 @@ def crossover_context(
     hardware: Hardware = Hardware(),
     constants: CostConstants = DEFAULT_CONSTANTS,
     *,
-    kv_budget_bytes: float = 40e9,
+    kv_budget_bytes: float = KV_BUDGET_BYTES,
     batch_cap: int = 256,
     other_layer_s: float = 0.0,
     min_context: int = 256,

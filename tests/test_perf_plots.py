@@ -243,9 +243,9 @@ def test_indexer_and_fp8_attention_series() -> None:
     fig = pp.plot_local_topk(local)
     _check_small(fig)
     s = pp.plotted_series(fig)
-    assert s["L = 4K | ours (fused Triton, exact)"] == ([1.0, 32.0], [5.0, 36.0])
-    assert s["L = 32K | torch.topk + pack (not exact)"] == ([1.0, 32.0], [32771.0, 32864.0])
-    assert s["L = 32K | vLLM top-K + pack (ties arbitrary)"][1] == [7.0, 224.0]  # the ties row is not plotted
+    assert s["L = 4K | ours (fused, stable)"] == ([1.0, 32.0], [5.0, 36.0])
+    assert s["L = 32K | torch.topk + pack (either of tied keys)"] == ([1.0, 32.0], [32771.0, 32864.0])
+    assert s["L = 32K | vLLM top-K + pack (either of tied keys)"][1] == [7.0, 224.0]  # the ties row is not plotted
     fp8 = {
         "summary": [
             {
@@ -276,7 +276,7 @@ def test_committed_indexer_and_fp8_files_plot() -> None:
     local, fp8 = _json("local_topk"), _json("fp8_attention")
     s = pp.plotted_series(pp.plot_local_topk(local))
     rows = sorted((r for r in local["summary"] if r["L"] == 4096 and r["dist"] == "normal"), key=lambda r: r["T"])
-    assert s["L = 4K | ours (fused Triton, exact)"][1] == [r["fused_us"] for r in rows]
+    assert s["L = 4K | ours (fused, stable)"][1] == [r["fused_us"] for r in rows]
     g = pp.plotted_series(pp.plot_fp8_attention(fp8))
     assert len(g) == 2 * 2 * 2  # (fp8, bf16) x (W = 1, 2) x (K = 1024, 2048)
 

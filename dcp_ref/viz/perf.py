@@ -196,7 +196,8 @@ def _need(data: Any, name: str, keys: Sequence[str]) -> None:
 # ---- kernels -------------------------------------------------------------------------------------
 def plot_topk(topk: Mapping[str, Any], K: int = 2048, dpi: int = DPI) -> Any:
     """Stable top-K (select) time against rows, one panel per W: ours (CUDA graph) vs vLLM's CuTeDSL
-    selector (where ``vllm_cutedsl_us`` is set) vs ``torch.topk`` and an exact stable torch top-K (graphs)."""
+    selector (where ``vllm_cutedsl_us`` is set) vs ``torch.topk`` (exact values, but it may pick either of tied
+    keys) and a stable torch top-K (the project's total order: score descending, then lower id), graphs."""
     _need(topk, "topk", ["results"])
     rows = [r for r in topk["results"] if r["K"] == K]
     worlds = sorted({r["W"] for r in rows})
@@ -213,7 +214,7 @@ def plot_topk(topk: Mapping[str, Any], K: int = 2048, dpi: int = DPI) -> Any:
         v = [(r["rows"], r["vllm_cutedsl_us"]) for r in rs if r.get("vllm_cutedsl_us") is not None]
         if v:
             ax.plot([a for a, _ in v], [b for _, b in v], "s--", label="vLLM CuTeDSL")
-        ax.plot(x, [r["torch_topk_graph"]["median_us"] for r in rs], "^:", label="torch.topk (unstable)")
+        ax.plot(x, [r["torch_topk_graph"]["median_us"] for r in rs], "^:", label="torch.topk (either of tied keys)")
         ax.plot(x, [r["torch_stable_graph"]["median_us"] for r in rs], "v:", label="torch stable")
         ax.set(xscale="log", yscale="log", title=f"W = {w}", xlabel="rows (query tokens)", ylabel="µs")
     return _finish(fig, axes)
@@ -318,9 +319,10 @@ def plot_attention(attn: Mapping[str, Any], peak_tflops: float = 989.0, dpi: int
 
 def plot_local_topk(local: Mapping[str, Any], dpi: int = DPI) -> Any:
     """The indexer stage (local top-K + pack, k = 2048) against query tokens T, one panel per local row length
-    L: the fused Triton kernel (exact: ties broken by lower index) against vLLM's ``top_k_per_row_decode`` + its
-    pack, measured in the same run, and ``torch.topk`` + the Triton pack (neither stable at ties). All CUDA-graph
-    replays, from ``local_topk.json``'s ``summary``, normal scores (its heavy-ties rows are not plotted)."""
+    L: our fused kernel (stable: the project's total order, score descending, then lower index) against vLLM's
+    ``top_k_per_row_decode`` + its pack, measured in the same run, and ``torch.topk`` + the Triton pack (both pick
+    either of tied keys). All CUDA-graph replays, from ``local_topk.json``'s ``summary``, normal scores (its
+    heavy-ties rows are not plotted)."""
     _need(local, "local_topk", ["summary"])
     rows = [r for r in local["summary"] if r.get("dist", "normal") == "normal"]
     lengths = sorted({r["L"] for r in rows})
@@ -333,10 +335,10 @@ def plot_local_topk(local: Mapping[str, Any], dpi: int = DPI) -> Any:
     for ax, n in zip(axes, lengths):
         rs = sorted((r for r in rows if r["L"] == n), key=lambda r: r["T"])
         x = [r["T"] for r in rs]
-        ax.plot(x, [r["fused_us"] for r in rs], "o-", label="ours (fused Triton, exact)")
+        ax.plot(x, [r["fused_us"] for r in rs], "o-", label="ours (fused, stable)")
         if all(r.get("vllm_us") is not None for r in rs):
-            ax.plot(x, [r["vllm_us"] for r in rs], "s--", label="vLLM top-K + pack (ties arbitrary)")
-        ax.plot(x, [r["torch_us"] for r in rs], "^:", label="torch.topk + pack (not exact)")
+            ax.plot(x, [r["vllm_us"] for r in rs], "s--", label="vLLM top-K + pack (either of tied keys)")
+        ax.plot(x, [r["torch_us"] for r in rs], "^:", label="torch.topk + pack (either of tied keys)")
         ax.set(xscale="log", yscale="log", title=f"L = {_short(n)}", xlabel="T (rows)", ylabel="µs")
     return _finish(fig, axes)
 
@@ -739,7 +741,7 @@ def plot_crossover(
     contexts: Sequence[int] | None = None,
     geometry: cm.MlaGeometry = _GEOMETRY,
     hardware: cm.Hardware = _HARDWARE,
-    kv_budget_bytes: float = 40e9,
+    kv_budget_bytes: float = cm.KV_BUDGET_BYTES,
     batch_cap: int = 256,
     dpi: int = DPI,
     options: LayerOptions = AS_MEASURED,
