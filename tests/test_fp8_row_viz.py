@@ -44,6 +44,9 @@ def test_ticks_mark_each_field_and_stagger_close_labels() -> None:
     # 528 is one column after 512: its label goes on the second line; every other label stays on the first
     assert [line for _, _, line in ticks] == [0, 0, 0, 0, 0, 1, 0]
     assert [line for _, _, line in row_ticks(FP8_DS_MLA, 16, min_gap=0.5)] == [0] * 7
+    for bad, err in (("2", TypeError), (True, TypeError), (-1.0, ValueError), (float("nan"), ValueError)):
+        with pytest.raises(err, match="min_gap"):
+            row_ticks(FP8_DS_MLA, 16, min_gap=bad)
 
 
 def test_the_drawn_offsets_hold_a_quantized_row() -> None:

@@ -60,6 +60,10 @@ def row_ticks(
     for a label within ``min_gap`` columns of the last label on line 0 (drawn on a second line)."""
     check_layout(layout)
     bpc = check_int_scalar(bytes_per_column, "bytes_per_column", min_value=1)
+    if isinstance(min_gap, bool) or not isinstance(min_gap, (int, float)):
+        raise TypeError(f"min_gap must be a real number of columns, got {type(min_gap).__name__}")
+    if not 0 <= min_gap < float("inf"):
+        raise ValueError(f"min_gap must be a finite number of columns >= 0, got {min_gap}")
     starts = sorted({first for first, _, _, _ in row_regions(layout)} | {layout.bytes_per_token})
     ticks: list[tuple[float, str, int]] = []
     last = None
