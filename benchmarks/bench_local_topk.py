@@ -447,8 +447,9 @@ def fmt(v, spec: str = ".1f") -> str:
 
 def plan_str(p: dict) -> str:
     if p.get("engine") == "cutedsl":
-        c, t, cpt, fb = p["cute"]
-        return f"cutedsl {c}×{t} / {cpt * p['vec']} keys a thread / first {fb} bits"
+        c, t, cpt, fb, *rest = p["cute"]  # (the commit since the bitmap commit: older runs' plans have 4 fields)
+        commit = f" / {rest[0]} commit" if rest else ""
+        return f"cutedsl {c}×{t} / {cpt * p['vec']} keys a thread / first {fb} bits{commit}"
     if p.get("compact") and "cap" in p:
         return (
             f"compact S={p['split']} tile {p['tile']} cap {p['cap']} sample {p['sample']} / {p['num_warps']}w / "

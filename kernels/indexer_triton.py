@@ -920,7 +920,8 @@ class LaunchPlan(NamedTuple):
     select: str = "radix"  #: how a tile held in registers is selected (:data:`SELECTS`)
     pivots: int = 3  #: pivots per step of ``select="search"``
     engine: str = "triton"  #: ``"triton"`` (the fields above) or ``"cutedsl"`` (:mod:`.local_topk_cutedsl`)
-    cute: tuple[int, int, int, int] | None = None  #: the CuTeDSL kernel's ``(cluster, threads, cpt, first_bits)``
+    cute: tuple[int, int, int, int, str] | None = None  #: the CuTeDSL kernel's ``(cluster, threads, cpt, first_bits,
+    #: commit)``
     vec: int = 0  #: keys per vector load of the CuTeDSL kernel (the scores' alignment allows it)
     radix_bits: int = DEFAULT_RADIX_BITS  #: digit width of the Triton kernels' radix select (bits per pass)
     #: ``(tile, one_chunk, num_warps)`` of each launch after the first of the split streamed path: the further
@@ -1244,7 +1245,7 @@ def _cute_plan(
     device: torch.device,
     vec: int,
     cute: tuple[int | None, int | None, int | None] | None,
-) -> tuple[int, int, int, int] | None:
+) -> tuple[int, int, int, int, str] | None:
     """The CuTeDSL kernel's plan, or ``None`` where it cannot run (see :func:`launch_plan`)."""
     if vec < 1 or device.type != "cuda" or triton_interpreting() or rows < 1:
         return None

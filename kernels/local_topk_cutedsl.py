@@ -21,21 +21,31 @@ keys than are still needed is resolved by **position** in the commit.
 
 **Commit in index order.** With the threshold found, a key wins when it is above it, or equal to it and among
 the first ``need`` such keys by local index. Item ``s`` of vector load ``ci`` of thread ``tid`` of cluster CTA
-``c`` is key ``pos = ((c*cpt + ci)*T + tid)*vec + s`` of the row, so index order is (CTA, load, thread, item):
-one exclusive scan per load over the block (a warp scan, then a scan of the warp totals), plus the totals of
-the cluster's lower CTAs, gives every key the number of winners (and of tied keys) before it — its output slot,
-with no atomics, and the winners come out in increasing local index as the contract says.
+``c`` is key ``pos = ((c*cpt + ci)*T + tid)*vec + s`` of the row, so index order is (CTA, load, thread, item).
+Each winner's output slot is the number of winners (and of tied keys) before it, plus the totals of the
+cluster's lower CTAs; the winners come out in increasing local index as the contract says. Two commits
+(:data:`COMMITS`; the plan picks one per shape, :func:`commit_for`):
 
-**Staged writes.** A CTA's winners fill one contiguous range of output slots (its keys all come after the lower
-CTAs' keys), so the commit puts each winner's key and column into shared memory at its slot in that range
-(:meth:`LocalTopKKernel.commit`), and after one barrier the CTA's threads write the range out, one slot a
+- ``"scan"`` (:meth:`LocalTopKKernel.commit`): one exclusive scan per vector load over the block (a warp scan,
+  then a scan of the warp totals) gives every key its count — no atomics, but ~58 instructions a key (sm_90a
+  SASS, 32 keys a thread) and a register spill at 1024 threads.
+- ``"bitmap"`` (:meth:`LocalTopKKernel.commit_bitmap`): every winner and tie sets its position's bit in a
+  shared-memory bitmap (``atom.shared.or``; ~9 instructions a key, most of them two compares); one block scan
+  over the words' popcounts gives each word its first slot, and each word's bits are written lowest first, their
+  scores re-read. Faster where winners are sparse (``benchmarks/results/local_topk_commit_ab.json``).
+
+**Staged writes** (the scan commit). A CTA's winners fill one contiguous range of output slots (its keys all
+come after the lower CTAs' keys), so the commit puts each winner's key and column into shared memory at its slot
+in that range (:meth:`LocalTopKKernel.commit`), and after one barrier the CTA's threads write the range out, one slot a
 thread (:meth:`LocalTopKKernel.write_staged`): the global id's division and the 8-byte store run once per winner,
 coalesced, instead of once per key position under a branch that some lane of nearly every warp takes (~6 % of
 keys win at ``k = 2048``, ``L = 32K``: a warp's 32 lanes hold a winner at ~87 % of positions). ``k`` above
 :data:`STAGE_MAX_K` (the staging would take more than 64 KiB of shared memory) writes directly.
 
-Measured and not kept (``benchmarks/results/local_topk_sweep.json``): a shared-memory list of pass 0's threshold
-bin for the later passes (with a 12-bit first digit) was slower at every swept shape.
+Measured and not kept: a shared-memory list of pass 0's threshold bin for the later passes, with a 12-bit first
+digit and the scan commit, was slower at every swept shape (``benchmarks/results/local_topk_sweep.json``); with
+the bitmap commit (the list filled in pass 1, counted from pass 2), slower than the bitmap alone at all 19 rows
+(``local_topk_commit_ab.json``).
 
 Limits (checked by :func:`plan_for`, which returns ``None`` outside them: the Triton kernel takes the row):
 ``cols <= 8 * 32768`` keys per row, ``k <= 32768``, float32 scores with unit column stride.
@@ -69,6 +79,8 @@ from .topk_cutedsl import (
 
 __all__ = [
     "CLUSTERS",
+    "COMMITS",
+    "commit_for",
     "LocalTopKConfig",
     "LocalTopKKernel",
     "MAX_KEYS_PER_THREAD",
@@ -80,6 +92,9 @@ __all__ = [
 
 #: CTAs per row (a thread-block cluster above 1; 8 is the portable maximum).
 CLUSTERS = (1, 2, 4, 8)
+#: The commits: ``"bitmap"`` (:meth:`LocalTopKKernel.commit_bitmap`: winners marked in a shared-memory bitmap by
+#: position, one scan over its words) and ``"scan"`` (:meth:`LocalTopKKernel.commit`: a block scan per vector load).
+COMMITS = ("bitmap", "scan")
 #: Keys a thread holds in registers at most.
 MAX_KEYS_PER_THREAD = 32
 #: Keys a thread holds with (nearly) no register spill (ptxas, sm_90a, 1024 threads = 64 registers: 32 keys
@@ -114,6 +129,7 @@ class LocalTopKConfig:
         first_bits: width of the first radix digit (:data:`~dcp_ref.kernels.topk_cutedsl.FIRST_BITS`).
         min_ctas: ptxas ``minctasm`` (CTAs per SM the registers must allow; 0: no cap).
         tvm_ffi: compiled for the TVM-FFI call path.
+        commit: how the winners find their slots (:data:`COMMITS`).
     """
 
     k: int
@@ -128,8 +144,11 @@ class LocalTopKConfig:
     first_bits: int = 8
     min_ctas: int = 0
     tvm_ffi: bool = False
+    commit: str = "bitmap"
 
     def __post_init__(self) -> None:
+        if self.commit not in COMMITS:
+            raise ValueError(f"commit must be one of {COMMITS}, got {self.commit!r}")
         if self.cluster not in CLUSTERS:
             raise ValueError(f"cluster must be one of {CLUSTERS}, got {self.cluster!r}")
         if self.threads not in (256, 512, 1024):
@@ -196,8 +215,13 @@ class LocalTopKKernel(SelectToSlotsKernel):
         # One 32-bit scan word per vector load holds both counts when they fit in 16 bits each.
         self.packed = cfg.capacity < (1 << 16) and cfg.k < (1 << 16)
         # The winners are staged in shared memory (module docstring) when k's slots fit in it.
-        self.staged = cfg.k <= STAGE_MAX_K
+        self.bitmap = cfg.commit == "bitmap"
+        self.staged = cfg.k <= STAGE_MAX_K and not self.bitmap
         self.stage_size = cfg.k if self.staged else 1
+        # bitmap: one bit per key position of the CTA, above-threshold words then tie words (items * threads is a
+        # multiple of 256: whole words; at most one word a thread).
+        self.nwords = self.n // 32
+        self.bm_size = 2 * self.nwords if self.bitmap else 1
 
     @cute.jit
     def __call__(
@@ -252,7 +276,11 @@ class LocalTopKKernel(SelectToSlotsKernel):
         # The staged winners of this CTA by output slot (from the CTA's first): key bits and column.
         shi = smem.allocate_tensor(Uint32, cute.make_layout(self.stage_size), byte_alignment=16)
         scol = smem.allocate_tensor(Int32, cute.make_layout(self.stage_size), byte_alignment=16)
+        bm = smem.allocate_tensor(Uint32, cute.make_layout(self.bm_size), byte_alignment=16)
         self.clear_state(st, hist, hloc, tid)
+        if const_expr(self.bitmap):
+            for x in cutlass.range(tid, 2 * self.nwords, self.threads):
+                bm[x] = Uint32(0)
 
         start, end = self.row_window(lens, starts, flag, row, cols, tid, crank)
         cute.arch.sync_threads()
@@ -274,8 +302,12 @@ class LocalTopKKernel(SelectToSlotsKernel):
         for d in cutlass.range_constexpr(len(self.schedule)):
             self.radix_pass_s2s(d, khi, khi, khi, hist, hloc, wsum, st, tid, lane, warp, Int32(0))
 
-        self.commit(sc, row, rstride, start, khi, st, tab, shi, scol, out64, out32, outid, obase, tid, lane, warp,
-                    crank, rank_i, stripe, inter)  # fmt: skip
+        if const_expr(self.bitmap):
+            self.commit_bitmap(sc, row, rstride, start, khi, st, tab, bm, out64, out32, outid, obase, tid, lane,
+                               warp, crank, rank_i, stripe, inter)  # fmt: skip
+        else:
+            self.commit(sc, row, rstride, start, khi, st, tab, shi, scol, out64, out32, outid, obase, tid, lane,
+                        warp, crank, rank_i, stripe, inter)  # fmt: skip
 
     @cute.jit
     def row_window(
@@ -520,6 +552,165 @@ class LocalTopKKernel(SelectToSlotsKernel):
             cluster_sync()  # the lower CTAs' totals have been read: their shared memory may go
 
     @cute.jit
+    def commit_bitmap(
+        self,
+        sc: cute.Tensor,
+        row: Int32,
+        rstride: Int64,
+        start: Int32,
+        khi: cute.Tensor,
+        st: cute.Tensor,
+        tab: cute.Tensor,
+        bm: cute.Tensor,
+        out64: cute.Tensor,
+        out32: cute.Tensor,
+        outid: cute.Tensor,
+        obase: Int64,
+        tid: Int32,
+        lane: Int32,
+        warp: Int32,
+        crank: Int32,
+        rank_i: Int32,
+        stripe: Int32,
+        inter: Int32,
+    ) -> None:
+        """Write the winners in index order through a bitmap of the CTA's key positions (the threshold as in
+        :meth:`commit`).
+
+        Why: the per-load block scans of :meth:`commit` cost ~58 instructions a key (sm_90a SASS, 32 keys a
+        thread); here a key costs two compares and, for the ~2 % that win or tie, one shared ``atom.or``
+        (:meth:`mark`). Position ``q = (ci*T + tid)*vec + s`` of the CTA is bit ``q % 32`` of word ``q // 32`` —
+        word order is index order. Thread ``w`` then takes word ``w`` (:attr:`nwords` <= threads): one block scan
+        of the words' counts (above, ties; packed in one word when both fit in 16 bits), plus the cluster's lower
+        CTAs' totals, gives the word's first slot, and its set bits are written lowest first (:meth:`emit_word`),
+        each winner's score re-read from the row (exact bits: ``-0.0`` stays ``-0.0``)."""
+        C = const_expr(self.split)
+        NW = const_expr(self.nwords)
+        done = st[State.DONE] != 0
+        need = st[State.NEED]
+        phi = st[State.PREFIX_HI].bitcast(Uint32)
+        lower = Uint32(cutlass.select_(done, cutlass.max(phi, Uint32(1)), phi + Uint32(1)))
+        tv = Uint32(cutlass.select_(done, Uint32(0), phi))  # no valid key is 0: no ties once done
+        self.mark(khi, bm, lower, tv, tid)
+        cute.arch.sync_threads()
+        ma = Uint32(0)
+        mt = Uint32(0)
+        if tid < NW:
+            ma = bm[tid]
+            mt = bm[NW + tid]
+        ca = Int32(cute.arch.popc(ma))
+        ct = Int32(cute.arch.popc(mt))
+        pre_a, pre_t, tot_a, tot_t = self.block_scan2(ca, ct, tab, lane, warp)
+        run_a = Int32(0)
+        run_t = Int32(0)
+        if const_expr(C > 1):
+            # The cluster's lower CTAs hold the keys before this CTA's: their totals, from their shared memory.
+            if tid == 0:
+                st[CTA_ABOVE] = tot_a
+                st[CTA_TIES] = tot_t
+            cluster_sync()
+            for c in cutlass.range_constexpr(C - 1):
+                if c < crank:
+                    run_a = run_a + dsmem_load(st.iterator + CTA_ABOVE, c)
+                    run_t = run_t + dsmem_load(st.iterator + CTA_TIES, c)
+        if tid < NW:
+            c0 = start - start % self.vec
+            col0 = c0 + crank * Int32(self.n) + tid * 32
+            self.emit_word(sc, row, rstride, start, col0, ma, mt, run_a + pre_a, run_t + pre_t, need, out64, out32,
+                           outid, obase, rank_i, stripe, inter)  # fmt: skip
+        if const_expr(C > 1):
+            cluster_sync()  # the lower CTAs' totals have been read: their shared memory may go
+
+    @cute.jit
+    def mark(self, khi: cute.Tensor, bm: cute.Tensor, lower: Uint32, tv: Uint32, tid: Int32) -> None:
+        """Set the bit of every key above the threshold (``bm[0:nwords]``) or equal to it (``bm[nwords:]``)."""
+        T = const_expr(self.threads)
+        VEC = const_expr(self.vec)
+        for ci in cutlass.range_constexpr(self.cpt):
+            for s in cutlass.range_constexpr(VEC):
+                hi = khi[ci * VEC + s]
+                is_a = hi >= lower
+                is_t = (hi == tv) & (hi != Uint32(0))
+                if is_a | is_t:
+                    q = (Int32(ci * T) + tid) * VEC + s
+                    w = (q >> 5) + cutlass.select_(is_t, Int32(self.nwords), Int32(0))
+                    cute.arch.atomic_or(bm.iterator + w, Uint32(1) << Uint32(q & 31))
+
+    @cute.jit
+    def block_scan2(
+        self, a: Int32, t: Int32, tab: cute.Tensor, lane: Int32, warp: Int32
+    ) -> tuple[Int32, Int32, Int32, Int32]:
+        """Exclusive prefix sums over the CTA's threads of ``a`` and ``t`` and their totals: ``(pre_a, pre_t,
+        tot_a, tot_t)``. One warp scan, the warp totals through ``tab``, one barrier (both counts in one word
+        when ``packed``)."""
+        pre_a = Int32(0)
+        pre_t = Int32(0)
+        tot_a = Int32(0)
+        tot_t = Int32(0)
+        if const_expr(self.packed):
+            x = a + (t << 16)
+            inc = warp_inclusive_scan(x, lane)
+            if lane == 31:
+                tab[warp] = inc
+            cute.arch.sync_threads()
+            before, total = self.chunk_base(tab, 0, lane, warp)
+            pre = before + inc - x
+            pre_a = pre & Int32(0xFFFF)
+            pre_t = Int32(Uint32(pre.bitcast(Uint32) >> Uint32(16)).bitcast(Int32))
+            tot_a = total & Int32(0xFFFF)
+            tot_t = Int32(Uint32(total.bitcast(Uint32) >> Uint32(16)).bitcast(Int32))
+        else:
+            inc_a = warp_inclusive_scan(a, lane)
+            inc_t = warp_inclusive_scan(t, lane)
+            if lane == 31:
+                tab[warp] = inc_a
+                tab[32 + warp] = inc_t
+            cute.arch.sync_threads()
+            before_a, tot_a = self.chunk_base(tab, 0, lane, warp)
+            before_t, tot_t = self.chunk_base(tab, 1, lane, warp)
+            pre_a = before_a + inc_a - a
+            pre_t = before_t + inc_t - t
+        return pre_a, pre_t, tot_a, tot_t
+
+    @cute.jit
+    def emit_word(
+        self,
+        sc: cute.Tensor,
+        row: Int32,
+        rstride: Int64,
+        start: Int32,
+        col0: Int32,
+        ma: Uint32,
+        mt: Uint32,
+        a0: Int32,
+        t0: Int32,
+        need: Int32,
+        out64: cute.Tensor,
+        out32: cute.Tensor,
+        outid: cute.Tensor,
+        obase: Int64,
+        rank_i: Int32,
+        stripe: Int32,
+        inter: Int32,
+    ) -> None:
+        """The winners of one bitmap word (columns ``col0 + b``), lowest bit first: a key above the threshold
+        takes slot ``a0 + min(t0, need)``, a tie the same while ``t0 < need`` (``a0`` / ``t0``: the keys above /
+        equal before it in the row)."""
+        m = ma | mt
+        while m != Uint32(0):
+            low = m & (Uint32(0) - m)
+            m = m ^ low
+            b = Int32(Uint32(31) - cute.arch.clz(low))
+            tie = (mt & low) != Uint32(0)
+            if (~tie) | (t0 < need):
+                col = col0 + b
+                sb = sc[Int64(row) * rstride + Int64(col)].bitcast(Uint32)
+                self.write_bits(col - start, sb, a0 + cutlass.min(t0, need), out64, out32, outid, obase, rank_i,
+                                stripe, inter)  # fmt: skip
+            a0 = a0 + cutlass.select_(tie, Int32(0), Int32(1))
+            t0 = t0 + cutlass.select_(tie, Int32(1), Int32(0))
+
+    @cute.jit
     def slot_at(self, run_a: Int32, run_t: Int32, need: Int32) -> Int32:
         """The output slot of the next winner after ``run_a`` keys above the threshold and ``run_t`` equal to it
         (both packed in ``run_a`` when ``packed``): the ties count up to ``need``."""
@@ -579,6 +770,24 @@ class LocalTopKKernel(SelectToSlotsKernel):
         sb = Uint32(cutlass.select_((hi & Uint32(SIGN)) != Uint32(0), hi ^ Uint32(SIGN), hi ^ Uint32(MASK32)))
         if hi == Uint32(SIGN):
             sb = sc[Int64(row) * rstride + Int64(col)].bitcast(Uint32)
+        self.write_bits(j, sb, slot, out64, out32, outid, obase, rank_i, stripe, inter)
+
+    @cute.jit
+    def write_bits(
+        self,
+        j: Int32,
+        sb: Uint32,
+        slot: Int32,
+        out64: cute.Tensor,
+        out32: cute.Tensor,
+        outid: cute.Tensor,
+        obase: Int64,
+        rank_i: Int32,
+        stripe: Int32,
+        inter: Int32,
+    ) -> None:
+        """Local index ``j``, score bits ``sb`` into ``slot``: the pair ``(score, global id (j // I) * W*I +
+        rank*I + j % I as float32)``, or the score and ``j`` (``rank_local``)."""
         dst = obase + Int64(slot)
         if const_expr(self.lcfg.order == "rank_local"):
             out32[dst] = sb.bitcast(Int32)
@@ -686,9 +895,9 @@ def plan_for(
     cluster: int | None = None,
     threads: int | None = None,
     first_bits: int | None = None,
-) -> tuple[int, int, int, int] | None:
-    """``(cluster, threads, cpt, first_bits)`` for a ``[rows, cols]`` problem, or ``None`` when the kernel
-    cannot take it (the Triton kernel does).
+) -> tuple[int, int, int, int, str] | None:
+    """``(cluster, threads, cpt, first_bits, commit)`` for a ``[rows, cols]`` problem, or ``None`` when the kernel
+    cannot take it (the Triton kernel does). ``commit``: :func:`commit_for`'s.
 
     The default is measured (:data:`PLANS`): the nearest measured shape's plan that holds this row at <= 32 keys
     a thread, its CTAs and threads as measured (a shorter row than measured takes the same CTAs, fewer keys
@@ -706,7 +915,7 @@ def plan_for(
     if cluster is None and threads is None and first_bits is None:
         for c, t, fb in _measured(rows, cols):
             if cdiv(cols, c * t) <= MAX_KEYS_PER_THREAD:
-                return c, t, cdiv(cdiv(cols, c * t), vec), fb
+                return c, t, cdiv(cdiv(cols, c * t), vec), fb, commit_for(rows, cols, k)
     fb = 8 if first_bits is None else first_bits
     if cluster is None:
         # The fewest CTAs that hold the row spill-free (<= SPILL_FREE_KEYS a thread), else at <= 32 a thread.
@@ -724,7 +933,24 @@ def plan_for(
     fit = _fit(cols, c, threads, SPILL_FREE_KEYS) or _fit(cols, c, threads, MAX_KEYS_PER_THREAD)
     if fit is None:
         return None
-    return c, fit[0], cdiv(fit[1], vec), fb
+    return c, fit[0], cdiv(fit[1], vec), fb, commit_for(rows, cols, k)
+
+
+#: The A/B of the two commits (CUDA-graph replay, both beside vLLM's top-K + pack in one process, k = 2048, the 16
+#: shapes and 3 ties rows of ``bench_local_topk.py``): :func:`commit_for`'s source.
+COMMITS_SOURCE = "benchmarks/results/local_topk_commit_ab.json"
+
+
+def commit_for(rows: int, cols: int, k: int) -> str:
+    """The commit for a ``[rows, cols]`` problem (:data:`COMMITS_SOURCE`): ``"bitmap"`` where the winners are sparse
+    — a row of at least ``64 k`` keys, or of ``16 k`` with at least 32 rows — else ``"scan"``.
+
+    Why: the bitmap commit costs ~9 instructions a key against the scan's ~58 (sm_90a SASS), but adds a barrier,
+    a cleared bitmap and, per winner, a dependent re-read of its score. Sparse winners (k = 2048: L >= 32768)
+    make that up (H100, T = 1024, L = 131072: 602.9 µs against 920.5; T = 128: 93.0 against 138.1); dense ones
+    do not (T = 1024, L = 4096: 42.9 against 21.3), nor a lone row at 16 k, which is latency-bound (T = 1,
+    L = 32768: 11.3 against 9.9). ``tests/test_local_topk_plans.py`` checks the rule against the file."""
+    return "bitmap" if cols >= 64 * k or (cols >= 16 * k and rows >= 32) else "scan"
 
 
 def _fit(cols: int, cluster: int, threads: int | None, limit: int) -> tuple[int, int] | None:
@@ -748,7 +974,7 @@ def local_topk_pack_cutedsl(
     out: torch.Tensor,
     out_ids: torch.Tensor | None,
     flag: torch.Tensor | None,
-    plan: tuple[int, int, int, int],
+    plan: tuple[int, int, int, int, str],
     vec: int,
     order: str = "global_id",
     tvm_ffi: bool | None = None,
@@ -760,7 +986,7 @@ def local_topk_pack_cutedsl(
     ``out``: float32 ``[T, k, 2]`` pairs (``global_id``) or ``[T, k]`` scores (``rank_local``, with ``out_ids``
     int32 ``[T, k]``), contiguous. ``flag``: the validated call's check flag (int64 ``[1]``) or ``None``."""
     rows, cols = scores.shape
-    cluster, threads, cpt, first_bits = plan
+    cluster, threads, cpt, first_bits, commit = plan
     ffi = use_tvm_ffi() if tvm_ffi is None else bool(tvm_ffi)
 
     def bits(t: torch.Tensor | None) -> int:
@@ -768,7 +994,7 @@ def local_topk_pack_cutedsl(
 
     cfg = LocalTopKConfig(
         k, cluster, threads, cpt, vec, order, bits(lengths), bits(row_starts), flag is not None, first_bits,
-        min_ctas, ffi,
+        min_ctas, ffi, commit,
     )  # fmt: skip
     fn = compile_local_topk(cfg)
     dev = scores.device

@@ -51,8 +51,8 @@ def test_plan_holds_every_row(rows, cols, vec):
     """The planned CTAs hold a whole row, each at most 32 keys a thread; clusters only of the portable sizes."""
     plan = ltk.plan_for(rows, cols, 2048, vec)
     assert plan is not None
-    cluster, threads, cpt, first_bits = plan
-    cfg = ltk.LocalTopKConfig(2048, cluster, threads, cpt, vec, first_bits=first_bits)
+    cluster, threads, cpt, first_bits, commit = plan
+    cfg = ltk.LocalTopKConfig(2048, cluster, threads, cpt, vec, first_bits=first_bits, commit=commit)
     assert cfg.capacity >= cols
     assert cpt * vec <= ltk.MAX_KEYS_PER_THREAD and cluster in ltk.CLUSTERS
 
@@ -63,7 +63,7 @@ def test_plan_covers_the_alignment_slack():
     suffices: the last window column is ``< cols <= c0 + capacity`` whenever ``c0 >= 0``."""
     for cols in (5, 4097, 32768, 131071):
         for vec in (1, 2, 4):
-            cluster, threads, cpt, _ = ltk.plan_for(1, cols, 7, vec)
+            cluster, threads, cpt, _, _ = ltk.plan_for(1, cols, 7, vec)
             assert cluster * threads * cpt * vec >= cols
 
 
@@ -159,16 +159,38 @@ def test_compiles_to_sm90a(cfg, monkeypatch):
 
 @pytest.mark.parametrize("k", [ltk.STAGE_MAX_K, ltk.STAGE_MAX_K + 1])
 def test_compiles_with_and_without_staged_winners(k, monkeypatch):
-    """Up to STAGE_MAX_K the winners go through shared memory (one more barrier, the write-out loop); above it
-    they are written where they are found. Both compile for sm_90a, one CTA and a cluster."""
+    """The scan commit: up to STAGE_MAX_K the winners go through shared memory (one more barrier, the write-out
+    loop); above it they are written where they are found. Both compile for sm_90a, one CTA and a cluster."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     for cluster in (1, 4):
-        c = ltk.LocalTopKConfig(k, cluster, 1024, 4, 4)
+        c = ltk.LocalTopKConfig(k, cluster, 1024, 4, 4, commit="scan")
         assert ltk.LocalTopKKernel(c).staged == (k <= ltk.STAGE_MAX_K)
         with tempfile.TemporaryDirectory() as d:
             ptx, _ = ltk.compile_artifacts(c, d)
         assert ".entry" in ptx
+
+
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_bitmap_commit_compiles_without_spill(cluster, monkeypatch):
+    """The bitmap commit: the winners' bits by ``atom.shared.or``, no staging, and at 32 keys a thread of 1024
+    threads no register spill (the scan commit spills there: its per-load scans)."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    from dcp_ref.kernels.select_to_slots_cutedsl import cubin_resources
+
+    c = ltk.LocalTopKConfig(2048, cluster, 1024, 8, 4, commit="bitmap")
+    kern = ltk.LocalTopKKernel(c)
+    assert not kern.staged and kern.nwords == 1024 and kern.bm_size == 2048
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = ltk.compile_artifacts(c, d)
+    assert "atom.shared.or.b32" in ptx
+    assert cubin_resources(cubin)["frame_bytes"] == 0
+
+
+def test_bad_commit_is_refused():
+    with pytest.raises(ValueError, match="^commit must be one of"):
+        ltk.LocalTopKConfig(2048, commit="sorted")
 
 
 # ---------------------------------------------------------------------------------------------

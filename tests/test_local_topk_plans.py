@@ -40,8 +40,9 @@ def test_every_swept_configuration_was_exact():
 def test_plan_for_takes_the_measured_plan(shape):
     rows, cols = shape
     c, t, fb = ltk.PLANS[shape]
-    cluster, threads, cpt, first_bits = ltk.plan_for(rows, cols, 2048, 4)
+    cluster, threads, cpt, first_bits, commit = ltk.plan_for(rows, cols, 2048, 4)
     assert (cluster, threads, first_bits) == (c, t, fb)
+    assert commit == ltk.commit_for(rows, cols, 2048)
     assert cluster * threads * cpt * 4 >= cols
 
 
@@ -49,7 +50,7 @@ def test_unmeasured_shapes_take_the_nearest_plan_that_fits():
     # 65536 keys: the nearest measured shapes are 32768 (one CTA: too small) and 131072 (4 CTAs): the latter
     assert ltk.plan_for(1024, 65536, 2048, 4)[:2] == (4, 1024)
     # longer than any measured plan holds at 32 keys a thread: the rule
-    assert ltk.plan_for(1, 262144, 2048, 4) == (8, 1024, 8, 8)
+    assert ltk.plan_for(1, 262144, 2048, 4) == (8, 1024, 8, 8, "bitmap")
     # an argument given: the rule, not the table
     assert ltk.plan_for(1024, 32768, 2048, 4, first_bits=8)[0] == 2
 
@@ -62,3 +63,32 @@ def test_the_deleted_candidate_list_was_slower():
     best = {key: v["median_us"] for key, v in sweep["best_before"]["by_shape"].items()}
     run = sweep["candidate_list_run"]["default_plan_us"]
     assert run and all(run[key] > best[key] for key in run if key in best)
+
+
+def _commit_rows() -> list[dict]:
+    return json.loads((ROOT / ltk.COMMITS_SOURCE).read_text())["rows"]
+
+
+def test_commit_ab_was_exact_and_beside_vllm():
+    rows = _commit_rows()
+    assert len(rows) == 19 and {r["dist"] for r in rows} == {"normal", "ties"}
+    for r in rows:
+        for c in ltk.COMMITS:
+            assert r[c]["same_result"] is True, (r["T"], r["L"], c)
+        assert r["vllm"]["median_us"] > 0  # the peer, timed in the same process
+
+
+def test_commit_rule_picks_the_faster_commit():
+    """At every measured row the rule's commit is the faster one, or within 3 % of it (noise)."""
+    for r in _commit_rows():
+        pick = ltk.commit_for(r["T"], r["L"], 2048)
+        best = min(r[c]["median_us"] for c in ltk.COMMITS)
+        assert r[pick]["median_us"] <= 1.03 * best, (r["T"], r["L"], r["dist"], pick)
+
+
+def test_commit_rule_follows_winner_density():
+    assert ltk.commit_for(1, 131072, 2048) == "bitmap"  # sparse winners: 1 in 64
+    assert ltk.commit_for(1, 32768, 2048) == "scan"  # a lone row at 1 in 16: latency-bound
+    assert ltk.commit_for(32, 32768, 2048) == "bitmap"
+    assert ltk.commit_for(1024, 8192, 2048) == "scan"  # dense winners
+    assert ltk.commit_for(1024, 4096, 64) == "bitmap"  # the density, not the length
