@@ -546,9 +546,13 @@ DESIGN = [
      "11-bit fp16 bins, then 11 / 11 / 10 bits of the float; stop when the bin holds <= 2048, radix-sort those"),
     ("ties", "stable: the commit's index-order scan takes the lowest indices of the threshold value",
      "unstable: the threshold bin's keys by atomic order"),
-    ("output order", "winners by increasing local index (one exclusive scan per vector load; staged in shared "
-     "memory by slot, then written out one slot a thread)",
+    ("output order", "winners by increasing local index: where winners are dense, one exclusive scan per vector "
+     "load (staged in shared memory by slot, then written out one slot a thread); where sparse (L >= 16 k, "
+     "local_topk_cutedsl.commit_for), a shared-memory bitmap of the winners' positions and one scan of its words",
      "atomic slot order"),
+    ("instructions a key (sm_90a SASS, 32 keys a thread, 4 CTAs x 1024)", "load + pass 0 ~24; each later pass "
+     "~11 (3 of them at 8-bit digits); commit: scan ~58 (and a 232-byte spill), bitmap ~9 (no spill)",
+     "by its source, ~15 (pass 0 and the collection: convert, shift, one shared atomic; not disassembled here)"),
     ("occupancy", "1 CTA of 1024 threads per SM at 32 keys a thread (64 registers); 2 at 512 x 16",
      "512-thread CTAs, keys re-read rather than held (its occupancy not profiled here)"),
     ("what bounds it", "instruction issue at many rows (ncu below); latency of the pass chain at few; with 128K "
