@@ -188,8 +188,27 @@ def test_bitmap_commit_compiles_without_spill(cluster, monkeypatch):
     assert cubin_resources(cubin)["frame_bytes"] == 0
 
 
+@pytest.mark.parametrize("shape", [(1024, 131072), (1024, 4096)])
+def test_launcher_compiles_the_plans_commit(shape, monkeypatch):
+    """The launcher builds the configuration the plan names, its commit included (``bitmap`` where winners are
+    sparse, ``scan`` elsewhere), and calls it once with the scores' words: on the CPU, the compiled function is
+    a stand-in that records its configuration and arguments (the launch itself needs the GPU)."""
+    rows, cols = shape
+    plan = ltk.plan_for(rows, cols, 2048, 4)
+    assert plan is not None and plan[4] == ltk.commit_for(rows, cols, 2048)
+    seen: list = []
+    monkeypatch.setattr(ltk, "compile_local_topk", lambda cfg: lambda *args: seen.append((cfg, args)))
+    scores = torch.zeros(2, cols)  # two rows are enough: the configuration is the plan's, not the shape's
+    out = torch.empty(2, 2048, 2)
+    ltk.local_topk_pack_cutedsl(scores, None, 2048, 0, 2, 1, None, out, None, None, plan, 4, tvm_ffi=True)
+    ((cfg, args),) = seen
+    assert (cfg.cluster, cfg.threads, cfg.cpt, cfg.first_bits, cfg.commit) == plan
+    assert cfg.vec == 4 and cfg.k == 2048 and cfg.order == "global_id" and cfg.len_bits == 0
+    assert args[0].numel() == 2 * cols and args[7:9] == (2, cols)
+
+
 def test_bad_commit_is_refused():
-    with pytest.raises(ValueError, match="^commit must be one of"):
+    with pytest.raises(ValueError, match=r"^commit must be one of"):
         ltk.LocalTopKConfig(2048, commit="sorted")
 
 
