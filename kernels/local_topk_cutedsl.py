@@ -468,11 +468,7 @@ class LocalTopKKernel(SelectToSlotsKernel):
         VEC = const_expr(self.vec)
         CPT = const_expr(self.cpt)
         TIES0 = const_expr(CPT)  # tab rows of the tie counts (unpacked)
-        done = st[State.DONE] != 0
-        need = st[State.NEED]
-        phi = st[State.PREFIX_HI].bitcast(Uint32)
-        lower = Uint32(cutlass.select_(done, cutlass.max(phi, Uint32(1)), phi + Uint32(1)))
-        tv = Uint32(cutlass.select_(done, Uint32(0), phi))  # no valid key is 0: no ties once done
+        need, lower, tv = self.threshold(st)
         for ci in cutlass.range_constexpr(CPT):
             a, t = self.load_counts(khi, ci, lower, tv)
             if const_expr(self.packed):
@@ -499,15 +495,7 @@ class LocalTopKKernel(SelectToSlotsKernel):
                         tot_t = tot_t + tab[(TIES0 + ci) * 32 + lane]
             tot_a = cute.arch.warp_redux_sync(tot_a, "add")
             tot_t = cute.arch.warp_redux_sync(tot_t, "add")
-            if tid == 0:
-                st[CTA_ABOVE] = tot_a
-                st[CTA_TIES] = tot_t
-            cluster_sync()
-            for c in cutlass.range_constexpr(C - 1):
-                if c < crank:
-                    run_a = run_a + dsmem_load(st.iterator + CTA_ABOVE, c)
-                    if const_expr(not self.packed):
-                        run_t = run_t + dsmem_load(st.iterator + CTA_TIES, c)
+            run_a, run_t = self.lower_ctas(st, tot_a, tot_t, tid, crank, not self.packed)
         first = self.slot_at(run_a, run_t, need)  # this CTA's first output slot
         c0 = start - start % VEC
         for ci in cutlass.range_constexpr(CPT):
@@ -552,6 +540,38 @@ class LocalTopKKernel(SelectToSlotsKernel):
             cluster_sync()  # the lower CTAs' totals have been read: their shared memory may go
 
     @cute.jit
+    def threshold(self, st: cute.Tensor) -> tuple[Int32, Uint32, Uint32]:
+        """``(need, lower, tv)`` after the passes: the winners are the keys ``hi >= lower`` and, while fewer than
+        ``need`` came before, those ``== tv``. Once done (the bin held exactly the keys needed, or every valid key
+        wins) ``lower = max(phi, 1)`` and ``tv = 0``, which no valid key is: no ties."""
+        done = st[State.DONE] != 0
+        need = st[State.NEED]
+        phi = st[State.PREFIX_HI].bitcast(Uint32)
+        lower = Uint32(cutlass.select_(done, cutlass.max(phi, Uint32(1)), phi + Uint32(1)))
+        tv = Uint32(cutlass.select_(done, Uint32(0), phi))
+        return need, lower, tv
+
+    @cute.jit
+    def lower_ctas(
+        self, st: cute.Tensor, tot_a: Int32, tot_t: Int32, tid: Int32, crank: Int32, ties: bool
+    ) -> tuple[Int32, Int32]:
+        """A cluster: publish this CTA's totals (keys above, tied), and return the sums of the lower CTAs', read
+        from their shared memory (``ties=False``: the ties are packed in ``tot_a``). One cluster barrier; the
+        caller's last one keeps the words alive until every CTA has read them."""
+        if tid == 0:
+            st[CTA_ABOVE] = tot_a
+            st[CTA_TIES] = tot_t
+        cluster_sync()
+        run_a = Int32(0)
+        run_t = Int32(0)
+        for c in cutlass.range_constexpr(self.split - 1):
+            if c < crank:
+                run_a = run_a + dsmem_load(st.iterator + CTA_ABOVE, c)
+                if const_expr(ties):
+                    run_t = run_t + dsmem_load(st.iterator + CTA_TIES, c)
+        return run_a, run_t
+
+    @cute.jit
     def commit_bitmap(
         self,
         sc: cute.Tensor,
@@ -586,11 +606,7 @@ class LocalTopKKernel(SelectToSlotsKernel):
         each winner's score re-read from the row (exact bits: ``-0.0`` stays ``-0.0``)."""
         C = const_expr(self.split)
         NW = const_expr(self.nwords)
-        done = st[State.DONE] != 0
-        need = st[State.NEED]
-        phi = st[State.PREFIX_HI].bitcast(Uint32)
-        lower = Uint32(cutlass.select_(done, cutlass.max(phi, Uint32(1)), phi + Uint32(1)))
-        tv = Uint32(cutlass.select_(done, Uint32(0), phi))  # no valid key is 0: no ties once done
+        need, lower, tv = self.threshold(st)
         self.mark(khi, bm, lower, tv, tid)
         cute.arch.sync_threads()
         ma = Uint32(0)
@@ -605,14 +621,7 @@ class LocalTopKKernel(SelectToSlotsKernel):
         run_t = Int32(0)
         if const_expr(C > 1):
             # The cluster's lower CTAs hold the keys before this CTA's: their totals, from their shared memory.
-            if tid == 0:
-                st[CTA_ABOVE] = tot_a
-                st[CTA_TIES] = tot_t
-            cluster_sync()
-            for c in cutlass.range_constexpr(C - 1):
-                if c < crank:
-                    run_a = run_a + dsmem_load(st.iterator + CTA_ABOVE, c)
-                    run_t = run_t + dsmem_load(st.iterator + CTA_TIES, c)
+            run_a, run_t = self.lower_ctas(st, tot_a, tot_t, tid, crank, True)
         if tid < NW:
             c0 = start - start % self.vec
             col0 = c0 + crank * Int32(self.n) + tid * 32
