@@ -920,8 +920,8 @@ class LaunchPlan(NamedTuple):
     select: str = "radix"  #: how a tile held in registers is selected (:data:`SELECTS`)
     pivots: int = 3  #: pivots per step of ``select="search"``
     engine: str = "triton"  #: ``"triton"`` (the fields above) or ``"cutedsl"`` (:mod:`.local_topk_cutedsl`)
-    cute: tuple[int, int, int, int, str] | None = None  #: the CuTeDSL kernel's ``(cluster, threads, cpt, first_bits,
-    #: commit)``
+    #: the CuTeDSL kernel's ``(cluster, threads, cpt, first_bits, commit)``
+    cute: tuple[int, int, int, int, str] | None = None
     vec: int = 0  #: keys per vector load of the CuTeDSL kernel (the scores' alignment allows it)
     radix_bits: int = DEFAULT_RADIX_BITS  #: digit width of the Triton kernels' radix select (bits per pass)
     #: ``(tile, one_chunk, num_warps)`` of each launch after the first of the split streamed path: the further
