@@ -652,10 +652,6 @@ class LocalTopKKernel(SelectToSlotsKernel):
         """Exclusive prefix sums over the CTA's threads of ``a`` and ``t`` and their totals: ``(pre_a, pre_t,
         tot_a, tot_t)``. One warp scan, the warp totals through ``tab``, one barrier (both counts in one word
         when ``packed``)."""
-        pre_a = Int32(0)
-        pre_t = Int32(0)
-        tot_a = Int32(0)
-        tot_t = Int32(0)
         if const_expr(self.packed):
             x = a + (t << 16)
             inc = warp_inclusive_scan(x, lane)
@@ -959,6 +955,8 @@ def commit_for(rows: int, cols: int, k: int) -> str:
     make that up (H100, T = 1024, L = 131072: 602.9 µs against 920.5; T = 128: 93.0 against 138.1); dense ones
     do not (T = 1024, L = 4096: 42.9 against 21.3), nor a lone row at 16 k, which is latency-bound (T = 1,
     L = 32768: 11.3 against 9.9). ``tests/test_local_topk_plans.py`` checks the rule against the file."""
+    for name, value in (("rows", rows), ("cols", cols), ("k", k)):
+        check_int_scalar(value, name, min_value=1)
     return "bitmap" if cols >= 64 * k or (cols >= 16 * k and rows >= 32) else "scan"
 
 

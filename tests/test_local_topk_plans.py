@@ -92,3 +92,12 @@ def test_commit_rule_follows_winner_density():
     assert ltk.commit_for(32, 32768, 2048) == "bitmap"
     assert ltk.commit_for(1024, 8192, 2048) == "scan"  # dense winners
     assert ltk.commit_for(1024, 4096, 64) == "bitmap"  # the density, not the length
+
+
+@pytest.mark.parametrize(("args", "exc", "match"), [
+    ((32, 4096.0, 2048), TypeError, "^cols"), ((0, 4096, 2048), ValueError, "^rows"),
+    ((32, 4096, -1), ValueError, "^k"), (("32", 4096, 2048), TypeError, "^rows"),
+])  # fmt: skip
+def test_commit_rule_names_a_bad_argument(args, exc, match):
+    with pytest.raises(exc, match=match):
+        ltk.commit_for(*args)
